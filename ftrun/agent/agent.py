@@ -1,0 +1,208 @@
+"""The node agent: joins the job, runs the node's workers, carries out the controller's commands.
+
+The agent decides nothing about recovery: it observes (worker exits, signals,
+the controller's liveness), reports, and executes commands. The policy lives in
+``ftrun.controller.policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+
+from ftrun.agent.workers import GenerationEnv, ProcessOps, WorkerGroup, WorkerPlacement
+from ftrun.config import LaunchConfig
+from ftrun.controller.controller import Controller
+from ftrun.errors import ExitCode, FtrunError
+from ftrun.keys import JobKeys
+from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
+from ftrun.rendezvous import RendezvousPolicy, join
+from ftrun.store import ControlStore, StoreUnavailable, open_control_store
+
+log = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL = 0.5
+#: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
+INTERRUPT_GRACE = 10.0
+
+
+class JobOutcome:
+    """How the job ended, as this agent saw it."""
+
+    def __init__(self, exit_code: int, reason: str, controller: Controller | None):
+        self.exit_code = exit_code
+        self.reason = reason
+        self.controller = controller
+
+
+class Agent:
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.keys = JobKeys(config.run_id)
+        self.host = socket.gethostname()
+        self.agent_id = f"{self.host}:{os.getpid()}"
+        self.stop_signal: int | None = None
+        self.stop_event = threading.Event()
+        self.controller: Controller | None = None
+        self.store: ControlStore | None = None
+        self.slot: NodeSlot | None = None
+        self.rendezvous: RendezvousResult | None = None
+        self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for anyone
+        self.stop_signal = signum
+        self.stop_event.set()
+
+    @property
+    def _interrupt_code(self) -> int:
+        return ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def run(self) -> JobOutcome:
+        config = self.config
+        self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout)
+        if self.store.is_host:
+            self._start_controller()
+        log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
+        record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank)
+        try:
+            self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.stop_event)
+        except FtrunError:
+            if self.stop_signal is not None:
+                return self._finish(self._interrupt_code, "interrupted during the rendezvous")
+            raise
+        log.info(
+            "node %d of %d, ranks %d-%d of %d",
+            self.slot.node_rank, len(self.rendezvous.nodes), self.slot.first_rank,
+            self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
+        )
+        ops = ProcessOps()
+        group = WorkerGroup(ops, config, self._log_dir())
+        try:
+            code, reason = self._supervise(group)
+        finally:
+            group.stop(config.stop_timeout)
+            ops.close()
+        return self._finish(code, reason)
+
+    def _start_controller(self) -> None:
+        config = self.config
+        self.controller = Controller(
+            store=self.store,
+            keys=self.keys,
+            rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout),
+            host_agent_id=self.agent_id,
+            advertised_host=config.local_addr or config.endpoint.host,
+            max_restarts=config.max_restarts,
+            node_timeout=config.node_timeout,
+            stop_timeout=config.stop_timeout,
+        )
+        self.controller.start()
+
+    def _finish(self, code: int, reason: str) -> JobOutcome:
+        if self.controller is not None:
+            # the store lives in this process: keep it up until every agent has left
+            self.controller.stop_requested.set()
+            self.controller.join(self.config.stop_timeout + 15)
+        if self._tmp_log_dir is not None:
+            self._tmp_log_dir.cleanup()
+        return JobOutcome(code, reason, self.controller)
+
+    def _log_dir(self) -> str:
+        if self.config.log_dir:
+            path = os.path.join(self.config.log_dir, self.config.run_id, f"node{self.slot.node_rank}")
+            os.makedirs(path, exist_ok=True)
+            return path
+        self._tmp_log_dir = tempfile.TemporaryDirectory(prefix="ftrun-")
+        return self._tmp_log_dir.name
+
+    # -- the supervision loop: observe, report, execute ----------------------------------------
+
+    def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
+        config = self.config
+        next_command = 0
+        next_beat = 0.0
+        controller_beat = (-1, time.monotonic())
+        interrupted_at = None
+        reported_success = False
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.store.add(self.keys.node_heartbeat(self.slot.node_rank))
+                    next_beat = now + HEARTBEAT_INTERVAL
+                    controller_beat = self._check_controller(controller_beat, now)
+                if self.stop_signal is not None and interrupted_at is None:
+                    interrupted_at = now
+                    self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self._interrupt_code,
+                                 detail=f"{signal.Signals(self.stop_signal).name} on node {self.slot.node_rank} ({self.host})")
+                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                    return self._interrupt_code, "interrupted; the controller did not answer"
+
+                ended = group.poll()
+                failed = [w for w in ended if w.returncode != 0]
+                if failed and interrupted_at is None:
+                    self._report(ReportKind.WORKER_FAILED, group.generation, failures=tuple(group.failure(w) for w in failed))
+                if ended and group.all_succeeded and not reported_success:
+                    reported_success = True
+                    self._report(ReportKind.SUCCEEDED, group.generation)
+
+                for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
+                    next_command += 1
+                    if command.kind is CommandKind.EXIT:
+                        group.stop(config.stop_timeout)
+                        self._report(ReportKind.EXITED, command.generation)
+                        return command.exit_code, command.reason
+                    if command.kind is CommandKind.STOP:
+                        log.warning("stopping generation %d: %s", command.generation, command.reason)
+                        group.stop(config.stop_timeout)
+                        self._report(ReportKind.STOPPED, command.generation)
+                    elif command.kind is CommandKind.START:
+                        reported_success = False
+                        self._start_generation(group, command)
+                time.sleep(config.monitor_interval)
+        except StoreUnavailable as e:
+            return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+
+    def _check_controller(self, last: tuple[int, float], now: float) -> tuple[int, float]:
+        count = self.store.counter(self.keys.controller_heartbeat)
+        if count != last[0]:
+            return count, now
+        if now - last[1] > self.config.node_timeout:
+            raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} for {self.config.node_timeout:g}s")
+        return last
+
+    def _start_generation(self, group: WorkerGroup, command: Command) -> None:
+        host, _, port = command.worker_store.rpartition(":")
+        gen = GenerationEnv(
+            generation=command.generation,
+            restart_count=command.restart_count,
+            world_size=self.rendezvous.world_size,
+            node_count=len(self.rendezvous.nodes),
+            master_addr=host,
+            master_port=int(port),
+            control_store=str(self.config.endpoint),
+        )
+        slot = self.slot
+        placements = [WorkerPlacement(i, slot.first_rank + i, slot.node_rank, self.host) for i in range(slot.nproc)]
+        if command.generation > 0:
+            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
+                        command.restart_count, self.config.max_restarts)
+        group.start(placements, gen)
+
+    def _report(self, kind: ReportKind, generation: int, **fields) -> None:
+        report = Report(kind, self.slot.node_rank, generation, **fields)
+        self.store.append(self.keys.report_count, self.keys.report, report)

@@ -1,0 +1,61 @@
+"""Worker output: to the console (prefixed when teed), to per-rank files, and a tail for the summary."""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+from typing import IO
+
+STDOUT, STDERR = 1, 2
+TAIL_LINES = 20
+
+_console_lock = threading.Lock()
+
+
+class StreamPump:
+    """Copies one worker pipe line by line, in a named thread, until the pipe closes."""
+
+    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | None, prefix: bytes, file_path: str | None):
+        self._pipe = pipe
+        self._console = console
+        self._prefix = prefix
+        self._file = open(file_path, "ab") if file_path else None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for line in iter(self._pipe.readline, b""):
+                self.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+                if self._file:
+                    self._file.write(line)
+                    self._file.flush()
+                if self._console is not None:
+                    with _console_lock:
+                        self._console.write(self._prefix + line)
+                        self._console.flush()
+        except (OSError, ValueError):
+            pass  # the console or file went away; the worker's exit still gets reported
+        finally:
+            self._pipe.close()
+            if self._file:
+                self._file.close()
+
+    def drain(self, timeout: float) -> None:
+        """Wait for the rest of the output after the worker exited (bounded: grandchildren may hold the pipe)."""
+        self._thread.join(timeout)
+
+
+def console_stream(which: int) -> IO[bytes]:
+    return sys.stdout.buffer if which == STDOUT else sys.stderr.buffer
+
+
+def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:
+    folder = os.path.join(log_dir, f"attempt_{generation}", str(rank))
+    os.makedirs(folder, exist_ok=True)
+    return {name: os.path.join(folder, f"{name}.log") for name in ("stdout", "stderr")} | {
+        "error": os.path.join(folder, "error.json")
+    }

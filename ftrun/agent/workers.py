@@ -1,0 +1,280 @@
+"""A node's workers: spawned each in its own process group, watched, stopped, reaped.
+
+Every OS call goes through :class:`ProcessOps`, one small object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from ftrun.agent.output import STDERR, STDOUT, StreamPump, console_stream, rank_log_paths
+from ftrun.config import LaunchConfig
+from ftrun.messages import WorkerFailure, signal_name
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+#: how long to wait for a dead worker's last output before reporting it
+DRAIN_TIMEOUT = 1.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the guardian still covers it
+    if os.getppid() == 1:
+        os._exit(1)  # the agent died before we could arm the signal
+
+
+class ProcessOps:
+    """Spawning and signalling worker process groups, with the orphan guardian told of each."""
+
+    def __init__(self):
+        self._guardian = subprocess.Popen(
+            [sys.executable, "-m", "ftrun.agent.guardian"],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: a stop reaches its grandchildren too
+            preexec_fn=_die_with_parent,
+        )
+        self._tell_guardian(f"+{proc.pid}")
+        return proc
+
+    def signal_group(self, pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def forget_group(self, pgid: int) -> None:
+        self._tell_guardian(f"-{pgid}")
+
+    def close(self) -> None:
+        """Let the guardian go (every group is reaped by now)."""
+        try:
+            self._guardian.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._guardian.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._guardian.kill()
+            self._guardian.wait()
+
+    def _tell_guardian(self, line: str) -> None:
+        try:
+            self._guardian.stdin.write(line.encode() + b"\n")
+            self._guardian.stdin.flush()
+        except (OSError, ValueError):
+            log.warning("the orphan guardian is gone; workers still carry a parent-death signal")
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where one worker sits in the job."""
+
+    local_rank: int
+    rank: int
+    node_rank: int
+    host: str
+
+
+@dataclass
+class Worker:
+    placement: WorkerPlacement
+    proc: subprocess.Popen
+    out: StreamPump
+    err: StreamPump
+    error_file: str
+    started: float
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass(frozen=True)
+class GenerationEnv:
+    """What differs between generations: their number and their worker store."""
+
+    generation: int
+    restart_count: int
+    world_size: int
+    node_count: int
+    master_addr: str
+    master_port: int
+    control_store: str
+
+
+class WorkerGroup:
+    """The node's workers of one generation."""
+
+    def __init__(self, ops: ProcessOps, config: LaunchConfig, log_dir: str):
+        self.ops = ops
+        self.config = config
+        self.log_dir = log_dir
+        self.generation = -1
+        self.workers: list[Worker] = []
+
+    def start(self, placements: list[WorkerPlacement], gen: GenerationEnv) -> None:
+        self.generation = gen.generation
+        self.workers = [self._spawn(p, gen) for p in placements]
+
+    def _spawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> Worker:
+        paths = rank_log_paths(self.log_dir, gen.generation, placement.rank)
+        env = worker_env(self.config, placement, gen, paths["error"])
+        argv = [*self.config.entrypoint, *self.config.script_args]
+        proc = self.ops.spawn(argv, env)
+        local = placement.local_rank
+        redirected = self.config.redirects.for_rank(local)
+        teed = self.config.tee.for_rank(local)
+        shown = self.config.local_ranks_filter is None or local in self.config.local_ranks_filter
+
+        def pump(pipe, which: int, name: str) -> StreamPump:
+            on_console = shown and (not redirected & which or teed & which)
+            return StreamPump(
+                pipe,
+                f"ftrun-{name}-rank{placement.rank}",
+                console_stream(which) if on_console else None,
+                f"[rank {placement.rank}]: ".encode() if teed & which else b"",
+                paths[name] if (redirected | teed) & which else None,
+            )
+
+        return Worker(
+            placement, proc, pump(proc.stdout, STDOUT, "stdout"), pump(proc.stderr, STDERR, "stderr"),
+            paths["error"], time.monotonic(),
+        )
+
+    def poll(self) -> list[Worker]:
+        """Workers that ended since the last poll (their process groups are cleared)."""
+        ended = []
+        for worker in self.workers:
+            if worker.returncode is None and worker.proc.poll() is not None:
+                worker.returncode = worker.proc.returncode
+                self._clear_group(worker)
+                ended.append(worker)
+        return ended
+
+    @property
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    @property
+    def all_succeeded(self) -> bool:
+        return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM every running worker's group, SIGKILL what is left after ``timeout``, reap all."""
+        alive = self.running
+        for worker in alive:
+            self.ops.signal_group(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+            alive = [w for w in alive if w.proc.poll() is None]
+        for worker in alive:
+            self.ops.signal_group(worker.pid, signal.SIGKILL)
+        for worker in self.running:
+            worker.proc.wait()
+            worker.returncode = worker.proc.returncode
+            self._clear_group(worker)
+
+    def _clear_group(self, worker: Worker) -> None:
+        # whatever the worker left behind in its group dies with it
+        self.ops.signal_group(worker.pid, signal.SIGKILL)
+        self.ops.forget_group(worker.pid)
+
+    def failure(self, worker: Worker) -> WorkerFailure:
+        worker.err.drain(DRAIN_TIMEOUT)
+        code = worker.returncode
+        p = worker.placement
+        return WorkerFailure(
+            rank=p.rank,
+            local_rank=p.local_rank,
+            node_rank=p.node_rank,
+            host=p.host,
+            pid=worker.pid,
+            exit_code=code if code is not None and code >= 0 else None,
+            signal=signal_name(code) if code is not None else "",
+            stderr_tail=tuple(worker.err.tail),
+            error=read_error_file(worker.error_file),
+            timestamp=time.time(),
+            generation=self.generation,
+        )
+
+
+def read_error_file(path: str) -> str:
+    """The exception a worker recorded with torch's ``@record`` (TORCHELASTIC_ERROR_FILE), if any."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", "")
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip()
+
+
+def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
+    """torchrun's environment contract, plus ftrun's own FTRUN_* variables."""
+    env = dict(os.environ)
+    for name in ("TORCH_CPP_LOG_LEVEL",):
+        # the agent quiets torch's C++ logging for itself; the workers get the user's setting back
+        saved = os.environ.get(f"FTRUN_SAVED_{name}")
+        env.pop(f"FTRUN_SAVED_{name}", None)
+        if saved is None:
+            env.pop(name, None)
+        else:
+            env[name] = saved
+    nproc = config.nproc_per_node
+    env.update(
+        LOCAL_RANK=str(placement.local_rank),
+        RANK=str(placement.rank),
+        GROUP_RANK=str(placement.node_rank),
+        ROLE_RANK=str(placement.rank),
+        ROLE_NAME=config.role,
+        LOCAL_WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(gen.world_size),
+        GROUP_WORLD_SIZE=str(gen.node_count),
+        ROLE_WORLD_SIZE=str(gen.world_size),
+        MASTER_ADDR=gen.master_addr,
+        MASTER_PORT=str(gen.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(gen.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_ERROR_FILE=error_file,
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        FTRUN_RUN_ID=config.run_id,
+        FTRUN_GENERATION=str(gen.generation),
+        FTRUN_NODE_RANK=str(placement.node_rank),
+        FTRUN_CONTROL_STORE=gen.control_store,
+        FTRUN_RECOVERY=config.recovery,
+        FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not each take every core
+    return env
+
+

@@ -1,0 +1,94 @@
+"""The ``ftrun`` command line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import click
+
+from ftrun.cli.console import ConsoleLogHandler, abort, say
+from ftrun.cli.launch import GroupedCommand, launch_options, merge_config
+from ftrun.errors import ExitCode, FtrunError
+
+HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for torchrun.
+
+\b
+  ftrun --standalone --nproc-per-node 4 train.py --lr 3e-4
+  ftrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint head:29400 --max-restarts 3 train.py
+"""
+
+
+@click.command(cls=GroupedCommand, help=HELP, context_settings={"allow_interspersed_args": False, "max_content_width": 110})
+@launch_options
+@click.pass_context
+def launch_command(ctx: click.Context, **params):
+    return merge_config(ctx, params)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_torch_cpp_logs()
+    _setup_logging()
+    try:
+        values = launch_command.main(argv, prog_name="ftrun", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        abort("interrupted", ExitCode.INTERRUPTED)
+    except click.ClickException as e:
+        abort(e.format_message().replace("\n", " "), ExitCode.USAGE)
+    except FtrunError as e:
+        abort(e.message, e.exit_code)
+    if isinstance(values, int):  # --help / --version under standalone_mode=False
+        sys.exit(values)
+    sys.exit(run_launch(values))
+
+
+def run_launch(values: dict) -> int:
+    from ftrun.agent.agent import Agent
+    from ftrun.config import build_launch_config
+    from ftrun.summary import job_summary
+
+    started = time.monotonic()
+    agent = None
+    try:
+        config = build_launch_config(values)
+        if config.recovery == "process":
+            say("ftrun: --recovery process is not available yet; using job-level recovery", style="yellow")
+        agent = Agent(config)
+        agent.install_signal_handlers()
+        outcome = agent.run()
+    except FtrunError as e:
+        abort(e.message, e.exit_code)
+    except KeyboardInterrupt:
+        abort("interrupted", ExitCode.INTERRUPTED)
+    controller = outcome.controller
+    if controller is not None and controller.view is not None:
+        view = controller.view
+        style = "green" if view.exit_code == ExitCode.OK else "bold red"
+        for line in job_summary(view.exit_code, view.reason, view.failures, view.restarts_used,
+                                view.max_restarts, time.monotonic() - started):
+            say(f"ftrun: {line}", style=style if line is not None else None)
+        return view.exit_code if outcome.exit_code == view.exit_code else outcome.exit_code
+    if outcome.exit_code != ExitCode.OK:
+        say(f"ftrun: job stopped (exit code {outcome.exit_code}): {outcome.reason}", style="bold red")
+    return outcome.exit_code
+
+
+def _quiet_torch_cpp_logs() -> None:
+    # torch's C++ side prints stack traces for every store retry; the agent reports in one line.
+    # Workers get the user's own setting back (ftrun.agent.workers.worker_env).
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        os.environ.setdefault("FTRUN_SAVED_TORCH_CPP_LOG_LEVEL", os.environ["TORCH_CPP_LOG_LEVEL"])
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("ftrun")
+    if not any(isinstance(h, ConsoleLogHandler) for h in root.handlers):
+        root.addHandler(ConsoleLogHandler())
+    root.setLevel(os.environ.get("FTRUN_LOG_LEVEL", "INFO").upper())
+    root.propagate = False

@@ -1,0 +1,33 @@
+"""The one object that writes to the user's terminal, and the one way out."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def say(text: str, style: str | None = None) -> None:
+    console.print(escape(text), style=style)
+
+
+def abort(text: str, code: int) -> "NoReturn":  # noqa: F821
+    """Tell the user what went wrong in one line and leave with ``code``."""
+    console.print(f"ftrun: error: {escape(text)}", style="bold red")
+    sys.exit(int(code))
+
+
+class ConsoleLogHandler(logging.Handler):
+    """Library log records, printed as ``ftrun: message`` through the console."""
+
+    STYLES = {logging.WARNING: "yellow", logging.ERROR: "red", logging.CRITICAL: "bold red"}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            console.print(f"ftrun: {escape(record.getMessage())}", style=self.STYLES.get(record.levelno))
+        except Exception:
+            self.handleError(record)

@@ -1,0 +1,134 @@
+"""``ftrun [options] SCRIPT [args...]``: torchrun's flags, ftrun's own, and a YAML config."""
+
+from __future__ import annotations
+
+import click
+
+from ftrun import __version__
+from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
+
+#: help sections, in the order --help shows them
+GROUPS = ("Nodes and processes", "Rendezvous", "Recovery", "Worker command", "Logs and output", "General")
+_group_of: dict[str, str] = {}
+
+
+def option(name: str, *, group: str, short: str | None = None, **kwargs):
+    """A flag spelled ``--some-name`` and ``--some_name``, read from ``PET_SOME_NAME`` like torchrun."""
+    names = [f"--{name}"]
+    if "-" in name:
+        names.append(f"--{name.replace('-', '_')}")
+    if short:
+        names.insert(0, short)
+    dest = name.replace("-", "_")
+    _group_of[dest] = group
+    kwargs.setdefault("envvar", f"PET_{dest.upper()}")
+    return click.option(*names, dest, **kwargs)
+
+
+class GroupedCommand(click.Command):
+    """Shows the options in sections, each under one spelling; notes the other spelling once."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {g: [] for g in GROUPS}
+        for param in self.get_params(ctx):
+            if not isinstance(param, click.Option) or param.hidden:
+                continue
+            group = _group_of.get(param.name, "General")
+            names = [n for n in param.opts if "_" not in n.lstrip("-")]
+            metavar = "" if param.is_flag else " " + param.make_metavar(ctx)
+            text = param.help or ""
+            if param.show_default and param.default not in (None, "", False):
+                text += f"  [default: {param.default}]"
+            sections[group].append((", ".join(names) + metavar, text))
+        for group in GROUPS:
+            if sections[group]:
+                with formatter.section(group):
+                    formatter.write_dl(sections[group])
+        with formatter.section("Notes"):
+            formatter.write_text(
+                "Every --flag-name is also accepted as --flag_name, and read from the environment variable "
+                "PET_FLAG_NAME when not given (as torchrun does). Precedence: flag, then PET_* variable, then "
+                "--config file, then the default. Everything after SCRIPT is passed to it untouched."
+            )
+
+
+RECOVERY = "Recovery"
+NODES = "Nodes and processes"
+RDZV = "Rendezvous"
+WORKER = "Worker command"
+LOGS = "Logs and output"
+
+
+def launch_options(fn):
+    decorators = [
+        option("nnodes", group=NODES, default="1", show_default=True, help="Number of nodes, or MIN:MAX."),
+        option("nproc-per-node", group=NODES, default="1", show_default=True,
+               help="Workers per node: a number, or auto/cpu/gpu."),
+        option("node-rank", group=NODES, type=int, default=-1, help="This node's rank (assigned at rendezvous when not given)."),
+        option("standalone", group=NODES, is_flag=True, help="Single node: a local store on a free port, a fresh run id."),
+        option("rdzv-backend", group=RDZV, default="c10d", show_default=True,
+               help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}."),
+        option("rdzv-endpoint", group=RDZV, default="", help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
+        option("run-id", group=RDZV, default="", help="Job id shared by every node (alias: --rdzv-id)."),
+        option("rdzv-id", group=RDZV, default="", help="Same as --run-id (torchrun's name)."),
+        option("rdzv-conf", group=RDZV, default="", help="key=value,... (join_timeout, last_call_timeout, is_host)."),
+        option("rdzv-timeout", group=RDZV, type=float, default=None, help="Seconds to wait for every node to join.  [default: 600]"),
+        option("master-addr", group=RDZV, default="127.0.0.1", show_default=True, help="Store host for the static rendezvous."),
+        option("master-port", group=RDZV, type=int, default=29500, show_default=True, help="Store port for the static rendezvous."),
+        option("local-addr", group=RDZV, default="", help="Address this node advertises to the others."),
+        option("recovery", group=RECOVERY, default="job", show_default=True,
+               help=f"Finest recovery level to try: {', '.join(RECOVERY_LEVELS)}."),
+        option("max-restarts", group=RECOVERY, type=int, default=None,
+               help="Job-wide retry budget (alias: --fault-retry-times).  [default: 0]"),
+        option("fault-retry-times", group=RECOVERY, type=int, default=None, help="Same as --max-restarts (MindCluster's name)."),
+        option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
+               help="Seconds between checks of the workers."),
+        option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
+               help="Seconds without a worker heartbeat before it counts as hung."),
+        option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
+               help="Seconds without an agent's keepalive before its node counts as lost."),
+        option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
+               help="Seconds between SIGTERM and SIGKILL when stopping workers."),
+        option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
+        option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
+        option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),
+        option("role", group=WORKER, default="default", show_default=True, help="Role name given to the workers."),
+        option("log-dir", group=LOGS, default="", help="Folder for per-rank logs and error files."),
+        option("redirects", group=LOGS, short="-r", default="0", show_default=True,
+               help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),
+        option("tee", group=LOGS, short="-t", default="0", show_default=True,
+               help="Copy streams to log files too, lines prefixed [rank N] on the console; values as -r."),
+        option("local-ranks-filter", group=LOGS, default="", help="Show only these local ranks' output on the console (0,1)."),
+        option("config", group="General", default="", envvar="FTRUN_CONFIG",
+               help="YAML file of option values (keys as the flags: nproc_per_node: 2)."),
+        click.version_option(__version__, "--version", prog_name="ftrun", message="%(prog)s %(version)s"),
+        click.argument("script", required=False),
+        click.argument("script_args", nargs=-1, type=click.UNPROCESSED),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+#: options a config file may not set (they select the file or are handled by click)
+NOT_IN_CONFIG = {"config"}
+
+
+def merge_config(ctx: click.Context, params: dict) -> dict:
+    """Flags (and PET_* variables) override the config file, which overrides the defaults."""
+    values = dict(params)
+    path = params.get("config")
+    if path:
+        from_file = read_config_file(path)
+        known = sorted(set(params) - NOT_IN_CONFIG)
+        check_known_keys(from_file, known, f"config file {path}")
+        for key, value in from_file.items():
+            source = ctx.get_parameter_source(key)
+            if source in (None, click.core.ParameterSource.DEFAULT):
+                values[key] = value
+    if values.get("rdzv_id") and not values.get("run_id"):
+        values["run_id"] = values["rdzv_id"]
+    retry = values.pop("fault_retry_times", None)
+    if values.get("max_restarts") is None:
+        values["max_restarts"] = 0 if retry is None else retry
+    return values

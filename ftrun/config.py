@@ -1,0 +1,360 @@
+"""The launch configuration: every flag's value, checked once, typed, frozen.
+
+The CLI gathers raw values (flags, a YAML file, PET_* variables); this module
+turns them into a :class:`LaunchConfig` or raises :class:`UsageError` with one
+line naming the problem.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from ftrun.errors import UsageError
+
+RECOVERY_LEVELS = ("process", "job")
+RDZV_BACKENDS = ("c10d", "static")
+#: --rdzv-conf keys ftrun understands; torchrun's others are accepted and ignored
+RDZV_CONF_KEYS = ("join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host")
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Which of a rank's streams go to files: bit 1 stdout, bit 2 stderr (torchrun's -r/-t)."""
+
+    default: int = 0
+    per_rank: tuple[tuple[int, int], ...] = ()
+
+    def for_rank(self, local_rank: int) -> int:
+        return dict(self.per_rank).get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one ftrun agent needs to know, validated."""
+
+    entrypoint: tuple[str, ...]  # the worker command before the script arguments
+    script_args: tuple[str, ...]
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    node_rank: int  # -1: assigned at rendezvous
+    endpoint: Endpoint
+    #: True/False when the user decided who hosts the store; None: first to bind the port
+    is_host: bool | None
+    rdzv_backend: str
+    run_id: str
+    rdzv_timeout: float
+    last_call_timeout: float
+    recovery: str
+    max_restarts: int
+    monitor_interval: float
+    heartbeat_timeout: float
+    node_timeout: float
+    stop_timeout: float
+    role: str
+    local_addr: str
+    log_dir: str
+    redirects: StreamSpec
+    tee: StreamSpec
+    local_ranks_filter: frozenset[int] | None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def script(self) -> str:
+        return self.entrypoint[-1]
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML config file: a mapping of option names (``nproc_per_node: 2``)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {path} is not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"config file {path} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must be a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def check_known_keys(keys, known, where: str) -> None:
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UsageError(f"unknown key '{key}' in {where}{hint}")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes N`` or ``--nnodes MIN:MAX``."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--nnodes must be N or MIN:MAX with whole numbers, got '{text}'") from None
+    if low < 1 or high < low:
+        raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got '{text}'")
+    return low, high
+
+
+def parse_nproc(text: str) -> int:
+    text = str(text).strip()
+    if text in ("auto", "cpu", "gpu"):
+        return _count_local_devices(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node must be a positive number or auto/cpu/gpu, got '{text}'") from None
+    if value < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {value}")
+    return value
+
+
+def _count_local_devices(kind: str) -> int:
+    # torchrun's rule: auto = accelerators if any, else CPUs. Device libraries load lazily.
+    if kind in ("auto", "gpu"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if kind == "gpu":
+            raise UsageError("--nproc-per-node gpu: no CUDA device is visible")
+    return os.cpu_count() or 1
+
+
+def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> Endpoint:
+    text = text.strip()
+    if not text:
+        raise UsageError(f"{flag} is empty")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or text.endswith("]"):
+        host, port_text = text, str(default_port)
+    host = host.strip("[]")
+    if not host:
+        raise UsageError(f"{flag} '{text}' has no host name")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UsageError(f"{flag} '{text}': port '{port_text}' is not a number") from None
+    check_port(port, flag)
+    return Endpoint(host, port)
+
+
+def check_port(port: int, flag: str) -> None:
+    if not 0 < port < 65536:
+        raise UsageError(f"{flag}: port {port} is outside 1-65535")
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``key1=value1,key2=value2`` as torchrun's --rdzv-conf."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf entries must be key=value, got '{item}'")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_streams(text: str, flag: str) -> StreamSpec:
+    """torchrun's ``-r/-t``: ``3`` for every rank, or ``0:1,1:2`` per local rank."""
+    text = str(text).strip()
+    try:
+        if ":" not in text:
+            return StreamSpec(default=_stream_bits(text))
+        per_rank = []
+        for item in text.split(","):
+            rank, _, bits = item.partition(":")
+            per_rank.append((int(rank), _stream_bits(bits)))
+        return StreamSpec(per_rank=tuple(per_rank))
+    except ValueError:
+        raise UsageError(f"{flag} must be 0-3 or LOCAL_RANK:0-3,... (1 stdout, 2 stderr, 3 both), got '{text}'") from None
+
+
+def _stream_bits(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 3:
+        raise ValueError(text)
+    return value
+
+
+def parse_rank_filter(text: str) -> frozenset[int] | None:
+    text = str(text).strip()
+    if not text:
+        return None
+    try:
+        ranks = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter must be comma-separated local ranks, got '{text}'") from None
+    if any(r < 0 for r in ranks):
+        raise UsageError(f"--local-ranks-filter ranks must be >= 0, got '{text}'")
+    return ranks
+
+
+def positive_seconds(value: Any, flag: str, allow_zero: bool = False) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag} must be a number of seconds, got '{value}'") from None
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise UsageError(f"{flag} must be a positive number of seconds, got '{value}'")
+    return seconds
+
+
+def whole_number(value: Any, flag: str, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise UsageError(f"{flag} must be a whole number, got '{value}'")
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"{flag} must be a whole number, got '{value}'") from None
+    if number < minimum:
+        raise UsageError(f"{flag} must be at least {minimum}, got {number}")
+    return number
+
+
+def choice(value: Any, choices: tuple[str, ...], flag: str) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise UsageError(f"{flag} must be one of {', '.join(choices)}, got '{value}'")
+    return text
+
+
+def _find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool) -> tuple[str, ...]:
+    """The worker command before the script's own arguments (torchrun's rules)."""
+    if sum((module, no_python, run_path)) > 1:
+        raise UsageError("--module, --no-python and --run-path cannot be combined")
+    if not script:
+        raise UsageError("no training script given (ftrun [options] SCRIPT [args...])")
+    import sys
+
+    if module:
+        return (sys.executable, "-u", "-m", script)
+    if no_python:
+        if os.sep not in script and not shutil.which(script):
+            raise UsageError(f"--no-python: program '{script}' is not on PATH")
+        if os.sep in script and not os.access(script, os.X_OK):
+            raise UsageError(f"--no-python: '{script}' is not an executable file")
+        return (script,)
+    if not os.path.isfile(script):
+        raise UsageError(f"training script '{script}' does not exist")
+    if run_path:
+        code = "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        return (sys.executable, "-u", "-c", code, script)
+    return (sys.executable, "-u", script)
+
+
+def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
+    """Check every raw option value and derive the launch configuration."""
+    rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
+    standalone = bool(raw.get("standalone"))
+    min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", "1"))
+    backend = choice(raw.get("rdzv_backend") or "c10d", RDZV_BACKENDS + ("etcd", "etcd-v2"), "--rdzv-backend")
+    if backend.startswith("etcd"):
+        raise UsageError(f"--rdzv-backend {backend} is not supported: ftrun uses c10d (a TCPStore) or static")
+    master_port = whole_number(raw.get("master_port") or DEFAULT_MASTER_PORT, "--master-port", 1)
+    check_port(master_port, "--master-port")
+    run_id = str(raw.get("run_id") or "").strip()
+    node_rank = whole_number(raw.get("node_rank", -1), "--node-rank", -1)
+
+    is_host: bool | None = None
+    if standalone:
+        if max_nodes != 1:
+            raise UsageError("--standalone runs a single node; drop --nnodes or set it to 1")
+        endpoint = Endpoint("localhost", _find_free_port())
+        run_id = run_id or uuid.uuid4().hex[:12]
+        is_host = True
+    elif raw.get("rdzv_endpoint"):
+        endpoint = parse_endpoint(str(raw["rdzv_endpoint"]), DEFAULT_MASTER_PORT)
+        if backend == "static":
+            is_host = node_rank == 0
+    else:
+        # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
+        endpoint = Endpoint(str(raw.get("master_addr") or "127.0.0.1"), master_port)
+        backend = "static" if max_nodes > 1 or backend == "static" else backend
+        if max_nodes == 1:
+            is_host = True
+        elif backend == "static":
+            is_host = node_rank == 0
+    if backend == "static":
+        if min_nodes != max_nodes:
+            raise UsageError("--rdzv-backend static needs a fixed --nnodes (no MIN:MAX)")
+        if max_nodes > 1 and node_rank < 0:
+            raise UsageError("--node-rank is required with the static rendezvous (or give --rdzv-endpoint)")
+    if node_rank >= max_nodes:
+        raise UsageError(f"--node-rank {node_rank} is out of range for --nnodes {max_nodes}")
+    if "is_host" in rdzv_conf:
+        is_host = rdzv_conf["is_host"].lower() in ("1", "true", "yes")
+
+    rdzv_timeout = positive_seconds(
+        raw.get("rdzv_timeout") or rdzv_conf.get("join_timeout") or 600, "--rdzv-timeout"
+    )
+    nproc = parse_nproc(raw.get("nproc_per_node", "1"))
+    entrypoint = build_entrypoint(
+        str(raw.get("script") or ""), bool(raw.get("module")), bool(raw.get("no_python")), bool(raw.get("run_path"))
+    )
+    return LaunchConfig(
+        entrypoint=entrypoint,
+        script_args=tuple(str(a) for a in raw.get("script_args") or ()),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        node_rank=node_rank,
+        endpoint=endpoint,
+        is_host=is_host,
+        rdzv_backend=backend,
+        run_id=run_id or "default",
+        rdzv_timeout=rdzv_timeout,
+        last_call_timeout=positive_seconds(rdzv_conf.get("last_call_timeout", 30), "last_call_timeout", True),
+        recovery=choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery"),
+        max_restarts=whole_number(raw.get("max_restarts", 0), "--max-restarts"),
+        monitor_interval=positive_seconds(raw.get("monitor_interval", 0.1), "--monitor-interval"),
+        heartbeat_timeout=positive_seconds(raw.get("heartbeat_timeout", 30), "--heartbeat-timeout"),
+        node_timeout=positive_seconds(raw.get("node_timeout", 30), "--node-timeout"),
+        stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
+        role=str(raw.get("role") or "default"),
+        local_addr=str(raw.get("local_addr") or ""),
+        log_dir=str(raw.get("log_dir") or ""),
+        redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
+        tee=parse_streams(raw.get("tee", "0"), "--tee"),
+        local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
+    )

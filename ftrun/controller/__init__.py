@@ -1,0 +1,1 @@
+"""The controller: one per job, inside the agent that hosts the store."""

@@ -1,0 +1,149 @@
+"""Messages that travel through the store, as frozen dataclasses serialised to JSON.
+
+Never pickle: a store is reachable by anyone who can reach its port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import signal
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_json(message: Any) -> str:
+    return json.dumps(dataclasses.asdict(message), sort_keys=True)
+
+
+def from_json(cls: type[T], text: str | bytes) -> T:
+    data = json.loads(text)
+    return _build(cls, data)
+
+
+def _build(cls, data: dict):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in hints:
+            continue  # a newer sender may add fields; older readers ignore them
+        kwargs[name] = _convert(hints[name], value)
+    return cls(**kwargs)
+
+
+def _convert(kind, value):
+    if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+        return _build(kind, value)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind(value)
+    if typing.get_origin(kind) is tuple and isinstance(value, list):
+        item = typing.get_args(kind)[0]
+        return tuple(_convert(item, v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class JoinRecord:
+    """What an agent says of itself when it joins the rendezvous."""
+
+    agent_id: str
+    host: str
+    pid: int
+    nproc: int
+    #: the node rank the user asked for with --node-rank, or -1 to be assigned one
+    requested_node_rank: int = -1
+
+
+@dataclass(frozen=True)
+class NodeSlot:
+    node_rank: int
+    agent_id: str
+    host: str
+    nproc: int
+    first_rank: int
+
+
+@dataclass(frozen=True)
+class RendezvousResult:
+    """The controller's answer to the rendezvous: who is which node, or why it failed."""
+
+    nodes: tuple[NodeSlot, ...] = ()
+    world_size: int = 0
+    error: str = ""
+
+    def slot_of(self, agent_id: str) -> NodeSlot | None:
+        return next((n for n in self.nodes if n.agent_id == agent_id), None)
+
+
+class CommandKind(str, enum.Enum):
+    START = "start"  # spawn this generation's workers
+    STOP = "stop"  # stop this generation's workers and acknowledge
+    EXIT = "exit"  # stop everything, acknowledge and leave with exit_code
+
+
+@dataclass(frozen=True)
+class Command:
+    kind: CommandKind
+    generation: int
+    #: TORCHELASTIC_RESTART_COUNT for the generation's workers; START only
+    restart_count: int = 0
+    #: HOST:PORT of the generation's own worker store (MASTER_ADDR/MASTER_PORT); START only
+    worker_store: str = ""
+    exit_code: int = 0
+    reason: str = ""
+
+
+class ReportKind(str, enum.Enum):
+    WORKER_FAILED = "worker_failed"  # one or more local workers ended badly
+    SUCCEEDED = "succeeded"  # every local worker of the generation exited 0
+    STOPPED = "stopped"  # acknowledges a STOP: no worker of the generation is left
+    INTERRUPTED = "interrupted"  # the agent got SIGINT/SIGTERM from its user
+    EXITED = "exited"  # acknowledges an EXIT: the agent is leaving
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker that ended badly, with what the summary needs to name it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    pid: int
+    exit_code: int | None
+    #: signal name (``SIGKILL``) when the worker was killed by a signal
+    signal: str = ""
+    stderr_tail: tuple[str, ...] = ()
+    #: the Python exception recorded in the worker's error file, if any
+    error: str = ""
+    timestamp: float = 0.0
+    generation: int = 0
+
+    def describe(self) -> str:
+        how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"
+        return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: ReportKind
+    node_rank: int
+    generation: int
+    failures: tuple[WorkerFailure, ...] = ()
+    #: exit code the agent wants for the job (INTERRUPTED: 130 or 143)
+    exit_code: int = 0
+    detail: str = ""
+
+
+def signal_name(returncode: int) -> str:
+    """``SIGKILL`` for a Popen return code of -9; empty for a normal exit."""
+    if returncode >= 0:
+        return ""
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"

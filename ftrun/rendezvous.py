@@ -1,0 +1,140 @@
+"""Rendezvous: the agents gather in the control store and get their node ranks.
+
+Deciding is split from doing: :func:`decide_rendezvous` is a pure function of
+the join records and the time; :func:`gather` (run by the controller) and
+:func:`join` (run by every agent) apply it through the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ftrun.errors import RendezvousError
+from ftrun.keys import JobKeys
+from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult
+from ftrun.store import ControlStore
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL = 0.05
+
+
+@dataclass(frozen=True)
+class RendezvousPolicy:
+    min_nodes: int
+    max_nodes: int
+    #: with MIN:MAX, how long to wait for more nodes once MIN have joined
+    last_call_timeout: float
+    timeout: float
+
+
+def decide_rendezvous(
+    joins: list[JoinRecord],
+    policy: RendezvousPolicy,
+    host_agent_id: str,
+    waited: float,
+    min_reached_for: float | None,
+) -> RendezvousResult | None:
+    """The rendezvous result once it is decided, else ``None`` (keep waiting).
+
+    ``waited`` is the time since the rendezvous opened, ``min_reached_for`` the time
+    since MIN nodes had joined (None while fewer have).
+    """
+    clash = _rank_clash(joins)
+    if clash:
+        return RendezvousResult(error=clash)
+    complete = len(joins) >= policy.max_nodes or (
+        min_reached_for is not None and min_reached_for >= policy.last_call_timeout
+    )
+    if complete:
+        return assign_node_ranks(joins[: policy.max_nodes], host_agent_id)
+    if waited >= policy.timeout:
+        return RendezvousResult(error=_missing_message(joins, policy))
+    return None
+
+
+def _rank_clash(joins: list[JoinRecord]) -> str:
+    owner: dict[int, JoinRecord] = {}
+    for join in joins:
+        rank = join.requested_node_rank
+        if rank < 0:
+            continue
+        if rank in owner:
+            return f"--node-rank {rank} was given to two agents: {owner[rank].host} (pid {owner[rank].pid}) and {join.host} (pid {join.pid})"
+        owner[rank] = join
+    return ""
+
+
+def _missing_message(joins: list[JoinRecord], policy: RendezvousPolicy) -> str:
+    expected = policy.min_nodes
+    joined = ", ".join(sorted(j.host if j.requested_node_rank < 0 else f"node {j.requested_node_rank} on {j.host}" for j in joins))
+    text = f"rendezvous timed out after {policy.timeout:g}s: {len(joins)} of {expected} nodes joined ({joined or 'none'})"
+    requested = {j.requested_node_rank for j in joins if j.requested_node_rank >= 0}
+    if requested:
+        missing = sorted(set(range(policy.max_nodes)) - requested)
+        text += f"; missing node rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+    else:
+        text += f"; waiting for {expected - len(joins)} more"
+    return text
+
+
+def assign_node_ranks(joins: list[JoinRecord], host_agent_id: str) -> RendezvousResult:
+    """Requested node ranks are kept; the store's host gets 0 when free; the rest go by arrival."""
+    count = len(joins)
+    taken = {j.requested_node_rank: j for j in joins if j.requested_node_rank >= 0}
+    bad = [r for r in taken if r >= count]
+    if bad:
+        return RendezvousResult(error=f"--node-rank {bad[0]} is out of range: only {count} nodes joined")
+    order = sorted((j for j in joins if j.requested_node_rank < 0), key=lambda j: j.agent_id != host_agent_id)
+    free = iter(r for r in range(count) if r not in taken)
+    by_rank = dict(taken)
+    for join in order:
+        by_rank[next(free)] = join
+    slots, first_rank = [], 0
+    for rank in range(count):
+        join = by_rank[rank]
+        slots.append(NodeSlot(rank, join.agent_id, join.host, join.nproc, first_rank))
+        first_rank += join.nproc
+    return RendezvousResult(nodes=tuple(slots), world_size=first_rank)
+
+
+def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_agent_id: str, stop) -> RendezvousResult:
+    """The controller's side: wait for the agents, decide, publish the result."""
+    opened = time.monotonic()
+    min_reached_at = None
+    while True:
+        joins = store.read_from(keys.arrivals, keys.join, JoinRecord, 0)
+        now = time.monotonic()
+        if min_reached_at is None and len(joins) >= policy.min_nodes:
+            min_reached_at = now
+        result = decide_rendezvous(
+            joins, policy, host_agent_id, now - opened, None if min_reached_at is None else now - min_reached_at
+        )
+        if result is None and stop.is_set():
+            result = RendezvousResult(error="the job was stopped during the rendezvous")
+        if result is not None:
+            store.set(keys.rendezvous_result, result)
+            return result
+        time.sleep(POLL_INTERVAL)
+
+
+def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> tuple[RendezvousResult, NodeSlot]:
+    """An agent's side: announce itself, wait for the result, find its slot."""
+    store.append(keys.arrivals, keys.join, record)
+    deadline = time.monotonic() + timeout + 5.0  # the controller decides at `timeout`; allow for its answer
+    while True:
+        result = store.try_get(RendezvousResult, keys.rendezvous_result)
+        if result is not None:
+            break
+        if stop.is_set():
+            raise RendezvousError("stopped while waiting for the rendezvous")
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"no rendezvous result from the controller at {store.endpoint} within {timeout:g}s")
+        time.sleep(POLL_INTERVAL)
+    if result.error:
+        raise RendezvousError(result.error)
+    slot = result.slot_of(record.agent_id)
+    if slot is None:
+        raise RendezvousError(f"the job already has its {len(result.nodes)} nodes; this agent was not admitted")
+    return result, slot
