@@ -1,0 +1,158 @@
+"""Shared fixtures: launching ftrun agents as real processes, and checking none are left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+#: generous deadline: only there to turn a hang into a failure
+JOB_DEADLINE = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    """Processes (of any parent) whose environment carries this test's mark."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FTRUN_TEST_MARK") == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen
+    log: Path
+    code: int | None = None
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class Launcher:
+    """Starts ftrun agents (one per simulated node) for one test and cleans up after it."""
+
+    tmp: Path
+    mark: str
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def out_dir(self) -> Path:
+        path = self.tmp / "out"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, FTRUN_TEST_MARK=self.mark, OUT_DIR=str(self.out_dir), PYTHONUNBUFFERED="1")
+        env.pop("PET_NNODES", None)
+        env.update(extra)
+        return env
+
+    def start(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Node:
+        log = self.tmp / f"node{len(self.nodes)}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ftrun", *args],
+                stdout=f, stderr=subprocess.STDOUT, env=env or self.env(), cwd=cwd or self.tmp,
+                start_new_session=True,
+            )
+        node = Node(proc, log)
+        self.nodes.append(node)
+        return node
+
+    def start_job(self, nnodes: int, nproc: int, script_args: list[str], *, flags: list[str] = (), env=None) -> list[Node]:
+        """``nnodes`` agents on one c10d endpoint, started together."""
+        endpoint = f"127.0.0.1:{free_port()}"
+        common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint,
+                  "--run-id", self.mark, "--monitor-interval", "0.05", *flags]
+        return [self.start([*common, *script_args], env=env) for _ in range(nnodes)]
+
+    def wait(self, nodes: list[Node] | None = None, timeout: float = JOB_DEADLINE) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for node in nodes or self.nodes:
+            try:
+                node.code = node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                pytest.fail(f"ftrun did not finish within {timeout}s:\n" + "\n".join(n.output for n in self.nodes))
+        return [n.code for n in (nodes or self.nodes)]
+
+    def results(self) -> dict[int, dict]:
+        return {int(p.stem[4:]): json.loads(p.read_text()) for p in self.out_dir.glob("rank*.json")}
+
+    def output(self) -> str:
+        return "\n".join(f"--- node {i} ---\n{n.output}" for i, n in enumerate(self.nodes))
+
+    def kill_all(self) -> None:
+        for proc in marked_processes(self.mark):
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """Agents started through it are checked for leftovers: no process may outlive the test."""
+    runner = Launcher(tmp_path, uuid.uuid4().hex)
+    yield runner
+    for node in runner.nodes:
+        if node.proc.poll() is None:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+            node.proc.wait()
+    leftovers = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        leftovers = marked_processes(runner.mark)
+        if not leftovers:
+            break
+        time.sleep(0.1)
+    runner.kill_all()
+    assert not leftovers, f"processes left behind: {[p.info if hasattr(p, 'info') else p.pid for p in leftovers]}"
+
+
+@pytest.fixture
+def ftrun_cli(tmp_path):
+    """Run ``ftrun`` to completion with a deadline: (exit code, stdout, stderr)."""
+
+    def run(*args: str, env: dict | None = None, timeout: float = 60):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ftrun", *args], capture_output=True, text=True, timeout=timeout,
+            env=dict(os.environ, **(env or {})), cwd=tmp_path,
+        )
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run

@@ -1,0 +1,94 @@
+"""A tiny deterministic DDP job for the integration tests (no ftrun imports: any torchrun script).
+
+Resumes from its own checkpoint, so a job-level restart continues where it left off.
+Faults are injected from the environment, only in the generations listed:
+  FAULT=rank:step:kind   kind: sigkill, exit1, segv, raise
+  FAULT_RESTARTS=0,1     restart counts in which to inject (default: 0)
+Writes OUT_DIR/rank<r>.json at the end: final step, restart count, parameter checksum, environment.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+CONTRACT = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID", "FTRUN_GENERATION", "FTRUN_RUN_ID", "FTRUN_CONTROL_STORE",
+)
+
+
+def inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get("FAULT", "")
+    restarts = os.environ.get("FAULT_RESTARTS", "0").split(",")
+    if not spec or os.environ["TORCHELASTIC_RESTART_COUNT"] not in restarts:
+        return
+    fault_rank, fault_step, kind = spec.split(":")
+    if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit1":
+        sys.exit(1)
+    elif kind == "segv":
+        ctypes.string_at(0)
+    elif kind == "raise":
+        raise ValueError(f"injected failure at step {step}")
+
+
+@record
+def main() -> None:
+    steps = int(os.environ.get("STEPS", "12"))
+    out_dir = os.environ["OUT_DIR"]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    start = 0
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    for step in range(start, steps):
+        inject_fault(rank, step)
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(16, 8, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        if rank == 0:
+            tmp = ckpt + ".tmp"
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, ckpt)
+        dist.barrier()
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    checksum = sum(float(p.double().sum()) for p in model.parameters())
+    result = {
+        "step": steps, "rank": rank, "world": world, "allreduce": total.item(), "checksum": checksum,
+        "env": {name: os.environ.get(name) for name in CONTRACT},
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    print(f"rank {rank} finished step {steps}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
