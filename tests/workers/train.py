@@ -79,7 +79,7 @@ def main() -> None:
         time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    checksum = sum(float(p.double().sum()) for p in model.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {
         "step": steps, "rank": rank, "world": world, "allreduce": total.item(), "checksum": checksum,
         "env": {name: os.environ.get(name) for name in CONTRACT},
@@ -87,6 +87,7 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     print(f"rank {rank} finished step {steps}", flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

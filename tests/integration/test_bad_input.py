@@ -1,0 +1,99 @@
+"""Wrong input gets one clear line, a documented exit code, no traceback, no process left."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.conftest import WORKERS, free_port, marked_processes
+
+SCRIPT = str(WORKERS / "train.py")
+
+CASES = [
+    # (id, args, exit code, words the line must contain)
+    ("nnodes-zero", ["--nnodes", "0", SCRIPT], 2, "--nnodes"),
+    ("nnodes-garbage", ["--nnodes", "a:b", SCRIPT], 2, "--nnodes"),
+    ("nnodes-min-above-max", ["--nnodes", "3:2", SCRIPT], 2, "--nnodes"),
+    ("nproc-zero", ["--nproc-per-node", "0", SCRIPT], 2, "--nproc-per-node"),
+    ("nproc-word", ["--nproc_per_node", "many", SCRIPT], 2, "--nproc-per-node"),
+    ("missing-script", ["no_such_train.py"], 2, "no_such_train.py"),
+    ("no-script", [], 2, "no training script"),
+    ("config-missing", ["--config", "missing.yaml", SCRIPT], 2, "missing.yaml"),
+    ("recovery-unknown", ["--recovery", "node", SCRIPT], 2, "--recovery"),
+    ("negative-budget", ["--max-restarts", "-1", SCRIPT], 2, "--max-restarts"),
+    ("budget-not-a-number", ["--fault-retry-times", "lots", SCRIPT], 2, "lots"),
+    ("endpoint-port-word", ["--rdzv-endpoint", "head:http", SCRIPT], 2, "port 'http'"),
+    ("endpoint-port-range", ["--rdzv-endpoint", "head:70000", SCRIPT], 2, "70000"),
+    ("endpoint-unresolvable", ["--rdzv-endpoint", "no-such-host.invalid:29400", SCRIPT], 2, "no-such-host.invalid"),
+    ("etcd-backend", ["--rdzv-backend", "etcd", SCRIPT], 2, "etcd"),
+    ("unknown-flag", ["--frobnicate", SCRIPT], 2, "--frobnicate"),
+    ("static-without-node-rank", ["--nnodes", "2", SCRIPT], 2, "--node-rank"),
+    ("node-rank-out-of-range", ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "localhost:1", SCRIPT], 2, "--node-rank 2"),
+    ("standalone-multi-node", ["--standalone", "--nnodes", "2", SCRIPT], 2, "--standalone"),
+    ("module-and-no-python", ["-m", "--no-python", "pkg"], 2, "cannot be combined"),
+    ("bad-redirects", ["-r", "7", SCRIPT], 2, "--redirects"),
+    ("bad-rdzv-conf", ["--rdzv-conf", "join_timeout", SCRIPT], 2, "--rdzv-conf"),
+    ("negative-interval", ["--monitor-interval", "-1", SCRIPT], 2, "--monitor-interval"),
+]
+
+
+@pytest.mark.parametrize("args, code, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_clear_line(ftrun_cli, args, code, words):
+    returncode, stdout, stderr = ftrun_cli(*args)
+    assert returncode == code, stderr
+    assert_one_clear_line(stderr, words)
+
+
+def assert_one_clear_line(stderr: str, words: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ftrun: error:")]
+    assert len(errors) == 1, stderr
+    assert words in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
+CONFIGS = [
+    ("unknown-key", "nproc_per_node: 2\nnprocs: 4\n", "unknown key 'nprocs'"),
+    ("not-yaml", "nnodes: [1, 2\n", "not valid YAML"),
+    ("not-a-mapping", "- 1\n- 2\n", "must be a mapping"),
+    ("not-utf8", b"nnodes: \xff\xfe\n", "not UTF-8"),
+    ("wrong-type", "max_restarts: [1, 2]\n", "--max-restarts"),
+]
+
+
+@pytest.mark.parametrize("text, words", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_bad_config_file_gets_one_clear_line(ftrun_cli, tmp_path, text, words):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    returncode, _, stderr = ftrun_cli("--config", str(path), SCRIPT)
+    assert returncode == 2, stderr
+    assert_one_clear_line(stderr, words)
+
+
+def test_port_in_use_by_another_program(ftrun_cli):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        returncode, _, stderr = ftrun_cli("--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT)
+    assert returncode == 2, stderr
+    assert_one_clear_line(stderr, f"port {port} on 127.0.0.1 is already in use")
+
+
+def test_unreachable_endpoint_names_it_and_gives_up_at_the_deadline(ftrun_cli):
+    port = free_port()
+    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0", "--rdzv-timeout", "2"]
+    returncode, _, stderr = ftrun_cli(*args, SCRIPT)
+    assert returncode == 3, stderr
+    assert_one_clear_line(stderr, f"cannot reach the rendezvous endpoint 127.0.0.1:{port} within 2s")
+
+
+def test_rendezvous_timeout_names_who_is_missing(ftrun_cli):
+    mark = "bad-input-rdzv-timeout"
+    args = ["--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "2"]
+    returncode, _, stderr = ftrun_cli(*args, SCRIPT, env={"FTRUN_TEST_MARK": mark})
+    assert returncode == 3, stderr
+    assert_one_clear_line(stderr, "1 of 3 nodes joined")
+    assert "missing node ranks 1, 2" in stderr
+    assert not marked_processes(mark)

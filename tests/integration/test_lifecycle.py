@@ -1,0 +1,88 @@
+"""Stopping: Ctrl-C and SIGTERM stop every node; a SIGKILLed agent leaves no worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, marked_processes, wait_for
+
+pytestmark = pytest.mark.integration
+SLEEPER = str(WORKERS / "sleeper.py")
+
+
+def start_sleepers(launcher, flags=(), **env):
+    nodes = launcher.start_job(2, 2, [SLEEPER], flags=["--stop-timeout", "2", *flags], env=launcher.env(**env))
+    pid_files = [launcher.out_dir / f"pids{rank}" for rank in range(4)]
+    wait_for(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), what="4 workers to start")
+    pids = [int(pid) for p in pid_files for pid in p.read_text().split()]
+    return nodes, pids
+
+
+def gone(pids) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_interrupt_on_one_node_stops_every_node(launcher, sig, code):
+    nodes, pids = start_sleepers(launcher)
+    host = next(n for n in nodes if "hosting it" in n.output)
+    other = next(n for n in nodes if n is not host)
+    os.kill(other.proc.pid, sig)
+    assert launcher.wait() == [code, code], launcher.output()
+    assert gone(pids)
+
+
+def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(launcher):
+    nodes, pids = start_sleepers(launcher, IGNORE_TERM="1")
+    os.kill(nodes[0].proc.pid, signal.SIGINT)
+    assert launcher.wait() == [130, 130], launcher.output()
+    assert gone(pids)
+
+
+@pytest.mark.parametrize("which", ["host", "other"])
+def test_sigkilled_agent_leaves_no_worker_behind(launcher, which):
+    nodes, pids = start_sleepers(launcher, flags=["--node-timeout", "3"])
+    host = next(n for n in nodes if "hosting it" in n.output)
+    victim = host if which == "host" else next(n for n in nodes if n is not host)
+    survivor = next(n for n in nodes if n is not victim)
+    victim_workers = [p.pid for p in psutil.Process(victim.proc.pid).children(recursive=True)]
+    victim.proc.kill()
+    victim.proc.wait()
+    # the dead agent's workers and their children go at once (parent-death signal, guardian)
+    wait_for(lambda: gone(victim_workers), timeout=10, what="the killed agent's workers to die")
+    # the other node notices (lost controller, or lost node) and stops its workers too
+    code = launcher.wait([survivor], timeout=60)[0]
+    assert code == 1, survivor.output
+    assert "lost" in survivor.output
+    assert gone(pids)
+    assert not marked_processes(launcher.mark)
+
+
+def test_tee_prefixes_console_lines_and_writes_rank_logs(launcher, tmp_path):
+    log_dir = tmp_path / "logs"
+    launcher.start_job(
+        1, 2, [str(WORKERS / "train.py")], flags=["--tee", "3", "--log-dir", str(log_dir)],
+        env=launcher.env(STEPS="2"),
+    )
+    assert launcher.wait() == [0], launcher.output()
+    assert "[rank 1]: rank 1 finished step 2" in launcher.output()
+    stdout = log_dir / launcher.mark / "node0" / "attempt_0" / "1" / "stdout.log"
+    assert stdout.read_text().strip() == "rank 1 finished step 2"
+
+
+def test_redirect_keeps_output_off_the_console_and_filter_picks_ranks(launcher, tmp_path):
+    log_dir = tmp_path / "logs"
+    launcher.start_job(
+        1, 2, [str(WORKERS / "train.py")],
+        flags=["-r", "0:1", "--local-ranks-filter", "0", "--log-dir", str(log_dir)],
+        env=launcher.env(STEPS="2"),
+    )
+    assert launcher.wait() == [0], launcher.output()
+    output = launcher.output()
+    assert "rank 0 finished" not in output  # redirected to its file
+    assert "rank 1 finished" not in output  # filtered off the console
+    assert (log_dir / launcher.mark / "node0" / "attempt_0" / "0" / "stdout.log").read_text().startswith("rank 0 finished")
