@@ -39,7 +39,11 @@ def job_summary(
     lines = [head]
     if reason and exit_code != ExitCode.OK:
         lines.append(f"reason: {reason}")
-    if failures:
+    if failures and exit_code == ExitCode.OK:
+        lines.append(f"recovered faults ({len(failures)}):")
+        for failure in failures:
+            lines.extend(describe_failure(failure))
+    elif failures:
         lines.append("root cause (first failure):")
         lines.extend(describe_failure(failures[0]))
         if len(failures) > 1:

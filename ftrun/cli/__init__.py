@@ -71,8 +71,8 @@ def run_launch(values: dict) -> int:
         style = "green" if view.exit_code == ExitCode.OK else "bold red"
         for line in job_summary(view.exit_code, view.reason, view.failures, view.restarts_used,
                                 view.max_restarts, time.monotonic() - started):
-            say(f"ftrun: {line}", style=style if line is not None else None)
-        return view.exit_code if outcome.exit_code == view.exit_code else outcome.exit_code
+            say(f"ftrun: {line}", style=style)
+        return outcome.exit_code
     if outcome.exit_code != ExitCode.OK:
         say(f"ftrun: job stopped (exit code {outcome.exit_code}): {outcome.reason}", style="bold red")
     return outcome.exit_code

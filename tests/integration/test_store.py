@@ -1,0 +1,73 @@
+"""The control store over real loopback sockets, and the orphan guardian as a real process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ftrun.config import Endpoint
+from ftrun.errors import RendezvousError, UsageError
+from ftrun.keys import JobKeys
+from ftrun.messages import Command, CommandKind
+from ftrun.store import connect_store, open_control_store
+from tests.conftest import free_port
+
+
+def test_first_agent_to_bind_hosts_and_the_next_joins():
+    endpoint = Endpoint("127.0.0.1", free_port())
+    host = open_control_store(endpoint, None, timeout=5)
+    guest = open_control_store(endpoint, None, timeout=5)
+    assert host.is_host and not guest.is_host
+    keys = JobKeys("t")
+    guest.append(keys.command_count, keys.command, Command(CommandKind.START, 0))
+    host.append(keys.command_count, keys.command, Command(CommandKind.STOP, 0))
+    assert [c.kind for c in host.read_from(keys.command_count, keys.command, Command, 0)] == [
+        CommandKind.START, CommandKind.STOP,
+    ]
+    assert guest.try_get(Command, keys.command(7)) is None
+
+
+def test_a_listener_that_is_not_a_store_is_refused_at_the_deadline():
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        endpoint = Endpoint("127.0.0.1", other.getsockname()[1])
+        started = time.monotonic()
+        with pytest.raises(RendezvousError, match="does not answer as a store"):
+            connect_store(endpoint, timeout=1)
+        assert time.monotonic() - started < 30  # a deadline, not a hang
+
+
+def test_forced_host_on_a_taken_port_is_a_usage_error():
+    endpoint = Endpoint("127.0.0.1", free_port())
+    first = open_control_store(endpoint, True, timeout=5)
+    with pytest.raises(UsageError, match="already in use"):
+        open_control_store(endpoint, True, timeout=5)
+    assert first.is_host
+
+
+def test_guardian_kills_listed_groups_when_its_agent_goes():
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    guardian = subprocess.Popen([sys.executable, "-m", "ftrun.agent.guardian"], stdin=subprocess.PIPE)
+    guardian.stdin.write(f"+{victim.pid}\n".encode())
+    guardian.stdin.flush()
+    guardian.stdin.close()  # what the kernel does when the agent dies
+    assert guardian.wait(timeout=30) == 0
+    assert victim.wait(timeout=30) == -9
+    assert not psutil.pid_exists(victim.pid)
+
+
+def test_guardian_spares_groups_it_was_told_to_forget():
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        guardian = subprocess.Popen([sys.executable, "-m", "ftrun.agent.guardian"], stdin=subprocess.PIPE)
+        guardian.communicate(f"+{keeper.pid}\n-{keeper.pid}\n".encode(), timeout=30)
+        assert keeper.poll() is None
+    finally:
+        keeper.kill()
+        keeper.wait()

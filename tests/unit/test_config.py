@@ -1,0 +1,118 @@
+"""Flag parsing and the launch configuration (no processes started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.cli import launch_command
+from ftrun.config import (
+    Endpoint,
+    StreamSpec,
+    build_launch_config,
+    parse_endpoint,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_streams,
+)
+from ftrun.errors import UsageError
+
+
+def parse(args, env=None, monkeypatch=None):
+    return launch_command.main(list(args), prog_name="ftrun", standalone_mode=False)
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("1", (1, 1)), ("4", (4, 4)), ("2:4", (2, 4)), (" 3 ", (3, 3))]
+)
+def test_nnodes_forms(text, expected):
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("head:29400", Endpoint("head", 29400)), ("head", Endpoint("head", 29500)), ("[::1]:1234", Endpoint("::1", 1234))],
+)
+def test_endpoint_forms(text, expected):
+    assert parse_endpoint(text, 29500) == expected
+
+
+@pytest.mark.parametrize(
+    "text, spec, rank, bits",
+    [("0", StreamSpec(0), 5, 0), ("3", StreamSpec(3), 1, 3), ("0:1,1:2", StreamSpec(0, ((0, 1), (1, 2))), 1, 2)],
+)
+def test_stream_specs(text, spec, rank, bits):
+    assert parse_streams(text, "-r") == spec
+    assert spec.for_rank(rank) == bits
+
+
+def test_rdzv_conf_pairs():
+    assert parse_rdzv_conf("join_timeout=5, is_host=1") == {"join_timeout": "5", "is_host": "1"}
+
+
+def test_script_arguments_pass_through_untouched(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    values = parse(["--nproc_per_node", "2", str(script), "--lr", "3", "-x", "--nnodes", "9", "--", "y"])
+    assert values["script"] == str(script)
+    assert values["script_args"] == ("--lr", "3", "-x", "--nnodes", "9", "--", "y")
+    assert values["nproc_per_node"] == "2" and values["nnodes"] == "1"
+
+
+@pytest.mark.parametrize("flag", ["--max-restarts", "--max_restarts", "--fault-retry-times", "--fault_retry_times"])
+def test_budget_flag_spellings(flag, tmp_path):
+    values = parse([flag, "4", "x.py"])
+    assert values["max_restarts"] == 4
+
+
+def test_rdzv_id_is_the_run_id():
+    assert parse(["--rdzv-id", "job7", "x.py"])["run_id"] == "job7"
+
+
+def test_flags_override_config_file_which_overrides_defaults(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("nproc-per-node: 4\nmax_restarts: 3\nscript: from_file.py\nscript_args: [--a, '1']\n")
+    values = parse(["--config", str(config), "--max-restarts", "1"])
+    assert values["nproc_per_node"] == 4
+    assert values["max_restarts"] == 1
+    assert values["script"] == "from_file.py" and values["script_args"] == ["--a", "1"]
+
+
+def test_pet_environment_variables_are_read_like_torchrun(monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    assert parse(["x.py"])["nproc_per_node"] == "3"
+
+
+def test_standalone_picks_a_free_local_port_and_a_fresh_run_id(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    a = build_launch_config({"standalone": True, "script": str(script)})
+    b = build_launch_config({"standalone": True, "script": str(script)})
+    assert a.endpoint.host == "localhost" and a.is_host is True
+    assert a.run_id != b.run_id
+
+
+def test_static_rendezvous_uses_master_addr_and_node_rank(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    raw = {"nnodes": "2", "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 1234, "script": str(script)}
+    config = build_launch_config(raw)
+    assert config.rdzv_backend == "static"
+    assert config.endpoint == Endpoint("10.0.0.1", 1234)
+    assert config.is_host is False
+
+
+def test_module_entrypoint_skips_the_file_check():
+    config = build_launch_config({"module": True, "script": "pkg.train", "script_args": ("--x",)})
+    assert config.entrypoint[-2:] == ("-m", "pkg.train") and config.script_args == ("--x",)
+
+
+def test_process_recovery_is_accepted(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert build_launch_config({"recovery": "PROCESS", "script": str(script)}).recovery == "process"
+
+
+@pytest.mark.parametrize("raw", [{"nnodes": "0"}, {"rdzv_backend": "etcd-v2"}, {"stop_timeout": "soon"}])
+def test_bad_values_raise_usage_errors(raw):
+    with pytest.raises(UsageError):
+        build_launch_config({"script": "x.py", **raw})
