@@ -1,7 +1,9 @@
 """Every store key ftrun uses, built in one place.
 
-All keys of a job live under ``ftrun/<run_id>/``; everything a worker group
-writes lives under a prefix that includes its generation, and no key is
+All keys of a job live under ``ftrun/<run_id>/``. The control sequences
+(commands, reports) only grow: nothing is ever overwritten, and every message
+names its generation. The workers' own keys never land here: each generation
+gets a fresh worker store (``ftrun.store.start_worker_store``), so no key is
 reused across generations (torchrun's restarted workers hang on stale keys:
 pytorch issues 135712 and 167288).
 """
@@ -56,7 +58,3 @@ class JobKeys:
 
     def report(self, seq: int) -> str:
         return f"{self.root}/report/{seq}"
-
-    def generation(self, generation: int) -> str:
-        """The prefix under which generation ``generation``'s workers keep their keys."""
-        return f"{self.root}/g{generation}"

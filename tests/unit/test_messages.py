@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ftrun.errors import ExitCode
-from ftrun.keys import JobKeys
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -34,14 +33,6 @@ def test_messages_round_trip_through_json():
 def test_unknown_fields_from_a_newer_sender_are_ignored():
     text = to_json(Command(CommandKind.STOP, 1))[:-1] + ', "future_field": 1}'
     assert from_json(Command, text) == Command(CommandKind.STOP, 1)
-
-
-def test_generation_prefixes_never_repeat_and_stay_under_the_run():
-    keys = JobKeys("job")
-    prefixes = [keys.generation(g) for g in range(100)]
-    assert len(set(prefixes)) == 100
-    assert all(p.startswith("ftrun/job/") for p in prefixes)
-    assert not any(a != b and b.startswith(a + "/") for a in prefixes for b in prefixes)
 
 
 def test_signal_names():

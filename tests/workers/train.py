@@ -50,6 +50,8 @@ def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    with open(os.path.join(out_dir, f"start-r{os.environ['TORCHELASTIC_RESTART_COUNT']}-rank{rank}.json"), "w") as f:
+        json.dump({name: os.environ.get(name) for name in CONTRACT}, f)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
