@@ -10,10 +10,12 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
+import shlex
 import shutil
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import yaml
@@ -22,9 +24,14 @@ from ftrun.errors import UsageError
 
 RECOVERY_LEVELS = ("process", "job")
 RDZV_BACKENDS = ("c10d", "static")
-#: --rdzv-conf keys ftrun understands; torchrun's others are accepted and ignored
-RDZV_CONF_KEYS = ("join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "timeout", "is_host")
+#: --rdzv-conf keys: ftrun uses join_timeout, last_call_timeout and is_host; torchrun's others are accepted
+RDZV_CONF_KEYS = (
+    "join_timeout", "last_call_timeout", "is_host", "read_timeout", "close_timeout", "timeout",
+    "keep_alive_interval", "keep_alive_max_attempt", "store_type", "use_libuv",
+)
 DEFAULT_MASTER_PORT = 29500
+#: torchrun's port for a c10d endpoint given without one
+DEFAULT_RDZV_PORT = 29400
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,26 @@ class LaunchConfig:
     redirects: StreamSpec
     tee: StreamSpec
     local_ranks_filter: frozenset[int] | None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def script(self) -> str:
         return self.entrypoint[-1]
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 without base-60 numbers: ``nnodes: 2:4`` must stay the string "2:4", not 124."""
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."),
+)
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -91,7 +113,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     except OSError as e:
         raise UsageError(f"cannot read config file {path}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text.decode("utf-8"))
+        data = yaml.load(text.decode("utf-8"), Loader=_ConfigLoader)
     except UnicodeDecodeError:
         raise UsageError(f"config file {path} is not UTF-8 text") from None
     except yaml.YAMLError as e:
@@ -186,6 +208,7 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
         if not sep or not key.strip():
             raise UsageError(f"--rdzv-conf entries must be key=value, got '{item}'")
         conf[key.strip()] = value.strip()
+    check_known_keys(conf, RDZV_CONF_KEYS, "--rdzv-conf")
     return conf
 
 
@@ -209,6 +232,18 @@ def _stream_bits(text: str) -> int:
     if not 0 <= value <= 3:
         raise ValueError(text)
     return value
+
+
+def parse_script_args(value: Any) -> tuple[str, ...]:
+    """The script's arguments: a list, or (from a config file) one string split like a shell would."""
+    if isinstance(value, str):
+        try:
+            return tuple(shlex.split(value))
+        except ValueError as e:
+            raise UsageError(f"script_args: {e}") from None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        return tuple(str(v) for v in value)
+    raise UsageError(f"script_args must be a list of strings or one string, got '{value}'")
 
 
 def parse_rank_filter(text: str) -> frozenset[int] | None:
@@ -304,7 +339,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         run_id = run_id or uuid.uuid4().hex[:12]
         is_host = True
     elif raw.get("rdzv_endpoint"):
-        endpoint = parse_endpoint(str(raw["rdzv_endpoint"]), DEFAULT_MASTER_PORT)
+        endpoint = parse_endpoint(str(raw["rdzv_endpoint"]), DEFAULT_RDZV_PORT)
         if backend == "static":
             is_host = node_rank == 0
     else:
@@ -334,7 +369,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
     )
     return LaunchConfig(
         entrypoint=entrypoint,
-        script_args=tuple(str(a) for a in raw.get("script_args") or ()),
+        script_args=parse_script_args(raw.get("script_args") or ()),
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc,
@@ -353,7 +388,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
         role=str(raw.get("role") or "default"),
         local_addr=str(raw.get("local_addr") or ""),
-        log_dir=str(raw.get("log_dir") or ""),
+        log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
         redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
         tee=parse_streams(raw.get("tee", "0"), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),

@@ -91,6 +91,8 @@ class Command:
     generation: int
     #: TORCHELASTIC_RESTART_COUNT for the generation's workers; START only
     restart_count: int = 0
+    #: the job-wide budget (TORCHELASTIC_MAX_RESTARTS); START only
+    max_restarts: int = 0
     #: HOST:PORT of the generation's own worker store (MASTER_ADDR/MASTER_PORT); START only
     worker_store: str = ""
     exit_code: int = 0

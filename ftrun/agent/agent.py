@@ -43,7 +43,7 @@ class Agent:
     def __init__(self, config: LaunchConfig):
         self.config = config
         self.keys = JobKeys(config.run_id)
-        self.host = socket.gethostname()
+        self.host = config.local_addr or socket.gethostname()
         self.agent_id = f"{self.host}:{os.getpid()}"
         self.stop_signal: int | None = None
         self.stop_event = threading.Event()
@@ -122,10 +122,16 @@ class Agent:
         return JobOutcome(code, reason, self.controller)
 
     def _log_dir(self) -> str:
-        if self.config.log_dir:
-            path = os.path.join(self.config.log_dir, self.config.run_id, f"node{self.slot.node_rank}")
+        config = self.config
+        if config.log_dir:
+            path = os.path.join(config.log_dir, config.run_id, f"node{self.slot.node_rank}")
             os.makedirs(path, exist_ok=True)
             return path
+        if config.redirects.default or config.redirects.per_rank or config.tee.default or config.tee.per_rank:
+            path = tempfile.mkdtemp(prefix=f"ftrun-{config.run_id}-")  # kept: the user asked for these files
+            log.info("worker logs in %s (set --log-dir to choose)", path)
+            return path
+        # only the workers' error files: gone with the job
         self._tmp_log_dir = tempfile.TemporaryDirectory(prefix="ftrun-")
         return self._tmp_log_dir.name
 
@@ -195,12 +201,13 @@ class Agent:
             master_addr=host,
             master_port=int(port),
             control_store=str(self.config.endpoint),
+            max_restarts=command.max_restarts,
         )
         slot = self.slot
         placements = [WorkerPlacement(i, slot.first_rank + i, slot.node_rank, self.host) for i in range(slot.nproc)]
         if command.generation > 0:
             log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
-                        command.restart_count, self.config.max_restarts)
+                        command.restart_count, command.max_restarts)
         group.start(placements, gen)
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:

@@ -21,7 +21,7 @@ class StreamPump:
         self._pipe = pipe
         self._console = console
         self._prefix = prefix
-        self._file = open(file_path, "ab") if file_path else None
+        self._file = open(file_path, "wb") if file_path else None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

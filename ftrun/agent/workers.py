@@ -124,6 +124,8 @@ class GenerationEnv:
     master_addr: str
     master_port: int
     control_store: str
+    #: the job-wide budget, as the controller counts it
+    max_restarts: int
 
 
 class WorkerGroup:
@@ -261,7 +263,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         MASTER_ADDR=gen.master_addr,
         MASTER_PORT=str(gen.master_port),
         TORCHELASTIC_RESTART_COUNT=str(gen.restart_count),
-        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_MAX_RESTARTS=str(gen.max_restarts),
         TORCHELASTIC_RUN_ID=config.run_id,
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=error_file,

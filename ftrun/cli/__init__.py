@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -58,6 +59,7 @@ def run_launch(values: dict) -> int:
         config = build_launch_config(values)
         if config.recovery == "process":
             say("ftrun: --recovery process is not available yet; using job-level recovery", style="yellow")
+            config = dataclasses.replace(config, recovery="job")
         agent = Agent(config)
         agent.install_signal_handlers()
         outcome = agent.run()

@@ -48,7 +48,7 @@ class GroupedCommand(click.Command):
             formatter.write_text(
                 "Every --flag-name is also accepted as --flag_name, and read from the environment variable "
                 "PET_FLAG_NAME when not given (as torchrun does). Precedence: flag, then PET_* variable, then "
-                "--config file, then the default. Everything after SCRIPT is passed to it untouched."
+                "--config file (also FTRUN_CONFIG), then the default. Everything after SCRIPT is passed to it untouched."
             )
 
 
@@ -84,7 +84,8 @@ def launch_options(fn):
         option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
                help="Seconds between checks of the workers."),
         option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
-               help="Seconds without a worker heartbeat before it counts as hung."),
+               help="Seconds without a heartbeat from a worker using ftrun.elastic before it counts as hung "
+                    "(given to the workers as FTRUN_HEARTBEAT_TIMEOUT)."),
         option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
                help="Seconds without an agent's keepalive before its node counts as lost."),
         option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
@@ -112,23 +113,26 @@ def launch_options(fn):
 
 #: options a config file may not set (they select the file or are handled by click)
 NOT_IN_CONFIG = {"config"}
+#: second names of one option: alias -> the option it sets
+ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts"}
 
 
 def merge_config(ctx: click.Context, params: dict) -> dict:
     """Flags (and PET_* variables) override the config file, which overrides the defaults."""
-    values = dict(params)
+    given = {k for k in params if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)}
+    values = {k: v for k, v in params.items() if k not in ALIASES}
+    for alias, target in ALIASES.items():
+        if alias in given and target not in given:
+            values[target] = params[alias]
+            given.add(target)
     path = params.get("config")
     if path:
         from_file = read_config_file(path)
-        known = sorted(set(params) - NOT_IN_CONFIG)
-        check_known_keys(from_file, known, f"config file {path}")
-        for key, value in from_file.items():
-            source = ctx.get_parameter_source(key)
-            if source in (None, click.core.ParameterSource.DEFAULT):
-                values[key] = value
-    if values.get("rdzv_id") and not values.get("run_id"):
-        values["run_id"] = values["rdzv_id"]
-    retry = values.pop("fault_retry_times", None)
+        check_known_keys(from_file, sorted(set(params) - NOT_IN_CONFIG), f"config file {path}")
+        from_file = {ALIASES.get(k, k): v for k, v in from_file.items()}
+        if "script" in given:  # a script on the command line comes with its own arguments
+            from_file.pop("script_args", None)
+        values.update((k, v) for k, v in from_file.items() if k not in given)
     if values.get("max_restarts") is None:
-        values["max_restarts"] = 0 if retry is None else retry
+        values["max_restarts"] = 0
     return values

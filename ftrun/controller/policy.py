@@ -105,7 +105,7 @@ def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
 
 def start(view: JobView) -> Decision:
     """The first generation's start."""
-    return view, [Command(CommandKind.START, view.generation, restart_count=view.restarts_used)]
+    return view, [_start_command(view)]
 
 
 def _on_failure(view: JobView, report: Report) -> Decision:
@@ -140,7 +140,14 @@ def _on_stopped(view: JobView, node_rank: int) -> Decision:
         succeeded=frozenset(),
         acknowledged=frozenset(),
     )
-    return view, [Command(CommandKind.START, view.generation, restart_count=view.restarts_used, reason=view.reason)]
+    return view, [_start_command(view)]
+
+
+def _start_command(view: JobView) -> Command:
+    return Command(
+        CommandKind.START, view.generation, restart_count=view.restarts_used, max_restarts=view.max_restarts,
+        reason=view.reason,
+    )
 
 
 def _exit(view: JobView, code: int, reason: str) -> Decision:

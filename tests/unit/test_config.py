@@ -15,6 +15,7 @@ from ftrun.config import (
     parse_streams,
 )
 from ftrun.errors import UsageError
+from tests.conftest import ROOT
 
 
 def parse(args, env=None, monkeypatch=None):
@@ -116,3 +117,54 @@ def test_process_recovery_is_accepted(tmp_path):
 def test_bad_values_raise_usage_errors(raw):
     with pytest.raises(UsageError):
         build_launch_config({"script": "x.py", **raw})
+
+
+@pytest.mark.parametrize("alias, value, key", [("--fault-retry-times", "2", "max_restarts"), ("--rdzv-id", "flag", "run_id")])
+def test_alias_flags_also_override_the_config_file(tmp_path, alias, value, key):
+    config = tmp_path / "job.yaml"
+    config.write_text("max_restarts: 0\nrun_id: file\n")
+    values = parse(["--config", str(config), alias, value, "x.py"])
+    assert str(values[key]) == value
+
+
+def test_config_reads_min_max_as_text_not_base_60(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("nnodes: 2:4\ntee: 0:1\nmonitor_interval: 0.5\n")
+    values = parse(["--config", str(config), "x.py"])
+    assert (values["nnodes"], values["tee"], values["monitor_interval"]) == ("2:4", "0:1", 0.5)
+
+
+def test_config_script_args_as_one_string_split_like_a_shell(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("script: t.py\nscript_args: \"--lr 3 -x 'a b'\"\n")
+    (tmp_path / "t.py").write_text("")
+    values = parse(["--config", str(config)])
+    values["script"] = str(tmp_path / "t.py")
+    assert build_launch_config(values).script_args == ("--lr", "3", "-x", "a b")
+
+
+def test_script_on_the_command_line_drops_the_file_s_script_args(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("script: other.py\nscript_args: [--from-file]\n")
+    values = parse(["--config", str(config), "mine.py"])
+    assert values["script"] == "mine.py" and values["script_args"] == ()
+
+
+def test_unknown_rdzv_conf_key_is_named():
+    with pytest.raises(UsageError, match="join_timout"):
+        parse_rdzv_conf("join_timout=5")
+
+
+def test_c10d_endpoint_without_port_uses_torchrun_s_29400(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert build_launch_config({"rdzv_endpoint": "head", "script": str(script)}).endpoint.port == 29400
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(path, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    values = parse(["--config", str(path), str(script)])
+    config = build_launch_config(values)
+    assert config.nproc_per_node >= 1
