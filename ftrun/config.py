@@ -77,6 +77,7 @@ class LaunchConfig:
     heartbeat_timeout: float
     node_timeout: float
     stop_timeout: float
+    repair_timeout: float
     role: str
     local_addr: str
     log_dir: str
@@ -386,6 +387,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         heartbeat_timeout=positive_seconds(raw.get("heartbeat_timeout", 30), "--heartbeat-timeout"),
         node_timeout=positive_seconds(raw.get("node_timeout", 30), "--node-timeout"),
         stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
+        repair_timeout=positive_seconds(raw.get("repair_timeout", 60), "--repair-timeout"),
         role=str(raw.get("role") or "default"),
         local_addr=str(raw.get("local_addr") or ""),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",

@@ -2,10 +2,11 @@
 
 All keys of a job live under ``ftrun/<run_id>/``. The control sequences
 (commands, reports) only grow: nothing is ever overwritten, and every message
-names its generation. The workers' own keys never land here: each generation
-gets a fresh worker store (``ftrun.store.start_worker_store``), so no key is
-reused across generations (torchrun's restarted workers hang on stale keys:
-pytorch issues 135712 and 167288).
+names its generation. Keys of a generation live under ``ftrun/<run_id>/g<g>/``
+and are never reused: the worker library forms each generation's process group
+there, and scripts that use plain env:// get a fresh worker store per generation
+(``ftrun.store.start_worker_store``). torchrun's restarted workers hang on
+stale keys (pytorch issues 135712 and 167288); ftrun's cannot see any.
 """
 
 from __future__ import annotations
@@ -58,3 +59,32 @@ class JobKeys:
 
     def report(self, seq: int) -> str:
         return f"{self.root}/report/{seq}"
+
+    # process-level recovery: the generation the workers must be in, and each generation's own keys
+    @property
+    def target_generation(self) -> str:
+        return f"{self.root}/target_generation"
+
+    def generation(self, generation: int) -> str:
+        """The prefix of generation ``generation``'s worker-library keys (never reused)."""
+        return f"{self.root}/g{generation}"
+
+    def process_group(self, generation: int) -> str:
+        """PrefixStore prefix under which generation ``generation`` forms its process group."""
+        return f"{self.generation(generation)}/pg"
+
+    def milestone(self, generation: int, name: str) -> str:
+        """Counter of ranks that reached a milestone: stopped, arrived, joined (the group formed
+        under ftrun.elastic: the controller's sign that process level is possible), resumed."""
+        return f"{self.generation(generation)}/{name}"
+
+    def rank_heartbeat(self, rank: int) -> str:
+        return f"{self.root}/rank/{rank}/heartbeat"
+
+    def rank_progress(self, rank: int) -> str:
+        """The rank's last committed step, as text."""
+        return f"{self.root}/rank/{rank}/step"
+
+    def rollback_failure(self, generation: int) -> str:
+        """Why the generation's rollback could not happen (no healthy replica holds the state)."""
+        return f"{self.generation(generation)}/rollback_failure"

@@ -83,6 +83,7 @@ class CommandKind(str, enum.Enum):
     START = "start"  # spawn this generation's workers
     STOP = "stop"  # stop this generation's workers and acknowledge
     EXIT = "exit"  # stop everything, acknowledge and leave with exit_code
+    REPLACE = "replace"  # process level: kill (if alive) and respawn these ranks for this generation
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ class Command:
     restart_count: int = 0
     #: the job-wide budget (TORCHELASTIC_MAX_RESTARTS); START only
     max_restarts: int = 0
-    #: HOST:PORT of the generation's own worker store (MASTER_ADDR/MASTER_PORT); START only
+    #: HOST:PORT of the generation's own worker store (MASTER_ADDR/MASTER_PORT); START, REPLACE
     worker_store: str = ""
+    #: REPLACE: the global ranks to respawn
+    ranks: tuple[int, ...] = ()
     exit_code: int = 0
     reason: str = ""
 
@@ -105,6 +108,7 @@ class ReportKind(str, enum.Enum):
     STOPPED = "stopped"  # acknowledges a STOP: no worker of the generation is left
     INTERRUPTED = "interrupted"  # the agent got SIGINT/SIGTERM from its user
     EXITED = "exited"  # acknowledges an EXIT: the agent is leaving
+    CLEARED = "cleared"  # acknowledges a REPLACE: the failed ranks' processes are dead and reaped
 
 
 @dataclass(frozen=True)

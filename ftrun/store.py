@@ -59,6 +59,15 @@ class ControlStore:
             return None
         return self.get(cls, key)
 
+    def set_text(self, key: str, text: str) -> None:
+        self._call(self.raw.set, key, text)
+
+    def try_text(self, key: str) -> str:
+        """The key's text, or "" while it is unset."""
+        if not self._call(self.raw.check, [key]):
+            return ""
+        return self._call(self.raw.get, key).decode("utf-8", "replace")
+
     def append(self, count_key: str, item_key: Callable[[int], str], message) -> int:
         """Append to a sequence: reserve the next index, then write the item under it."""
         index = self.add(count_key) - 1

@@ -17,7 +17,8 @@ import time
 
 from ftrun.agent.workers import GenerationEnv, ProcessOps, WorkerGroup, WorkerPlacement
 from ftrun.config import LaunchConfig
-from ftrun.controller.controller import Controller
+from ftrun.controller.controller import Controller, RecoveryPolicy
+from ftrun.controller.policy import Level
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
@@ -106,9 +107,13 @@ class Agent:
             rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout),
             host_agent_id=self.agent_id,
             advertised_host=config.local_addr or config.endpoint.host,
-            max_restarts=config.max_restarts,
-            node_timeout=config.node_timeout,
-            stop_timeout=config.stop_timeout,
+            policy=RecoveryPolicy(
+                max_restarts=config.max_restarts,
+                recovery=Level(config.recovery),
+                node_timeout=config.node_timeout,
+                stop_timeout=config.stop_timeout,
+                repair_timeout=config.repair_timeout,
+            ),
         )
         self.controller.start()
 
@@ -178,7 +183,10 @@ class Agent:
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
-                        self._start_generation(group, command)
+                        group.start(self._placements(), self._generation_env(command))
+                    elif command.kind is CommandKind.REPLACE:
+                        reported_success = False
+                        self._replace_ranks(group, command)
                 time.sleep(config.monitor_interval)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
@@ -191,9 +199,31 @@ class Agent:
             raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} for {self.config.node_timeout:g}s")
         return last
 
-    def _start_generation(self, group: WorkerGroup, command: Command) -> None:
+    def _placements(self) -> list[WorkerPlacement]:
+        slot = self.slot
+        return [WorkerPlacement(i, slot.first_rank + i, slot.node_rank, self.host) for i in range(slot.nproc)]
+
+    def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
+        """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
+        mine = [p for p in self._placements() if p.rank in command.ranks]
+        if not mine:
+            group.generation = command.generation
+            return
+        log.warning("replacing rank%s %s for generation %d", "s" if len(mine) > 1 else "",
+                    ", ".join(str(p.rank) for p in mine), command.generation)
+        for placement in mine:
+            group.clear(placement.local_rank, self.config.stop_timeout)
+        self._report(ReportKind.CLEARED, command.generation)
+        gen = self._generation_env(command, replacement=True)
+        for placement in mine:
+            group.respawn(placement, gen)
+
+    def _generation_env(self, command: Command, replacement: bool = False) -> GenerationEnv:
         host, _, port = command.worker_store.rpartition(":")
-        gen = GenerationEnv(
+        if command.generation > 0 and command.kind is CommandKind.START:
+            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
+                        command.restart_count, command.max_restarts)
+        return GenerationEnv(
             generation=command.generation,
             restart_count=command.restart_count,
             world_size=self.rendezvous.world_size,
@@ -202,13 +232,8 @@ class Agent:
             master_port=int(port),
             control_store=str(self.config.endpoint),
             max_restarts=command.max_restarts,
+            replacement=replacement,
         )
-        slot = self.slot
-        placements = [WorkerPlacement(i, slot.first_rank + i, slot.node_rank, self.host) for i in range(slot.nproc)]
-        if command.generation > 0:
-            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
-                        command.restart_count, command.max_restarts)
-        group.start(placements, gen)
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:
         report = Report(kind, self.slot.node_rank, generation, **fields)

@@ -126,6 +126,8 @@ class GenerationEnv:
     control_store: str
     #: the job-wide budget, as the controller counts it
     max_restarts: int
+    #: process level: this worker replaces a failed rank and must receive the training state
+    replacement: bool = False
 
 
 class WorkerGroup:
@@ -166,6 +168,20 @@ class WorkerGroup:
             placement, proc, pump(proc.stdout, STDOUT, "stdout"), pump(proc.stderr, STDERR, "stderr"),
             paths["error"], time.monotonic(),
         )
+
+    def clear(self, local_rank: int, timeout: float) -> None:
+        """Kill one worker if it is still alive and reap it (process-level env clear)."""
+        worker = self.workers[local_rank]
+        if worker.returncode is None:
+            self.ops.signal_group(worker.pid, signal.SIGKILL)
+            worker.proc.wait(timeout=timeout + 5)
+            worker.returncode = worker.proc.returncode
+            self._clear_group(worker)
+
+    def respawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> None:
+        """Start a replacement for one rank; the node's other workers keep running."""
+        self.generation = gen.generation
+        self.workers[placement.local_rank] = self._spawn(placement, gen)
 
     def poll(self) -> list[Worker]:
         """Workers that ended since the last poll (their process groups are cleared)."""
@@ -274,6 +290,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_CONTROL_STORE=gen.control_store,
         FTRUN_RECOVERY=config.recovery,
         FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
+        FTRUN_REPLACEMENT="1" if gen.replacement else "0",
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not each take every core

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -57,9 +56,6 @@ def run_launch(values: dict) -> int:
     agent = None
     try:
         config = build_launch_config(values)
-        if config.recovery == "process":
-            say("ftrun: --recovery process is not available yet; using job-level recovery", style="yellow")
-            config = dataclasses.replace(config, recovery="job")
         agent = Agent(config)
         agent.install_signal_handlers()
         outcome = agent.run()

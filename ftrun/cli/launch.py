@@ -90,6 +90,8 @@ def launch_options(fn):
                help="Seconds without an agent's keepalive before its node counts as lost."),
         option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
                help="Seconds between SIGTERM and SIGKILL when stopping workers."),
+        option("repair-timeout", group=RECOVERY, type=float, default=60.0, show_default=True,
+               help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),

@@ -1,4 +1,4 @@
-"""The controller thread: rendezvous, then apply the recovery policy to what agents report."""
+"""The controller thread: rendezvous, then turn what the store shows into policy events and apply them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ import logging
 import threading
 import time
 
-from ftrun.controller.policy import JobView, Phase, on_node_lost, on_report, start
+from ftrun.controller.policy import (
+    MILESTONE_OF,
+    JobView,
+    Level,
+    Phase,
+    on_library_ranks,
+    on_milestone,
+    on_node_lost,
+    on_repair_failed,
+    on_report,
+    start,
+)
 from ftrun.errors import ExitCode
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, Report, RendezvousResult
@@ -15,10 +26,35 @@ from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
 
 log = logging.getLogger(__name__)
-TICK = 0.02
+TICK = 0.01
 HEARTBEAT_INTERVAL = 0.5
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
+PROCESS_PHASES = (Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPolicy:
+    max_restarts: int
+    recovery: Level
+    node_timeout: float
+    stop_timeout: float
+    #: a process-level repair that has not finished by then falls back to job level
+    repair_timeout: float
+
+
+class RepairClock:
+    """When each phase of the repair under way began, for the phase breakdown."""
+
+    def __init__(self):
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, phase: str, when: float) -> None:
+        self.marks.append((phase, when))
+
+    def breakdown(self, end: float) -> list[tuple[str, float]]:
+        times = [t for _, t in self.marks[1:]] + [end]
+        return [(name, later - t) for (name, t), later in zip(self.marks, times)]
 
 
 class Controller:
@@ -31,22 +67,22 @@ class Controller:
         rendezvous: RendezvousPolicy,
         host_agent_id: str,
         advertised_host: str,
-        max_restarts: int,
-        node_timeout: float,
-        stop_timeout: float,
+        policy: RecoveryPolicy,
     ):
         self.store = store
         self.keys = keys
         self.rendezvous_policy = rendezvous
         self.host_agent_id = host_agent_id
         self.advertised_host = advertised_host
-        self.max_restarts = max_restarts
-        self.node_timeout = node_timeout
-        self.stop_timeout = stop_timeout
+        self.policy = policy
         self.view: JobView | None = None
         self.rendezvous: RendezvousResult | None = None
+        #: (generation, level, seconds, phase breakdown) of every finished repair
+        self.repairs: list[tuple[int, str, float, list[tuple[str, float]]]] = []
         self.stop_requested = threading.Event()
-        self._worker_stores: dict[int, object] = {}
+        self._worker_store = None
+        self._worker_store_address = ""
+        self._repair = RepairClock()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     def start(self) -> None:
@@ -55,16 +91,17 @@ class Controller:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    @property
-    def finished(self) -> bool:
-        return not self._thread.is_alive()
-
     def _run(self) -> None:
         try:
             self.rendezvous = gather(self.store, self.keys, self.rendezvous_policy, self.host_agent_id, self.stop_requested)
             if self.rendezvous.error:
                 return
-            self.view = JobView(node_count=len(self.rendezvous.nodes), max_restarts=self.max_restarts)
+            self.view = JobView(
+                node_count=len(self.rendezvous.nodes),
+                max_restarts=self.policy.max_restarts,
+                world_size=self.rendezvous.world_size,
+                recovery=self.policy.recovery,
+            )
             self._apply(start(self.view))
             self._loop()
         except StoreUnavailable as e:
@@ -74,7 +111,7 @@ class Controller:
             if self.view is not None:
                 self.view = dataclasses.replace(self.view, exit_code=ExitCode.JOB_FAILED, reason="the controller failed")
         finally:
-            self._worker_stores.clear()
+            self._worker_store = None
 
     def _loop(self) -> None:
         next_report = 0
@@ -87,11 +124,13 @@ class Controller:
                 self.store.add(self.keys.controller_heartbeat)
                 next_beat = now + HEARTBEAT_INTERVAL
                 self._check_nodes(beats, now)
+                self._check_library()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 self._apply(on_report(self.view, report))
+            self._check_repair(now)
             if self.view.phase is Phase.EXITING:
-                exit_deadline = exit_deadline or now + self.stop_timeout + EXIT_GRACE
+                exit_deadline = exit_deadline or now + self.policy.stop_timeout + EXIT_GRACE
                 if now > exit_deadline:
                     missing = sorted(self.view.present - self.view.acknowledged)
                     log.warning("nodes %s did not acknowledge the exit in time", missing)
@@ -104,24 +143,75 @@ class Controller:
             seen, since = beats.get(node, (-1, now))
             if count != seen:
                 beats[node] = (count, now)
-            elif now - since > self.node_timeout:
+            elif now - since > self.policy.node_timeout:
                 host = self.rendezvous.nodes[node].host
-                detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.node_timeout:g}s"
+                detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.policy.node_timeout:g}s"
                 log.error(detail)
                 self._apply(on_node_lost(self.view, node, detail))
 
+    def _check_library(self) -> None:
+        view = self.view
+        if view.recovery is Level.PROCESS and view.phase is Phase.RUNNING and not view.process_level_ready:
+            self._apply(on_library_ranks(view, self.store.counter(self.keys.milestone(view.generation, "joined"))))
+
+    def _check_repair(self, now: float) -> None:
+        """During a process-level repair: count the ranks' milestones, watch the deadline."""
+        view = self.view
+        if view.level is not Level.PROCESS or view.phase not in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK):
+            return
+        problem = self.store.try_text(self.keys.rollback_failure(view.generation))
+        if problem:
+            self._apply(on_repair_failed(view, problem))
+            return
+        if now - self._repair.marks[0][1] > self.policy.repair_timeout:
+            phase = view.phase.value
+            self._apply(on_repair_failed(view, f"the repair did not finish within {self.policy.repair_timeout:g}s (stuck in {phase})"))
+            return
+        if view.phase in MILESTONE_OF:
+            milestone, _ = MILESTONE_OF[view.phase]
+            expected = view.world_size - len(view.replacing) if milestone.value == "stopped" else view.world_size
+            if self.store.counter(self.keys.milestone(view.generation, milestone.value)) >= expected:
+                self._apply(on_milestone(view, milestone))
+
     def _apply(self, decision) -> None:
+        before = self.view
         self.view, commands = decision
+        self._note_phase(before, self.view)
         for command in commands:
             if command.kind is CommandKind.START:
-                command = self._with_worker_store(command)
+                command = self._with_new_worker_store(command)
+            elif command.kind is CommandKind.REPLACE:
+                command = dataclasses.replace(command, worker_store=self._worker_store_address)
+                self.store.set_text(self.keys.target_generation, str(command.generation))
             log.debug("publishing %s", command)
             self.store.append(self.keys.command_count, self.keys.command, command)
 
-    def _with_worker_store(self, command: Command) -> Command:
+    def _note_phase(self, before: JobView | None, after: JobView) -> None:
+        if before is None or before.phase is after.phase and before.generation == after.generation:
+            return
+        now = time.monotonic()
+        if before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
+            self._repair = RepairClock()
+            self._repair.mark("detect", min((f.timestamp for f in after.failures[len(before.failures):]), default=time.time()) - time.time() + now)
+            self._repair.mark("stop", now)
+            log.warning("%s-level repair to generation %d: %s", after.level.value, after.generation, after.reason)
+        elif after.phase in PROCESS_PHASES:
+            # a decision may pass through several phases at once (reaped before everyone stopped)
+            start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
+            for phase in PROCESS_PHASES[start:PROCESS_PHASES.index(after.phase) + 1]:
+                self._repair.mark(phase.value.replace("_", " "), now)
+        elif before.phase is not Phase.RUNNING and after.phase is Phase.RUNNING and self._repair.marks:
+            phases = self._repair.breakdown(now)
+            total = sum(seconds for _, seconds in phases)
+            self.repairs.append((after.generation, before.level.value, total, phases))
+            detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
+            log.warning("generation %d running again after %.2fs (%s)", after.generation, total, detail)
+            self._repair = RepairClock()
+
+    def _with_new_worker_store(self, command: Command) -> Command:
         # Each generation gets a fresh store for the workers' env:// rendezvous; the
         # previous generation's workers are all stopped by now, so its store goes.
-        self._worker_stores.clear()
-        store, port = start_worker_store(self.advertised_host)
-        self._worker_stores[command.generation] = store
-        return dataclasses.replace(command, worker_store=f"{self.advertised_host}:{port}")
+        self._worker_store = None
+        self._worker_store, port = start_worker_store(self.advertised_host)
+        self._worker_store_address = f"{self.advertised_host}:{port}"
+        return dataclasses.replace(command, worker_store=self._worker_store_address)

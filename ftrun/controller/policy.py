@@ -1,8 +1,15 @@
-"""The job-level recovery policy, as pure transitions over a frozen view of the job.
+"""The recovery policy, as pure transitions over a frozen view of the job.
 
-No clock, store or process in here: :func:`on_report` and :func:`on_node_lost`
-take the job's view and one event and return the next view and the commands to
-publish. The controller thread (``controller.py``) applies them.
+No clock, store or process in here: each ``on_*`` function takes the job's view
+and one event and returns the next view and the commands to publish. The
+controller thread (``controller.py``) turns store contents into events and
+applies the results.
+
+Process level (DESIGN.md "The repair, step by step"): a fault moves RUNNING to
+STOPPING and names the ranks to replace; the phases then follow the milestones
+the ranks and agents reach (healthy ranks left the old group, failed processes
+reaped, the new group formed, state rolled back) until RUNNING again. Job level:
+STOPPING until every agent stopped its workers, then every worker starts anew.
 """
 
 from __future__ import annotations
@@ -20,21 +27,58 @@ class Phase(enum.Enum):
 
     #: the generation's workers are running (or some nodes have finished theirs)
     RUNNING = "running"
-    #: a fault was seen; every agent is stopping the generation's workers before a restart
+    #: a fault was seen. Job level: agents stop every worker. Process level: healthy ranks leave
+    #: their process group at a safe point while the failed ranks' agents clear them
     STOPPING = "stopping"
+    #: process level: healthy ranks have stopped; the failed ranks' processes are being reaped
+    ENV_CLEAR = "env_clear"
+    #: process level: replacements are up; every rank forms the next generation's process group
+    REPAIR = "repair"
+    #: process level: the group is formed; the consistent step's state goes to the ranks lacking it
+    ROLLBACK = "rollback"
     #: the job is over (success, budget spent or interrupted); agents are stopping and leaving
     EXITING = "exiting"
     #: every agent has acknowledged the exit (or is gone); the controller can stop
     DONE = "done"
 
 
+REPAIR_PHASES = (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
+
 #: every legal edge; anything else is a bug and raises
 TRANSITIONS = {
-    Phase.RUNNING: {Phase.RUNNING, Phase.STOPPING, Phase.EXITING},
-    # all stopped -> the next generation runs; an interrupt or a lost node during the stop -> exit
-    Phase.STOPPING: {Phase.STOPPING, Phase.RUNNING, Phase.EXITING},
-    Phase.EXITING: {Phase.EXITING, Phase.DONE},
-    Phase.DONE: {Phase.DONE},
+    Phase.RUNNING: {Phase.STOPPING, Phase.EXITING},
+    # job level: all stopped -> the next generation runs; process level: healthy ranks out -> clear
+    Phase.STOPPING: {Phase.RUNNING, Phase.ENV_CLEAR, Phase.STOPPING, Phase.EXITING},
+    Phase.ENV_CLEAR: {Phase.REPAIR, Phase.STOPPING, Phase.EXITING},
+    Phase.REPAIR: {Phase.ROLLBACK, Phase.STOPPING, Phase.EXITING},
+    # rolled back -> running; a fault during rollback -> a new repair (STOPPING)
+    Phase.ROLLBACK: {Phase.RUNNING, Phase.STOPPING, Phase.EXITING},
+    Phase.EXITING: {Phase.DONE},
+    Phase.DONE: set(),
+}
+
+
+class Level(enum.Enum):
+    PROCESS = "process"
+    JOB = "job"
+
+
+class Milestone(enum.Enum):
+    """What the controller counts in the store during a process-level repair.
+
+    (ENV_CLEAR ends on the agents' CLEARED reports instead: they reap the failed processes.)
+    """
+
+    STOPPED = "stopped"  # every healthy rank left the old process group
+    JOINED = "joined"  # every rank is in the new generation's process group
+    RESUMED = "resumed"  # every rank holds the consistent step's state and trains on
+
+
+#: the milestone that ends a process-level phase, and the phase after it
+MILESTONE_OF = {
+    Phase.STOPPING: (Milestone.STOPPED, Phase.ENV_CLEAR),
+    Phase.REPAIR: (Milestone.JOINED, Phase.ROLLBACK),
+    Phase.ROLLBACK: (Milestone.RESUMED, Phase.RUNNING),
 }
 
 
@@ -46,9 +90,19 @@ class IllegalTransition(Exception):
 class JobView:
     node_count: int
     max_restarts: int
+    world_size: int = 0
+    #: the finest level the user allows (--recovery)
+    recovery: Level = Level.JOB
+    #: ranks of the current generation that run under ftrun.elastic (process level needs all)
+    library_ranks: int = 0
     phase: Phase = Phase.RUNNING
+    #: the level of the repair under way (meaningful outside RUNNING)
+    level: Level = Level.JOB
     generation: int = 0
     restarts_used: int = 0
+    #: process level: ranks being replaced in this generation, and the nodes that must reap them
+    replacing: frozenset[int] = frozenset()
+    clearing: frozenset[int] = frozenset()
     succeeded: frozenset[int] = frozenset()
     acknowledged: frozenset[int] = frozenset()
     lost: frozenset[int] = frozenset()
@@ -70,8 +124,17 @@ class JobView:
     def budget_left(self) -> int:
         return self.max_restarts - self.restarts_used
 
+    @property
+    def process_level_ready(self) -> bool:
+        return self.recovery is Level.PROCESS and self.world_size > 0 and self.library_ranks >= self.world_size
+
 
 Decision = tuple[JobView, list[Command]]
+
+
+def start(view: JobView) -> Decision:
+    """The first generation's start."""
+    return view, [_start_command(view)]
 
 
 def on_report(view: JobView, report: Report) -> Decision:
@@ -88,7 +151,36 @@ def on_report(view: JobView, report: Report) -> Decision:
         return _on_success(view, report.node_rank)
     if report.kind is ReportKind.STOPPED:
         return _on_stopped(view, report.node_rank)
+    if report.kind is ReportKind.CLEARED:
+        return _on_cleared(view, report.node_rank)
     raise ValueError(f"unknown report kind {report.kind}")
+
+
+def on_library_ranks(view: JobView, count: int) -> Decision:
+    """How many ranks of the current generation said hello from ftrun.elastic."""
+    return dataclasses.replace(view, library_ranks=max(view.library_ranks, count)), []
+
+
+def on_milestone(view: JobView, milestone: Milestone) -> Decision:
+    """Every rank concerned reached ``milestone`` (counted by the controller in the store)."""
+    if view.level is not Level.PROCESS or view.phase not in MILESTONE_OF:
+        return view, []
+    expected, after = MILESTONE_OF[view.phase]
+    if milestone is not expected:
+        return view, []
+    if after is Phase.RUNNING:
+        return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset()), []
+    return _advance_clear(view.move(after)), []
+
+
+def on_repair_failed(view: JobView, detail: str) -> Decision:
+    """A process-level repair cannot finish (deadline, no healthy replica): fall back to job level."""
+    if view.phase not in REPAIR_PHASES or view.level is not Level.PROCESS:
+        return view, []
+    if view.budget_left <= 0:
+        return _exit(view, ExitCode.JOB_FAILED, f"{detail}; retry budget spent, no job-level fallback left")
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail)
+    return view, [Command(CommandKind.STOP, view.generation, reason=f"{detail}; falling back to job level")]
 
 
 def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
@@ -103,20 +195,37 @@ def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
     return _exit(view, ExitCode.JOB_FAILED, detail)
 
 
-def start(view: JobView) -> Decision:
-    """The first generation's start."""
-    return view, [_start_command(view)]
-
-
 def _on_failure(view: JobView, report: Report) -> Decision:
     view = dataclasses.replace(view, failures=view.failures + report.failures)
-    if view.phase is not Phase.RUNNING:
-        return view, []  # already stopping or exiting: recorded as a secondary failure
+    ranks = frozenset(f.rank for f in report.failures)
     first = report.failures[0].describe() if report.failures else f"a worker on node {report.node_rank}"
+    if view.phase in (Phase.EXITING, Phase.DONE) or (view.phase in REPAIR_PHASES and view.level is Level.JOB):
+        return view, []  # already stopping everything: recorded as a secondary failure
+    if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
+        # the new group is not formed yet: replace these ranks in the same repair
+        view = view.move(
+            Phase.STOPPING,
+            replacing=view.replacing | ranks,
+            clearing=view.clearing | {report.node_rank},
+            acknowledged=view.acknowledged - {report.node_rank},
+        )
+        return view, [_replace_command(view, ranks)]
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(view, ExitCode.JOB_FAILED, f"{first}; {spent}")
-    view = view.move(Phase.STOPPING, acknowledged=frozenset(), reason=first)
+    if view.process_level_ready or (view.phase is Phase.ROLLBACK and view.level is Level.PROCESS):
+        view = view.move(
+            Phase.STOPPING,
+            level=Level.PROCESS,
+            generation=view.generation + 1,
+            restarts_used=view.restarts_used + 1,
+            replacing=ranks,
+            clearing=frozenset({report.node_rank}),
+            acknowledged=frozenset(),
+            reason=first,
+        )
+        return view, [_replace_command(view, ranks)]
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=first)
     return view, [Command(CommandKind.STOP, view.generation, reason=first)]
 
 
@@ -128,7 +237,7 @@ def _on_success(view: JobView, node_rank: int) -> Decision:
 
 
 def _on_stopped(view: JobView, node_rank: int) -> Decision:
-    if view.phase is not Phase.STOPPING:
+    if view.phase is not Phase.STOPPING or view.level is not Level.JOB:
         return view, []
     view = dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank})
     if view.acknowledged < view.present:
@@ -137,16 +246,39 @@ def _on_stopped(view: JobView, node_rank: int) -> Decision:
         Phase.RUNNING,
         generation=view.generation + 1,
         restarts_used=view.restarts_used + 1,
+        library_ranks=0,
+        replacing=frozenset(),
+        clearing=frozenset(),
         succeeded=frozenset(),
         acknowledged=frozenset(),
     )
     return view, [_start_command(view)]
 
 
+def _on_cleared(view: JobView, node_rank: int) -> Decision:
+    """An agent reaped its failed ranks; the milestone counts once every such node has."""
+    if view.level is not Level.PROCESS or view.phase not in (Phase.STOPPING, Phase.ENV_CLEAR):
+        return view, []
+    return _advance_clear(dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank})), []
+
+
+def _advance_clear(view: JobView) -> JobView:
+    if view.phase is Phase.ENV_CLEAR and view.acknowledged >= view.clearing:
+        return view.move(Phase.REPAIR)
+    return view
+
+
 def _start_command(view: JobView) -> Command:
     return Command(
         CommandKind.START, view.generation, restart_count=view.restarts_used, max_restarts=view.max_restarts,
         reason=view.reason,
+    )
+
+
+def _replace_command(view: JobView, ranks: frozenset[int]) -> Command:
+    return Command(
+        CommandKind.REPLACE, view.generation, restart_count=view.restarts_used, max_restarts=view.max_restarts,
+        ranks=tuple(sorted(ranks)), reason=view.reason,
     )
 
 

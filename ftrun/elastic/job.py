@@ -1,0 +1,411 @@
+"""The worker library's core: a training loop that survives the loss of other ranks."""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ftrun.config import parse_endpoint
+from ftrun.elastic.backends import CommBackend, make_backend
+from ftrun.elastic.rollback import NO_STATE, choose_rollback
+from ftrun.keys import JobKeys
+from ftrun.store import ControlStore, connect_store
+
+log = logging.getLogger("ftrun.elastic")
+POLL = 0.002
+#: the heartbeat thread's tick: it also watches for announced repairs
+BEAT_TICK = 0.05
+#: after a repair is announced, how long the main thread may take to notice before it is interrupted
+INTERRUPT_AFTER = 0.2
+#: exit status of a rank that could not leave a blocked collective after a repair was announced
+EXIT_STUCK = 75
+
+
+class RepairError(RuntimeError):
+    """The repair could not finish on this rank; ftrun falls back to job level."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ftrun tells a worker through its environment (``FTRUN_*`` and torchrun's variables)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    run_id: str
+    generation: int
+    control_store: str
+    replacement: bool
+    heartbeat_timeout: float
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv | None":
+        """None when the script runs outside ftrun (plain torchrun, or a single process)."""
+        if not env.get("FTRUN_CONTROL_STORE"):
+            return None
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env["WORLD_SIZE"]),
+            run_id=env["FTRUN_RUN_ID"],
+            generation=int(env["FTRUN_GENERATION"]),
+            control_store=env["FTRUN_CONTROL_STORE"],
+            replacement=env.get("FTRUN_REPLACEMENT") == "1",
+            heartbeat_timeout=float(env.get("FTRUN_HEARTBEAT_TIMEOUT", "30")),
+        )
+
+
+class Step:
+    """One training step. Run its body as ``with step:`` so that a fault elsewhere is caught there."""
+
+    def __init__(self, job: "ElasticJob", number: int):
+        self.job = job
+        self.number = number
+        self.entered = False
+        #: the generation the repair goes to, when a fault elsewhere interrupted this step
+        self.repair_target: int | None = None
+
+    def __index__(self) -> int:
+        return self.number
+
+    __int__ = __index__
+
+    def __repr__(self) -> str:
+        return f"Step({self.number})"
+
+    def __enter__(self) -> "Step":
+        self.entered = True
+        self.job._mutated = False
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None:
+            self.job._commit(self.number)
+            return False
+        self.repair_target = self.job._repair_target(error)
+        # swallowed when it is a fault elsewhere: steps() repairs and goes on from the consistent step
+        return self.repair_target is not None
+
+
+class ElasticDDP(torch.nn.Module):
+    """Data parallelism that survives a repair: gradients averaged over the current process group.
+
+    Like DistributedDataParallel, the parameters are broadcast from rank 0 before the first
+    forward and every gradient is averaged over the ranks before backward returns. Unlike it:
+
+    * it holds no process group between steps, so the next generation's group takes over after
+      a repair (gloo only closes a dead group's sockets, which releases peers blocked on this
+      rank, once nothing refers to it any more: queued asynchronous work does);
+    * the gradients go in one flat buffer, always in parameter order, and one synchronous
+      all-reduce, so the summation order never changes and a repaired run stays bit-identical
+      to a fault-free one (DDP lays its buckets out anew with each wrapper).
+
+    Every parameter that requires a gradient must get one in every step.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self._synced = False
+        self._queued = False
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        for param in self._params:
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        if not self._synced:
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+            self._synced = True
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
+
+    def _average_gradients(self) -> None:
+        self._queued = False
+        grads = [p.grad for p in self._params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def reset(self, synced: bool) -> None:
+        """After a repair; ``synced``: every rank already holds the same parameters."""
+        self._queued = False
+        self._synced = synced
+
+
+class ElasticJob:
+    """One rank's membership in an ftrun job: its process group, its training state, its steps.
+
+    Outside ftrun (plain torchrun) it initialises the process group from the
+    environment as usual and its steps simply run, so the same script works under both.
+    """
+
+    def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0):
+        self.env = WorkerEnv.from_environ()
+        local_rank = self.env.local_rank if self.env else int(os.environ.get("LOCAL_RANK", "0"))
+        self.backend: CommBackend = make_backend(backend, local_rank)
+        self.collective_timeout = collective_timeout
+        #: after a collective raises, how long to wait for the controller to announce a repair
+        self.fault_wait = fault_wait
+        self._objects: dict[str, object] = {}
+        self._wrappers: list[ElasticDDP] = []
+        self._step = 0
+        self._mutated = False
+        self._needs_state = False
+        self._repairing = False
+        self._closed = threading.Event()
+        if self.env is None:
+            dist.init_process_group(self.backend.name)
+            self.generation = 0
+            return
+        self.keys = JobKeys(self.env.run_id)
+        endpoint = parse_endpoint(self.env.control_store, 0, "FTRUN_CONTROL_STORE")
+        self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False)
+        self.generation = -1
+        self._spawned_for = self.env.generation if self.env.replacement else None
+        self._needs_state = self.env.replacement
+        self._join(self.env.generation)
+        self._repairing = self._needs_state  # a replacement is part of the repair until it has the state
+        self._heartbeat = threading.Thread(target=self._beat, name="ftrun-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- the user's side ------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def step(self) -> int:
+        """The next step to run: the number of steps committed so far."""
+        return self._step
+
+    def register(self, **objects) -> None:
+        """Register training state: anything with ``state_dict()`` / ``load_state_dict()``.
+
+        Models, optimizers, LR schedulers, samplers, your own objects. After a repair, ranks that
+        lost their state receive every registered object's state from a healthy replica.
+        Optimizers are watched so that a step interrupted after ``optimizer.step()`` is known to
+        be half applied (that rank then receives the state too).
+        """
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+            self._objects[name] = obj
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._on_optimizer_step)
+
+    def ddp(self, module: torch.nn.Module) -> ElasticDDP:
+        """Wrap ``module`` for data parallelism, as DistributedDataParallel does, repair-proof."""
+        wrapper = ElasticDDP(module)
+        self._wrappers.append(wrapper)
+        return wrapper
+
+    def steps(self, total: int, start: int = 0) -> Iterator[Step]:
+        """Steps ``start..total-1``; after a repair, the loop goes on from the consistent step.
+
+        ``start`` is where a fresh job begins (e.g. a step loaded from your own checkpoint);
+        a replacement rank ignores it and resumes where the healthy ranks are.
+        """
+        if self._needs_state:
+            self._recover(self.generation, joined=True)
+        elif self._step < start:
+            self._step = start
+        while self._step < total:
+            step = Step(self, self._step)
+            yield step
+            if step.repair_target is not None:
+                self._recover(step.repair_target)
+            elif not step.entered:
+                self._commit(step.number)
+
+    def close(self) -> None:
+        """Leave the job: stop the heartbeat, destroy the process group."""
+        self._closed.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- commits and faults -----------------------------------------------------------------------
+
+    def _on_optimizer_step(self, *args) -> None:
+        self._mutated = True
+
+    def _commit(self, number: int) -> None:
+        self._step = number + 1
+        self._mutated = False
+
+    def _repair_target(self, error: BaseException) -> int | None:
+        """The generation to repair into if ``error`` comes from a fault elsewhere (the controller
+        announces a repair); None when it is this rank's own error, which must end the process."""
+        if self.env is None or not isinstance(error, Exception):
+            return None
+        target = self._await_target(above=self.generation, timeout=self.fault_wait)
+        if target is not None:
+            log.warning("rank %d: step %d interrupted (%s); repairing into generation %d",
+                        self.env.rank, self._step, _first_line(error), target)
+        return target
+
+    def _target(self) -> int:
+        text = self.store.try_text(self.keys.target_generation)
+        return int(text) if text else 0
+
+    def _await_target(self, above: int, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            target = self._target()
+            if target > above:
+                return target
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    # -- the repair: join the next generation's group, roll back ------------------------------------
+
+    def _recover(self, target: int, joined: bool = False) -> None:
+        while True:
+            if not joined:
+                target = self._join(target)
+            joined = False
+            try:
+                self._rollback(target)
+                return
+            except RepairError:
+                raise
+            except Exception as e:
+                newer = self._await_target(above=target, timeout=self.fault_wait)
+                if newer is None:
+                    raise
+                log.warning("rank %d: rollback of generation %d interrupted (%s)", self.env.rank, target, _first_line(e))
+                target = newer
+
+    def _join(self, target: int) -> int:
+        """Leave the current group and form generation ``target``'s (or a newer one's); returns it."""
+        while True:
+            self._repairing = True
+            if target != self._spawned_for:
+                self.store.add(self.keys.milestone(target, "stopped"))
+            self._leave_group()
+            if self._form_group(target):
+                return target
+            target = self._target()
+
+    def _leave_group(self) -> None:
+        # gloo closes this rank's sockets (releasing peers blocked on it) only when the last
+        # reference to the group goes
+        for wrapper in self._wrappers:
+            wrapper.reset(synced=True)
+        self.backend.release()
+        gc.collect()
+
+    def _form_group(self, generation: int) -> bool:
+        """Form the group once every rank arrived; False if a newer generation was announced meanwhile."""
+        arrived = self.keys.milestone(generation, "arrived")
+        self.store.add(arrived)
+        deadline = time.monotonic() + self.collective_timeout
+        while self.store.counter(arrived) < self.env.world_size:
+            if generation and self._target() > generation:
+                return False
+            if time.monotonic() > deadline:
+                raise RepairError(f"generation {generation}: not every rank arrived within {self.collective_timeout:g}s")
+            time.sleep(POLL)
+        from torch.distributed import PrefixStore
+
+        store = PrefixStore(self.keys.process_group(generation), self.store.raw)
+        self.backend.form_group(store, self.env.rank, self.env.world_size, self.collective_timeout)
+        self.generation = generation
+        self.store.add(self.keys.milestone(generation, "joined"))
+        return True
+
+    def _rollback(self, generation: int) -> None:
+        """Agree on the consistent step; its holder sends the state to the ranks that lack it."""
+        device = self.backend.device()
+        mine = NO_STATE if (self._needs_state or self._mutated) else self._step
+        gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
+        plan = choose_rollback([int(t.item()) for t in gathered])
+        if plan is None:
+            reason = "no healthy replica holds the training state"
+            self.store.set_text(self.keys.rollback_failure(generation), reason)
+            raise RepairError(reason)
+        if plan.receivers:
+            self._send_state(plan.source, self.env.rank in plan.receivers, device)
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+        for wrapper in self._wrappers:
+            wrapper.reset(synced=True)  # every rank now holds the same parameters
+        self._step = plan.step
+        self._needs_state = False
+        self._mutated = False
+        self.store.add(self.keys.milestone(generation, "resumed"))
+        self._repairing = False
+        log.info("rank %d: generation %d resumes at step %d (state from rank %d)", self.env.rank, generation,
+                 plan.step, plan.source)
+
+    def _send_state(self, source: int, receive: bool, device) -> None:
+        if self.env.rank == source:
+            buffer = io.BytesIO()
+            torch.save({name: obj.state_dict() for name, obj in self._objects.items()}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.broadcast(size, src=source)
+        if self.env.rank != source:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src=source)
+        if receive:
+            states = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+            for name, obj in self._objects.items():
+                obj.load_state_dict(states[name])
+
+    # -- liveness ----------------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        stuck_since = None
+        interrupted = False
+        while not self._closed.wait(BEAT_TICK):
+            try:
+                self.store.add(self.keys.rank_heartbeat(self.env.rank))
+                self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
+                announced = self._target() > self.generation
+            except Exception:
+                return  # the controller is gone; the agent stops this process
+            # A repair was announced but this rank's main thread has not joined it: release it from
+            # the collective it may be waiting in. If even that does not free it, leave, so that
+            # the repair replaces this rank instead of waiting for it.
+            stuck_since = (stuck_since or time.monotonic()) if announced and not self._repairing else None
+            if stuck_since and time.monotonic() - stuck_since > INTERRUPT_AFTER and not interrupted:
+                interrupted = True
+                self.backend.interrupt()
+            if not stuck_since:
+                interrupted = False
+            if stuck_since and time.monotonic() - stuck_since > self.fault_wait:
+                log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced",
+                          self.env.rank, self.fault_wait)
+                os._exit(EXIT_STUCK)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

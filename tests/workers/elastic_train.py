@@ -1,0 +1,69 @@
+"""The integration tests' job written with ftrun.elastic (compare tests/workers/train.py).
+
+Faults come from the environment and hit only original ranks (never a replacement):
+  FAULT=rank:step:kind[,rank:step:kind...]   kind: sigkill, exit1, segv
+  FAULT_GENERATIONS=0                        generations in which to inject (default 0)
+Writes OUT_DIR/rank<r>.json at the end: final step, parameter checksum, pid, generation.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import ftrun.elastic
+
+
+def inject_fault(rank: int, step: int, generation: int) -> None:
+    if os.environ.get("FTRUN_REPLACEMENT") == "1":
+        return
+    if str(generation) not in os.environ.get("FAULT_GENERATIONS", "0").split(","):
+        return
+    for spec in filter(None, os.environ.get("FAULT", "").split(",")):
+        fault_rank, fault_step, kind = spec.split(":")
+        if int(fault_rank) == rank and int(fault_step) == step:
+            print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
+            if kind == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "exit1":
+                os._exit(1)
+            elif kind == "segv":
+                ctypes.string_at(0)
+
+
+def main() -> None:
+    steps = int(os.environ.get("STEPS", "12"))
+    out_dir = os.environ["OUT_DIR"]
+    job = ftrun.elastic.init()
+    torch.manual_seed(0)
+    model = job.ddp(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    job.register(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step in job.steps(steps):
+        with step:
+            inject_fault(job.rank, int(step), job.generation)
+            batch = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * int(step) + job.rank))
+            loss = model(batch).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    result = {"step": job.step, "rank": job.rank, "checksum": checksum, "pid": os.getpid(),
+              "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT")}
+    with open(os.path.join(out_dir, f"rank{job.rank}.json"), "w") as f:
+        json.dump(result, f)
+    with open(os.path.join(out_dir, f"pid-gen{os.environ['FTRUN_GENERATION']}-rank{job.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    print(f"rank {job.rank} finished step {job.step}", flush=True)
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
