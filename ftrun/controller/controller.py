@@ -83,6 +83,7 @@ class Controller:
         self._worker_store = None
         self._worker_store_address = ""
         self._repair = RepairClock()
+        self._said_no_library = False
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     def start(self) -> None:
@@ -194,6 +195,10 @@ class Controller:
             self._repair = RepairClock()
             self._repair.mark("detect", min((f.timestamp for f in after.failures[len(before.failures):]), default=time.time()) - time.time() + now)
             self._repair.mark("stop", now)
+            if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
+                self._said_no_library = True
+                log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
+                            after.library_ranks, after.world_size)
             log.warning("%s-level repair to generation %d: %s", after.level.value, after.generation, after.reason)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)

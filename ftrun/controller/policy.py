@@ -143,10 +143,10 @@ def on_report(view: JobView, report: Report) -> Decision:
         return _exit(view, report.exit_code, report.detail or f"interrupted on node {report.node_rank}")
     if report.kind is ReportKind.EXITED:
         return _acknowledge_exit(view, report.node_rank)
+    if report.kind is ReportKind.WORKER_FAILED and _fails_a_live_rank(view, report):
+        return _on_failure(view, report)
     if report.generation != view.generation:
         return view, []  # a late word about a generation that is already gone
-    if report.kind is ReportKind.WORKER_FAILED:
-        return _on_failure(view, report)
     if report.kind is ReportKind.SUCCEEDED:
         return _on_success(view, report.node_rank)
     if report.kind is ReportKind.STOPPED:
@@ -154,6 +154,15 @@ def on_report(view: JobView, report: Report) -> Decision:
     if report.kind is ReportKind.CLEARED:
         return _on_cleared(view, report.node_rank)
     raise ValueError(f"unknown report kind {report.kind}")
+
+
+def _fails_a_live_rank(view: JobView, report: Report) -> bool:
+    """A failure in this generation, or, during a process-level repair, in the one before:
+    its healthy ranks live on into the new generation, and one may die before its agent
+    has heard of the repair."""
+    if report.generation == view.generation:
+        return True
+    return view.level is Level.PROCESS and view.phase in REPAIR_PHASES and report.generation == view.generation - 1
 
 
 def on_library_ranks(view: JobView, count: int) -> Decision:
@@ -210,10 +219,21 @@ def _on_failure(view: JobView, report: Report) -> Decision:
             acknowledged=view.acknowledged - {report.node_rank},
         )
         return view, [_replace_command(view, ranks)]
+    if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
+        # the repair's group broke before it resumed: the same repair goes on in a new generation
+        # (no second unit of budget; the repair deadline bounds how long this may go on)
+        view = view.move(
+            Phase.STOPPING,
+            generation=view.generation + 1,
+            replacing=ranks,
+            clearing=frozenset({report.node_rank}),
+            acknowledged=frozenset(),
+        )
+        return view, [_replace_command(view, ranks)]
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(view, ExitCode.JOB_FAILED, f"{first}; {spent}")
-    if view.process_level_ready or (view.phase is Phase.ROLLBACK and view.level is Level.PROCESS):
+    if view.process_level_ready:
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,

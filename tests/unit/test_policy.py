@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.controller.policy import IllegalTransition, JobView, Phase, on_node_lost, on_report, start
+import dataclasses
+
+from ftrun.controller.policy import (
+    IllegalTransition,
+    JobView,
+    Level,
+    Milestone,
+    Phase,
+    on_milestone,
+    on_node_lost,
+    on_repair_failed,
+    on_report,
+    start,
+)
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
 
 
@@ -120,3 +133,71 @@ def test_node_lost_while_exiting_counts_as_its_acknowledgement():
 def test_illegal_transition_raises():
     with pytest.raises(IllegalTransition):
         view(phase=Phase.DONE).move(Phase.RUNNING)
+
+
+def process_view(**fields):
+    fields = {"library_ranks": 4, **fields}
+    return JobView(node_count=2, max_restarts=3, world_size=4, recovery=Level.PROCESS, **fields)
+
+
+def test_transition_running_to_stopping_at_process_level_replaces_only_the_failed_rank():
+    v, commands = on_report(process_view(), failed(rank=1))
+    assert (v.phase, v.level, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, 1, 1)
+    assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 1, (1,))]
+
+
+def test_process_repair_walks_the_phases_in_order():
+    v, _ = on_report(process_view(), failed(rank=1, node=0))
+    v, _ = on_milestone(v, Milestone.STOPPED)
+    assert v.phase is Phase.ENV_CLEAR
+    v, _ = on_report(v, report(ReportKind.CLEARED, node=0, gen=1))
+    assert v.phase is Phase.REPAIR
+    v, _ = on_milestone(v, Milestone.RESUMED)  # out of order: ignored
+    assert v.phase is Phase.REPAIR
+    v, _ = on_milestone(v, Milestone.JOINED)
+    assert v.phase is Phase.ROLLBACK
+    v, _ = on_milestone(v, Milestone.RESUMED)
+    assert v.phase is Phase.RUNNING and v.replacing == frozenset()
+
+
+def test_reaped_before_every_rank_stopped_skips_straight_to_repair():
+    v, _ = on_report(process_view(), failed(rank=1, node=0))
+    v, _ = on_report(v, report(ReportKind.CLEARED, node=0, gen=1))
+    assert v.phase is Phase.STOPPING
+    v, _ = on_milestone(v, Milestone.STOPPED)
+    assert v.phase is Phase.REPAIR
+
+
+def test_second_failure_before_the_group_forms_joins_the_same_repair():
+    v, _ = on_report(process_view(), failed(rank=1, node=0))
+    v, commands = on_report(v, failed(rank=2, node=1, gen=0))  # its agent had not heard of the repair
+    assert (v.generation, v.restarts_used, v.replacing) == (1, 1, frozenset({1, 2}))
+    assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 1, (2,))]
+    assert v.clearing == frozenset({0, 1})
+
+
+def test_failure_during_rollback_moves_the_repair_to_a_new_generation_without_new_budget():
+    v, _ = on_report(process_view(), failed(rank=1, node=0))
+    v = dataclasses.replace(v, phase=Phase.ROLLBACK)
+    v, commands = on_report(v, failed(rank=1, node=0, gen=1))
+    assert (v.phase, v.generation, v.restarts_used) == (Phase.STOPPING, 2, 1)
+    assert commands[0].kind is CommandKind.REPLACE and commands[0].generation == 2
+
+
+def test_scripts_without_the_library_get_job_level_even_when_process_is_asked():
+    v, commands = on_report(process_view(library_ranks=3), failed(rank=1))
+    assert v.level is Level.JOB and commands[0].kind is CommandKind.STOP
+
+
+def test_failed_repair_falls_back_to_job_level():
+    v, _ = on_report(process_view(), failed(rank=1))
+    v, commands = on_repair_failed(v, "no healthy replica")
+    assert (v.phase, v.level) == (Phase.STOPPING, Level.JOB)
+    assert commands[0].kind is CommandKind.STOP and "falling back to job level" in commands[0].reason
+
+
+def test_failed_repair_with_no_budget_left_exits():
+    v, _ = on_report(process_view(), failed(rank=1))
+    v = dataclasses.replace(v, max_restarts=1)
+    v, commands = on_repair_failed(v, "deadline")
+    assert v.phase is Phase.EXITING and commands[0].kind is CommandKind.EXIT

@@ -3,7 +3,9 @@
 Faults come from the environment and hit only original ranks (never a replacement):
   FAULT=rank:step:kind[,rank:step:kind...]   kind: sigkill, exit1, segv
   FAULT_GENERATIONS=0                        generations in which to inject (default 0)
-Writes OUT_DIR/rank<r>.json at the end: final step, parameter checksum, pid, generation.
+  FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
+Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/rank<r>.json at the end (final step,
+parameter checksum, pid, generation).
 """
 
 import ctypes
@@ -35,10 +37,24 @@ def inject_fault(rank: int, step: int, generation: int) -> None:
                 ctypes.string_at(0)
 
 
+def fail_replacement(rank: int, out_dir: str) -> None:
+    """FAULT_REPLACEMENT=rank: that rank's first replacement dies right after joining the repair."""
+    if os.environ.get("FTRUN_REPLACEMENT") != "1" or os.environ.get("FAULT_REPLACEMENT") != str(rank):
+        return
+    marker = os.path.join(out_dir, f"replacement-fault-{rank}")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        print("injecting sigkill into a replacement during the repair", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]
     job = ftrun.elastic.init()
+    with open(os.path.join(out_dir, f"pid-start-rank{job.rank}-{os.getpid()}"), "w"):
+        pass
+    fail_replacement(job.rank, out_dir)
     torch.manual_seed(0)
     model = job.ddp(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -59,8 +75,6 @@ def main() -> None:
               "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT")}
     with open(os.path.join(out_dir, f"rank{job.rank}.json"), "w") as f:
         json.dump(result, f)
-    with open(os.path.join(out_dir, f"pid-gen{os.environ['FTRUN_GENERATION']}-rank{job.rank}"), "w") as f:
-        f.write(str(os.getpid()))
     print(f"rank {job.rank} finished step {job.step}", flush=True)
     job.close()
 

@@ -1,0 +1,84 @@
+"""Process-level recovery on 2 simulated nodes x 2 ranks: only failed ranks are replaced."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import WORKERS, Launcher
+
+pytestmark = pytest.mark.integration
+ELASTIC = str(WORKERS / "elastic_train.py")
+STEPS = 10
+
+
+def run(launcher, max_restarts: int = 3, script: str = ELASTIC, **env):
+    env = launcher.env(STEPS=str(STEPS), **env)
+    flags = ["--recovery", "process", "--max-restarts", str(max_restarts), "--repair-timeout", "60"]
+    launcher.start_job(2, 2, [script], flags=flags, env=env)
+    return launcher.wait()
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    runner = Launcher(tmp_path_factory.mktemp("elastic-fault-free"), "elastic-fault-free")
+    assert run(runner) == [0, 0], runner.output()
+    results = runner.results()
+    assert sorted(results) == [0, 1, 2, 3]
+    return results[0]["checksum"]
+
+
+def start_pids(launcher) -> dict[int, list[int]]:
+    pids: dict[int, list[int]] = {}
+    for path in launcher.out_dir.glob("pid-start-rank*"):
+        rank, pid = path.name[len("pid-start-rank"):].split("-")
+        pids.setdefault(int(rank), []).append(int(pid))
+    return pids
+
+
+def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max_restarts: int = 3):
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3], launcher.output()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {r["checksum"] for r in results.values()} == {fault_free}  # bit-identical to the fault-free run
+    pids = start_pids(launcher)
+    for rank, result in results.items():
+        if rank in replaced:
+            assert result["replacement"] == "1" and len(pids[rank]) >= 2 and result["pid"] in pids[rank]
+        else:  # healthy ranks lived through the repair: one process from start to end
+            assert pids[rank] == [result["pid"]] and result["replacement"] == "0"
+    output = launcher.output()
+    assert f"{restarts} of {max_restarts} restarts used" in output
+    assert "process-level repair to generation 1" in output
+    assert "running again after" in output  # the phase breakdown
+
+
+@pytest.mark.parametrize("kind", ["sigkill", "exit1"])
+def test_one_failed_rank_is_replaced_while_the_others_live_on(launcher, fault_free, kind):
+    assert run(launcher, FAULT=f"1:4:{kind}") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free, replaced={1}, restarts=1)
+
+
+def test_two_ranks_failing_at_once_cost_one_repair(launcher, fault_free):
+    # the long step leaves time for both ranks to finish step 3's all-reduce before either fails
+    assert run(launcher, FAULT="1:4:sigkill,2:4:exit1", STEP_SLEEP="0.5") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free, replaced={1, 2}, restarts=1)
+
+
+def test_rank_zero_on_the_controller_node_is_replaced_too(launcher, fault_free):
+    assert run(launcher, FAULT="0:3:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free, replaced={0}, restarts=1)
+
+
+def test_fault_during_the_repair_is_absorbed(launcher, fault_free):
+    # the replacement for rank 3 dies right after joining the repair; a second replacement finishes it
+    assert run(launcher, FAULT="3:4:sigkill", FAULT_REPLACEMENT="3") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free, replaced={3}, restarts=1)
+    assert "injecting sigkill into a replacement" in launcher.output()
+
+
+def test_script_without_the_library_falls_back_to_job_level(launcher):
+    codes = run(launcher, script=str(WORKERS / "train.py"), FAULT="1:3:exit1")
+    assert codes == [0, 0], launcher.output()
+    output = launcher.output()
+    assert "not every rank runs ftrun.elastic" in output and "using job-level recovery" in output
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in launcher.results().values()} == {"1"}
