@@ -199,7 +199,8 @@ class Controller:
                 self._said_no_library = True
                 log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
                             after.library_ranks, after.world_size)
-            log.warning("%s-level repair to generation %d: %s", after.level.value, after.generation, after.reason)
+            target = after.generation if after.level is Level.PROCESS else after.generation + 1
+            log.warning("%s-level repair into generation %d: %s", after.level.value, target, after.reason)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
             start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
@@ -210,7 +211,10 @@ class Controller:
             total = sum(seconds for _, seconds in phases)
             self.repairs.append((after.generation, before.level.value, total, phases))
             detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
-            log.warning("generation %d running again after %.2fs (%s)", after.generation, total, detail)
+            if before.level is Level.PROCESS:
+                log.warning("generation %d resumed training %.2fs after the fault (%s)", after.generation, total, detail)
+            else:
+                log.warning("generation %d starting, %.2fs after the fault (%s)", after.generation, total, detail)
             self._repair = RepairClock()
 
     def _with_new_worker_store(self, command: Command) -> Command:

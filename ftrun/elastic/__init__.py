@@ -9,8 +9,8 @@ Add a few lines to an ordinary DDP script::
     optimizer = torch.optim.AdamW(model.parameters())
     job.register(model=model, optimizer=optimizer)  # the state a replacement rank receives
     for step in job.steps(total_steps):             # the step number is the data position
-        with step:                                  # a fault elsewhere is caught here
-            loss = model(batch_for(int(step))).sum()
+        with job.guard():                           # a fault elsewhere is caught here
+            loss = model(batch_for(step)).sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -21,7 +21,7 @@ is chosen, its holder sends the registered state to the ranks that lack it, and 
 loop goes on from that step. Under plain torchrun the same script runs as usual.
 """
 
-from ftrun.elastic.job import ElasticDDP, ElasticJob, RepairError, Step, WorkerEnv
+from ftrun.elastic.job import ElasticDDP, ElasticJob, RepairError, StepGuard, WorkerEnv
 
 
 def init(backend: str | None = None, **options) -> ElasticJob:
@@ -33,4 +33,4 @@ def init(backend: str | None = None, **options) -> ElasticJob:
     return ElasticJob(backend, **options)
 
 
-__all__ = ["init", "ElasticJob", "ElasticDDP", "Step", "RepairError", "WorkerEnv"]
+__all__ = ["init", "ElasticJob", "ElasticDDP", "StepGuard", "RepairError", "WorkerEnv"]

@@ -64,32 +64,25 @@ class WorkerEnv:
         )
 
 
-class Step:
-    """One training step. Run its body as ``with step:`` so that a fault elsewhere is caught there."""
+class StepGuard:
+    """``with job.guard():`` around a step's body: commits the step when the body finishes, and
+    catches a fault elsewhere (a collective that raises because a peer died) so that
+    ``job.steps()`` can repair and go on from the consistent step."""
 
-    def __init__(self, job: "ElasticJob", number: int):
+    def __init__(self, job: "ElasticJob"):
         self.job = job
-        self.number = number
         self.entered = False
-        #: the generation the repair goes to, when a fault elsewhere interrupted this step
+        #: the generation the repair goes to, when a fault elsewhere interrupted the step
         self.repair_target: int | None = None
 
-    def __index__(self) -> int:
-        return self.number
-
-    __int__ = __index__
-
-    def __repr__(self) -> str:
-        return f"Step({self.number})"
-
-    def __enter__(self) -> "Step":
+    def __enter__(self) -> "StepGuard":
         self.entered = True
         self.job._mutated = False
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
         if kind is None:
-            self.job._commit(self.number)
+            self.job._commit()
             return False
         self.repair_target = self.job._repair_target(error)
         # swallowed when it is a fault elsewhere: steps() repairs and goes on from the consistent step
@@ -170,6 +163,7 @@ class ElasticJob:
         self._mutated = False
         self._needs_state = False
         self._repairing = False
+        self._guard = StepGuard(self)
         self._closed = threading.Event()
         if self.env is None:
             dist.init_process_group(self.backend.name)
@@ -222,23 +216,28 @@ class ElasticJob:
         self._wrappers.append(wrapper)
         return wrapper
 
-    def steps(self, total: int, start: int = 0) -> Iterator[Step]:
-        """Steps ``start..total-1``; after a repair, the loop goes on from the consistent step.
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """Step numbers ``start..total-1``; after a repair, the loop goes on from the consistent step.
 
-        ``start`` is where a fresh job begins (e.g. a step loaded from your own checkpoint);
-        a replacement rank ignores it and resumes where the healthy ranks are.
+        The step number is the data position: make each step's batch a function of it. Put the
+        step's body in ``with job.guard():``. ``start`` is where a fresh job begins (e.g. the step
+        after the one in your own checkpoint); a replacement rank resumes where the others are.
         """
         if self._needs_state:
             self._recover(self.generation, joined=True)
         elif self._step < start:
             self._step = start
         while self._step < total:
-            step = Step(self, self._step)
-            yield step
-            if step.repair_target is not None:
-                self._recover(step.repair_target)
-            elif not step.entered:
-                self._commit(step.number)
+            self._guard = StepGuard(self)
+            yield self._step
+            if self._guard.repair_target is not None:
+                self._recover(self._guard.repair_target)
+            elif not self._guard.entered:
+                self._commit()  # a loop without guard(): the body finished, so the step did
+
+    def guard(self) -> StepGuard:
+        """The context manager for the current step's body (see :meth:`steps`)."""
+        return self._guard
 
     def close(self) -> None:
         """Leave the job: stop the heartbeat, destroy the process group."""
@@ -251,8 +250,8 @@ class ElasticJob:
     def _on_optimizer_step(self, *args) -> None:
         self._mutated = True
 
-    def _commit(self, number: int) -> None:
-        self._step = number + 1
+    def _commit(self) -> None:
+        self._step += 1
         self._mutated = False
 
     def _repair_target(self, error: BaseException) -> int | None:

@@ -48,8 +48,8 @@ def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max
             assert pids[rank] == [result["pid"]] and result["replacement"] == "0"
     output = launcher.output()
     assert f"{restarts} of {max_restarts} restarts used" in output
-    assert "process-level repair to generation 1" in output
-    assert "running again after" in output  # the phase breakdown
+    assert "process-level repair into generation 1" in output
+    assert "generation 1 resumed training" in output and "rollback" in output  # the phase breakdown
 
 
 @pytest.mark.parametrize("kind", ["sigkill", "exit1"])

@@ -61,9 +61,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     job.register(model=model, optimizer=optimizer, scheduler=scheduler)
     for step in job.steps(steps):
-        with step:
-            inject_fault(job.rank, int(step), job.generation)
-            batch = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * int(step) + job.rank))
+        with job.guard():
+            inject_fault(job.rank, step, job.generation)
+            batch = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * step + job.rank))
             loss = model(batch).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
