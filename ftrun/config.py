@@ -78,6 +78,8 @@ class LaunchConfig:
     node_timeout: float
     stop_timeout: float
     repair_timeout: float
+    #: warm standby workers each agent keeps (torch already imported)
+    warm_standby: int
     role: str
     local_addr: str
     log_dir: str
@@ -235,6 +237,12 @@ def _stream_bits(text: str) -> int:
     return value
 
 
+def _warm_standby(value: Any, recovery: str) -> int:
+    if value is None or value == "":
+        return 1 if recovery == "process" else 0  # replacements are what standbys are for
+    return whole_number(value, "--warm-standby")
+
+
 def parse_script_args(value: Any) -> tuple[str, ...]:
     """The script's arguments: a list, or (from a config file) one string split like a shell would."""
     if isinstance(value, str):
@@ -361,6 +369,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
     if "is_host" in rdzv_conf:
         is_host = rdzv_conf["is_host"].lower() in ("1", "true", "yes")
 
+    recovery = choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery")
     rdzv_timeout = positive_seconds(
         raw.get("rdzv_timeout") or rdzv_conf.get("join_timeout") or 600, "--rdzv-timeout"
     )
@@ -381,13 +390,14 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         run_id=run_id or "default",
         rdzv_timeout=rdzv_timeout,
         last_call_timeout=positive_seconds(rdzv_conf.get("last_call_timeout", 30), "last_call_timeout", True),
-        recovery=choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery"),
+        recovery=recovery,
         max_restarts=whole_number(raw.get("max_restarts", 0), "--max-restarts"),
         monitor_interval=positive_seconds(raw.get("monitor_interval", 0.1), "--monitor-interval"),
         heartbeat_timeout=positive_seconds(raw.get("heartbeat_timeout", 30), "--heartbeat-timeout"),
         node_timeout=positive_seconds(raw.get("node_timeout", 30), "--node-timeout"),
         stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
         repair_timeout=positive_seconds(raw.get("repair_timeout", 60), "--repair-timeout"),
+        warm_standby=_warm_standby(raw.get("warm_standby"), recovery),
         role=str(raw.get("role") or "default"),
         local_addr=str(raw.get("local_addr") or ""),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",

@@ -91,7 +91,7 @@ class Agent:
             self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
         )
         ops = ProcessOps()
-        group = WorkerGroup(ops, config, self._log_dir())
+        group = WorkerGroup(ops, config, self._log_dir(), config.warm_standby)
         try:
             code, reason = self._supervise(group)
         finally:
@@ -184,9 +184,11 @@ class Agent:
                     elif command.kind is CommandKind.START:
                         reported_success = False
                         group.start(self._placements(), self._generation_env(command))
+                        group.fill_standbys()
                     elif command.kind is CommandKind.REPLACE:
                         reported_success = False
                         self._replace_ranks(group, command)
+                        group.fill_standbys()
                 time.sleep(config.monitor_interval)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ftrun.agent import standby
 from ftrun.agent.output import STDERR, STDOUT, StreamPump, console_stream, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.messages import WorkerFailure, signal_name
@@ -45,12 +46,12 @@ class ProcessOps:
             close_fds=True,
         )
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, stdin=subprocess.DEVNULL) -> subprocess.Popen:
         proc = subprocess.Popen(
             argv,
             env=env,
             cwd=cwd,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # own process group: a stop reaches its grandchildren too
@@ -131,14 +132,24 @@ class GenerationEnv:
 
 
 class WorkerGroup:
-    """The node's workers of one generation."""
+    """The node's workers, and its warm standbys."""
 
-    def __init__(self, ops: ProcessOps, config: LaunchConfig, log_dir: str):
+    def __init__(self, ops: ProcessOps, config: LaunchConfig, log_dir: str, warm_standbys: int = 0):
         self.ops = ops
         self.config = config
         self.log_dir = log_dir
         self.generation = -1
         self.workers: list[Worker] = []
+        self.warm_standbys = warm_standbys if standby.can_run(config.entrypoint) else 0
+        self.standbys: list[subprocess.Popen] = []
+
+    def fill_standbys(self) -> None:
+        """Start standbys up to the wanted number (they import torch in the background)."""
+        self.standbys = [p for p in self.standbys if p.poll() is None]
+        env = base_env(self.config)  # what torch reads when it loads must be what the workers get
+        while len(self.standbys) < self.warm_standbys:
+            argv = [sys.executable, "-u", "-m", "ftrun.agent.standby"]
+            self.standbys.append(self.ops.spawn(argv, env, stdin=subprocess.PIPE))
 
     def start(self, placements: list[WorkerPlacement], gen: GenerationEnv) -> None:
         self.generation = gen.generation
@@ -148,7 +159,7 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
-        proc = self.ops.spawn(argv, env)
+        proc = self._take_standby(argv, env) or self.ops.spawn(argv, env)
         local = placement.local_rank
         redirected = self.config.redirects.for_rank(local)
         teed = self.config.tee.for_rank(local)
@@ -168,6 +179,19 @@ class WorkerGroup:
             placement, proc, pump(proc.stdout, STDOUT, "stdout"), pump(proc.stderr, STDERR, "stderr"),
             paths["error"], time.monotonic(),
         )
+
+    def _take_standby(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+        while self.standbys:
+            proc = self.standbys.pop(0)
+            try:
+                proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n")
+                proc.stdin.close()
+                log.info("rank %s runs in a warm standby (pid %d)", env["RANK"], proc.pid)
+                return proc
+            except OSError:  # it died while waiting: reap it and try the next
+                proc.wait()
+                self.ops.forget_group(proc.pid)
+        return None
 
     def clear(self, local_rank: int, timeout: float) -> None:
         """Kill one worker if it is still alive and reap it (process-level env clear)."""
@@ -203,6 +227,7 @@ class WorkerGroup:
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every running worker's group, SIGKILL what is left after ``timeout``, reap all."""
+        self._stop_standbys()
         alive = self.running
         for worker in alive:
             self.ops.signal_group(worker.pid, signal.SIGTERM)
@@ -216,6 +241,13 @@ class WorkerGroup:
             worker.proc.wait()
             worker.returncode = worker.proc.returncode
             self._clear_group(worker)
+
+    def _stop_standbys(self) -> None:
+        for proc in self.standbys:
+            self.ops.signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self.ops.forget_group(proc.pid)
+        self.standbys = []
 
     def _clear_group(self, worker: Worker) -> None:
         # whatever the worker left behind in its group dies with it
@@ -254,17 +286,24 @@ def read_error_file(path: str) -> str:
     return str(message).strip()
 
 
-def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
-    """torchrun's environment contract, plus ftrun's own FTRUN_* variables."""
+def base_env(config: LaunchConfig) -> dict[str, str]:
+    """The agent's environment as the workers inherit it, before anything rank-specific."""
     env = dict(os.environ)
     for name in ("TORCH_CPP_LOG_LEVEL",):
         # the agent quiets torch's C++ logging for itself; the workers get the user's setting back
-        saved = os.environ.get(f"FTRUN_SAVED_{name}")
-        env.pop(f"FTRUN_SAVED_{name}", None)
+        saved = env.pop(f"FTRUN_SAVED_{name}", None)
         if saved is None:
             env.pop(name, None)
         else:
             env[name] = saved
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not each take every core
+    return env
+
+
+def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
+    """torchrun's environment contract, plus ftrun's own FTRUN_* variables."""
+    env = base_env(config)
     nproc = config.nproc_per_node
     env.update(
         LOCAL_RANK=str(placement.local_rank),
@@ -292,8 +331,6 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
         FTRUN_REPLACEMENT="1" if gen.replacement else "0",
     )
-    if nproc > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N workers must not each take every core
     return env
 
 

@@ -92,6 +92,9 @@ def launch_options(fn):
                help="Seconds between SIGTERM and SIGKILL when stopping workers."),
         option("repair-timeout", group=RECOVERY, type=float, default=60.0, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
+        option("warm-standby", group=RECOVERY, type=int, default=None,
+               help="Warm standby workers per node (torch already imported), taken by replacement ranks.  "
+                    "[default: 1 with --recovery process, else 0]"),
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),

@@ -25,7 +25,7 @@ POLL = 0.002
 #: the heartbeat thread's tick: it also watches for announced repairs
 BEAT_TICK = 0.05
 #: after a repair is announced, how long the main thread may take to notice before it is interrupted
-INTERRUPT_AFTER = 0.2
+INTERRUPT_AFTER = 0.05
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
 EXIT_STUCK = 75
 
@@ -189,6 +189,12 @@ class ElasticJob:
     @property
     def world_size(self) -> int:
         return dist.get_world_size()
+
+    @property
+    def receives_state(self) -> bool:
+        """True in a replacement rank: a healthy peer sends it the registered state at the first
+        ``steps()``, so there is no need to load a checkpoint from disk first."""
+        return self._needs_state
 
     @property
     def step(self) -> int:

@@ -101,7 +101,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Every rank loads before wrapping in DDP; rank 0 only overwrites the checkpoint after a step, which
     # needs every rank, so no rank can read a checkpoint newer than the others'.
-    start_step = load_checkpoint(args.ckpt_dir, model, optimizer)
+    start_step = 0 if job.receives_state else load_checkpoint(args.ckpt_dir, model, optimizer)
     ddp_model = job.ddp(model)
     job.register(model=model, optimizer=optimizer)  # what a replacement rank receives
     if rank == 0:
