@@ -50,6 +50,7 @@ def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max
     assert f"{restarts} of {max_restarts} restarts used" in output
     assert "process-level repair into generation 1" in output
     assert "generation 1 resumed training" in output and "rollback" in output  # the phase breakdown
+    assert "runs in a warm standby" in output
 
 
 @pytest.mark.parametrize("kind", ["sigkill", "exit1"])
