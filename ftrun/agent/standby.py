@@ -18,10 +18,18 @@ import sys
 
 
 def warm_up() -> None:
-    import torch  # noqa: F401  the expensive part
+    """Pay, before any rank is assigned, for what every training script pays in its first second."""
+    import torch
     import torch.distributed  # noqa: F401
 
     import ftrun.elastic  # noqa: F401
+
+    # the first optimizer loads torch's compiler stack (close to a second here); a tiny step
+    # also readies autograd
+    param = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    param.sum().backward()
+    optimizer.step()
 
 
 def run(assignment: dict) -> None:

@@ -83,3 +83,15 @@ def test_script_without_the_library_falls_back_to_job_level(launcher):
     output = launcher.output()
     assert "not every rank runs ftrun.elastic" in output and "using job-level recovery" in output
     assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in launcher.results().values()} == {"1"}
+
+
+def test_no_healthy_replica_left_falls_back_to_job_level(launcher, fault_free):
+    # every rank dies in the same step: the replacements have nobody to take the state from
+    faults = ",".join(f"{rank}:4:sigkill" for rank in range(4))
+    assert run(launcher, FAULT=faults, STEP_SLEEP="0.5") == [0, 0], launcher.output()
+    output = launcher.output()
+    assert "no healthy replica holds the training state" in output
+    assert "falling back to job level" in output
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {r["checksum"] for r in results.values()} == {fault_free}  # a job-level restart from step 0
