@@ -8,7 +8,6 @@ the handshake runs under a guard thread.
 from __future__ import annotations
 
 import datetime
-import errno
 import logging
 import socket
 import threading
@@ -153,10 +152,8 @@ def connect_store(endpoint: Endpoint, timeout: float):
                 pass
         except socket.gaierror:
             raise UsageError(f"cannot resolve host name '{endpoint.host}'") from None
-        except OSError as e:
+        except OSError as e:  # refused, unreachable, timed out: the host may not be up yet
             last_error = e.strerror or str(e)
-            if e.errno not in (errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, None):
-                last_error = str(e)
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
         store = _guarded(lambda: _tcp_client(endpoint), min(left, HANDSHAKE_DEADLINE))

@@ -9,7 +9,9 @@ import time
 
 from ftrun.controller.policy import (
     MILESTONE_OF,
+    REPAIR_PHASES,
     JobView,
+    Milestone,
     Level,
     Phase,
     on_library_ranks,
@@ -44,7 +46,10 @@ class RecoveryPolicy:
 
 
 class RepairClock:
-    """When each phase of the repair under way began, for the phase breakdown."""
+    """When each phase of the repair under way began, for the phase breakdown.
+
+    Wall-clock seconds: the first mark is the fault's detection, timed by the agent that saw it.
+    """
 
     def __init__(self):
         self.marks: list[tuple[str, float]] = []
@@ -129,7 +134,7 @@ class Controller:
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 self._apply(on_report(self.view, report))
-            self._check_repair(now)
+            self._check_repair()
             if self.view.phase is Phase.EXITING:
                 exit_deadline = exit_deadline or now + self.policy.stop_timeout + EXIT_GRACE
                 if now > exit_deadline:
@@ -155,22 +160,22 @@ class Controller:
         if view.recovery is Level.PROCESS and view.phase is Phase.RUNNING and not view.process_level_ready:
             self._apply(on_library_ranks(view, self.store.counter(self.keys.milestone(view.generation, "joined"))))
 
-    def _check_repair(self, now: float) -> None:
+    def _check_repair(self) -> None:
         """During a process-level repair: count the ranks' milestones, watch the deadline."""
         view = self.view
-        if view.level is not Level.PROCESS or view.phase not in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK):
+        if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
             return
         problem = self.store.try_text(self.keys.rollback_failure(view.generation))
         if problem:
             self._apply(on_repair_failed(view, problem))
             return
-        if now - self._repair.marks[0][1] > self.policy.repair_timeout:
+        if time.time() - self._repair.marks[0][1] > self.policy.repair_timeout:
             phase = view.phase.value
             self._apply(on_repair_failed(view, f"the repair did not finish within {self.policy.repair_timeout:g}s (stuck in {phase})"))
             return
         if view.phase in MILESTONE_OF:
             milestone, _ = MILESTONE_OF[view.phase]
-            expected = view.world_size - len(view.replacing) if milestone.value == "stopped" else view.world_size
+            expected = view.world_size - len(view.replacing) if milestone is Milestone.STOPPED else view.world_size
             if self.store.counter(self.keys.milestone(view.generation, milestone.value)) >= expected:
                 self._apply(on_milestone(view, milestone))
 
@@ -190,10 +195,11 @@ class Controller:
     def _note_phase(self, before: JobView | None, after: JobView) -> None:
         if before is None or before.phase is after.phase and before.generation == after.generation:
             return
-        now = time.monotonic()
+        now = time.time()
         if before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
             self._repair = RepairClock()
-            self._repair.mark("detect", min((f.timestamp for f in after.failures[len(before.failures):]), default=time.time()) - time.time() + now)
+            new_failures = after.failures[len(before.failures):]
+            self._repair.mark("detect", min((f.timestamp for f in new_failures), default=now))
             self._repair.mark("stop", now)
             if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
                 self._said_no_library = True

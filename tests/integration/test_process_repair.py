@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import WORKERS, Launcher
@@ -49,7 +51,8 @@ def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max
     output = launcher.output()
     assert f"{restarts} of {max_restarts} restarts used" in output
     assert "process-level repair into generation 1" in output
-    assert "generation 1 resumed training" in output and "rollback" in output  # the phase breakdown
+    # the phase breakdown (a fault during the rollback carries the repair on into generation 2)
+    assert re.search(r"generation [12] resumed training [0-9.]+s after the fault \(detect .* rollback [0-9]+ ms\)", output)
     assert "runs in a warm standby" in output
 
 
