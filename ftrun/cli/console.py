@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,7 +16,7 @@ def say(text: str, style: str | None = None) -> None:
     console.print(escape(text), style=style)
 
 
-def abort(text: str, code: int) -> "NoReturn":  # noqa: F821
+def abort(text: str, code: int) -> NoReturn:
     """Tell the user what went wrong in one line and leave with ``code``."""
     console.print(f"ftrun: error: {escape(text)}", style="bold red")
     sys.exit(int(code))

@@ -84,8 +84,8 @@ def launch_options(fn):
         option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
                help="Seconds between checks of the workers."),
         option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
-               help="Seconds without a heartbeat from a worker using ftrun.elastic before it counts as hung "
-                    "(given to the workers as FTRUN_HEARTBEAT_TIMEOUT)."),
+               help="Given to the workers as FTRUN_HEARTBEAT_TIMEOUT; ftrun.elastic ranks write heartbeats, "
+                    "but nothing yet declares a silent rank hung."),
         option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
                help="Seconds without an agent's keepalive before its node counts as lost."),
         option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,

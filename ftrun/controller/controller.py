@@ -48,7 +48,8 @@ class RecoveryPolicy:
 class RepairClock:
     """When each phase of the repair under way began, for the phase breakdown.
 
-    Wall-clock seconds: the first mark is the fault's detection, timed by the agent that saw it.
+    Wall-clock seconds. The first mark is the fault's detection, timed by the agent that saw it, so
+    the "detect" figure includes any clock difference between that host and the controller's.
     """
 
     def __init__(self):
@@ -169,7 +170,8 @@ class Controller:
         if problem:
             self._apply(on_repair_failed(view, problem))
             return
-        if time.time() - self._repair.marks[0][1] > self.policy.repair_timeout:
+        # counted from the controller's own decision ("stop"), never from another host's clock
+        if time.time() - self._repair.marks[1][1] > self.policy.repair_timeout:
             phase = view.phase.value
             self._apply(on_repair_failed(view, f"the repair did not finish within {self.policy.repair_timeout:g}s (stuck in {phase})"))
             return

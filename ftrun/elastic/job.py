@@ -22,8 +22,10 @@ from ftrun.store import ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
 POLL = 0.002
-#: the heartbeat thread's tick: it also watches for announced repairs
-BEAT_TICK = 0.05
+#: how often a rank's heartbeat thread looks for an announced repair (one store read)
+WATCH_TICK = 0.1
+#: how often it writes its heartbeat and its committed step
+HEARTBEAT_INTERVAL = 1.0
 #: after a repair is announced, how long the main thread may take to notice before it is interrupted
 INTERRUPT_AFTER = 0.05
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
@@ -77,7 +79,7 @@ class StepGuard:
 
     def __enter__(self) -> "StepGuard":
         self.entered = True
-        self.job._mutated = False
+        self.job._begin_step()
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
@@ -85,8 +87,11 @@ class StepGuard:
             self.job._commit()
             return False
         self.repair_target = self.job._repair_target(error)
-        # swallowed when it is a fault elsewhere: steps() repairs and goes on from the consistent step
-        return self.repair_target is not None
+        if self.repair_target is None:
+            return False
+        for wrapper in self.job._wrappers:
+            wrapper.restore_buffers()  # the forward of the lost step moved running statistics
+        return True  # swallowed: steps() repairs and goes on from the consistent step
 
 
 class ElasticDDP(torch.nn.Module):
@@ -102,6 +107,8 @@ class ElasticDDP(torch.nn.Module):
       all-reduce, so the summation order never changes and a repaired run stays bit-identical
       to a fault-free one (DDP lays its buckets out anew with each wrapper).
 
+    Buffers (BatchNorm's running statistics) are broadcast from rank 0 before every forward, as
+    DDP does by default, and put back as they were when a step is interrupted by a fault.
     Every parameter that requires a gradient must get one in every step.
     """
 
@@ -116,10 +123,21 @@ class ElasticDDP(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._synced:
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+            for param in self.module.parameters():
+                dist.broadcast(param.data, src=0)
             self._synced = True
+        for buffer in self.module.buffers():  # as DDP's broadcast_buffers: rank 0's running statistics
+            dist.broadcast(buffer.data, src=0)
         return self.module(*args, **kwargs)
+
+    def save_buffers(self) -> None:
+        """Keep the buffers as the step begins (cheap: running statistics are small)."""
+        self._saved_buffers = [b.detach().clone() for b in self.module.buffers()]
+
+    def restore_buffers(self) -> None:
+        """Undo what the forward of an interrupted step did to the buffers."""
+        for buffer, saved in zip(self.module.buffers(), getattr(self, "_saved_buffers", ())):
+            buffer.data.copy_(saved)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._queued:
@@ -256,14 +274,20 @@ class ElasticJob:
     def _on_optimizer_step(self, *args) -> None:
         self._mutated = True
 
+    def _begin_step(self) -> None:
+        self._mutated = False
+        for wrapper in self._wrappers:
+            wrapper.save_buffers()
+
     def _commit(self) -> None:
         self._step += 1
         self._mutated = False
 
     def _repair_target(self, error: BaseException) -> int | None:
-        """The generation to repair into if ``error`` comes from a fault elsewhere (the controller
-        announces a repair); None when it is this rank's own error, which must end the process."""
-        if self.env is None or not isinstance(error, Exception):
+        """The generation to repair into if ``error`` comes from a fault elsewhere (a collective
+        failed and the controller announces a repair); None when it is this rank's own error,
+        which must end the process."""
+        if self.env is None or not isinstance(error, RuntimeError):  # torch's DistError is one
             return None
         target = self._await_target(above=self.generation, timeout=self.fault_wait)
         if target is not None:
@@ -390,10 +414,13 @@ class ElasticJob:
     def _beat(self) -> None:
         stuck_since = None
         interrupted = False
-        while not self._closed.wait(BEAT_TICK):
+        next_beat = 0.0
+        while not self._closed.wait(WATCH_TICK):
             try:
-                self.store.add(self.keys.rank_heartbeat(self.env.rank))
-                self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+                    self.store.add(self.keys.rank_heartbeat(self.env.rank))
+                    self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
                 announced = self._target() > self.generation
             except Exception:
                 return  # the controller is gone; the agent stops this process

@@ -8,7 +8,6 @@ Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/rank<r>.json at the end
 parameter checksum, pid, generation).
 """
 
-import ctypes
 import json
 import os
 import signal
@@ -17,24 +16,16 @@ import time
 
 import torch
 
+import faults
 import ftrun.elastic
 
 
 def inject_fault(rank: int, step: int, generation: int) -> None:
     if os.environ.get("FTRUN_REPLACEMENT") == "1":
         return
-    if str(generation) not in os.environ.get("FAULT_GENERATIONS", "0").split(","):
-        return
-    for spec in filter(None, os.environ.get("FAULT", "").split(",")):
-        fault_rank, fault_step, kind = spec.split(":")
-        if int(fault_rank) == rank and int(fault_step) == step:
-            print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
-            if kind == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "exit1":
-                os._exit(1)
-            elif kind == "segv":
-                ctypes.string_at(0)
+    kind = faults.due(rank, step)
+    if kind and str(generation) in os.environ.get("FAULT_GENERATIONS", "0").split(","):
+        faults.trigger(kind, step)
 
 
 def fail_replacement(rank: int, out_dir: str) -> None:

@@ -7,16 +7,15 @@ Faults are injected from the environment, only in the generations listed:
 Writes OUT_DIR/rank<r>.json at the end: final step, restart count, parameter checksum, environment.
 """
 
-import ctypes
 import json
 import os
-import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+import faults
 
 CONTRACT = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -26,22 +25,10 @@ CONTRACT = (
 
 
 def inject_fault(rank: int, step: int) -> None:
-    spec = os.environ.get("FAULT", "")
     restarts = os.environ.get("FAULT_RESTARTS", "0").split(",")
-    if not spec or os.environ["TORCHELASTIC_RESTART_COUNT"] not in restarts:
-        return
-    fault_rank, fault_step, kind = spec.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
-        return
-    print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
-    if kind == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "exit1":
-        sys.exit(1)
-    elif kind == "segv":
-        ctypes.string_at(0)
-    elif kind == "raise":
-        raise ValueError(f"injected failure at step {step}")
+    kind = faults.due(rank, step)
+    if kind and os.environ["TORCHELASTIC_RESTART_COUNT"] in restarts:
+        faults.trigger(kind, step)
 
 
 @record

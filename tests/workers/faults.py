@@ -1,0 +1,29 @@
+"""Fault injection shared by the test workers: FAULT=rank:step:kind[,rank:step:kind...]."""
+
+import ctypes
+import os
+import signal
+import sys
+
+
+def due(rank: int, step: int) -> str:
+    """The kind of fault this rank must suffer at this step, or ""."""
+    for spec in filter(None, os.environ.get("FAULT", "").split(",")):
+        fault_rank, fault_step, kind = spec.split(":")
+        if int(fault_rank) == rank and int(fault_step) == step:
+            return kind
+    return ""
+
+
+def trigger(kind: str, step: int) -> None:
+    """sigkill, exit1, segv, or raise (a Python exception, recorded by torch's @record)."""
+    print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit1":
+        sys.stderr.flush()
+        os._exit(1)
+    elif kind == "segv":
+        ctypes.string_at(0)
+    elif kind == "raise":
+        raise ValueError(f"injected failure at step {step}")
