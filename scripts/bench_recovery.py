@@ -8,18 +8,31 @@ launcher in turn, on the same machine:
   torchrun           torchrun --rdzv-backend c10d, defaults (workers share the agent's store)
   torchrun-noshare   the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   ftrun              ftrun --recovery job
+  ftrun-process      ftrun --recovery process, running scripts/examples/train_ddp_elastic.py (the same
+                     job written with ftrun.elastic): only the killed rank is replaced
 
 Every rank appends "<time> <rank> <step> <pid> <restart count>" to a progress file after each step.
 From it, per launcher:
 
   regain progress    seconds from the fault (the killed rank's line for the kill step, written just
                      before it kills itself) until every rank has finished a step past the kill step
-  steps redone       the kill step minus the step the restarted ranks resumed after
-  median step        median time between rank 0's steps before the fault (steady state)
+  steps redone       the kill step minus the step the job went on after: one before the first step that
+                     a rank finished a second time or that a new process (a restart, a replacement)
+                     finished; 0 when a replacement picks up at the step after the kill step
+  healthy pids kept  yes when every rank but the killed one ran in one process from start to end
+  median step        median time between rank 0's steps before the fault (steady state); below the
+                     table, each ftrun row's as a ratio to torchrun-noshare's
   launch to step 1   seconds from starting the launchers to the first finished step
   outcome            ok, failed (exit codes), or hung (still running at --deadline, then killed)
 
-    .venv/bin/python scripts/bench_recovery.py --launchers torchrun-noshare,ftrun --json results.json
+    .venv/bin/python scripts/bench_recovery.py --launchers torchrun-noshare,ftrun,ftrun-process --json results.json
+
+With --scaling 2,4,8 it runs, for each N in the list, N nodes of 1 rank each and kills the last rank,
+then adds a table of regain-progress seconds by N for each launcher, with the spread (max / min) across
+N: repairing one rank should not take longer on a bigger job. This mode has its own defaults (fewer
+steps, a step sleep so that many workers on few cores are not starved, a longer deadline):
+
+    .venv/bin/python scripts/bench_recovery.py --scaling 2,4,8
 
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default); the exit status is
 0 once every launcher has been measured, whatever its outcome (130 if interrupted). Every process it
@@ -39,7 +52,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -47,7 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN_SCRIPT = REPO / "scripts" / "examples" / "train_ddp.py"
+EXAMPLES = REPO / "scripts" / "examples"
 MARKER_VARIABLE = "FTRUN_BENCH_RECOVERY_MARKER"
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)  # a log gets the table unwrapped
 
@@ -59,6 +72,7 @@ class Launcher:
     program: str  # an executable next to this Python's, or on PATH
     extra_args: tuple[str, ...]
     extra_env: tuple[tuple[str, str], ...] = ()
+    script: Path = EXAMPLES / "train_ddp.py"
 
 
 LAUNCHERS = {
@@ -70,8 +84,30 @@ LAUNCHERS = {
             (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),),
         ),
         Launcher("ftrun", "ftrun --recovery job", "ftrun", ("--recovery", "job")),
+        Launcher(
+            "ftrun-process", "ftrun --recovery process", "ftrun", ("--recovery", "process"),
+            script=EXAMPLES / "train_ddp_elastic.py",
+        ),
     )
 }
+BASELINE = "torchrun-noshare"  # the launcher whose median step the ftrun rows are compared with
+
+
+@dataclass(frozen=True)
+class ModeDefaults:
+    """Defaults that differ between one run per launcher and the --scaling sweep."""
+
+    launchers: tuple[str, ...]
+    steps: int
+    step_sleep: float
+    deadline: float
+
+
+SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(LAUNCHERS), steps=60, step_sleep=0.0, deadline=90.0)
+# Up to 8 workers and 8 agents share the machine's cores: short runs, and a sleep so steps are not starved.
+SCALING_DEFAULTS = ModeDefaults(
+    launchers=(BASELINE, "ftrun", "ftrun-process"), steps=40, step_sleep=0.05, deadline=180.0,
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +122,14 @@ class Scenario:
     deadline: float
     max_restarts: int = 3
 
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def shape(self) -> str:
+        return f"{self.nnodes} nodes x {self.nproc_per_node} rank{'s' if self.nproc_per_node > 1 else ''}"
+
 
 @dataclass(frozen=True)
 class ProgressLine:
@@ -96,19 +140,24 @@ class ProgressLine:
     restart_count: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunResult:
     launcher: str
     description: str
+    nnodes: int
+    nproc_per_node: int
+    kill_rank: int
     outcome: str  # "ok", "failed", or "hung"
     exit_codes: list[int | None]  # one per launcher process; None: still running at the deadline
     last_step: int | None  # the highest step any rank finished
     resumed_after_step: int | None
     steps_redone: int | None
+    healthy_pids_kept: bool | None  # None: some rank never finished a step
     regain_progress_s: float | None
     median_step_s: float | None
     launch_to_first_step_s: float | None
     wall_s: float
+    median_step_vs_baseline: float | None = None  # median_step_s over BASELINE's in the same scenario
 
     def outcome_text(self) -> str:
         if self.outcome == "ok":
@@ -145,7 +194,7 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         "--rdzv-id", run_id,
         "--max-restarts", str(scenario.max_restarts),
         *launcher.extra_args,
-        str(TRAIN_SCRIPT),
+        str(launcher.script),
         "--steps", str(scenario.steps),
         "--ckpt-dir", str(workdir / "checkpoints"),
         "--ckpt-every", str(scenario.ckpt_every),
@@ -188,7 +237,9 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path) -> tuple
     deadline.
     """
     port, run_id, marker = free_port(), f"bench-{launcher.name}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    env = {**os.environ, **dict(launcher.extra_env), MARKER_VARIABLE: marker}
+    # Launchers set OMP_NUM_THREADS=1 only for several ranks per node; the simulated nodes share one
+    # machine's cores, so a one-rank node gets it too.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **dict(launcher.extra_env), MARKER_VARIABLE: marker}
     command = launcher_command(launcher, scenario, port, run_id, workdir)
     processes: list[subprocess.Popen] = []
     launch_time = time.time()
@@ -223,6 +274,58 @@ def read_progress(path: Path) -> list[ProgressLine]:
     return sorted(lines, key=lambda line: line.time)
 
 
+def resumed_after_step(lines: list[ProgressLine], first_attempt_pids: set[int]) -> int | None:
+    """The step the job went on after the fault: one before the lowest step that a rank finished a second
+    time (a restart, or a rollback in place) or that a new process (a restart, a replacement) finished.
+
+    Restarted ranks are new processes. (Their restart count is no guide: torchrun counts restarts per
+    agent, so the ranks of the node that did not fail come back with count 0.) Ranks that were never
+    restarted and never rolled back count for nothing, so a replacement that picks up at the step after
+    the kill step gives the kill step itself.
+    """
+    finished: set[tuple[int, int]] = set()
+    resumed_steps = []
+    for line in lines:
+        if (line.rank, line.step) in finished or line.pid not in first_attempt_pids:
+            resumed_steps.append(line.step)
+        finished.add((line.rank, line.step))
+    return min(resumed_steps) - 1 if resumed_steps else None
+
+
+def healthy_pids_kept(lines: list[ProgressLine], scenario: Scenario) -> bool | None:
+    """Whether every rank but the killed one finished all its steps in the process it started in."""
+    pids_by_rank: dict[int, set[int]] = {}
+    for line in lines:
+        pids_by_rank.setdefault(line.rank, set()).add(line.pid)
+    healthy = [rank for rank in range(scenario.world_size) if rank != scenario.kill_rank]
+    if any(rank not in pids_by_rank for rank in healthy):
+        return None
+    return all(len(pids_by_rank[rank]) == 1 for rank in healthy)
+
+
+def regain_progress_s(lines: list[ProgressLine], scenario: Scenario, fault: ProgressLine) -> float | None:
+    """Seconds from the fault until every rank has finished a step past the kill step; None if never."""
+    passed: dict[int, float] = {}  # rank -> when it first finished a step past the kill step
+    for line in lines:
+        if line.step > scenario.kill_at_step and line.time > fault.time:
+            passed.setdefault(line.rank, line.time)
+    return max(passed.values()) - fault.time if len(passed) == scenario.world_size else None
+
+
+def median_step_s(before_fault: list[ProgressLine]) -> float | None:
+    rank0_times = {line.step: line.time for line in before_fault if line.rank == 0}
+    step_gaps = [rank0_times[step] - rank0_times[step - 1] for step in rank0_times if step - 1 in rank0_times]
+    return statistics.median(step_gaps) if step_gaps else None
+
+
+def outcome_of(exit_codes: list[int | None], last_step: int | None, scenario: Scenario) -> str:
+    if any(code is None for code in exit_codes):
+        return "hung"
+    if any(code != 0 for code in exit_codes) or last_step != scenario.steps:
+        return "failed"
+    return "ok"
+
+
 def analyse(
     launcher: Launcher, scenario: Scenario, launch_time: float, exit_codes: list[int | None],
     lines: list[ProgressLine], wall_s: float,
@@ -231,47 +334,45 @@ def analyse(
         (line for line in lines if line.rank == scenario.kill_rank and line.step == scenario.kill_at_step), None
     )
     before_fault = [line for line in lines if fault is None or line.time <= fault.time]
-    # Restarted ranks are new processes. (Their restart count is no guide: torchrun counts restarts per
-    # agent, so the ranks of the node that did not fail come back with count 0.)
-    first_attempt_pids = {line.pid for line in before_fault}
-    restarted = [line for line in lines if line.pid not in first_attempt_pids]
-
-    resumed_after = min(line.step for line in restarted) - 1 if restarted else None
-    steps_redone = scenario.kill_at_step - resumed_after if resumed_after is not None else None
-
-    regain_s = None
-    if fault is not None:
-        world_size = scenario.nnodes * scenario.nproc_per_node
-        passed = {}  # rank -> when it first finished a step past the kill step
-        for line in lines:
-            if line.step > scenario.kill_at_step and line.time > fault.time:
-                passed.setdefault(line.rank, line.time)
-        if len(passed) == world_size:
-            regain_s = max(passed.values()) - fault.time
-
-    rank0_times = {line.step: line.time for line in before_fault if line.rank == 0}
-    step_gaps = [rank0_times[step] - rank0_times[step - 1] for step in rank0_times if step - 1 in rank0_times]
-
+    resumed_after = resumed_after_step(lines, {line.pid for line in before_fault})
     last_step = max((line.step for line in lines), default=None)
-    if any(code is None for code in exit_codes):
-        outcome = "hung"
-    elif any(code != 0 for code in exit_codes) or last_step != scenario.steps:
-        outcome = "failed"
-    else:
-        outcome = "ok"
     return RunResult(
         launcher=launcher.name,
         description=launcher.description,
-        outcome=outcome,
+        nnodes=scenario.nnodes,
+        nproc_per_node=scenario.nproc_per_node,
+        kill_rank=scenario.kill_rank,
+        outcome=outcome_of(exit_codes, last_step, scenario),
         exit_codes=exit_codes,
         last_step=last_step,
         resumed_after_step=resumed_after,
-        steps_redone=steps_redone,
-        regain_progress_s=regain_s,
-        median_step_s=statistics.median(step_gaps) if step_gaps else None,
+        steps_redone=None if resumed_after is None else scenario.kill_at_step - resumed_after,
+        healthy_pids_kept=healthy_pids_kept(lines, scenario),
+        regain_progress_s=None if fault is None else regain_progress_s(lines, scenario, fault),
+        median_step_s=median_step_s(before_fault),
         launch_to_first_step_s=lines[0].time - launch_time if lines else None,
         wall_s=wall_s,
     )
+
+
+def compare_with_baseline(results: list[RunResult]) -> list[RunResult]:
+    """The results of one scenario, each ftrun row given its median step as a ratio to BASELINE's."""
+    baseline = next((result.median_step_s for result in results if result.launcher == BASELINE), None)
+    if not baseline:
+        return results
+    return [
+        replace(result, median_step_vs_baseline=result.median_step_s / baseline)
+        if LAUNCHERS[result.launcher].program == "ftrun" and result.median_step_s is not None else result
+        for result in results
+    ]
+
+
+def regain_spread(results: list[RunResult]) -> float | None:
+    """Max over min of regain-progress seconds across a launcher's runs; None unless every run regained."""
+    times = [result.regain_progress_s for result in results]
+    if len(times) < 2 or any(time is None or time <= 0 for time in times):
+        return None
+    return max(times) / min(times)
 
 
 def benchmark(launcher: Launcher, scenario: Scenario, workdir: Path) -> RunResult:
@@ -289,29 +390,76 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def regain_text(result: RunResult) -> str:
+    return "never" if result.regain_progress_s is None else seconds(result.regain_progress_s)
+
+
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
 def print_table(results: list[RunResult], scenario: Scenario) -> None:
     table = Table(title=(
         f"Recovery after SIGKILL of rank {scenario.kill_rank} at step {scenario.kill_at_step}: "
-        f"{scenario.nnodes} nodes x {scenario.nproc_per_node} ranks, checkpoint every {scenario.ckpt_every} steps"
+        f"{scenario.shape}, checkpoint every {scenario.ckpt_every} steps, step sleep {scenario.step_sleep:g} s"
     ))
-    for header in ("launcher", "regain progress (s)", "steps redone", "median step (s)",
+    for header in ("launcher", "regain progress (s)", "steps redone", "healthy pids kept", "median step (s)",
                    "launch to step 1 (s)", "wall (s)", "outcome"):
         table.add_column(header, justify="left" if header in ("launcher", "outcome") else "right")
     for result in results:
         table.add_row(
             result.description,
-            "never" if result.regain_progress_s is None else seconds(result.regain_progress_s),
+            regain_text(result),
             "-" if result.steps_redone is None else str(result.steps_redone),
+            yes_no(result.healthy_pids_kept),
             seconds(result.median_step_s),
             seconds(result.launch_to_first_step_s),
             seconds(result.wall_s),
             result.outcome_text(),
         )
     console.print(table)
+    print_step_time_ratios(results)
 
 
-def write_json(results: list[RunResult], scenario: Scenario, destination: str) -> None:
-    text = json.dumps({"scenario": asdict(scenario), "results": [asdict(result) for result in results]}, indent=2)
+def print_step_time_ratios(results: list[RunResult]) -> None:
+    ratios = [
+        f"{result.launcher} {result.median_step_vs_baseline:.3f} ({result.median_step_vs_baseline - 1:+.1%})"
+        for result in results if result.median_step_vs_baseline is not None
+    ]
+    if ratios:
+        console.print(f"median step / {BASELINE}'s: {', '.join(ratios)} (goal for process level: within 3%)")
+    elif any(LAUNCHERS[result.launcher].program == "ftrun" for result in results):
+        console.print(f"median step ratios: no {BASELINE} run with a median step to compare with")
+
+
+def print_scaling_table(results: list[RunResult], scenarios: list[Scenario], launchers: list[Launcher]) -> None:
+    table = Table(
+        title=f"Regain progress (s), N nodes x 1 rank, last rank killed at step {scenarios[0].kill_at_step}",
+        caption="goal: process-level repair stays flat as N grows (max / min <= 1.3)",
+    )
+    table.add_column("launcher")
+    for scenario in scenarios:
+        table.add_column(f"N = {scenario.nnodes}", justify="right")
+    table.add_column("max / min", justify="right")
+    for launcher in launchers:
+        runs = [result for result in results if result.launcher == launcher.name]
+        cells = [regain_text(run) + ("" if run.outcome == "ok" else f" ({run.outcome})") for run in runs]
+        spread = regain_spread(runs)
+        table.add_row(launcher.description, *cells, "-" if spread is None else f"{spread:.2f}")
+    console.print(table)
+
+
+def write_json(
+    results: list[RunResult], scenarios: list[Scenario], launchers: list[Launcher], destination: str,
+) -> None:
+    document = {"scenarios": [asdict(scenario) for scenario in scenarios],
+                "runs": [asdict(result) for result in results]}
+    if len(scenarios) > 1:
+        document["regain_progress_max_over_min"] = {
+            launcher.name: regain_spread([result for result in results if result.launcher == launcher.name])
+            for launcher in launchers
+        }
+    text = json.dumps(document, indent=2)
     if destination == "-":
         print(text)
     else:
@@ -322,61 +470,95 @@ def write_json(results: list[RunResult], scenario: Scenario, destination: str) -
 # --- command line ---------------------------------------------------------------------------------
 
 
-def parse_args() -> tuple[argparse.Namespace, Scenario, list[Launcher]]:
+def node_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("expected node counts like 2,4,8")
+    return counts
+
+
+def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
+    single, scaling = SINGLE_DEFAULTS, SCALING_DEFAULTS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launchers", default=",".join(LAUNCHERS), metavar="A,B",
-                        help="comma-separated, from: %(default)s (default: all)")
-    parser.add_argument("--nnodes", type=int, default=2, metavar="N", help="simulated nodes (default 2)")
-    parser.add_argument("--nproc-per-node", type=int, default=2, metavar="N", help="ranks per node (default 2)")
-    parser.add_argument("--steps", type=int, default=60, metavar="N", help="steps of training (default 60)")
+    parser.add_argument("--launchers", metavar="A,B",
+                        help=f"comma-separated, from: {','.join(LAUNCHERS)} (default: all; with --scaling: "
+                             f"{','.join(scaling.launchers)})")
+    parser.add_argument("--nnodes", type=int, metavar="N", help="simulated nodes (default 2)")
+    parser.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node (default 2)")
+    parser.add_argument("--scaling", type=node_counts, metavar="N,N",
+                        help="instead of one run per launcher, one for each of these node counts, 1 rank per node")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help=f"steps of training (default {single.steps}; with --scaling {scaling.steps})")
     parser.add_argument("--ckpt-every", type=int, default=10, metavar="K", help="checkpoint every K steps (default 10)")
     parser.add_argument("--kill-at-step", type=int, default=25, metavar="S",
                         help="the fault comes after this step (default 25)")
     parser.add_argument("--kill-rank", type=int, metavar="R",
                         help="the rank to kill (default: the last, on the last node)")
-    parser.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
-                        help="sleep after each step (default 0)")
-    parser.add_argument("--deadline", type=float, default=90.0, metavar="SECONDS",
-                        help="a run still going after this long counts as hung (default 90)")
+    parser.add_argument("--step-sleep", type=float, metavar="SECONDS",
+                        help=f"sleep after each step (default {single.step_sleep:g}; with --scaling {scaling.step_sleep:g})")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help=f"a run still going after this long counts as hung (default {single.deadline:g}; "
+                             f"with --scaling {scaling.deadline:g})")
     parser.add_argument("--json", default="-", metavar="FILE", help="where the JSON results go; - for stdout (default)")
     parser.add_argument("--work-dir", type=Path, metavar="DIR",
                         help="a new folder to keep logs, progress files and checkpoints in (default: a temporary one)")
     args = parser.parse_args()
 
-    names = [name.strip() for name in args.launchers.split(",") if name.strip()]
+    defaults = scaling if args.scaling else single
+    names = [name.strip() for name in args.launchers.split(",") if name.strip()] if args.launchers else defaults.launchers
     unknown = [name for name in names if name not in LAUNCHERS]
     if unknown or not names:
         parser.error(f"unknown launcher {', '.join(unknown)}; choose from {', '.join(LAUNCHERS)}")
-    world_size = args.nnodes * args.nproc_per_node
-    kill_rank = world_size - 1 if args.kill_rank is None else args.kill_rank
-    if not 0 <= kill_rank < world_size:
-        parser.error(f"--kill-rank must be below the world size, {world_size}")
-    if not 0 < args.kill_at_step < args.steps:
+    if len(set(names)) < len(names):
+        parser.error("--launchers names a launcher twice: each has one work folder and one row")
+    if args.scaling and (args.nnodes or args.nproc_per_node or args.kill_rank is not None):
+        parser.error("--scaling sets the nodes (1 rank each) and kills the last rank: drop --nnodes, "
+                     "--nproc-per-node and --kill-rank")
+    shapes = [(nnodes, 1) for nnodes in args.scaling] if args.scaling else [(args.nnodes or 2, args.nproc_per_node or 2)]
+    steps = args.steps or defaults.steps
+    if not 0 < args.kill_at_step < steps:
         parser.error("--kill-at-step must be between 1 and --steps - 1")
     if args.work_dir and args.work_dir.exists() and any(args.work_dir.iterdir()):
         parser.error(f"--work-dir {args.work_dir} is not empty: old progress files would spoil the measurements")
-    scenario = Scenario(
-        nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, steps=args.steps, ckpt_every=args.ckpt_every,
-        kill_rank=kill_rank, kill_at_step=args.kill_at_step, step_sleep=args.step_sleep, deadline=args.deadline,
-    )
-    return args, scenario, [LAUNCHERS[name] for name in names]
+    scenarios = []
+    for nnodes, nproc_per_node in shapes:
+        world_size = nnodes * nproc_per_node
+        kill_rank = world_size - 1 if args.kill_rank is None else args.kill_rank
+        if not 0 <= kill_rank < world_size:
+            parser.error(f"--kill-rank must be below the world size, {world_size}")
+        scenarios.append(Scenario(
+            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, ckpt_every=args.ckpt_every,
+            kill_rank=kill_rank, kill_at_step=args.kill_at_step,
+            step_sleep=defaults.step_sleep if args.step_sleep is None else args.step_sleep,
+            deadline=args.deadline or defaults.deadline,
+        ))
+    return args, scenarios, [LAUNCHERS[name] for name in names]
 
 
 def raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # so a SIGTERM cleans up the way Ctrl-C does
 
 
+def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path) -> list[RunResult]:
+    results = []
+    for launcher in launchers:
+        console.print(f"[bold]{launcher.description}[/bold], {scenario.shape}: running, "
+                      f"deadline {scenario.deadline:g} s")
+        workdir = work_root / f"{launcher.name}-{scenario.nnodes}x{scenario.nproc_per_node}"
+        result = benchmark(launcher, scenario, workdir)
+        console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
+        results.append(result)
+    return compare_with_baseline(results)
+
+
 def main() -> int:
-    args, scenario, launchers = parse_args()
+    args, scenarios, launchers = parse_args()
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_recovery-"))
-    results = []
+    results_by_scenario = []
     try:
-        for launcher in launchers:
-            console.print(f"[bold]{launcher.description}[/bold]: running, deadline {scenario.deadline:g} s")
-            result = benchmark(launcher, scenario, work_root / launcher.name)
-            console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
-            results.append(result)
+        for scenario in scenarios:
+            results_by_scenario.append(run_scenario(scenario, launchers, work_root))
     except KeyboardInterrupt:
         console.print("interrupted: every process started has been killed")
         return 130
@@ -385,8 +567,12 @@ def main() -> int:
             shutil.rmtree(work_root, ignore_errors=True)
         else:
             console.print(f"logs, progress files and checkpoints kept in {work_root}")
-    print_table(results, scenario)
-    write_json(results, scenario, args.json)
+    for scenario, results in zip(scenarios, results_by_scenario):
+        print_table(results, scenario)
+    all_results = [result for results in results_by_scenario for result in results]
+    if args.scaling:
+        print_scaling_table(all_results, scenarios, launchers)
+    write_json(all_results, scenarios, launchers, args.json)
     return 0  # the measurements are the result: a launcher that hangs is a finding, not an error
 
 
