@@ -118,6 +118,7 @@ class ElasticDDP(torch.nn.Module):
         self._synced = False
         self._queued = False
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._flat: torch.Tensor | None = None
         for param in self._params:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -147,7 +148,10 @@ class ElasticDDP(torch.nn.Module):
     def _average_gradients(self) -> None:
         self._queued = False
         grads = [p.grad for p in self._params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._flat is None:  # allocated once: a fresh buffer per step costs page faults
+            self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        flat = self._flat
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
         dist.all_reduce(flat)
         flat.div_(dist.get_world_size())
         offset = 0

@@ -147,3 +147,42 @@ def test_standby_runs_a_script_with_its_assignment(tmp_path, monkeypatch):
         standby.run({"argv": [sys.executable, "-u", str(script), "--lr", "3"], "env": {"RANK": "5", "OUT": str(out)},
                      "cwd": str(tmp_path)})
     assert out.read_text() == f"5 {script} --lr 3"
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
+    import torch
+
+    from ftrun.elastic.job import ElasticDDP
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 2)
+    wrapped = ElasticDDP(torch.nn.Linear(4, 2))
+    wrapped.module.load_state_dict(plain.state_dict())
+    batch = torch.randn(3, 4)
+    plain(batch).pow(2).sum().backward()
+    wrapped(batch).pow(2).sum().backward()
+    for a, b in zip(plain.parameters(), wrapped.module.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_interrupted_step_puts_running_statistics_back(one_rank_group):
+    import torch
+
+    from ftrun.elastic.job import ElasticDDP
+
+    wrapped = ElasticDDP(torch.nn.BatchNorm1d(3))
+    before = wrapped.module.running_mean.clone()
+    wrapped.save_buffers()
+    wrapped(torch.randn(8, 3) + 5)  # the forward of a step that a fault then interrupts
+    assert not torch.equal(wrapped.module.running_mean, before)
+    wrapped.restore_buffers()
+    assert torch.equal(wrapped.module.running_mean, before)
