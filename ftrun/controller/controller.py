@@ -90,6 +90,7 @@ class Controller:
         self._worker_store_address = ""
         self._repair = RepairClock()
         self._said_no_library = False
+        self._announced = 0  # the newest generation announced to the ranks
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     def start(self) -> None:
@@ -190,9 +191,18 @@ class Controller:
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
                 command = dataclasses.replace(command, worker_store=self._worker_store_address)
-                self.store.set_text(self.keys.target_generation, str(command.generation))
+                self._announce(command.generation)
             log.debug("publishing %s", command)
             self.store.append(self.keys.command_count, self.keys.command, command)
+
+    def _announce(self, generation: int) -> None:
+        """Tell the ranks which generation to form; ranks still forming an older one give it up."""
+        if generation == self._announced:
+            return  # more ranks for the same repair
+        self.store.set_text(self.keys.target_generation, str(generation))  # first: what they move to
+        for older in range(self._announced, generation):
+            self.store.set_text(self.keys.group_ready(older), "superseded")
+        self._announced = generation
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:
         if before is None or before.phase is after.phase and before.generation == after.generation:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import io
 import logging
@@ -21,7 +22,8 @@ from ftrun.keys import JobKeys
 from ftrun.store import ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
-POLL = 0.002
+#: what a generation's group_ready key says once every rank arrived (else: superseded)
+GROUP_READY = "ready"
 #: how often a rank's heartbeat thread looks for an announced repair (one store read)
 WATCH_TICK = 0.1
 #: how often it writes its heartbeat and its committed step
@@ -352,16 +354,20 @@ class ElasticJob:
         gc.collect()
 
     def _form_group(self, generation: int) -> bool:
-        """Form the group once every rank arrived; False if a newer generation was announced meanwhile."""
-        arrived = self.keys.milestone(generation, "arrived")
-        self.store.add(arrived)
-        deadline = time.monotonic() + self.collective_timeout
-        while self.store.counter(arrived) < self.env.world_size:
-            if generation and self._target() > generation:
-                return False
-            if time.monotonic() > deadline:
-                raise RepairError(f"generation {generation}: not every rank arrived within {self.collective_timeout:g}s")
-            time.sleep(POLL)
+        """Form the group once every rank arrived; False if a newer generation was announced meanwhile.
+
+        No polling: the last rank to arrive marks the group ready, and the controller marks it
+        superseded when it announces a newer generation; the others wait on the store for either.
+        """
+        ready = self.keys.group_ready(generation)
+        if self.store.add(self.keys.milestone(generation, "arrived")) >= self.env.world_size:
+            self.store.set_text(ready, GROUP_READY)
+        try:
+            self.store.raw.wait([ready], datetime.timedelta(seconds=self.collective_timeout))
+        except Exception:
+            raise RepairError(f"generation {generation}: not every rank arrived within {self.collective_timeout:g}s") from None
+        if self.store.try_text(ready) != GROUP_READY:
+            return False
         from torch.distributed import PrefixStore
 
         store = PrefixStore(self.keys.process_group(generation), self.store.raw)
@@ -382,7 +388,7 @@ class ElasticJob:
             self.store.set_text(self.keys.rollback_failure(generation), reason)
             raise RepairError(reason)
         if plan.receivers:
-            self._send_state(plan.source, self.env.rank in plan.receivers, device)
+            self._send_state(plan.source, plan.receivers, device)
         for obj in self._objects.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
@@ -396,19 +402,21 @@ class ElasticJob:
         log.info("rank %d: generation %d resumes at step %d (state from rank %d)", self.env.rank, generation,
                  plan.step, plan.source)
 
-    def _send_state(self, source: int, receive: bool, device) -> None:
+    def _send_state(self, source: int, receivers: tuple[int, ...], device) -> None:
+        """Point to point, source to each receiver: the cost does not grow with the job's size."""
         if self.env.rank == source:
             buffer = io.BytesIO()
             torch.save({name: obj.state_dict() for name, obj in self._objects.items()}, buffer)
             payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
             size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        else:
+            for receiver in receivers:
+                dist.send(size, dst=receiver)
+                dist.send(payload, dst=receiver)
+        elif self.env.rank in receivers:
             size = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(size, src=source)
-        if self.env.rank != source:
+            dist.recv(size, src=source)
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.broadcast(payload, src=source)
-        if receive:
+            dist.recv(payload, src=source)
             states = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
             for name, obj in self._objects.items():
                 obj.load_state_dict(states[name])
