@@ -14,6 +14,7 @@ import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 from ftrun.agent.workers import GenerationEnv, ProcessOps, WorkerGroup, WorkerPlacement
 from ftrun.config import LaunchConfig
@@ -31,16 +32,19 @@ HEARTBEAT_INTERVAL = 0.5
 INTERRUPT_GRACE = 10.0
 
 
+@dataclass(frozen=True)
 class JobOutcome:
     """How the job ended, as this agent saw it."""
 
-    def __init__(self, exit_code: int, reason: str, controller: Controller | None):
-        self.exit_code = exit_code
-        self.reason = reason
-        self.controller = controller
+    exit_code: int
+    reason: str
+    #: the controller, on the agent that hosted it: its view holds the job-wide summary
+    controller: Controller | None
 
 
 class Agent:
+    """One node's agent: store, rendezvous, then the supervision loop until the controller says exit."""
+
     def __init__(self, config: LaunchConfig):
         self.config = config
         self.keys = JobKeys(config.run_id)
@@ -183,6 +187,9 @@ class Agent:
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
+                        if command.generation > 0:
+                            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
+                                        command.restart_count, command.max_restarts)
                         group.start(self._placements(), self._generation_env(command))
                         group.fill_standbys()
                     elif command.kind is CommandKind.REPLACE:
@@ -222,9 +229,6 @@ class Agent:
 
     def _generation_env(self, command: Command, replacement: bool = False) -> GenerationEnv:
         host, _, port = command.worker_store.rpartition(":")
-        if command.generation > 0 and command.kind is CommandKind.START:
-            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
-                        command.restart_count, command.max_restarts)
         return GenerationEnv(
             generation=command.generation,
             restart_count=command.restart_count,

@@ -4,6 +4,7 @@ Faults come from the environment and hit only original ranks (never a replacemen
   FAULT=rank:step:kind[,rank:step:kind...]   kind: sigkill, exit1, segv
   FAULT_GENERATIONS=0                        generations in which to inject (default 0)
   FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
+  HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/rank<r>.json at the end (final step,
 parameter checksum, pid, generation).
 """
@@ -39,9 +40,17 @@ def fail_replacement(rank: int, out_dir: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hang_replacement(rank: int) -> None:
+    """HANG_REPLACEMENT=rank: that rank's replacements never get as far as joining the repair."""
+    if os.environ.get("FTRUN_REPLACEMENT") == "1" and os.environ.get("HANG_REPLACEMENT") == str(rank):
+        print("replacement hangs before joining the repair", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
 def main() -> None:
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]
+    hang_replacement(int(os.environ["RANK"]))
     job = ftrun.elastic.init()
     with open(os.path.join(out_dir, f"pid-start-rank{job.rank}-{os.getpid()}"), "w"):
         pass
