@@ -78,6 +78,10 @@ class JobKeys:
         under ftrun.elastic: the controller's sign that process level is possible), resumed."""
         return f"{self.generation(generation)}/{name}"
 
+    def announced(self, generation: int) -> str:
+        """Set when the controller announces a process-level repair into this generation."""
+        return f"{self.generation(generation)}/announced"
+
     def group_ready(self, generation: int) -> str:
         """Set once every rank arrived to form the generation's group, or once it is superseded."""
         return f"{self.generation(generation)}/group_ready"

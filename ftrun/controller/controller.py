@@ -28,7 +28,10 @@ from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
 
 log = logging.getLogger(__name__)
-TICK = 0.01
+#: how often the controller reads the store: briskly while a repair or an exit is under way, gently
+#: while the job runs (agents report failures within their own --monitor-interval anyway)
+BUSY_TICK = 0.01
+IDLE_TICK = 0.05
 HEARTBEAT_INTERVAL = 0.5
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
@@ -143,7 +146,7 @@ class Controller:
                     missing = sorted(self.view.present - self.view.acknowledged)
                     log.warning("nodes %s did not acknowledge the exit in time", missing)
                     break
-            time.sleep(TICK)
+            time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
 
     def _check_nodes(self, beats: dict[int, tuple[int, float]], now: float) -> None:
         for node in self.view.present:
@@ -202,6 +205,8 @@ class Controller:
         self.store.set_text(self.keys.target_generation, str(generation))  # first: what they move to
         for older in range(self._announced, generation):
             self.store.set_text(self.keys.group_ready(older), "superseded")
+        for newer in range(self._announced + 1, generation + 1):  # wakes the ranks' repair watchers
+            self.store.set_text(self.keys.announced(newer), str(generation))
         self._announced = generation
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:

@@ -24,10 +24,10 @@ from ftrun.store import ControlStore, connect_store
 log = logging.getLogger("ftrun.elastic")
 #: what a generation's group_ready key says once every rank arrived (else: superseded)
 GROUP_READY = "ready"
-#: how often a rank's heartbeat thread looks for an announced repair (one store read)
-WATCH_TICK = 0.1
-#: how often it writes its heartbeat and its committed step
+#: how often a rank writes its heartbeat and its committed step
 HEARTBEAT_INTERVAL = 1.0
+#: the deadline of each of the repair watcher's waits (it waits again after each)
+WATCH_TIMEOUT = 3600.0
 #: after a repair is announced, how long the main thread may take to notice before it is interrupted
 INTERRUPT_AFTER = 0.05
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
@@ -201,8 +201,8 @@ class ElasticJob:
         self._needs_state = self.env.replacement
         self._join(self.env.generation)
         self._repairing = self._needs_state  # a replacement is part of the repair until it has the state
-        self._heartbeat = threading.Thread(target=self._beat, name="ftrun-heartbeat", daemon=True)
-        self._heartbeat.start()
+        for target, name, args in ((self._beat, "ftrun-heartbeat", ()), (self._watch, "ftrun-repair-watch", (endpoint,))):
+            threading.Thread(target=target, name=name, args=args, daemon=True).start()
 
     # -- the user's side ------------------------------------------------------------------------
 
@@ -424,31 +424,49 @@ class ElasticJob:
     # -- liveness ----------------------------------------------------------------------------------
 
     def _beat(self) -> None:
-        stuck_since = None
-        interrupted = False
-        next_beat = 0.0
-        while not self._closed.wait(WATCH_TICK):
+        """Once a second: this rank's heartbeat and committed step."""
+        while not self._closed.wait(HEARTBEAT_INTERVAL):
             try:
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + HEARTBEAT_INTERVAL
-                    self.store.add(self.keys.rank_heartbeat(self.env.rank))
-                    self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
-                announced = self._target() > self.generation
+                self.store.add(self.keys.rank_heartbeat(self.env.rank))
+                self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
             except Exception:
                 return  # the controller is gone; the agent stops this process
-            # A repair was announced but this rank's main thread has not joined it: release it from
-            # the collective it may be waiting in. If even that does not free it, leave, so that
-            # the repair replaces this rank instead of waiting for it.
-            stuck_since = (stuck_since or time.monotonic()) if announced and not self._repairing else None
-            if stuck_since and time.monotonic() - stuck_since > INTERRUPT_AFTER and not interrupted:
+
+    def _watch(self, endpoint) -> None:
+        """Sleep on the store until the next generation is announced, then make sure this rank joins.
+
+        A blocking wait on a connection of its own: no periodic wake-ups that would take the GIL
+        from the training thread. When a repair is announced and the main thread has not joined it
+        shortly after, it sits in a collective that waits on a healthy peer: release it. If even that
+        does not free it, leave, so that the repair replaces this rank instead of waiting for it.
+        """
+        try:
+            store = connect_store(endpoint, timeout=self.collective_timeout)
+        except Exception:
+            return
+        while not self._closed.is_set():
+            generation = self.generation
+            try:
+                store.wait([self.keys.announced(generation + 1)], datetime.timedelta(seconds=WATCH_TIMEOUT))
+            except Exception:
+                continue  # nothing announced within the wait's deadline: wait again
+            self._see_through_repair(generation)
+
+    def _see_through_repair(self, generation: int) -> None:
+        announced_at = time.monotonic()
+        interrupted = False
+        while not self._closed.is_set() and not self._repairing and self.generation <= generation:
+            waited = time.monotonic() - announced_at
+            if waited > INTERRUPT_AFTER and not interrupted:
                 interrupted = True
                 self.backend.interrupt()
-            if not stuck_since:
-                interrupted = False
-            if stuck_since and time.monotonic() - stuck_since > self.fault_wait:
+            if waited > self.fault_wait:
                 log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced",
                           self.env.rank, self.fault_wait)
                 os._exit(EXIT_STUCK)
+            time.sleep(0.01)
+        while not self._closed.is_set() and self.generation <= generation:
+            time.sleep(0.05)  # the repair is under way on the main thread
 
 
 def _first_line(error: BaseException) -> str:
