@@ -106,7 +106,6 @@ class Worker:
     out: StreamPump
     err: StreamPump
     error_file: str
-    started: float
     returncode: int | None = None
 
     @property
@@ -177,7 +176,7 @@ class WorkerGroup:
 
         return Worker(
             placement, proc, pump(proc.stdout, STDOUT, "stdout"), pump(proc.stderr, STDERR, "stderr"),
-            paths["error"], time.monotonic(),
+            paths["error"],
         )
 
     def _take_standby(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:

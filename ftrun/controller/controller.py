@@ -86,8 +86,6 @@ class Controller:
         self.policy = policy
         self.view: JobView | None = None
         self.rendezvous: RendezvousResult | None = None
-        #: (generation, level, seconds, phase breakdown) of every finished repair
-        self.repairs: list[tuple[int, str, float, list[tuple[str, float]]]] = []
         self.stop_requested = threading.Event()
         self._worker_store = None
         self._worker_store_address = ""
@@ -232,7 +230,6 @@ class Controller:
         elif before.phase is not Phase.RUNNING and after.phase is Phase.RUNNING and self._repair.marks:
             phases = self._repair.breakdown(now)
             total = sum(seconds for _, seconds in phases)
-            self.repairs.append((after.generation, before.level.value, total, phases))
             detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
             if before.level is Level.PROCESS:
                 log.warning("generation %d resumed training %.2fs after the fault (%s)", after.generation, total, detail)
