@@ -86,6 +86,18 @@ class LaunchConfig:
     redirects: StreamSpec
     tee: StreamSpec
     local_ranks_filter: frozenset[int] | None
+    #: the device layer (ftrun.devices): auto, npu, cuda or cpu
+    device: str = "cpu"
+    npu_smi: str = "npu-smi"
+    #: seconds one device-tool call (npu-smi, nvidia-smi) may take
+    device_timeout: float = 10.0
+    health_interval: float = 5.0
+    #: a user file merged over ftrun's fault-level table, or ""
+    fault_levels: str = ""
+    #: ranks without ftrun.elastic: no output and no CPU for this long counts as a hang; 0 = off
+    hang_timeout: float = 0.0
+    #: check every node's devices before training
+    preflight: bool = False
 
     @property
     def script(self) -> str:
@@ -404,4 +416,23 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
         tee=parse_streams(raw.get("tee", "0"), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
+        **device_options(raw),
+    )
+
+
+def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The device layer's options, checked (shared by the launcher and ``ftrun probe``)."""
+    from ftrun.devices import DEVICE_KINDS
+
+    fault_levels = str(raw.get("fault_levels") or "")
+    if fault_levels and not os.path.isfile(fault_levels):
+        raise UsageError(f"--fault-levels: file '{fault_levels}' does not exist")
+    return dict(
+        device=choice(raw.get("device") or "auto", DEVICE_KINDS, "--device"),
+        npu_smi=str(raw.get("npu_smi") or "npu-smi"),
+        device_timeout=positive_seconds(raw.get("device_timeout", 10), "--device-timeout"),
+        health_interval=positive_seconds(raw.get("health_interval", 5), "--health-interval"),
+        fault_levels=os.path.abspath(fault_levels) if fault_levels else "",
+        hang_timeout=positive_seconds(raw.get("hang_timeout", 0), "--hang-timeout", True),
+        preflight=bool(raw.get("preflight")),
     )

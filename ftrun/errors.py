@@ -15,6 +15,8 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     #: the rendezvous did not complete: endpoint unreachable or nodes missing at the deadline
     RENDEZVOUS = 3
+    #: a device is unusable: ``ftrun probe``, ``--preflight``, or no usable device left for a rank
+    DEVICE = 4
     #: stopped by SIGINT (Ctrl-C)
     INTERRUPTED = 130
     #: stopped by SIGTERM
@@ -42,3 +44,10 @@ class RendezvousError(FtrunError):
 
     def __init__(self, message: str):
         super().__init__(message, ExitCode.RENDEZVOUS)
+
+
+class DeviceError(FtrunError):
+    """A device is unusable, or there are too few usable devices for the ranks."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.DEVICE)

@@ -56,6 +56,8 @@ class JoinRecord:
     nproc: int
     #: the node rank the user asked for with --node-rank, or -1 to be assigned one
     requested_node_rank: int = -1
+    #: --preflight: what is wrong with this node's devices ("" when fit to train)
+    preflight: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class RendezvousResult:
     nodes: tuple[NodeSlot, ...] = ()
     world_size: int = 0
     error: str = ""
+    #: the exit code that goes with the error (ExitCode.RENDEZVOUS, or DEVICE for a failed preflight)
+    exit_code: int = 3
 
     def slot_of(self, agent_id: str) -> NodeSlot | None:
         return next((n for n in self.nodes if n.agent_id == agent_id), None)
@@ -109,6 +113,7 @@ class ReportKind(str, enum.Enum):
     INTERRUPTED = "interrupted"  # the agent got SIGINT/SIGTERM from its user
     EXITED = "exited"  # acknowledges an EXIT: the agent is leaving
     CLEARED = "cleared"  # acknowledges a REPLACE: the failed ranks' processes are dead and reaped
+    NODE_UNUSABLE = "node_unusable"  # no usable device is left on the node for its ranks: a node-level fault
 
 
 @dataclass(frozen=True)
@@ -128,10 +133,15 @@ class WorkerFailure:
     error: str = ""
     timestamp: float = 0.0
     generation: int = 0
+    #: what kind of fault it was: exit, signal, oom, exception, device, hang (ftrun.faults.process)
+    cause: str = ""
+    #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")
+    detail: str = ""
 
     def describe(self) -> str:
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"
-        return f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"
+        text = f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"
+        return f"{text} ({self.cause}: {self.detail})" if self.detail else text
 
 
 @dataclass(frozen=True)

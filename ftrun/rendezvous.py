@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ftrun.errors import RendezvousError
+from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.keys import JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult
 from ftrun.store import ControlStore
@@ -44,6 +44,9 @@ def decide_rendezvous(
     clash = _rank_clash(joins)
     if clash:
         return RendezvousResult(error=clash)
+    unfit = [j.preflight for j in joins if j.preflight]
+    if unfit:
+        return RendezvousResult(error=f"preflight failed: {'; '.join(unfit)}", exit_code=ExitCode.DEVICE)
     complete = len(joins) >= policy.max_nodes or (
         min_reached_for is not None and min_reached_for >= policy.last_call_timeout
     )
@@ -133,7 +136,7 @@ def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float,
             raise RendezvousError(f"no rendezvous result from the controller at {store.endpoint} within {timeout:g}s")
         time.sleep(POLL_INTERVAL)
     if result.error:
-        raise RendezvousError(result.error)
+        raise FtrunError(result.error, ExitCode(result.exit_code))
     slot = result.slot_of(record.agent_id)
     if slot is None:
         raise RendezvousError(f"the job already has its {len(result.nodes)} nodes; this agent was not admitted")

@@ -16,13 +16,22 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ftrun.agent.workers import GenerationEnv, ProcessOps, WorkerGroup, WorkerPlacement
+import psutil
+
+from ftrun.agent.devices import NodeDevices
+from ftrun.agent.hang import HangWatch
+from ftrun.agent.placement import NoDevice
+from ftrun.agent.stacks import dump_stack
+from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import Level
 from ftrun.errors import ExitCode, FtrunError
+from ftrun.faults.levels import load_fault_table
+from ftrun.faults.process import OomWatch
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
+from ftrun.probe import probe
 from ftrun.rendezvous import RendezvousPolicy, join
 from ftrun.store import ControlStore, StoreUnavailable, open_control_store
 
@@ -57,6 +66,10 @@ class Agent:
         self.slot: NodeSlot | None = None
         self.rendezvous: RendezvousResult | None = None
         self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
+        self.table = None
+        self.devices: NodeDevices | None = None
+        self.hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
+        self.oom = OomWatch()
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -78,11 +91,14 @@ class Agent:
 
     def run(self) -> JobOutcome:
         config = self.config
+        self.table = load_fault_table(config.fault_levels or None)
+        self.devices = NodeDevices.open(config, self.table)
+        preflight = self._preflight() if config.preflight else ""
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout)
         if self.store.is_host:
             self._start_controller()
         log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
-        record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank)
+        record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight)
         try:
             self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.stop_event)
         except FtrunError:
@@ -96,12 +112,25 @@ class Agent:
         )
         ops = ProcessOps()
         group = WorkerGroup(ops, config, self._log_dir(), config.warm_standby)
+        self.devices.start()
         try:
             code, reason = self._supervise(group)
         finally:
+            self.devices.stop()
             group.stop(config.stop_timeout)
             ops.close()
         return self._finish(code, reason)
+
+    def _preflight(self) -> str:
+        """This node's device problems before training, or "" (the rendezvous fails the job on any)."""
+        report = probe(self.devices.backend, self.table)
+        for row in report.rows:
+            log.info("preflight: device %d %s %s: %s", row.status.device.index, row.status.health.value,
+                     " ".join(row.status.codes) or "-", row.action)
+        if report.problem:
+            log.error("preflight failed on %s: %s", self.host, report.problem)
+            return f"{self.host}: {report.problem}"
+        return ""
 
     def _start_controller(self) -> None:
         config = self.config
@@ -160,6 +189,11 @@ class Agent:
                     self.store.add(self.keys.node_heartbeat(self.slot.node_rank))
                     next_beat = now + HEARTBEAT_INTERVAL
                     controller_beat = self._check_controller(controller_beat, now)
+                    if interrupted_at is None:
+                        self._check_hangs(group, now)
+                for event in self.devices.events():
+                    for local_rank in self.devices.apply(event):
+                        group.fail(local_rank, "device", event.reason)
                 if self.stop_signal is not None and interrupted_at is None:
                     interrupted_at = now
                     self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self._interrupt_code,
@@ -170,7 +204,10 @@ class Agent:
                 ended = group.poll()
                 failed = [w for w in ended if w.returncode != 0]
                 if failed and interrupted_at is None:
-                    self._report(ReportKind.WORKER_FAILED, group.generation, failures=tuple(group.failure(w) for w in failed))
+                    failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
+                    for failure in failures:
+                        log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
+                    self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
                 if ended and group.all_succeeded and not reported_success:
                     reported_success = True
                     self._report(ReportKind.SUCCEEDED, group.generation)
@@ -190,8 +227,7 @@ class Agent:
                         if command.generation > 0:
                             log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
                                         command.restart_count, command.max_restarts)
-                        group.start(self._placements(), self._generation_env(command))
-                        group.fill_standbys()
+                        self._start_workers(group, command)
                     elif command.kind is CommandKind.REPLACE:
                         reported_success = False
                         self._replace_ranks(group, command)
@@ -208,24 +244,68 @@ class Agent:
             raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} for {self.config.node_timeout:g}s")
         return last
 
-    def _placements(self) -> list[WorkerPlacement]:
-        slot = self.slot
-        return [WorkerPlacement(i, slot.first_rank + i, slot.node_rank, self.host) for i in range(slot.nproc)]
+    def _placement(self, local_rank: int, device_env=()) -> WorkerPlacement:
+        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, self.slot.node_rank, self.host, device_env)
+
+    def _start_workers(self, group: WorkerGroup, command: Command) -> None:
+        try:
+            slots = self.devices.slots(self.slot.nproc)
+        except NoDevice as e:
+            self._report(ReportKind.NODE_UNUSABLE, command.generation, detail=str(e))
+            return
+        placements = [self._placement(i, self.devices.env(slots.get(i))) for i in range(self.slot.nproc)]
+        group.start(placements, self._generation_env(command))
+        for worker in group.workers:
+            self._watch_from_now(worker)
+        group.fill_standbys()
+
+    def _watch_from_now(self, worker: Worker) -> None:
+        rank = worker.placement.rank
+        self.hangs.restart(rank, self.store.counter(self.keys.rank_heartbeat(rank)), time.monotonic())
+
+    def _check_hangs(self, group: WorkerGroup, now: float) -> None:
+        """A rank that stopped showing signs of life: its stack is dumped, then it is killed and reported."""
+        for worker in group.running:
+            rank = worker.placement.rank
+            beats = self.store.counter(self.keys.rank_heartbeat(rank))
+            reason = self.hangs.observe(rank, beats, self._activity(worker), now)
+            if reason:
+                log.error("rank %d (pid %d) is hung: %s; dumping its stack and killing it", rank, worker.pid, reason)
+                dump_stack(worker, uses_library=beats > 0)
+                group.fail(worker.placement.local_rank, "hang", reason)
+                self.hangs.forget(rank)
+
+    def _activity(self, worker: Worker) -> tuple:
+        """Output lines and CPU time: the signs of life of a rank without heartbeats (--hang-timeout)."""
+        if not self.config.hang_timeout:
+            return ()
+        try:
+            times = psutil.Process(worker.pid).cpu_times()
+            cpu = round(times.user + times.system, 2)
+        except psutil.Error:
+            cpu = -1.0
+        return worker.out.lines, worker.err.lines, cpu
 
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
-        mine = [p for p in self._placements() if p.rank in command.ranks]
+        mine = [r - self.slot.first_rank for r in command.ranks if 0 <= r - self.slot.first_rank < self.slot.nproc]
         if not mine:
             group.generation = command.generation
             return
         log.warning("replacing rank%s %s for generation %d", "s" if len(mine) > 1 else "",
-                    ", ".join(str(p.rank) for p in mine), command.generation)
-        for placement in mine:
-            group.clear(placement.local_rank, self.config.stop_timeout)
+                    ", ".join(str(self.slot.first_rank + i) for i in mine), command.generation)
+        for local_rank in mine:
+            group.clear(local_rank, self.config.stop_timeout)
+        try:
+            placements = [self._placement(i, self.devices.env(self.devices.slot_for_respawn(i))) for i in mine]
+        except NoDevice as e:
+            self._report(ReportKind.NODE_UNUSABLE, command.generation, detail=str(e))
+            return
         self._report(ReportKind.CLEARED, command.generation)
         gen = self._generation_env(command, replacement=True)
-        for placement in mine:
+        for placement in placements:
             group.respawn(placement, gen)
+            self._watch_from_now(group.workers[placement.local_rank])
 
     def _generation_env(self, command: Command, replacement: bool = False) -> GenerationEnv:
         host, _, port = command.worker_store.rpartition(":")

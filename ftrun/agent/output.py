@@ -23,6 +23,8 @@ class StreamPump:
         self._prefix = prefix
         self._file = open(file_path, "wb") if file_path else None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: lines seen so far: output is a sign of life for the hang check
+        self.lines = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -30,6 +32,7 @@ class StreamPump:
         try:
             for line in iter(self._pipe.readline, b""):
                 self.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+                self.lines += 1
                 if self._file:
                     self._file.write(line)
                     self._file.flush()

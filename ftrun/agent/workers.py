@@ -5,7 +5,6 @@ Every OS call goes through :class:`ProcessOps`, one small object.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -18,21 +17,14 @@ from dataclasses import dataclass
 from ftrun.agent import standby
 from ftrun.agent.output import STDERR, STDOUT, StreamPump, console_stream, rank_log_paths
 from ftrun.config import LaunchConfig
+from ftrun.faults.levels import FaultTable
+from ftrun.faults.process import OomWatch, classify_exit
 from ftrun.messages import WorkerFailure, signal_name
+from ftrun.orphans import die_with_parent
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 #: how long to wait for a dead worker's last output before reporting it
 DRAIN_TIMEOUT = 1.0
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the guardian still covers it
-    if os.getppid() == 1:
-        os._exit(1)  # the agent died before we could arm the signal
 
 
 class ProcessOps:
@@ -55,7 +47,7 @@ class ProcessOps:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # own process group: a stop reaches its grandchildren too
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._tell_guardian(f"+{proc.pid}")
         return proc
@@ -97,6 +89,8 @@ class WorkerPlacement:
     rank: int
     node_rank: int
     host: str
+    #: the device's variables for this worker (visibility, FTRUN_DEVICE, FTRUN_DEVICE_INDEX); none on CPU
+    device_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -107,6 +101,9 @@ class Worker:
     err: StreamPump
     error_file: str
     returncode: int | None = None
+    #: set when the agent itself ended the worker (hang, device fault): the cause and its evidence
+    cause: str = ""
+    detail: str = ""
 
     @property
     def pid(self) -> int:
@@ -201,6 +198,13 @@ class WorkerGroup:
             worker.returncode = worker.proc.returncode
             self._clear_group(worker)
 
+    def fail(self, local_rank: int, cause: str, detail: str) -> None:
+        """End a worker the agent found faulty (hung, on a sick device); the next poll reports it."""
+        worker = self.workers[local_rank]
+        if worker.returncode is None:
+            worker.cause, worker.detail = cause, detail
+            self.ops.signal_group(worker.pid, signal.SIGKILL)
+
     def respawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> None:
         """Start a replacement for one rank; the node's other workers keep running."""
         self.generation = gen.generation
@@ -253,10 +257,17 @@ class WorkerGroup:
         self.ops.signal_group(worker.pid, signal.SIGKILL)
         self.ops.forget_group(worker.pid)
 
-    def failure(self, worker: Worker) -> WorkerFailure:
+    def failure(self, worker: Worker, table: FaultTable, oom: OomWatch | None = None) -> WorkerFailure:
         worker.err.drain(DRAIN_TIMEOUT)
         code = worker.returncode
         p = worker.placement
+        error = read_error_file(worker.error_file)
+        if worker.cause:
+            cause, detail = worker.cause, worker.detail
+        else:
+            evidence = oom.killed_by_oom(worker.pid) if oom is not None and code == -signal.SIGKILL else ""
+            fault = classify_exit(code, tuple(worker.err.tail), error, table, oom=evidence)
+            cause, detail = fault.kind, fault.detail
         return WorkerFailure(
             rank=p.rank,
             local_rank=p.local_rank,
@@ -266,9 +277,11 @@ class WorkerGroup:
             exit_code=code if code is not None and code >= 0 else None,
             signal=signal_name(code) if code is not None else "",
             stderr_tail=tuple(worker.err.tail),
-            error=read_error_file(worker.error_file),
+            error=error,
             timestamp=time.time(),
             generation=self.generation,
+            cause=cause,
+            detail=detail,
         )
 
 
@@ -330,6 +343,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
         FTRUN_REPLACEMENT="1" if gen.replacement else "0",
     )
+    env.update(placement.device_env)
     return env
 
 

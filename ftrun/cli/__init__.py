@@ -18,6 +18,7 @@ HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for t
 \b
   ftrun --standalone --nproc-per-node 4 train.py --lr 3e-4
   ftrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint head:29400 --max-restarts 3 train.py
+  ftrun probe          # this node's devices and their health (ftrun probe --help)
 """
 
 
@@ -28,12 +29,24 @@ def launch_command(ctx: click.Context, **params):
     return merge_config(ctx, params)
 
 
+def _subcommands() -> dict[str, click.Command]:
+    """Words that name a command rather than a script (run a script named so as ./probe)."""
+    from ftrun.cli.probe import probe_command
+
+    return {"probe": probe_command, "doctor": probe_command}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_torch_cpp_logs()
     _setup_logging()
+    subcommands = _subcommands()
+    command, prog = launch_command, "ftrun"
+    if argv and argv[0] in subcommands:
+        command, prog = subcommands[argv[0]], f"ftrun {argv[0]}"
+        argv = argv[1:]
     try:
-        values = launch_command.main(argv, prog_name="ftrun", standalone_mode=False)
+        values = command.main(argv, prog_name=prog, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
@@ -42,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         abort(e.format_message().replace("\n", " "), ExitCode.USAGE)
     except FtrunError as e:
         abort(e.message, e.exit_code)
-    if isinstance(values, int):  # --help / --version under standalone_mode=False
+    if isinstance(values, int):  # --help / --version under standalone_mode=False, or a subcommand's code
         sys.exit(values)
     sys.exit(run_launch(values))
 

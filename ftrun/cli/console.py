@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
+#: results a command was asked for (``ftrun probe``'s table or JSON) go to stdout, for pipes
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def say(text: str, style: str | None = None) -> None:

@@ -8,7 +8,8 @@ from ftrun import __version__
 from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
 
 #: help sections, in the order --help shows them
-GROUPS = ("Nodes and processes", "Rendezvous", "Recovery", "Worker command", "Logs and output", "General")
+GROUPS = ("Nodes and processes", "Rendezvous", "Recovery", "Devices and faults", "Worker command", "Logs and output",
+          "General")
 _group_of: dict[str, str] = {}
 
 
@@ -56,6 +57,7 @@ RECOVERY = "Recovery"
 NODES = "Nodes and processes"
 RDZV = "Rendezvous"
 WORKER = "Worker command"
+DEVICES = "Devices and faults"
 LOGS = "Logs and output"
 
 
@@ -84,8 +86,11 @@ def launch_options(fn):
         option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
                help="Seconds between checks of the workers."),
         option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
-               help="Given to the workers as FTRUN_HEARTBEAT_TIMEOUT; ftrun.elastic ranks write heartbeats, "
-                    "but nothing yet declares a silent rank hung."),
+               help="Seconds without a heartbeat before a rank under ftrun.elastic counts as hung: its stack is "
+                    "dumped, it is killed and recovered."),
+        option("hang-timeout", group=RECOVERY, type=float, default=0.0,
+               help="Seconds without output and without CPU progress before a rank that does not use "
+                    "ftrun.elastic counts as hung; 0 turns this off.  [default: 0]"),
         option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
                help="Seconds without an agent's keepalive before its node counts as lost."),
         option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
@@ -95,6 +100,18 @@ def launch_options(fn):
         option("warm-standby", group=RECOVERY, type=int, default=None,
                help="Warm standby workers per node (torch already imported), taken by replacement ranks.  "
                     "[default: 1 with --recovery process, else 0]"),
+        option("device", group=DEVICES, default="auto", show_default=True,
+               help="Device kind to watch and assign: auto (npu if npu-smi is on PATH, cuda if nvidia-smi is), "
+                    "npu, cuda or cpu."),
+        option("npu-smi", group=DEVICES, default="npu-smi", show_default=True, help="The npu-smi program to run."),
+        option("device-timeout", group=DEVICES, type=float, default=10.0, show_default=True,
+               help="Seconds a device tool (npu-smi, nvidia-smi) may take before it is killed."),
+        option("health-interval", group=DEVICES, type=float, default=5.0, show_default=True,
+               help="Seconds between device health polls (in a thread of their own)."),
+        option("fault-levels", group=DEVICES, default="",
+               help="YAML file merged over ftrun's fault-level table (error codes, health, error strings)."),
+        option("preflight", group=DEVICES, is_flag=True,
+               help="Check every node's devices (as ftrun probe) before training; an unusable device stops the job."),
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),

@@ -143,6 +143,8 @@ def on_report(view: JobView, report: Report) -> Decision:
         return _exit(view, report.exit_code, report.detail or f"interrupted on node {report.node_rank}")
     if report.kind is ReportKind.EXITED:
         return _acknowledge_exit(view, report.node_rank)
+    if report.kind is ReportKind.NODE_UNUSABLE:
+        return on_node_unusable(view, report.node_rank, report.detail)
     if report.kind is ReportKind.WORKER_FAILED and _fails_a_live_rank(view, report):
         return _on_failure(view, report)
     if report.generation != view.generation:
@@ -202,6 +204,12 @@ def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
     if view.phase is Phase.DONE:
         return view, []
     return _exit(view, ExitCode.JOB_FAILED, detail)
+
+
+def on_node_unusable(view: JobView, node_rank: int, detail: str) -> Decision:
+    """A node has no usable device left for its ranks: a node-level fault. Without a spare node
+    to take its place the job cannot go on; no retry would help, so no budget is spent."""
+    return _exit(view, ExitCode.DEVICE, f"node {node_rank}: {detail}; no spare node to take its place")
 
 
 def _on_failure(view: JobView, report: Report) -> Decision:

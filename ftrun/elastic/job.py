@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import io
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -176,8 +178,9 @@ class ElasticJob:
 
     def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0):
         self.env = WorkerEnv.from_environ()
-        local_rank = self.env.local_rank if self.env else int(os.environ.get("LOCAL_RANK", "0"))
-        self.backend: CommBackend = make_backend(backend, local_rank)
+        # ftrun names the rank's device among those it sees (it differs from LOCAL_RANK after a move)
+        device_index = int(os.environ.get("FTRUN_DEVICE_INDEX") or os.environ.get("LOCAL_RANK", "0"))
+        self.backend: CommBackend = make_backend(backend, device_index)
         self.collective_timeout = collective_timeout
         #: after a collective raises, how long to wait for the controller to announce a repair
         self.fault_wait = fault_wait
@@ -193,6 +196,7 @@ class ElasticJob:
             dist.init_process_group(self.backend.name)
             self.generation = 0
             return
+        _dump_stack_on_signal()
         self.keys = JobKeys(self.env.run_id)
         endpoint = parse_endpoint(self.env.control_store, 0, "FTRUN_CONTROL_STORE")
         self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False)
@@ -213,6 +217,12 @@ class ElasticJob:
     @property
     def world_size(self) -> int:
         return dist.get_world_size()
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (``cuda:N``, ``npu:N`` or ``cpu``): use it instead of LOCAL_RANK, which
+        stops naming the device when ftrun moves a rank off an isolated one."""
+        return self.backend.device()
 
     @property
     def receives_state(self) -> bool:
@@ -467,6 +477,13 @@ class ElasticJob:
             time.sleep(0.01)
         while not self._closed.is_set() and self.generation <= generation:
             time.sleep(0.05)  # the repair is under way on the main thread
+
+
+def _dump_stack_on_signal() -> None:
+    """Let the agent ask for every thread's stack (on SIGUSR1) before it kills this rank as hung,
+    unless the script uses that signal itself."""
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _first_line(error: BaseException) -> str:

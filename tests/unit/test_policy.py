@@ -201,3 +201,15 @@ def test_failed_repair_with_no_budget_left_exits():
     v = dataclasses.replace(v, max_restarts=1)
     v, commands = on_repair_failed(v, "deadline")
     assert v.phase is Phase.EXITING and commands[0].kind is CommandKind.EXIT
+
+
+def test_transition_running_to_exiting_when_a_node_has_no_usable_device_left():
+    v, commands = on_report(view(), report(ReportKind.NODE_UNUSABLE, node=1, detail="no usable device left for local rank 1"))
+    assert v.phase is Phase.EXITING and v.exit_code == 4 and v.restarts_used == 0
+    assert [(c.kind, c.exit_code) for c in commands] == [(CommandKind.EXIT, 4)]
+    assert commands[0].reason == "node 1: no usable device left for local rank 1; no spare node to take its place"
+
+
+def test_worker_failure_names_its_cause_and_evidence():
+    hung = dataclasses.replace(failure(rank=3), cause="hang", detail="no heartbeat for 3.4s")
+    assert hung.describe().endswith("exit code 1 (hang: no heartbeat for 3.4s)")

@@ -59,3 +59,10 @@ def test_extra_agents_beyond_max_are_not_admitted():
     joins = [joined("host"), joined("b"), joined("late")]
     result = decide_rendezvous(joins, POLICY, "host", waited=1, min_reached_for=0)
     assert result.slot_of("late") is None and len(result.nodes) == 2
+
+
+def test_failed_preflight_on_any_node_fails_the_rendezvous_with_the_device_exit_code():
+    sick = JoinRecord(agent_id="b", host="h2", pid=1, nproc=2, preflight="h2: device 0 Critical: health Critical")
+    result = decide_rendezvous([joined("host"), sick], POLICY, "host", waited=0.1, min_reached_for=0.1)
+    assert result.error == "preflight failed: h2: device 0 Critical: health Critical"
+    assert result.exit_code == 4

@@ -5,8 +5,9 @@ Faults come from the environment and hit only original ranks (never a replacemen
   FAULT_GENERATIONS=0                        generations in which to inject (default 0)
   FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
-Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/rank<r>.json at the end (final step,
-parameter checksum, pid, generation).
+Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
+step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, pid, generation,
+the device variables ftrun set).
 """
 
 import json
@@ -70,9 +71,13 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+        with open(os.path.join(out_dir, f"progress-rank{job.rank}"), "w") as f:
+            f.write(str(job.step))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {"step": job.step, "rank": job.rank, "checksum": checksum, "pid": os.getpid(),
-              "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT")}
+              "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT"),
+              "device": os.environ.get("FTRUN_DEVICE"), "device_index": os.environ.get("FTRUN_DEVICE_INDEX"),
+              "visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "job_device": str(job.device)}
     with open(os.path.join(out_dir, f"rank{job.rank}.json"), "w") as f:
         json.dump(result, f)
     print(f"rank {job.rank} finished step {job.step}", flush=True)

@@ -4,6 +4,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 
 def due(rank: int, step: int) -> str:
@@ -16,9 +17,15 @@ def due(rank: int, step: int) -> str:
 
 
 def trigger(kind: str, step: int) -> None:
-    """sigkill, exit1, segv, or raise (a Python exception, recorded by torch's @record)."""
+    """sigkill, exit1, segv, sigstop (a hang), or raise (a Python exception, recorded by torch's @record)."""
     print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
-    if kind == "sigkill":
+    if kind == "sigstop":
+        out_dir = os.environ.get("OUT_DIR")
+        if out_dir:  # when it stopped, for the detection latency
+            with open(os.path.join(out_dir, f"stopped-{os.getpid()}"), "w") as f:
+                f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "exit1":
         sys.stderr.flush()

@@ -1,0 +1,59 @@
+"""Hang detection: which of the node's ranks stopped showing signs of life.
+
+Pure, with the clock passed in. Two kinds of evidence, per rank:
+
+* a rank under ``ftrun.elastic`` beats a counter in the store once a second from a
+  thread of its own; no beat for ``heartbeat_timeout`` seconds means the process is
+  frozen (SIGSTOP, a stuck interpreter, a stalled machine). Until its first beat
+  (torch still importing, the group still forming) it is not judged by heartbeats.
+* any other rank, only with ``--hang-timeout``: no output line and no CPU time
+  for that long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Rank:
+    #: the rank's heartbeat counter when this process took the rank (a replacement inherits it)
+    baseline: int
+    beats: int
+    beat_at: float
+    activity: tuple
+    active_at: float
+
+
+class HangWatch:
+    def __init__(self, heartbeat_timeout: float, hang_timeout: float = 0.0):
+        self.heartbeat_timeout = heartbeat_timeout
+        #: 0: ranks without heartbeats are never judged
+        self.hang_timeout = hang_timeout
+        self._ranks: dict[int, _Rank] = {}
+
+    def restart(self, rank: int, beats: int, now: float) -> None:
+        """A new process took the rank: judge it from now on, against the counter's current value."""
+        self._ranks[rank] = _Rank(beats, beats, now, (), now)
+
+    def forget(self, rank: int) -> None:
+        self._ranks.pop(rank, None)
+
+    def observe(self, rank: int, beats: int, activity: tuple, now: float) -> str:
+        """Record what the rank shows now; the reason it counts as hung, or ""."""
+        if rank not in self._ranks:
+            self.restart(rank, beats, now)
+        seen = self._ranks[rank]
+        if beats != seen.beats:
+            seen.beats, seen.beat_at = beats, now
+        if activity != seen.activity:
+            seen.activity, seen.active_at = activity, now
+        if seen.beats > seen.baseline:  # it runs ftrun.elastic: its heartbeats decide
+            quiet = now - seen.beat_at
+            if quiet > self.heartbeat_timeout:
+                return f"no heartbeat for {quiet:.1f}s (--heartbeat-timeout {self.heartbeat_timeout:g})"
+            return ""
+        quiet = now - seen.active_at
+        if self.hang_timeout and quiet > self.hang_timeout:
+            return f"no output and no CPU progress for {quiet:.1f}s (--hang-timeout {self.hang_timeout:g})"
+        return ""

@@ -1,0 +1,58 @@
+"""A hung rank's stack, written where its output goes, before the rank is killed.
+
+With ``py-spy`` on PATH it dumps any Python process. Otherwise a rank under
+``ftrun.elastic`` has ``faulthandler`` on SIGUSR1: the signal (followed by SIGCONT,
+in case the rank is stopped) makes it write every thread's stack to its stderr,
+which the agent copies to the console and the rank's log like any other output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+log = logging.getLogger(__name__)
+#: how long a stack dump may take
+DUMP_TIMEOUT = 5.0
+#: faulthandler's dump is done once the stderr stays quiet for this long
+QUIET = 0.2
+#: the signal ftrun.elastic gives to faulthandler
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_stack(worker, uses_library: bool) -> None:
+    """Dump the worker's Python stack into its log (best effort, bounded by DUMP_TIMEOUT)."""
+    pid = worker.pid
+    py_spy = shutil.which("py-spy")
+    if py_spy:
+        try:
+            done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=DUMP_TIMEOUT, errors="replace")
+            lines = (done.stdout or done.stderr).splitlines()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines = [f"py-spy failed: {e}"]
+        log.warning("rank %d stack (py-spy):\n%s", worker.placement.rank, "\n".join(lines))
+        return
+    if not uses_library:
+        log.warning("rank %d: no stack dump (install py-spy to get one from scripts without ftrun.elastic)",
+                    worker.placement.rank)
+        return
+    before = worker.err.lines
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + DUMP_TIMEOUT
+    seen, quiet_since = before, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if worker.err.lines != seen:
+            seen, quiet_since = worker.err.lines, time.monotonic()
+        elif seen != before and time.monotonic() - quiet_since > QUIET:
+            return
+    log.warning("rank %d did not dump its stack within %gs", worker.placement.rank, DUMP_TIMEOUT)

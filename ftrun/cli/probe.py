@@ -1,0 +1,72 @@
+"""``ftrun probe`` (alias ``ftrun doctor``): this node's devices, their health, and what ftrun would do."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from ftrun.cli.console import out
+from ftrun.errors import ExitCode
+
+HELP = """Show this node's devices: health, error codes, fault level and the action ftrun would take.
+
+\b
+  ftrun probe
+  ftrun probe --device npu --npu-smi /usr/local/bin/npu-smi --json
+
+Exits 4 when a device is unfit for new work (or its health cannot be read), else 0.
+"""
+
+
+@click.command(help=HELP, context_settings={"max_content_width": 110})
+@click.option("--device", default="auto", show_default=True, help="auto, npu, cuda or cpu.")
+@click.option("--npu-smi", "--npu_smi", "npu_smi", default="npu-smi", show_default=True, help="The npu-smi program to run.")
+@click.option("--device-timeout", "--device_timeout", "device_timeout", type=float, default=10.0, show_default=True,
+              help="Seconds the device tool may take.")
+@click.option("--fault-levels", "--fault_levels", "fault_levels", default="",
+              help="YAML file merged over ftrun's fault-level table.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def probe_command(**params) -> int:
+    from ftrun.config import device_options
+    from ftrun.devices import DeviceOptions, make_backend
+    from ftrun.faults.levels import load_fault_table
+    from ftrun.probe import probe
+
+    options = device_options(params)
+    table = load_fault_table(options["fault_levels"] or None)
+    backend = make_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
+    report = probe(backend, table)
+    if params["as_json"]:
+        out.print_json(json.dumps(report.as_dict()))
+    else:
+        show(report)
+    return ExitCode.DEVICE if report.problem else ExitCode.OK
+
+
+def show(report) -> None:
+    if report.error:
+        out.print(f"{report.kind}: device health unreadable: {report.error}", style="bold red", markup=False)
+        return
+    if not report.rows:
+        out.print(f"{report.kind}: no accelerator to check", markup=False)
+        return
+    table = Table(title=f"{report.kind} devices", title_justify="left")
+    for column in ("device", "name", "where", "health", "error codes", "level", "ftrun would"):
+        table.add_column(column)
+    for row in report.rows:
+        status = row.status
+        style = None if row.usable else "bold red"
+        if row.usable and row.level is not None:
+            style = "yellow"
+        table.add_row(
+            str(status.device.index), status.device.name, status.device.physical, status.health.value,
+            " ".join(status.codes) or "-", row.level.value if row.level else "-", row.action, style=style,
+        )
+    out.print(table)
+    for row in report.rows:
+        if row.status.info:
+            out.print(f"device {row.status.device.index}: {row.status.info}", markup=False)
+    if report.problem:
+        out.print(f"unusable: {report.problem}", style="bold red", markup=False)

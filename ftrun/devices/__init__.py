@@ -1,0 +1,134 @@
+"""The node's accelerators: what they are, and how healthy they are.
+
+One backend per kind (``--device {auto,npu,cuda,cpu}``):
+
+* npu: Ascend, through ``npu-smi`` (``ftrun.devices.npu``);
+* cuda: NVIDIA, through NVML (``nvidia-ml-py``) or else ``nvidia-smi`` (``ftrun.devices.cuda``);
+* cpu: no devices, no device faults (tests, CPU jobs).
+
+Every backend answers two questions: :meth:`DeviceBackend.discover` (which devices,
+by the logical index the runtime counts in) and :meth:`DeviceBackend.poll` (each
+device's health and error codes). A tool that is missing, hangs or prints nonsense
+raises :class:`DeviceToolError` with one line; callers log it and carry on.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Protocol
+
+DEVICE_KINDS = ("auto", "npu", "cuda", "cpu")
+
+
+class Health(enum.Enum):
+    """A device's health as its tool reports it (npu-smi's words; NVML's mapped onto them)."""
+
+    #: normal
+    OK = "OK"
+    #: a minor fault: log it
+    WARNING = "Warning"
+    #: a major fault
+    ALARM = "Alarm"
+    #: a critical fault
+    CRITICAL = "Critical"
+    #: absent, not started, or its tool could not say
+    UNKNOWN = "UNKNOWN"
+
+    @classmethod
+    def parse(cls, text: str) -> "Health":
+        """Case-insensitive; anything unrecognised is UNKNOWN."""
+        word = text.strip().lower()
+        return next((h for h in cls if h.value.lower() == word), cls.UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One compute device of the node."""
+
+    #: the logical id the runtime counts in (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)
+    index: int
+    #: the product name (910B2, NVIDIA H100 80GB HBM3)
+    name: str = ""
+    #: where the hardware is: "npu 3 chip 0" for Ascend, the PCI bus id or UUID for CUDA
+    physical: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """One device's health at one poll."""
+
+    device: Device
+    health: Health
+    #: vendor error codes (Ascend: 8 hex digits, upper case), or NVML findings ("xid 79")
+    codes: tuple[str, ...] = ()
+    #: the tool's own words about the fault, continuation lines joined with "; "
+    info: str = ""
+
+
+class DeviceToolError(Exception):
+    """The device tool is missing, timed out, failed or printed something unreadable."""
+
+
+class DeviceBackend(Protocol):
+    kind: str
+    #: the environment variable that restricts which devices a worker sees, or None
+    visibility_var: str | None
+
+    def discover(self) -> list[Device]:
+        """The node's compute devices, by logical index. Raises DeviceToolError."""
+
+    def poll(self) -> list[DeviceStatus]:
+        """Every device's health now. Raises DeviceToolError."""
+
+
+class CpuBackend:
+    """No accelerators: nothing to discover, nothing can fail."""
+
+    kind = "cpu"
+    visibility_var = None
+
+    def discover(self) -> list[Device]:
+        return []
+
+    def poll(self) -> list[DeviceStatus]:
+        return []
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """How to reach the device tools."""
+
+    npu_smi: str = "npu-smi"
+    hccn_tool: str = "hccn_tool"
+    nvidia_smi: str = "nvidia-smi"
+    #: seconds one tool call may take before it is killed
+    timeout: float = 10.0
+
+
+def detect_kind(options: DeviceOptions, env=os.environ) -> str:
+    """``--device auto``: npu when npu-smi is there, cuda when nvidia-smi or NVML is, else cpu."""
+    if shutil.which(options.npu_smi, path=env.get("PATH")):
+        return "npu"
+    if shutil.which(options.nvidia_smi, path=env.get("PATH")):
+        return "cuda"
+    return "cpu"
+
+
+def make_backend(kind: str, options: DeviceOptions = DeviceOptions()) -> DeviceBackend:
+    """The backend for ``kind`` (one of DEVICE_KINDS); its tools are looked for only when used."""
+    if kind == "auto":
+        kind = detect_kind(options)
+    if kind == "npu":
+        from ftrun.devices.npu import NpuBackend
+
+        return NpuBackend(options)
+    if kind == "cuda":
+        from ftrun.devices.cuda import CudaBackend
+
+        return CudaBackend(options)
+    if kind == "cpu":
+        return CpuBackend()
+    raise ValueError(f"unknown device kind '{kind}': choose one of {', '.join(DEVICE_KINDS)}")

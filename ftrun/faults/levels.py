@@ -1,0 +1,347 @@
+"""Fault levels (MindCluster's vocabulary) and the table that assigns them.
+
+The table is data: ``fault_levels.yaml`` beside this module, plus an optional
+site file (``--fault-levels``) merged on top by :func:`load_fault_table`.
+:class:`FaultTable` decides a level for a device's status or a worker's last
+output; :class:`Escalation` isolates a device that keeps needing repairs.
+Nothing here reads a clock or runs a process.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib.resources
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from ftrun.config import check_known_keys
+from ftrun.devices import DeviceStatus, Health
+from ftrun.errors import UsageError
+
+SECTIONS = ("codes", "health", "cuda", "errors", "escalation")
+ESCALATION_KEYS = ("window_hours", "repairs", "levels")
+PACKAGED_NAME = "fault_levels.yaml"
+
+
+class FaultLevel(enum.Enum):
+    """How bad a fault is, and so what ftrun does about it; members run from least to most severe."""
+
+    #: L1, informational: log it, change nothing
+    NOT_HANDLE = "NotHandleFault"
+    #: degraded but working: log it (a site may choose to migrate)
+    SUB_HEALTH = "SubHealthFault"
+    #: keep the ranks there running, but place no new rank on the device
+    PRE_SEPARATE = "PreSeparateNPU"
+    #: L2, retry the request or step: process-level repair of the ranks on the device
+    RESTART_REQUEST = "RestartRequest"
+    #: L3, re-execute the business (an on-chip memory UCE): redo the step or reload from a replica
+    RESTART_BUSINESS = "RestartBusiness"
+    #: L4, repair the ranks now and reset the chip before it is used again
+    FREE_RESTART = "FreeRestartNPU"
+    #: L5, stop the ranks on the device, reset the chip, respawn them
+    RESTART_NPU = "RestartNPU"
+    #: L6, isolate the device; its ranks move to a free device or a spare node
+    SEPARATE = "SeparateNPU"
+
+    @property
+    def severity(self) -> int:
+        """0 for the mildest level, rising with severity."""
+        return _SEVERITY[self]
+
+    @classmethod
+    def parse(cls, name: str) -> "FaultLevel":
+        """A level from MindCluster's name (``RestartNPU``), ours (``RESTART_NPU``) or L1..L6; any case."""
+        found = _NAMES.get(str(name).strip().lower())
+        if found is None:
+            raise ValueError(f"unknown fault level '{name}' (choose one of {', '.join(m.value for m in cls)})")
+        return found
+
+
+_SEVERITY = {level: rank for rank, level in enumerate(FaultLevel)}
+_NAMES = {
+    **{level.value.lower(): level for level in FaultLevel},
+    **{level.name.lower(): level for level in FaultLevel},
+    "l1": FaultLevel.NOT_HANDLE, "nothandle": FaultLevel.NOT_HANDLE,
+    "l2": FaultLevel.RESTART_REQUEST,
+    "l3": FaultLevel.RESTART_BUSINESS,
+    "l4": FaultLevel.FREE_RESTART,
+    "l5": FaultLevel.RESTART_NPU,
+    "l6": FaultLevel.SEPARATE,
+}
+#: what ``health:`` may map a Health to, besides a level
+_HEALTHY_WORDS = ("none", "ok", "healthy")
+
+
+def most_severe(levels: Iterable[FaultLevel]) -> FaultLevel | None:
+    """The most severe of ``levels`` (None when there are none)."""
+    return max(levels, key=lambda level: level.severity, default=None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the table made of one device status or one worker's output."""
+
+    #: None: healthy
+    level: FaultLevel | None
+    #: the code, health or message that decided it ("code 80E01801", "health Alarm", "UCE ERROR")
+    reason: str
+
+
+@dataclass(frozen=True)
+class EscalationRule:
+    """A device needing one of ``levels`` ``repairs`` times within ``window_hours`` is isolated."""
+
+    window_hours: float = 24.0
+    repairs: int = 2
+    levels: frozenset[FaultLevel] = frozenset({FaultLevel.RESTART_NPU, FaultLevel.RESTART_BUSINESS})
+
+
+def cuda_code(code: Any) -> str:
+    """The table's spelling of an NVIDIA finding: ``79``, ``xid 79``, ``XID_79`` all become ``xid-79``."""
+    text = re.sub(r"[\s_]+", "-", str(code).strip().lower())
+    return f"xid-{text}" if text.isdigit() else text
+
+
+@dataclass(frozen=True)
+class FaultTable:
+    """Codes, health words and error messages mapped to fault levels; build it with :func:`load_fault_table`."""
+
+    #: Ascend error codes (upper case) -> level
+    codes: Mapping[str, FaultLevel]
+    #: a device's health -> level, for codes the table lacks (None: healthy)
+    health: Mapping[Health, FaultLevel | None]
+    #: NVIDIA findings (``gpu-lost``, ``xid-79``) -> level
+    cuda: Mapping[str, FaultLevel]
+    #: message substrings -> level, in the file's order
+    errors: tuple[tuple[str, FaultLevel], ...]
+    #: when a device that keeps needing repairs is isolated
+    escalation: EscalationRule = field(default_factory=EscalationRule)
+    #: the files it was read from, packaged one first
+    sources: tuple[str, ...] = ()
+
+    def level_of_code(self, code: str) -> FaultLevel | None:
+        """The level the table gives ``code`` (Ascend or NVIDIA), or None when it does not know it."""
+        found = self.codes.get(str(code).strip().upper())
+        return found if found is not None else self.cuda.get(cuda_code(code))
+
+    def level_of_health(self, health: Health) -> FaultLevel | None:
+        """The level for a device judged by its health alone (None: healthy)."""
+        if health in self.health:
+            return self.health[health]
+        return None if health is Health.OK else FaultLevel.SEPARATE
+
+    def classify_device(self, status: DeviceStatus) -> Verdict:
+        """The level a device's status calls for: the most severe of its codes, else its health."""
+        by_health = self.level_of_health(status.health)
+        found: list[Verdict] = []
+        for code in status.codes:
+            level = self.level_of_code(code)
+            if level is not None:
+                found.append(Verdict(level, f"code {code}"))
+            else:
+                # a code nobody listed still deserves a log line on an otherwise healthy device
+                found.append(Verdict(by_health or FaultLevel.NOT_HANDLE,
+                                     f"code {code} (not in the fault table; health {status.health.value})"))
+        if not found:
+            return Verdict(by_health, f"health {status.health.value}")
+        return max(found, key=lambda v: v.level.severity)  # max keeps the first of equals
+
+    def classify_text(self, lines: Iterable[str]) -> Verdict | None:
+        """The most severe error message found in ``lines`` (case-insensitive), or None."""
+        best: Verdict | None = None
+        for line in lines:
+            for text, level in self.errors:
+                if (best is None or level.severity > best.level.severity) and _matcher(text).search(line):
+                    best = Verdict(level, text)
+        return best
+
+
+@functools.lru_cache(maxsize=None)
+def _matcher(text: str) -> re.Pattern:
+    # a numeric code (an ACL error number) must not match inside a longer number
+    if text.isdigit():
+        return re.compile(rf"(?<!\d){text}(?!\d)")
+    return re.compile(re.escape(text), re.IGNORECASE)
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+
+class _TableLoader(yaml.SafeLoader):
+    """Plain scalars stay text: a code like 80E01801 or 00000001 must not become a number."""
+
+
+_TableLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool",
+                           "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def load_fault_table(override_path: str | None = None) -> FaultTable:
+    """The packaged fault table, with the entries of ``override_path`` (same shape) merged on top.
+
+    Raises UsageError naming the file when the override cannot be read or makes no sense.
+    """
+    resource = importlib.resources.files("ftrun.faults").joinpath(PACKAGED_NAME)
+    packaged = f"ftrun/faults/{PACKAGED_NAME}"
+    merged = _check(_parse(resource.read_text(encoding="utf-8"), packaged), packaged)
+    sources = [packaged]
+    if override_path:
+        override = _check(_parse(_read(override_path), override_path), override_path)
+        for section in SECTIONS:
+            merged[section].update(override[section])
+        sources.append(override_path)
+    rule = merged["escalation"]
+    return FaultTable(
+        codes=MappingProxyType(merged["codes"]),
+        health=MappingProxyType(merged["health"]),
+        cuda=MappingProxyType(merged["cuda"]),
+        errors=tuple(merged["errors"].items()),
+        escalation=EscalationRule(
+            window_hours=rule.get("window_hours", EscalationRule.window_hours),
+            repairs=rule.get("repairs", EscalationRule.repairs),
+            levels=rule.get("levels", EscalationRule().levels),
+        ),
+        sources=tuple(sources),
+    )
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read fault table {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"fault table {path} is not UTF-8 text") from None
+
+
+def _parse(text: str, where: str) -> dict:
+    try:
+        data = yaml.load(text, Loader=_TableLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"fault table {where} is not valid YAML{at}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"fault table {where} must be a mapping with keys {', '.join(SECTIONS)}")
+    return data
+
+
+def _check(data: dict, where: str) -> dict[str, dict]:
+    """Every section of one file, validated and normalised; absent sections are empty."""
+    check_known_keys([str(k) for k in data], SECTIONS, f"fault table {where}")
+    sections = {}
+    for section in SECTIONS:
+        value = data.get(section)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise UsageError(f"fault table {where}: '{section}' must be a mapping, not {_kind(value)}")
+        sections[section] = value
+
+    def level(value: Any, entry: str, healthy_ok: bool = False) -> FaultLevel | None:
+        if healthy_ok and (value is None or str(value).strip().lower() in _HEALTHY_WORDS):
+            return None
+        if not isinstance(value, str):
+            raise UsageError(f"fault table {where}: {entry} must be a level name, not {_kind(value)}")
+        try:
+            return FaultLevel.parse(value)
+        except ValueError as e:
+            raise UsageError(f"fault table {where}: {entry}: {e}") from None
+
+    codes = {}
+    for code, value in sections["codes"].items():
+        text = str(code).strip().upper()
+        if not re.fullmatch(r"[0-9A-F]{8}", text):
+            raise UsageError(f"fault table {where}: code '{code}' is not 8 hex digits (quote codes in YAML)")
+        codes[text] = level(value, f"codes.{text}")
+
+    health = {}
+    for word, value in sections["health"].items():
+        match = next((h for h in Health if h.value.lower() == str(word).strip().lower()), None)
+        if match is None:
+            raise UsageError(f"fault table {where}: unknown health '{word}' "
+                             f"(choose one of {', '.join(h.value for h in Health)})")
+        health[match] = level(value, f"health.{match.value}", healthy_ok=True)
+
+    cuda = {cuda_code(code): level(value, f"cuda.{code}") for code, value in sections["cuda"].items()}
+
+    errors = {}
+    for text, value in sections["errors"].items():
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"fault table {where}: errors: '{text}' must be a non-empty string")
+        errors[text] = level(value, f"errors.'{text}'")
+
+    return {"codes": codes, "health": health, "cuda": cuda, "errors": errors,
+            "escalation": _check_escalation(sections["escalation"], where, level)}
+
+
+def _check_escalation(raw: dict, where: str, level) -> dict[str, Any]:
+    check_known_keys([str(k) for k in raw], ESCALATION_KEYS, f"fault table {where} (escalation)")
+    rule: dict[str, Any] = {}
+    if "window_hours" in raw:
+        try:
+            hours = float(raw["window_hours"])
+        except (TypeError, ValueError):
+            hours = float("nan")
+        if not hours > 0:  # also catches nan
+            raise UsageError(f"fault table {where}: escalation.window_hours must be a positive number of hours, "
+                             f"not '{raw['window_hours']}'")
+        rule["window_hours"] = hours
+    if "repairs" in raw:
+        text = str(raw["repairs"]).strip()
+        if not text.isdigit() or int(text) < 1:
+            raise UsageError(f"fault table {where}: escalation.repairs must be a whole number of at least 1, "
+                             f"not '{raw['repairs']}'")
+        rule["repairs"] = int(text)
+    if "levels" in raw:
+        names = raw["levels"]
+        if not isinstance(names, list):
+            raise UsageError(f"fault table {where}: escalation.levels must be a list of level names, not {_kind(names)}")
+        rule["levels"] = frozenset(level(name, "escalation.levels") for name in names)
+    return rule
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "empty"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"'{value}'"
+
+
+class Escalation:
+    """Counts each device's repairs over a sliding window; pure apart from that memory."""
+
+    def __init__(self, rule: EscalationRule):
+        self.rule = rule
+        self._repairs: dict[int, list[float]] = {}
+
+    @classmethod
+    def from_table(cls, table: FaultTable) -> "Escalation":
+        """An escalation by the table's ``escalation:`` settings."""
+        return cls(table.escalation)
+
+    def record(self, device_index: int, level: FaultLevel, now: float) -> FaultLevel:
+        """``level``, or SEPARATE when this repair (at ``now``, seconds) makes ``repairs`` within the window."""
+        if level not in self.rule.levels:
+            return level
+        window = self.rule.window_hours * 3600.0
+        recent = [t for t in self._repairs.get(device_index, ()) if now - t <= window]
+        recent.append(now)
+        self._repairs[device_index] = recent
+        return FaultLevel.SEPARATE if len(recent) >= self.rule.repairs else level

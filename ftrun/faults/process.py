@@ -1,0 +1,240 @@
+"""Why a worker ended: one pure decision over its evidence, and the gatherer of OOM evidence.
+
+:func:`classify_exit` weighs what the agent knows about a worker that ended (its
+exit status, the last lines of its stderr, the exception it recorded, whether
+the kernel's OOM killer took it, whether it hung) and names one cause, in this
+order: hang, device error, OOM, Python exception, signal, exit code.
+:class:`OomWatch` finds the OOM evidence in the agent's cgroup (or dmesg).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import Sequence
+
+from ftrun.faults.levels import FaultLevel, FaultTable
+
+log = logging.getLogger(__name__)
+
+KINDS = ("exit", "signal", "oom", "exception", "device", "hang")
+#: a matched error message at or above this level explains a worker's death; milder ones are notes
+DEVICE_ERROR_FLOOR = FaultLevel.RESTART_REQUEST
+#: longest exception message kept in a detail line
+MESSAGE_LIMIT = 200
+
+# torch.distributed prefixes every line of an uncaught exception with the rank ("[rank0]: ")
+_RANK_PREFIX = re.compile(r"^\[(?:rank)?\d+\]:\s?")
+_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::\s?(?P<message>.*))?$")
+# without its Traceback header a line must look unmistakably like an exception to count
+_BARE_EXCEPTION_LINE = re.compile(
+    r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s?(?P<message>.*))?$")
+
+
+@dataclass(frozen=True)
+class ProcessFault:
+    """The cause of one worker's end."""
+
+    #: one of KINDS: exit, signal, oom, exception, device, hang
+    kind: str
+    #: one readable line of evidence
+    detail: str
+    #: the fault level of a device error (None for the other kinds)
+    level: FaultLevel | None = None
+
+
+def classify_exit(
+    returncode: int | None,
+    stderr_tail: Sequence[str],
+    error: str,
+    table: FaultTable,
+    oom: bool | str = False,
+    hung: bool = False,
+) -> ProcessFault:
+    """Why a worker ended.
+
+    ``returncode`` is Popen's (negative: killed by that signal); ``error`` is the
+    exception it recorded (torch's error file), if any; ``oom`` is True or the
+    OOM killer's evidence (only believed for a worker killed by SIGKILL, since the
+    cgroup's counter also counts other processes); ``hung``: the agent stopped it
+    for making no progress.
+    """
+    ended = _how_it_ended(returncode)
+    if hung:
+        return ProcessFault("hang", f"made no progress and was stopped by the agent ({ended})")
+
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in stderr_tail]
+    verdict = table.classify_text([*lines, *error.splitlines()])
+    if verdict is not None and verdict.level.severity >= DEVICE_ERROR_FLOOR.severity:
+        return ProcessFault(
+            "device", f"CUDA/NPU error in its last output: {verdict.reason} ({verdict.level.value})", verdict.level)
+
+    if oom and _killed_by_sigkill(returncode):
+        evidence = f" ({oom})" if isinstance(oom, str) else ""
+        return ProcessFault("oom", f"{ended}: the kernel's OOM killer{evidence}")
+
+    exception = exception_from_error(error) or exception_from_traceback(lines)
+    if exception:
+        return ProcessFault("exception", f"Python exception {exception}")
+
+    if returncode is not None and returncode < 0:
+        return ProcessFault("signal", ended)
+    return ProcessFault("exit", ended)
+
+
+def exception_from_error(error: str) -> str:
+    """``Type: message`` from a recorded error's text ("" when there is none)."""
+    first = next((line.strip() for line in error.splitlines() if line.strip()), "")
+    if not first:
+        return ""
+    found = _EXCEPTION_LINE.match(first)
+    return _exception_text(found) if found else f"(no type recorded): {_shorten(first)}"
+
+
+def exception_from_traceback(lines: Sequence[str]) -> str:
+    """``Type: message`` of the last traceback in ``lines`` ("" when there is none)."""
+    headers = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if headers:
+        for line in lines[headers[-1] + 1:]:
+            if line and not line[0].isspace():  # frames are indented; the exception line is not
+                found = _EXCEPTION_LINE.match(line.strip())
+                if found:
+                    return _exception_text(found)
+                break
+    # the tail may have cut the header off: accept only a line that is plainly an exception
+    for line in reversed(lines):
+        found = _BARE_EXCEPTION_LINE.match(line.strip())
+        if found:
+            return _exception_text(found)
+    return ""
+
+
+def _exception_text(found: re.Match) -> str:
+    message = (found.group("message") or "").strip()
+    return f"{found.group('type')}: {_shorten(message)}" if message else found.group("type")
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
+
+
+def _killed_by_sigkill(returncode: int | None) -> bool:
+    # 137: a shell between the agent and Python reports its child's SIGKILL so
+    return returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _how_it_ended(returncode: int | None) -> str:
+    if returncode is None:
+        return "ended with an unknown exit status"
+    if returncode < 0:
+        return f"killed by {_signal_name(-returncode)}"
+    if 128 < returncode < 128 + 65:
+        return f"exited with code {returncode} (128 + {_signal_name(returncode - 128)}, as a shell reports it)"
+    return f"exited with code {returncode}"
+
+
+class OomWatch:
+    """Evidence that the kernel's OOM killer ended a worker.
+
+    Reads the ``oom_kill`` counter of the agent's memory cgroup (v2
+    ``memory.events``, v1 ``memory.oom_control``), which counts the workers
+    too, against a baseline taken when the watch is made; each kill it counted
+    explains one worker. Where there is no counter it asks ``dmesg`` for the pid
+    (often not permitted; then there is no evidence). Never raises.
+    """
+
+    def __init__(
+        self,
+        proc_cgroup: str = "/proc/self/cgroup",
+        cgroup_root: str = "/sys/fs/cgroup",
+        dmesg: Sequence[str] | None = ("dmesg",),
+        dmesg_timeout: float = 2.0,
+    ):
+        self._dmesg = tuple(dmesg) if dmesg else None
+        self._dmesg_timeout = dmesg_timeout
+        self._counter_file = None
+        self._baseline = None
+        self._explained = 0
+        try:
+            self._counter_file = _find_counter_file(proc_cgroup, cgroup_root)
+            self._baseline = _read_oom_kill(self._counter_file) if self._counter_file else None
+        except Exception as e:  # never let a strange /proc or /sys stop the agent
+            log.debug("no OOM counter: %s", e)
+            self._counter_file = None
+
+    @property
+    def counter_file(self) -> str | None:
+        """The cgroup file read for the counter, or None when there is none."""
+        return self._counter_file
+
+    def killed_by_oom(self, pid: int) -> str:
+        """Why we believe the OOM killer took ``pid``, or "" when there is no sign of it."""
+        try:
+            if self._counter_file is not None and self._baseline is not None:
+                now = _read_oom_kill(self._counter_file)
+                if now is not None and now - self._baseline > self._explained:
+                    self._explained += 1
+                    name = os.path.basename(self._counter_file)
+                    return f"cgroup {name} oom_kill rose from {self._baseline} to {now}"
+            return self._from_dmesg(pid)
+        except Exception as e:
+            log.debug("OOM evidence for pid %d unavailable: %s", pid, e)
+            return ""
+
+    def _from_dmesg(self, pid: int) -> str:
+        if self._dmesg is None:
+            return ""
+        try:
+            proc = subprocess.run(self._dmesg, capture_output=True, timeout=self._dmesg_timeout,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.debug("dmesg unavailable: %s", e)
+            self._dmesg = None  # it will not get better; save the next worker's wait
+            return ""
+        if proc.returncode != 0:
+            self._dmesg = None  # usually "Operation not permitted"
+            return ""
+        killed = re.compile(rf"Killed process {pid}\b")
+        for line in reversed(proc.stdout.decode("utf-8", "replace").splitlines()):
+            if killed.search(line):
+                return f"dmesg: {_shorten(line.strip())}"
+        return ""
+
+
+def _find_counter_file(proc_cgroup: str, cgroup_root: str) -> str | None:
+    """The first readable OOM counter of this process's memory cgroup (v2, then v1)."""
+    with open(proc_cgroup, encoding="utf-8", errors="replace") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    candidates = []
+    for hierarchy, controllers, path in entries:
+        path = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":
+            # inside a cgroup namespace the agent's own cgroup is mounted at the root
+            candidates += [os.path.join(cgroup_root, path, "memory.events"), os.path.join(cgroup_root, "memory.events")]
+        elif "memory" in controllers.split(","):
+            candidates += [os.path.join(cgroup_root, "memory", path, "memory.oom_control"),
+                           os.path.join(cgroup_root, "memory", "memory.oom_control")]
+    return next((c for c in candidates if _read_oom_kill(c) is not None), None)
+
+
+def _read_oom_kill(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,69 @@
+"""What ``ftrun probe`` and ``--preflight`` find: each device, its health, its level, ftrun's action."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftrun.agent.health import ACTIONS
+from ftrun.devices import DeviceBackend, DeviceStatus, DeviceToolError
+from ftrun.faults.levels import FaultLevel, FaultTable
+
+#: levels at which a device is not fit for new work
+UNUSABLE = frozenset({FaultLevel.SEPARATE, FaultLevel.RESTART_NPU, FaultLevel.FREE_RESTART, FaultLevel.PRE_SEPARATE})
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    status: DeviceStatus
+    level: FaultLevel | None
+    reason: str
+
+    @property
+    def usable(self) -> bool:
+        return self.level not in UNUSABLE
+
+    @property
+    def action(self) -> str:
+        return ACTIONS[self.level]
+
+    def as_dict(self) -> dict:
+        device = self.status.device
+        return {
+            "index": device.index, "name": device.name, "physical": device.physical,
+            "health": self.status.health.value, "codes": list(self.status.codes), "info": self.status.info,
+            "level": self.level.value if self.level else None, "reason": self.reason, "action": self.action,
+            "usable": self.usable,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    kind: str
+    rows: tuple[ProbeRow, ...] = ()
+    #: the device tool could not be read (missing, hung, garbage)
+    error: str = ""
+
+    @property
+    def problem(self) -> str:
+        """Why this node is not fit to train, or ""."""
+        if self.error:
+            return f"cannot read {self.kind} device health: {self.error}"
+        bad = [r for r in self.rows if not r.usable]
+        return "; ".join(f"device {r.status.device.index} {r.status.health.value}: {r.reason} ({r.level.value})" for r in bad)
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "error": self.error, "usable": not self.problem, "problem": self.problem,
+                "devices": [r.as_dict() for r in self.rows]}
+
+
+def probe(backend: DeviceBackend, table: FaultTable) -> ProbeReport:
+    """Poll every device once and classify it."""
+    try:
+        statuses = backend.poll()
+    except DeviceToolError as e:
+        return ProbeReport(backend.kind, error=str(e))
+    rows = []
+    for status in statuses:
+        verdict = table.classify_device(status)
+        rows.append(ProbeRow(status, verdict.level, verdict.reason or "healthy"))
+    return ProbeReport(backend.kind, tuple(rows))

@@ -1,0 +1,195 @@
+"""Faults that do not end a process: sick devices (a stand-in npu-smi), hangs, broken device tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, WORKERS, Launcher, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+ELASTIC = str(WORKERS / "elastic_train.py")
+TRAIN = str(WORKERS / "train.py")
+FAKES = ROOT / "tests" / "fakes"
+STEPS = 30
+
+
+class NpuState:
+    """The stand-in npu-smi's state file: what the "hardware" reports, changed by the test mid-run."""
+
+    def __init__(self, path: Path, devices: int):
+        self.path = path
+        self.state = {"board": "A2", "mode": "normal", "version": "24.1.0", "npus": [
+            {"id": i, "name": "910B2", "chips": [{"id": 0, "logic_id": i, "health": "OK", "codes": [], "info": []}]}
+            for i in range(devices)
+        ]}
+        self.write()
+
+    def set_chip(self, npu: int, health: str, codes: list[str], info: list[str] = ()) -> None:
+        self.state["npus"][npu]["chips"][0].update(health=health, codes=codes, info=list(info))
+        self.write()
+
+    def set_mode(self, mode: str) -> None:
+        self.state["mode"] = mode
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.path)  # the stand-in never reads half a file
+
+
+def npu_env(launcher: Launcher, state: NpuState, **extra: str) -> dict[str, str]:
+    env = launcher.env(NPU_SMI_STATE=str(state.path), **extra)
+    env["PATH"] = f"{FAKES}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def wait_for_step(launcher: Launcher, rank: int, step: int) -> None:
+    def reached():
+        try:
+            return int((launcher.out_dir / f"progress-rank{rank}").read_text() or 0) >= step
+        except (OSError, ValueError):
+            return False
+
+    wait_for(reached, timeout=120, what=f"rank {rank} to reach step {step}")
+
+
+def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str, ...] = ()) -> list:
+    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", *flags]
+    return launcher.start_job(nnodes, 2, [ELASTIC], flags=common, env=env)
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """One node, 2 ranks, STEPS steps, no fault: the parameters every repaired run must end with."""
+    runner = Launcher(tmp_path_factory.mktemp("detection-fault-free"), "detection-fault-free")
+    runner.start_job(1, 2, [ELASTIC], flags=["--recovery", "process"], env=runner.env(STEPS=str(STEPS), STEP_SLEEP="0.02"))
+    assert runner.wait() == [0], runner.output()
+    return runner.results()[0]["checksum"]
+
+
+def assert_finished_identically(launcher: Launcher, checksum: float) -> dict[int, dict]:
+    results = launcher.results()
+    assert sorted(results) == [0, 1], launcher.output()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {r["checksum"] for r in results.values()} == {checksum}
+    return results
+
+
+def test_device_turning_alarm_with_a_separate_code_moves_its_rank_to_a_free_device(launcher, tmp_path, fault_free):
+    state = NpuState(tmp_path / "npu.json", devices=3)
+    levels = tmp_path / "levels.yaml"
+    levels.write_text("codes:\n  '80E38003': SeparateNPU\n")
+    env = npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.1")
+    run_elastic(launcher, env, flags=("--device", "npu", "--fault-levels", str(levels)))
+    wait_for_step(launcher, 1, 5)
+    state.set_chip(1, "Alarm", ["80E38003"], ["hbm link down"])
+    assert launcher.wait() == [0], launcher.output()
+    results = assert_finished_identically(launcher, fault_free)
+    # rank 0 kept its device and its process; rank 1 left device 1 for the free device 2
+    assert (results[0]["device"], results[0]["visible"], results[0]["replacement"]) == ("0", "0,1", "0")
+    assert (results[1]["device"], results[1]["visible"], results[1]["device_index"]) == ("2", "0,2", "1")
+    assert results[1]["replacement"] == "1"
+    output = launcher.output()
+    assert re.search(r"device 1 \(npu 1 chip 0\): .*80E38003.* -> SeparateNPU", output), output
+    assert "local rank 1 moves from device 1 to device 2" in output
+    assert "1 of 3 restarts used" in output
+    assert "(device:" in output  # the recovered fault is named by its cause in the summary
+
+
+def test_restart_business_code_repairs_the_rank_in_place(launcher, tmp_path, fault_free):
+    state = NpuState(tmp_path / "npu.json", devices=2)
+    env = npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.1")
+    run_elastic(launcher, env, flags=("--device", "auto"))  # auto: npu-smi is on PATH
+    wait_for_step(launcher, 0, 5)
+    state.set_chip(0, "Alarm", ["80E01801", "A4025021"], ["on-chip memory uncorrectable error"])
+    assert launcher.wait() == [0], launcher.output()
+    results = assert_finished_identically(launcher, fault_free)
+    assert (results[0]["device"], results[0]["replacement"]) == ("0", "1")  # same device, new process
+    assert results[1]["replacement"] == "0"
+    output = launcher.output()
+    assert re.search(r"device 0 .*80E01801.* -> RestartBusiness: process-level repair of its ranks", output), output
+    assert "process-level repair into generation 1" in output
+
+
+@pytest.mark.parametrize("trouble", ["missing", "hang", "garbage"])
+def test_job_finishes_when_npu_smi_is_missing_hangs_or_prints_garbage(launcher, tmp_path, fault_free, trouble):
+    state = NpuState(tmp_path / "npu.json", devices=2)
+    env = npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.05")
+    flags = ["--device", "npu", "--device-timeout", "1"]
+    if trouble == "missing":
+        flags += ["--npu-smi", str(tmp_path / "no-such-npu-smi")]
+    run_elastic(launcher, env, flags=tuple(flags))
+    if trouble != "missing":  # the tool works at start and breaks mid-run
+        wait_for_step(launcher, 0, 3)
+        state.set_mode(trouble)
+    assert launcher.wait() == [0], launcher.output()
+    assert_finished_identically(launcher, fault_free)
+    output = launcher.output()
+    if trouble == "missing":
+        assert "no npu devices found" in output and "no-such-npu-smi" in output
+    else:
+        assert "device health unknown" in output
+    assert "Traceback" not in output
+
+
+def test_sigstopped_rank_is_detected_dumped_killed_and_recovered(launcher):
+    env = launcher.env(STEPS="12", STEP_SLEEP="0.05")
+    flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3"]
+    launcher.start_job(2, 2, [ELASTIC], flags=flags, env=dict(env, FAULT="3:4:sigstop"))
+    assert launcher.wait() == [0, 0], launcher.output()
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {12}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    assert results[3]["replacement"] == "1" and results[2]["replacement"] == "0"
+    output = launcher.output()
+    assert re.search(r"rank 3 \(pid \d+\) is hung: no heartbeat for [0-9.]+s \(--heartbeat-timeout 3\)", output), output
+    assert "most recent call first" in output  # faulthandler's dump of the stopped rank, before the kill
+    assert "(hang: no heartbeat" in output
+    stopped = list(launcher.out_dir.glob("stopped-*"))
+    assert len(stopped) == 1
+
+
+def test_hang_timeout_catches_a_silent_rank_of_a_plain_script(launcher):
+    env = launcher.env(STEPS="10", FAULT="1:3:sigstop")
+    launcher.start_job(2, 2, [TRAIN], flags=["--max-restarts", "1", "--hang-timeout", "2"], env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    output = launcher.output()
+    assert re.search(r"rank 1 \(pid \d+\) is hung: no output and no CPU progress", output), output
+    assert "no stack dump" in output  # no py-spy here, and the script does not use ftrun.elastic
+    assert "1 of 1 restart used" in output
+
+
+def test_probe_shows_each_device_and_exits_4_on_an_unusable_one(ftrun_cli, tmp_path):
+    state = NpuState(tmp_path / "npu.json", devices=2)
+    env = {"NPU_SMI_STATE": str(state.path), "PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}"}
+    code, out, err = ftrun_cli("probe", "--device", "npu", env=env)
+    assert code == 0, err
+    assert "910B2" in out and "npu 1 chip 0" in out
+    state.set_chip(1, "Critical", ["8C03A000"], ["chip reset required"])
+    code, out, err = ftrun_cli("doctor", "--json", env=env)
+    assert code == 4, err
+    report = json.loads(out)
+    assert [d["usable"] for d in report["devices"]] == [True, False]
+    assert report["devices"][1]["codes"] == ["8C03A000"] and report["devices"][1]["level"] == "RestartNPU"
+    code, out, err = ftrun_cli("probe", "--device", "npu", "--npu-smi", str(tmp_path / "absent"), env=env)
+    assert code == 4 and "absent" in out and "Traceback" not in out + err
+
+
+def test_preflight_stops_every_node_before_training_when_one_has_a_sick_device(launcher, tmp_path):
+    healthy, sick = NpuState(tmp_path / "a.json", devices=2), NpuState(tmp_path / "b.json", devices=2)
+    sick.set_chip(0, "Critical", [], [])
+    endpoint = f"127.0.0.1:{free_port()}"
+    for state in (healthy, sick):
+        args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--run-id", launcher.mark,
+                "--device", "npu", "--preflight", ELASTIC]
+        launcher.start(args, env=npu_env(launcher, state))
+    assert launcher.wait() == [4, 4], launcher.output()
+    output = launcher.output()
+    assert "preflight failed" in output and "device 0 Critical" in output
+    assert not list(launcher.out_dir.glob("pid-start-*"))  # no training started anywhere
