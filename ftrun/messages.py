@@ -137,6 +137,8 @@ class WorkerFailure:
     cause: str = ""
     #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")
     detail: str = ""
+    #: the fault level of a device error seen in the worker's output (RestartBusiness), else ""
+    level: str = ""
 
     def describe(self) -> str:
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"

@@ -27,7 +27,7 @@ from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import Level
 from ftrun.errors import ExitCode, FtrunError
-from ftrun.faults.levels import load_fault_table
+from ftrun.faults.levels import FaultLevel, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
@@ -51,6 +51,15 @@ class JobOutcome:
     controller: Controller | None
 
 
+@dataclass(frozen=True)
+class PendingSpawn:
+    """Workers a command asked for that wait for a usable device (one is being reset)."""
+
+    command: Command
+    #: REPLACE: the local ranks still to respawn; START: every local rank
+    local_ranks: tuple[int, ...]
+
+
 class Agent:
     """One node's agent: store, rendezvous, then the supervision loop until the controller says exit."""
 
@@ -70,6 +79,8 @@ class Agent:
         self.devices: NodeDevices | None = None
         self.hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
         self.oom = OomWatch()
+        #: workers waiting for a device (one is being reset)
+        self._pending: PendingSpawn | None = None
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -191,9 +202,10 @@ class Agent:
                     controller_beat = self._check_controller(controller_beat, now)
                     if interrupted_at is None:
                         self._check_hangs(group, now)
-                for event in self.devices.events():
+                for event in self.devices.tick(w.placement.local_rank for w in group.running):
                     for local_rank in self.devices.apply(event):
                         group.fail(local_rank, "device", event.reason)
+                self._retry_pending(group)
                 if self.stop_signal is not None and interrupted_at is None:
                     interrupted_at = now
                     self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self._interrupt_code,
@@ -205,8 +217,11 @@ class Agent:
                 failed = [w for w in ended if w.returncode != 0]
                 if failed and interrupted_at is None:
                     failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
-                    for failure in failures:
+                    for worker, failure in zip(failed, failures):
                         log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
+                        if failure.level and not worker.cause:  # a device error in its own output
+                            self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level),
+                                                         failure.detail)
                     self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
                 if ended and group.all_succeeded and not reported_success:
                     reported_success = True
@@ -214,6 +229,8 @@ class Agent:
 
                 for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
                     next_command += 1
+                    if command.kind in (CommandKind.EXIT, CommandKind.STOP):
+                        self._pending = None
                     if command.kind is CommandKind.EXIT:
                         group.stop(config.stop_timeout)
                         self._report(ReportKind.EXITED, command.generation)
@@ -231,7 +248,6 @@ class Agent:
                     elif command.kind is CommandKind.REPLACE:
                         reported_success = False
                         self._replace_ranks(group, command)
-                        group.fill_standbys()
                 time.sleep(config.monitor_interval)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
@@ -251,13 +267,49 @@ class Agent:
         try:
             slots = self.devices.slots(self.slot.nproc)
         except NoDevice as e:
-            self._report(ReportKind.NODE_UNUSABLE, command.generation, detail=str(e))
+            self._wait_for_device(command, tuple(range(self.slot.nproc)), e)
             return
         placements = [self._placement(i, self.devices.env(slots.get(i))) for i in range(self.slot.nproc)]
+        self._pending = None
         group.start(placements, self._generation_env(command))
         for worker in group.workers:
             self._watch_from_now(worker)
         group.fill_standbys()
+
+    def _respawn(self, group: WorkerGroup, command: Command, local_ranks: tuple[int, ...]) -> None:
+        """Process level (repair): start replacements for these local ranks, on usable devices."""
+        gen = self._generation_env(command, replacement=True)
+        for done, local_rank in enumerate(local_ranks):
+            try:
+                slot = self.devices.slot_for_respawn(local_rank)
+            except NoDevice as e:
+                self._wait_for_device(command, local_ranks[done:], e)
+                return
+            group.respawn(self._placement(local_rank, self.devices.env(slot)), gen)
+            self._watch_from_now(group.workers[local_rank])
+        self._pending = None
+        group.fill_standbys()
+
+    def _wait_for_device(self, command: Command, local_ranks: tuple[int, ...], problem: NoDevice) -> None:
+        """No usable device now: wait for a reset under way (the repair deadline bounds it), else the
+        node cannot run its ranks (a node-level fault)."""
+        if not self.devices.resetting:
+            self._pending = None
+            self._report(ReportKind.NODE_UNUSABLE, command.generation, detail=str(problem))
+            return
+        if self._pending is None or self._pending.local_ranks != local_ranks:
+            log.warning("local rank%s %s wait%s for a device reset", "s" if len(local_ranks) > 1 else "",
+                        ", ".join(map(str, local_ranks)), "" if len(local_ranks) > 1 else "s")
+        self._pending = PendingSpawn(command, local_ranks)
+
+    def _retry_pending(self, group: WorkerGroup) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        if pending.command.kind is CommandKind.START:
+            self._start_workers(group, pending.command)
+        else:
+            self._respawn(group, pending.command, pending.local_ranks)
 
     def _watch_from_now(self, worker: Worker) -> None:
         rank = worker.placement.rank
@@ -289,6 +341,8 @@ class Agent:
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
         mine = [r - self.slot.first_rank for r in command.ranks if 0 <= r - self.slot.first_rank < self.slot.nproc]
+        if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
+            mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
         if not mine:
             group.generation = command.generation
             return
@@ -296,16 +350,8 @@ class Agent:
                     ", ".join(str(self.slot.first_rank + i) for i in mine), command.generation)
         for local_rank in mine:
             group.clear(local_rank, self.config.stop_timeout)
-        try:
-            placements = [self._placement(i, self.devices.env(self.devices.slot_for_respawn(i))) for i in mine]
-        except NoDevice as e:
-            self._report(ReportKind.NODE_UNUSABLE, command.generation, detail=str(e))
-            return
         self._report(ReportKind.CLEARED, command.generation)
-        gen = self._generation_env(command, replacement=True)
-        for placement in placements:
-            group.respawn(placement, gen)
-            self._watch_from_now(group.workers[placement.local_rank])
+        self._respawn(group, command, tuple(mine))
 
     def _generation_env(self, command: Command, replacement: bool = False) -> GenerationEnv:
         host, _, port = command.worker_store.rpartition(":")

@@ -1,38 +1,63 @@
-"""The node's devices as its agent sees them: found at start, handed to ranks, watched.
+"""The node's devices as its agent sees them: found at start, handed to ranks, watched, reset.
 
 Ties the device backend (``ftrun.devices``), the fault table (``ftrun.faults``), the
 allocator and the health monitor together. With no device tool, or none that
 answers, the node runs without device assignment and device health: exit codes
 and heartbeats still catch faults.
+
+Everything here runs on the agent's main thread except the health monitor's polls and
+the device resets, which report back through queues.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
 
 from ftrun.agent.health import ACTIONS, REPAIR_LEVELS, DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
 from ftrun.config import LaunchConfig
-from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, make_backend
+from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_backend
 from ftrun.faults.levels import Escalation, FaultLevel, FaultTable
 
 log = logging.getLogger(__name__)
+#: levels after which the chip is reset before it takes a rank again
+RESET_LEVELS = frozenset({FaultLevel.RESTART_NPU, FaultLevel.FREE_RESTART})
+#: after a reset, how often to ask whether the device reads healthy again
+RESET_CHECK_INTERVAL = 1.0
+
+
+@dataclass(frozen=True)
+class ResetDone:
+    device: int
+    #: "" when the device reset and reads healthy again; else why not
+    problem: str
 
 
 class NodeDevices:
-    def __init__(self, backend: DeviceBackend, table: FaultTable, devices: list[int], health_interval: float):
+    def __init__(self, backend: DeviceBackend, table: FaultTable, devices: list[int], health_interval: float,
+                 reset_timeout: float = DeviceOptions.reset_timeout):
         self.backend = backend
         self.table = table
+        self.escalation = Escalation.from_table(table)
+        self.reset_timeout = reset_timeout
         self.allocator = DeviceAllocator(devices) if devices and backend.visibility_var else None
         self.monitor = None
         if self.allocator is not None:
-            watch = DeviceWatch(table, Escalation.from_table(table))
-            self.monitor = HealthMonitor(backend, watch, health_interval)
+            self.monitor = HealthMonitor(backend, DeviceWatch(table, self.escalation), health_interval)
+        self._resets: queue.SimpleQueue[ResetDone] = queue.SimpleQueue()
+        #: devices to reset as soon as none of the node's running ranks is on them
+        self._due: set[int] = set()
 
     @classmethod
     def open(cls, config: LaunchConfig, table: FaultTable) -> "NodeDevices":
-        backend = make_backend(config.device, DeviceOptions(npu_smi=config.npu_smi, timeout=config.device_timeout))
+        options = DeviceOptions(npu_smi=config.npu_smi, timeout=config.device_timeout)
+        backend = make_backend(config.device, options)
         devices: list[int] = []
         try:
             devices = [d.index for d in backend.discover()]
@@ -45,7 +70,7 @@ class NodeDevices:
         if devices:
             log.info("%s devices %s; health polled every %gs", backend.kind, ",".join(map(str, devices)),
                      config.health_interval)
-        return cls(backend, table, devices, config.health_interval)
+        return cls(backend, table, devices, config.health_interval, options.reset_timeout)
 
     def start(self) -> None:
         if self.monitor is not None:
@@ -55,14 +80,30 @@ class NodeDevices:
         if self.monitor is not None:
             self.monitor.stop()
 
-    def events(self) -> list[DeviceEvent]:
+    def tick(self, running: Iterable[int]) -> list[DeviceEvent]:
+        """Health changes since the last call. On the way: finished resets are taken into account,
+        and due resets start on devices that no running local rank (of ``running``) uses any more."""
+        while True:
+            try:
+                done = self._resets.get_nowait()
+            except queue.Empty:
+                break
+            self._end_reset(done)
+        if self._due:
+            busy = {self.allocator.assigned.get(rank) for rank in running}
+            for device in sorted(self._due - busy):
+                self._due.discard(device)
+                threading.Thread(target=self._reset, args=(device,), name=f"ftrun-reset-{device}", daemon=True).start()
         return self.monitor.pending() if self.monitor is not None else []
+
+    # -- placing ranks -------------------------------------------------------------------------------
 
     def slots(self, nproc: int) -> dict[int, DeviceSlot]:
         """Devices for a fresh start of every local rank (NoDevice when too few are usable)."""
         return self.allocator.assign_all(nproc) if self.allocator is not None else {}
 
     def slot_for_respawn(self, local_rank: int) -> DeviceSlot | None:
+        """The device a respawned rank goes to (NoDevice when none is usable now)."""
         if self.allocator is None:
             return None
         before = self.allocator.assigned.get(local_rank)
@@ -70,6 +111,11 @@ class NodeDevices:
         if before is not None and slot.device != before:
             log.warning("local rank %d moves from device %d to device %d", local_rank, before, slot.device)
         return slot
+
+    @property
+    def resetting(self) -> bool:
+        """A device is being reset: a rank that finds no usable device now may find one soon."""
+        return bool(self.allocator and self.allocator.resetting)
 
     def env(self, slot: DeviceSlot | None) -> tuple[tuple[str, str], ...]:
         """The worker's device variables: what it sees, and which of those is its own."""
@@ -81,16 +127,65 @@ class NodeDevices:
             ("FTRUN_DEVICE_INDEX", str(slot.index)),
         )
 
+    # -- faults --------------------------------------------------------------------------------------
+
     def apply(self, event: DeviceEvent) -> list[int]:
         """Take a health change into account; the local ranks that must be stopped and replaced."""
         if self.allocator is None:
             return []
-        if event.level is FaultLevel.SEPARATE:
-            self.allocator.isolate(event.device, event.reason)
-        elif event.level is FaultLevel.PRE_SEPARATE:
-            self.allocator.preseparate(event.device, event.reason)
         log_at = logging.INFO if event.level in (None, FaultLevel.NOT_HANDLE, FaultLevel.SUB_HEALTH) else logging.WARNING
         log.log(log_at, "%s: %s", event.describe(), ACTIONS[event.level])
+        self._mark(event.device, event.level, event.reason)
         if event.level not in REPAIR_LEVELS:
             return []
         return self.allocator.ranks_on(event.device)
+
+    def on_worker_error(self, local_rank: int, level: FaultLevel, reason: str) -> None:
+        """A rank died of a device error in its own output (UCE ERROR, an ECC error): its device
+        counts as faulty at that level, as if the health poll had said so."""
+        device = self.allocator.assigned.get(local_rank) if self.allocator is not None else None
+        if device is None:
+            return
+        escalated = self.escalation.record(device, level, time.time())
+        if escalated is not level:
+            reason = f"{reason}; repaired too often, escalated from {level.value}"
+        log.warning("device %d (local rank %d's): %s: %s", device, local_rank, reason, ACTIONS[escalated])
+        self._mark(device, escalated, reason)
+
+    def _mark(self, device: int, level: FaultLevel | None, reason: str) -> None:
+        if level is FaultLevel.SEPARATE:
+            self.allocator.isolate(device, reason)
+        elif level is FaultLevel.PRE_SEPARATE:
+            self.allocator.preseparate(device, reason)
+        elif level in RESET_LEVELS and device not in self.allocator.resetting and device not in self.allocator.isolated:
+            self.allocator.begin_reset(device, reason)
+            self._due.add(device)  # reset once its ranks are gone
+
+    def _reset(self, device: int) -> None:
+        """In its own thread: reset the chip, then wait until it reads healthy (or give up and isolate it)."""
+        deadline = time.monotonic() + self.reset_timeout
+        log.warning("resetting device %d", device)
+        try:
+            self.backend.reset(device)
+        except DeviceToolError as e:
+            self._resets.put(ResetDone(device, f"the reset failed: {e}"))
+            return
+        problem = f"not healthy {self.reset_timeout:g}s after the reset"
+        while time.monotonic() < deadline:
+            try:
+                status = next((s for s in self.backend.poll() if s.device.index == device), None)
+            except DeviceToolError as e:
+                status, problem = None, f"health unreadable after the reset: {e}"
+            if status is not None and status.health is Health.OK:
+                problem = ""
+                break
+            time.sleep(RESET_CHECK_INTERVAL)
+        self._resets.put(ResetDone(device, problem))
+
+    def _end_reset(self, done: ResetDone) -> None:
+        self.allocator.end_reset(done.device)
+        if done.problem:
+            log.error("device %d: %s; isolating it", done.device, done.problem)
+            self.allocator.isolate(done.device, done.problem)
+        else:
+            log.warning("device %d reset and healthy again", done.device)

@@ -45,9 +45,13 @@ class DeviceAllocator:
         self.isolated: dict[int, str] = {}
         #: device -> why it gets no new ranks (PreSeparateNPU); ranks already on it stay
         self.preseparated: dict[int, str] = {}
+        #: device -> why it is being reset (RestartNPU, FreeRestartNPU): usable again once done
+        self.resetting: dict[int, str] = {}
 
     def usable(self, device: int) -> bool:
-        return device in self.devices and device not in self.isolated and device not in self.preseparated
+        return device in self.devices and not any(
+            device in unfit for unfit in (self.isolated, self.preseparated, self.resetting)
+        )
 
     def assign_all(self, local_ranks: int) -> dict[int, DeviceSlot]:
         """A fresh start: the lowest usable devices, in order, to local ranks 0..n-1."""
@@ -80,9 +84,16 @@ class DeviceAllocator:
     def preseparate(self, device: int, reason: str) -> None:
         self.preseparated.setdefault(device, reason)
 
+    def begin_reset(self, device: int, reason: str) -> None:
+        self.resetting.setdefault(device, reason)
+
+    def end_reset(self, device: int) -> None:
+        self.resetting.pop(device, None)
+
     def _shortage(self, wanted: int, free: list[int], local_rank: int | None = None) -> str:
         who = f"local rank {local_rank}" if local_rank is not None else f"{wanted} rank{'s' if wanted != 1 else ''}"
         unusable = [f"device {d} isolated ({why})" for d, why in sorted(self.isolated.items())]
         unusable += [f"device {d} pre-separated ({why})" for d, why in sorted(self.preseparated.items())]
+        unusable += [f"device {d} being reset ({why})" for d, why in sorted(self.resetting.items())]
         detail = f": {'; '.join(unusable)}" if unusable else ""
         return f"no usable device left for {who} ({len(free)} free of {len(self.devices)}){detail}"

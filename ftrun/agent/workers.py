@@ -262,12 +262,14 @@ class WorkerGroup:
         code = worker.returncode
         p = worker.placement
         error = read_error_file(worker.error_file)
+        level = ""
         if worker.cause:
             cause, detail = worker.cause, worker.detail
         else:
             evidence = oom.killed_by_oom(worker.pid) if oom is not None and code == -signal.SIGKILL else ""
             fault = classify_exit(code, tuple(worker.err.tail), error, table, oom=evidence)
             cause, detail = fault.kind, fault.detail
+            level = fault.level.value if fault.level is not None and fault.kind == "device" else ""
         return WorkerFailure(
             rank=p.rank,
             local_rank=p.local_rank,
@@ -282,6 +284,7 @@ class WorkerGroup:
             generation=self.generation,
             cause=cause,
             detail=detail,
+            level=level,
         )
 
 

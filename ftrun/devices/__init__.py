@@ -83,6 +83,9 @@ class DeviceBackend(Protocol):
     def poll(self) -> list[DeviceStatus]:
         """Every device's health now. Raises DeviceToolError."""
 
+    def reset(self, index: int) -> None:
+        """Reset one device (no process may use it). Raises DeviceToolError."""
+
 
 class CpuBackend:
     """No accelerators: nothing to discover, nothing can fail."""
@@ -96,6 +99,9 @@ class CpuBackend:
     def poll(self) -> list[DeviceStatus]:
         return []
 
+    def reset(self, index: int) -> None:
+        raise DeviceToolError("there is no device to reset on a CPU node")
+
 
 @dataclass(frozen=True)
 class DeviceOptions:
@@ -106,6 +112,8 @@ class DeviceOptions:
     nvidia_smi: str = "nvidia-smi"
     #: seconds one tool call may take before it is killed
     timeout: float = 10.0
+    #: seconds a device reset may take (a chip reset is slow: Ascend asks to wait 20 s after one)
+    reset_timeout: float = 120.0
 
 
 def detect_kind(options: DeviceOptions, env=os.environ) -> str:

@@ -174,6 +174,14 @@ class CudaBackend:
         """The node's GPUs by index. Raises DeviceToolError."""
         return [status.device for status in self._statuses(polling=False)]
 
+    def reset(self, index: int) -> None:
+        """``nvidia-smi --gpu-reset -i N`` (root, and no process on the GPU). Raises DeviceToolError."""
+        args = [self.options.nvidia_smi, "--gpu-reset", "-i", str(index)]
+        result = run_tool(args, self.options.reset_timeout, f"nvidia-smi --gpu-reset -i {index}", merge_stderr=True)
+        if result.returncode != 0:
+            first = next((line.strip() for line in result.stdout.splitlines() if line.strip()), "(no output)")
+            raise DeviceToolError(f"nvidia-smi --gpu-reset -i {index} failed with exit code {result.returncode}: {first}")
+
     def poll(self) -> list[DeviceStatus]:
         """Every GPU's health now. Raises DeviceToolError."""
         return self._statuses(polling=True)

@@ -92,6 +92,16 @@ class NpuBackend:
         health = detail.health if detail.health is not Health.UNKNOWN else row.health
         return DeviceStatus(device, health, detail.codes, detail.info)
 
+    def reset(self, index: int) -> None:
+        """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError."""
+        if self._chips is None:
+            self.discover()
+        key = next((key for key, device in self._chips.items() if device.index == index), None)
+        if key is None:
+            raise DeviceToolError(f"no NPU chip with logic id {index}")
+        NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(
+            "set", "-t", "reset", "-i", str(key[0]), "-c", str(key[1]), "-m", "1")
+
     def physical_id(self, index: int) -> int:
         """The physical device id of logic id ``index`` (what hccn_tool and the HCCL rank table count in)."""
         if index not in self._phy_ids:

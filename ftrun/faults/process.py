@@ -71,7 +71,7 @@ def classify_exit(
     verdict = table.classify_text([*lines, *error.splitlines()])
     if verdict is not None and verdict.level.severity >= DEVICE_ERROR_FLOOR.severity:
         return ProcessFault(
-            "device", f"CUDA/NPU error in its last output: {verdict.reason} ({verdict.level.value})", verdict.level)
+            "device", f"device error in its last output: {verdict.reason} ({verdict.level.value})", verdict.level)
 
     if oom and _killed_by_sigkill(returncode):
         evidence = f" ({oom})" if isinstance(oom, str) else ""

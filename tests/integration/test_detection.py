@@ -117,6 +117,36 @@ def test_restart_business_code_repairs_the_rank_in_place(launcher, tmp_path, fau
     assert "process-level repair into generation 1" in output
 
 
+def test_restart_npu_code_resets_the_chip_before_its_rank_returns_to_it(launcher, tmp_path, fault_free):
+    state = NpuState(tmp_path / "npu.json", devices=2)
+    env = npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.1")
+    run_elastic(launcher, env, flags=("--device", "npu"))
+    wait_for_step(launcher, 0, 5)
+    state.set_chip(0, "Alarm", ["8C03A000"], ["chip needs a reset"])
+    assert launcher.wait() == [0], launcher.output()
+    results = assert_finished_identically(launcher, fault_free)
+    assert (results[0]["device"], results[0]["replacement"]) == ("0", "1")  # back on its chip, after the reset
+    chip = json.loads(state.path.read_text())["npus"][0]["chips"][0]
+    assert (chip["health"], chip["codes"], chip["resets"]) == ("OK", [], 1)
+    output = launcher.output()
+    assert re.search(r"device 0 .*8C03A000.* -> RestartNPU: stop its ranks, reset the chip, respawn them", output)
+    assert "local rank 0 waits for a device reset" in output
+    assert "resetting device 0" in output and "device 0 reset and healthy again" in output
+
+
+def test_device_error_in_a_dead_ranks_output_resets_its_device(launcher, tmp_path, fault_free):
+    state = NpuState(tmp_path / "npu.json", devices=2)
+    env = npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.05", FAULT="1:5:ecc")
+    run_elastic(launcher, env, flags=("--device", "npu"))
+    assert launcher.wait() == [0], launcher.output()
+    results = assert_finished_identically(launcher, fault_free)
+    assert (results[1]["device"], results[1]["replacement"]) == ("1", "1")
+    assert json.loads(state.path.read_text())["npus"][1]["chips"][0]["resets"] == 1
+    output = launcher.output()
+    assert "rank 1 failed: exit code 1 (device:" in output and "HBM MULTI BIT ECC ERROR" in output
+    assert "device 1 reset and healthy again" in output
+
+
 @pytest.mark.parametrize("trouble", ["missing", "hang", "garbage"])
 def test_job_finishes_when_npu_smi_is_missing_hangs_or_prints_garbage(launcher, tmp_path, fault_free, trouble):
     state = NpuState(tmp_path / "npu.json", devices=2)

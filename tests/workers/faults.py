@@ -17,7 +17,8 @@ def due(rank: int, step: int) -> str:
 
 
 def trigger(kind: str, step: int) -> None:
-    """sigkill, exit1, segv, sigstop (a hang), or raise (a Python exception, recorded by torch's @record)."""
+    """sigkill, exit1, segv, sigstop (a hang), ecc (dies printing torch_npu's HBM ECC error), or raise
+    (a Python exception, recorded by torch's @record)."""
     print(f"injecting {kind} at step {step}", file=sys.stderr, flush=True)
     if kind == "sigstop":
         out_dir = os.environ.get("OUT_DIR")
@@ -27,6 +28,10 @@ def trigger(kind: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "ecc":
+        print("RuntimeError: ACL stream synchronize failed, error code is 507054\n"
+              "[ERROR] HBM MULTI BIT ECC ERROR happened on device", file=sys.stderr, flush=True)
+        os._exit(1)
     elif kind == "exit1":
         sys.stderr.flush()
         os._exit(1)
