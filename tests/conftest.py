@@ -16,6 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ftrun.devices import DeviceOptions
+from ftrun.devices.npu import NpuBackend
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 #: generous deadline: only there to turn a hang into a failure
@@ -156,3 +159,21 @@ def ftrun_cli(tmp_path):
         return proc.returncode, proc.stdout, proc.stderr
 
     return run
+
+
+@pytest.fixture
+def fake_npu(tmp_path, monkeypatch):
+    """Point PATH at the stand-in npu-smi; returns a function that writes its state and builds a backend."""
+    # this interpreter's folder next: its python3 answers `#!/usr/bin/env python3` without a version shim
+    path = [str(ROOT / "tests" / "fakes"), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    state_file = tmp_path / "npu-smi.json"
+    monkeypatch.setenv("NPU_SMI_STATE", str(state_file))
+
+    def make(board: str, npus: list[dict], timeout: float = 5, **extra) -> NpuBackend:
+        state_file.write_text(json.dumps({"board": board, "npus": npus, "mode": "normal", "version": "24.1.0",
+                                          **extra}))
+        return NpuBackend(DeviceOptions(timeout=timeout, hccn_tool="hccn_tool_absent_in_tests"))
+
+    make.state_file = state_file
+    return make

@@ -33,7 +33,6 @@ from ftrun.devices.npu_smi import (
 
 TESTS = Path(__file__).resolve().parent.parent
 FIXTURES = TESTS / "fixtures" / "npu_smi"
-FAKES = TESTS / "fakes"
 PARSERS = [parse_info_table, parse_health, parse_npu_health, parse_list, parse_mapping, parse_hccn_ip]
 
 
@@ -259,24 +258,6 @@ ALARM_INFO = ["on-chip memory uncorrectable error", "node type=process-manager, 
 
 def chip(id, logic_id, health="OK", codes=(), info=(), **extra):
     return {"id": id, "logic_id": logic_id, "health": health, "codes": list(codes), "info": list(info), **extra}
-
-
-@pytest.fixture
-def fake_npu(tmp_path, monkeypatch):
-    """Point PATH at the stand-in npu-smi; returns a function that writes its state and builds a backend."""
-    # this interpreter's folder next: its python3 answers `#!/usr/bin/env python3` without a version shim
-    path = [str(FAKES), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))
-    state_file = tmp_path / "npu-smi.json"
-    monkeypatch.setenv("NPU_SMI_STATE", str(state_file))
-
-    def make(board: str, npus: list[dict], timeout: float = 5, **extra) -> NpuBackend:
-        state_file.write_text(json.dumps({"board": board, "npus": npus, "mode": "normal", "version": "24.1.0",
-                                          **extra}))
-        return NpuBackend(DeviceOptions(timeout=timeout, hccn_tool="hccn_tool_absent_in_tests"))
-
-    make.state_file = state_file
-    return make
 
 
 def set_mode(state_file: Path, mode: str) -> None:

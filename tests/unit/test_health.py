@@ -1,0 +1,129 @@
+"""Device health as the agent sees it: change detection, escalation, isolation, resets, the probe."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ftrun.agent.devices import NodeDevices
+from ftrun.agent.health import DeviceWatch
+from ftrun.agent.placement import NoDevice
+from ftrun.devices import Device, DeviceStatus, Health
+from ftrun.faults.levels import Escalation, FaultLevel, load_fault_table
+from ftrun.probe import probe
+
+TABLE = load_fault_table()
+HOUR = 3600.0
+
+
+def status(index: int, health: Health = Health.OK, *codes: str) -> DeviceStatus:
+    return DeviceStatus(Device(index, "910B2", f"npu {index} chip 0"), health, codes)
+
+
+def watch() -> DeviceWatch:
+    return DeviceWatch(TABLE, Escalation.from_table(TABLE))
+
+
+def test_devices_healthy_when_first_seen_are_no_news():
+    assert watch().observe([status(0), status(1)], now=0) == []
+
+
+def test_transition_ok_to_alarm_with_a_known_code_is_one_event():
+    w = watch()
+    w.observe([status(0)], now=0)
+    events = w.observe([status(0, Health.ALARM, "80E01801")], now=1)
+    assert [(e.device, e.level, e.reason) for e in events] == [(0, FaultLevel.RESTART_BUSINESS, "code 80E01801")]
+    assert w.observe([status(0, Health.ALARM, "80E01801")], now=2) == []  # unchanged: already handled
+
+
+def test_transition_alarm_back_to_ok_says_healthy():
+    w = watch()
+    w.observe([status(0, Health.ALARM, "80E01801")], now=0)
+    assert [(e.device, e.level) for e in w.observe([status(0)], now=1)] == [(0, None)]
+
+
+def test_unknown_code_falls_back_to_the_health_word():
+    w = watch()
+    w.observe([status(2)], now=0)
+    [event] = w.observe([status(2, Health.CRITICAL, "DEADBEEF")], now=1)
+    assert event.level is FaultLevel.SEPARATE
+
+
+def test_same_device_needing_restart_npu_twice_in_a_day_is_isolated():
+    w = watch()
+    w.observe([status(0)], now=0)
+    [first] = w.observe([status(0, Health.ALARM, "8C03A000")], now=1)
+    w.observe([status(0)], now=2)
+    [second] = w.observe([status(0, Health.ALARM, "8C03A000")], now=20 * HOUR)
+    assert (first.level, second.level) == (FaultLevel.RESTART_NPU, FaultLevel.SEPARATE)
+    assert "escalated from RestartNPU" in second.reason
+
+
+def test_restart_npu_a_day_apart_is_not_escalated():
+    w = watch()
+    w.observe([status(0, Health.ALARM, "8C03A000")], now=0)
+    w.observe([status(0)], now=1)
+    [event] = w.observe([status(0, Health.ALARM, "8C03A000")], now=25 * HOUR)
+    assert event.level is FaultLevel.RESTART_NPU
+
+
+def npu_state(devices: int, **chip0) -> dict:
+    npus = [{"id": n, "name": "910B2", "chips": [{"id": 0, "logic_id": n, "health": "OK", "codes": [], "info": []}]}
+            for n in range(devices)]
+    npus[0]["chips"][0].update(chip0)
+    return npus
+
+
+def node_devices(backend, devices: list[int]) -> NodeDevices:
+    return NodeDevices(backend, TABLE, devices, health_interval=60, reset_timeout=10)
+
+
+def test_separate_npu_isolates_the_device_and_names_its_ranks(fake_npu):
+    node = node_devices(fake_npu("A2", npu_state(3)), [0, 1, 2])
+    node.slots(2)
+    w = watch()
+    w.observe(node.backend.poll(), now=0)
+    [event] = w.observe([status(1, Health.ALARM, "DEADBEEF")], now=1)
+    assert node.apply(event) == [1]
+    assert node.env(node.slot_for_respawn(1)) == (
+        ("ASCEND_RT_VISIBLE_DEVICES", "0,2"), ("FTRUN_DEVICE", "2"), ("FTRUN_DEVICE_INDEX", "1"))
+
+
+def test_reset_waits_until_the_device_is_idle_then_makes_it_usable_again(fake_npu):
+    backend = fake_npu("A2", npu_state(2, health="Alarm", codes=["8C03A000"]))
+    node = node_devices(backend, [0, 1])
+    node.slots(2)
+    node.on_worker_error(0, FaultLevel.RESTART_NPU, "HBM MULTI BIT ECC ERROR")
+    assert node.resetting
+    with pytest.raises(NoDevice, match="device 0 being reset"):
+        node.slot_for_respawn(0)
+    node.tick(running=[0, 1])  # local rank 0 still runs on it: no reset yet
+    time.sleep(0.3)
+    assert json.loads(fake_npu.state_file.read_text())["npus"][0]["chips"][0].get("resets") is None
+    deadline = time.monotonic() + 15
+    while node.resetting and time.monotonic() < deadline:
+        node.tick(running=[1])
+        time.sleep(0.05)
+    assert not node.resetting
+    assert node.slot_for_respawn(0).device == 0
+    assert json.loads(fake_npu.state_file.read_text())["npus"][0]["chips"][0]["resets"] == 1
+
+
+def test_probe_reports_levels_actions_and_the_unusable_devices(fake_npu):
+    npus = npu_state(3)
+    npus[1]["chips"][0].update(health="Alarm", codes=["80E01801"])
+    npus[2]["chips"][0].update(health="Critical", codes=["8C03A000"])
+    report = probe(fake_npu("A2", npus), TABLE)
+    assert [(r.level, r.usable) for r in report.rows] == [
+        (None, True), (FaultLevel.RESTART_BUSINESS, True), (FaultLevel.RESTART_NPU, False)]
+    assert report.rows[2].action == "stop its ranks, reset the chip, respawn them"
+    assert report.problem == "device 2 Critical: code 8C03A000 (RestartNPU)"
+    assert report.as_dict()["usable"] is False
+
+
+def test_probe_of_an_unreadable_tool_is_a_problem(fake_npu):
+    backend = fake_npu("A2", npu_state(1), mode="fail")
+    report = probe(backend, TABLE)
+    assert report.rows == () and report.problem.startswith("cannot read npu device health: npu-smi")
