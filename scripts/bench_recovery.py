@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,9 +54,10 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psutil
 from rich.console import Console
 from rich.table import Table
+
+from benchlib import find_program, free_port, kill_everything
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "scripts" / "examples"
@@ -171,23 +171,9 @@ class RunResult:
 # --- running a launcher ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def find_program(name: str) -> str:
-    beside_python = Path(sys.executable).parent / name
-    found = str(beside_python) if beside_python.exists() else shutil.which(name)
-    if not found:
-        sys.exit(f"bench_recovery: cannot find {name} next to {sys.executable} or on PATH")
-    return found
-
-
 def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: str, workdir: Path) -> list[str]:
     return [
-        find_program(launcher.program),
+        find_program(launcher.program, "bench_recovery"),
         "--nnodes", str(scenario.nnodes),
         "--nproc-per-node", str(scenario.nproc_per_node),
         "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -203,31 +189,6 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         "--kill-at-step", str(scenario.kill_at_step),
         "--step-sleep", str(scenario.step_sleep),
     ]
-
-
-def kill_everything(processes: list[subprocess.Popen], marker: str) -> None:
-    """SIGKILL the launchers' process groups and every process that carries `marker`, then reap."""
-    interrupts = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)  # a second Ctrl-C waits until this is done
-    try:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # each launcher leads its own group (start_new_session)
-            except ProcessLookupError:
-                pass
-        marked = []
-        for candidate in psutil.process_iter():
-            try:
-                if candidate.environ().get(MARKER_VARIABLE) == marker:
-                    candidate.kill()
-                    marked.append(candidate)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        psutil.wait_procs(marked, timeout=10)
-        for process in processes:
-            process.wait()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupts)
 
 
 def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path) -> tuple[float, list[int | None]]:
@@ -255,7 +216,7 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path) -> tuple
             time.sleep(0.2)
         return launch_time, [process.poll() for process in processes]
     finally:
-        kill_everything(processes, marker)
+        kill_everything(processes, MARKER_VARIABLE, marker)
 
 
 # --- reading the progress file --------------------------------------------------------------------
