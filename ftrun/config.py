@@ -122,24 +122,37 @@ _ConfigLoader.add_implicit_resolver(
 
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a YAML config file: a mapping of option names (``nproc_per_node: 2``)."""
+    data = read_yaml_mapping(path, _ConfigLoader, "config file", "a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def read_yaml_mapping(path: str, loader: type, what: str, shape: str) -> dict:
+    """A YAML file that must hold a mapping (or nothing); each problem is one UsageError naming
+    ``what`` and the path."""
     try:
         with open(path, "rb") as f:
-            text = f.read()
+            data = f.read()
     except OSError as e:
-        raise UsageError(f"cannot read config file {path}: {e.strerror}") from None
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
     try:
-        data = yaml.load(text.decode("utf-8"), Loader=_ConfigLoader)
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise UsageError(f"config file {path} is not UTF-8 text") from None
+        raise UsageError(f"{what} {path} is not UTF-8 text") from None
+    return parse_yaml_mapping(text, loader, f"{what} {path}", shape)
+
+
+def parse_yaml_mapping(text: str, loader: type, where: str, shape: str) -> dict:
+    try:
+        data = yaml.load(text, Loader=loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"config file {path} is not valid YAML{where}") from None
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"{where} is not valid YAML{at}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UsageError(f"config file {path} must be a mapping of option names to values")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+        raise UsageError(f"{where} must be {shape}")
+    return data
 
 
 def check_known_keys(keys, known, where: str) -> None:

@@ -54,6 +54,8 @@ from benchlib import find_program, kill_everything
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "scripts" / "examples" / "detect_worker.py"
 STAND_IN = REPO / "tests" / "fakes"
+#: the stand-in first, then this Python's folder: its `#!/usr/bin/env python3` then skips any version-manager shim
+TOOL_PATH = os.pathsep.join([str(STAND_IN), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 MARKER_VARIABLE = "FTRUN_BENCH_DETECTION_MARKER"
 KINDS = ("exit", "signal", "hang", "device")
 LAUNCHERS = ("ftrun", "torchrun")
@@ -129,7 +131,7 @@ def run_once(launcher: str, kind: str, repeat: int, args: argparse.Namespace, wo
     npu_state(state)
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER_VARIABLE: marker, "BENCH_OUT": str(out_dir), "BENCH_FAULT": kind,
-           "NPU_SMI_STATE": str(state), "PATH": f"{STAND_IN}{os.pathsep}{os.environ['PATH']}"}
+           "NPU_SMI_STATE": str(state), "PATH": TOOL_PATH}
     process = subprocess.Popen(launch_command(launcher, args), env=env, cwd=out_dir, stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     output = StampedOutput(process.stdout)
@@ -171,8 +173,7 @@ def agent_cpu(device: str, args: argparse.Namespace, workdir: Path) -> dict:
     state = workdir / f"cpu-{device}.json"
     npu_state(state)
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER_VARIABLE: marker, "NPU_SMI_STATE": str(state),
-           "PATH": f"{STAND_IN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, MARKER_VARIABLE: marker, "NPU_SMI_STATE": str(state), "PATH": TOOL_PATH}
     command = [find_program("ftrun", "bench_detection"), "--standalone", "--device", device, "--npu-smi", args.npu_smi,
                "--no-python", "sleep", "100000"]
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

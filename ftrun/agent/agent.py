@@ -320,23 +320,26 @@ class Agent:
         for worker in group.running:
             rank = worker.placement.rank
             beats = self.store.counter(self.keys.rank_heartbeat(rank))
-            reason = self.hangs.observe(rank, beats, self._activity(worker), now)
+            activity, stopped = self._activity(worker)
+            reason = self.hangs.observe(rank, beats, activity, now, stopped)
             if reason:
                 log.error("rank %d (pid %d) is hung: %s; dumping its stack and killing it", rank, worker.pid, reason)
                 dump_stack(worker, uses_library=beats > 0)
                 group.fail(worker.placement.local_rank, "hang", reason)
                 self.hangs.forget(rank)
 
-    def _activity(self, worker: Worker) -> tuple:
-        """Output lines and CPU time: the signs of life of a rank without heartbeats (--hang-timeout)."""
+    def _activity(self, worker: Worker) -> tuple[tuple, bool]:
+        """Output lines and CPU time, the signs of life of a rank without heartbeats (--hang-timeout),
+        and whether its process is stopped."""
         if not self.config.hang_timeout:
-            return ()
+            return (), False
         try:
-            times = psutil.Process(worker.pid).cpu_times()
+            process = psutil.Process(worker.pid)
+            times, stopped = process.cpu_times(), process.status() == psutil.STATUS_STOPPED
             cpu = round(times.user + times.system, 2)
         except psutil.Error:
-            cpu = -1.0
-        return worker.out.lines, worker.err.lines, cpu
+            cpu, stopped = -1.0, False
+        return (worker.out.lines, worker.err.lines, cpu), stopped
 
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""

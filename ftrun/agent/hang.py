@@ -7,12 +7,18 @@ Pure, with the clock passed in. Two kinds of evidence, per rank:
   frozen (SIGSTOP, a stuck interpreter, a stalled machine). Until its first beat
   (torch still importing, the group still forming) it is not judged by heartbeats.
 * any other rank, only with ``--hang-timeout``: no output line and no CPU time
-  for that long.
+  for that long. Every rank of a job stalls when one does (the others wait for it in
+  a collective), so a rank that is merely asleep gets WAITER_GRACE more seconds
+  than a stopped process (SIGSTOP, a debugger): the rank that froze is the one named,
+  and the job-level restart its report starts reaches the others first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: extra seconds of silence before a rank that is asleep (not stopped) counts as hung (--hang-timeout)
+WAITER_GRACE = 1.5
 
 
 @dataclass
@@ -39,8 +45,9 @@ class HangWatch:
     def forget(self, rank: int) -> None:
         self._ranks.pop(rank, None)
 
-    def observe(self, rank: int, beats: int, activity: tuple, now: float) -> str:
-        """Record what the rank shows now; the reason it counts as hung, or ""."""
+    def observe(self, rank: int, beats: int, activity: tuple, now: float, stopped: bool = False) -> str:
+        """Record what the rank shows now (``stopped``: its process is in the stopped state);
+        the reason it counts as hung, or ""."""
         if rank not in self._ranks:
             self.restart(rank, beats, now)
         seen = self._ranks[rank]
@@ -54,6 +61,7 @@ class HangWatch:
                 return f"no heartbeat for {quiet:.1f}s (--heartbeat-timeout {self.heartbeat_timeout:g})"
             return ""
         quiet = now - seen.active_at
-        if self.hang_timeout and quiet > self.hang_timeout:
-            return f"no output and no CPU progress for {quiet:.1f}s (--hang-timeout {self.hang_timeout:g})"
-        return ""
+        if not self.hang_timeout or quiet <= self.hang_timeout + (0 if stopped else WAITER_GRACE):
+            return ""
+        how = "stopped, with " if stopped else ""
+        return f"{how}no output and no CPU progress for {quiet:.1f}s (--hang-timeout {self.hang_timeout:g})"

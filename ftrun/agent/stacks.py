@@ -30,7 +30,8 @@ def dump_stack(worker, uses_library: bool) -> None:
     py_spy = shutil.which("py-spy")
     if py_spy:
         try:
-            done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+            # --nonblocking: reads the memory without ptrace-stopping the process, which fails on a stopped one
+            done = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
                                   timeout=DUMP_TIMEOUT, errors="replace")
             lines = (done.stdout or done.stderr).splitlines()
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from ftrun.config import check_known_keys
+from ftrun.config import check_known_keys, parse_yaml_mapping, read_yaml_mapping
 from ftrun.devices import DeviceStatus, Health
 from ftrun.errors import UsageError
 
@@ -191,10 +191,12 @@ def load_fault_table(override_path: str | None = None) -> FaultTable:
     """
     resource = importlib.resources.files("ftrun.faults").joinpath(PACKAGED_NAME)
     packaged = f"ftrun/faults/{PACKAGED_NAME}"
-    merged = _check(_parse(resource.read_text(encoding="utf-8"), packaged), packaged)
+    shape = f"a mapping with keys {', '.join(SECTIONS)}"
+    merged = _check(parse_yaml_mapping(resource.read_text(encoding="utf-8"), _TableLoader, f"fault table {packaged}",
+                                       shape), packaged)
     sources = [packaged]
     if override_path:
-        override = _check(_parse(_read(override_path), override_path), override_path)
+        override = _check(read_yaml_mapping(override_path, _TableLoader, "fault table", shape), override_path)
         for section in SECTIONS:
             merged[section].update(override[section])
         sources.append(override_path)
@@ -211,32 +213,6 @@ def load_fault_table(override_path: str | None = None) -> FaultTable:
         ),
         sources=tuple(sources),
     )
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UsageError(f"cannot read fault table {path}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"fault table {path} is not UTF-8 text") from None
-
-
-def _parse(text: str, where: str) -> dict:
-    try:
-        data = yaml.load(text, Loader=_TableLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"fault table {where} is not valid YAML{at}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"fault table {where} must be a mapping with keys {', '.join(SECTIONS)}")
-    return data
 
 
 def _check(data: dict, where: str) -> dict[str, dict]:

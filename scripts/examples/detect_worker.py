@@ -28,9 +28,9 @@ def inject(kind: str, out_dir: str) -> None:
 def main() -> None:
     out_dir, kind = os.environ["BENCH_OUT"], os.environ["BENCH_FAULT"]
     fault_step = int(os.environ.get("BENCH_FAULT_STEP", "20"))
-    # only the job's first process for rank 1 meets the fault, not its replacement
-    first_process = os.environ.get("FTRUN_REPLACEMENT", "0") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT",
-                                                                                     "0") == "0"
+    # only the job's first process for rank 1 meets the fault, not its replacement or a restart
+    replacement = os.environ.get("FTRUN_REPLACEMENT", "0") == "1"
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     job = ftrun.elastic.init()
     torch.manual_seed(0)
     model = job.ddp(torch.nn.Linear(64, 64))
@@ -43,7 +43,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             time.sleep(0.02)
-        if step == fault_step and job.rank == 1 and first_process:
+        if step == fault_step and job.rank == 1 and not (replacement or restarted):
             if kind == "device":
                 open(os.path.join(out_dir, "ready"), "w").close()
             else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,13 +187,26 @@ def test_sigstopped_rank_is_detected_dumped_killed_and_recovered(launcher):
     assert len(stopped) == 1
 
 
-def test_hang_timeout_catches_a_silent_rank_of_a_plain_script(launcher):
-    env = launcher.env(STEPS="10", FAULT="1:3:sigstop")
+def path_with_py_spy(with_it: bool) -> str:
+    """PATH with the venv's py-spy (a test dependency) first, or with no folder that holds one."""
+    folders = [d for d in os.environ["PATH"].split(os.pathsep) if d and not shutil.which("py-spy", path=d)]
+    if with_it:
+        folders.insert(0, str(Path(sys.executable).parent))
+    return os.pathsep.join(folders)
+
+
+@pytest.mark.parametrize("py_spy", [True, False], ids=["py-spy", "no-py-spy"])
+def test_hang_timeout_catches_a_silent_rank_of_a_plain_script(launcher, py_spy):
+    env = launcher.env(STEPS="10", FAULT="1:3:sigstop", PATH=path_with_py_spy(py_spy))
     launcher.start_job(2, 2, [TRAIN], flags=["--max-restarts", "1", "--hang-timeout", "2"], env=env)
     assert launcher.wait() == [0, 0], launcher.output()
     output = launcher.output()
-    assert re.search(r"rank 1 \(pid \d+\) is hung: no output and no CPU progress", output), output
-    assert "no stack dump" in output  # no py-spy here, and the script does not use ftrun.elastic
+    assert re.search(r"rank 1 \(pid \d+\) is hung: stopped, with no output and no CPU progress", output), output
+    assert len(re.findall(r"is hung", output)) == 1  # the ranks waiting for it are not taken for hung
+    if py_spy:
+        assert "rank 1 stack (py-spy):" in output and "inject_fault" in output  # where it stopped
+    else:
+        assert "no stack dump (install py-spy" in output  # the script does not use ftrun.elastic
     assert "1 of 1 restart used" in output
 
 

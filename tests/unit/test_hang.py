@@ -39,13 +39,23 @@ def test_cpu_activity_does_not_hide_a_missing_heartbeat():
     assert watch.observe(0, beats=1, activity=(6, 0, 2.0), now=5).startswith("no heartbeat")
 
 
-def test_plain_script_silent_past_the_hang_timeout_is_a_hang():
+def test_stopped_plain_script_silent_past_the_hang_timeout_is_a_hang():
     watch = HangWatch(heartbeat_timeout=3, hang_timeout=2)
     watch.restart(0, beats=0, now=0)
-    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=1) == ""
-    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=2.5) == ""
-    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=3.2) == (
-        "no output and no CPU progress for 2.2s (--hang-timeout 2)"
+    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=1, stopped=True) == ""
+    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=2.5, stopped=True) == ""
+    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=3.2, stopped=True) == (
+        "stopped, with no output and no CPU progress for 2.2s (--hang-timeout 2)"
+    )
+
+
+def test_sleeping_plain_script_gets_more_time_than_a_stopped_one():
+    watch = HangWatch(heartbeat_timeout=3, hang_timeout=2)  # it may be waiting for the stopped one
+    watch.restart(0, beats=0, now=0)
+    watch.observe(0, beats=0, activity=(3, 0, 0.5), now=1)
+    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=3.2) == ""
+    assert watch.observe(0, beats=0, activity=(3, 0, 0.5), now=4.7) == (
+        "no output and no CPU progress for 3.7s (--hang-timeout 2)"
     )
 
 
