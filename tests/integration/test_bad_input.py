@@ -35,6 +35,13 @@ CASES = [
     ("bad-redirects", ["-r", "7", SCRIPT], 2, "--redirects"),
     ("bad-rdzv-conf", ["--rdzv-conf", "join_timeout", SCRIPT], 2, "--rdzv-conf"),
     ("negative-interval", ["--monitor-interval", "-1", SCRIPT], 2, "--monitor-interval"),
+    ("device-unknown", ["--device", "tpu", SCRIPT], 2, "--device must be one of auto, npu, cuda, cpu"),
+    ("health-interval-zero", ["--health-interval", "0", SCRIPT], 2, "--health-interval"),
+    ("device-timeout-word", ["--device-timeout", "soon", SCRIPT], 2, "--device-timeout"),
+    ("hang-timeout-negative", ["--hang-timeout", "-3", SCRIPT], 2, "--hang-timeout"),
+    ("fault-levels-missing", ["--fault-levels", "no-such-levels.yaml", SCRIPT], 2, "no-such-levels.yaml"),
+    ("probe-device-unknown", ["probe", "--device", "tpu"], 2, "--device must be one of"),
+    ("probe-unknown-flag", ["doctor", "--frobnicate"], 2, "--frobnicate"),
 ]
 
 
@@ -69,6 +76,25 @@ def test_bad_config_file_gets_one_clear_line(ftrun_cli, tmp_path, text, words):
     returncode, _, stderr = ftrun_cli("--config", str(path), SCRIPT)
     assert returncode == 2, stderr
     assert_one_clear_line(stderr, words)
+
+
+FAULT_TABLES = [
+    ("unknown-level", "codes:\n  '80E01801': Explode\n", "Explode"),
+    ("unknown-section", "colours:\n  red: SeparateNPU\n", "unknown key 'colours'"),
+    ("not-yaml", "codes: [1, 2\n", "not valid YAML"),
+    ("not-utf8", b"codes: \xff\n", "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("text, words", [c[1:] for c in FAULT_TABLES], ids=[c[0] for c in FAULT_TABLES])
+def test_bad_fault_table_gets_one_clear_line_naming_the_file(ftrun_cli, tmp_path, text, words):
+    path = tmp_path / "levels.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for args in (["--fault-levels", str(path), SCRIPT], ["probe", "--fault-levels", str(path)]):
+        returncode, _, stderr = ftrun_cli(*args)
+        assert returncode == 2, stderr
+        assert_one_clear_line(stderr, words)
+        assert str(path) in stderr
 
 
 def test_port_in_use_by_another_program(ftrun_cli):
