@@ -67,6 +67,11 @@ class NodeDevices:
         if visible and devices:
             allowed = {int(part) for part in visible.split(",") if part.strip().isdigit()}
             devices = [d for d in devices if d in allowed]  # the user restricted the agent to these
+        if config.device == "auto" and 0 < len(devices) < config.nproc_per_node:
+            # more ranks than devices: a CPU job on an accelerator node, as torchrun would run it
+            log.warning("%d ranks per node but %d %s devices: not assigning or watching devices (--device %s to insist)",
+                        config.nproc_per_node, len(devices), backend.kind, backend.kind)
+            devices = []
         if devices:
             log.info("%s devices %s; health polled every %gs", backend.kind, ",".join(map(str, devices)),
                      config.health_interval)

@@ -170,6 +170,21 @@ def test_job_finishes_when_npu_smi_is_missing_hangs_or_prints_garbage(launcher, 
     assert "Traceback" not in output
 
 
+def test_auto_with_fewer_devices_than_ranks_runs_without_assigning_devices(launcher, tmp_path):
+    state = NpuState(tmp_path / "npu.json", devices=1)
+    launcher.start_job(1, 2, [ELASTIC], flags=["--device", "auto"], env=npu_env(launcher, state, STEPS="3"))
+    assert launcher.wait() == [0], launcher.output()
+    assert {r["device"] for r in launcher.results().values()} == {None}
+    assert "2 ranks per node but 1 npu devices: not assigning or watching devices" in launcher.output()
+
+
+def test_explicit_device_kind_with_too_few_devices_stops_the_job_with_exit_4(launcher, tmp_path):
+    state = NpuState(tmp_path / "npu.json", devices=1)
+    launcher.start_job(1, 2, [ELASTIC], flags=["--device", "npu"], env=npu_env(launcher, state, STEPS="3"))
+    assert launcher.wait() == [4], launcher.output()
+    assert "no usable device left for 2 ranks (1 free of 1); no spare node" in launcher.output()
+
+
 def test_sigstopped_rank_is_detected_dumped_killed_and_recovered(launcher):
     env = launcher.env(STEPS="12", STEP_SLEEP="0.05")
     flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3"]
