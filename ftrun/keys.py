@@ -36,6 +36,11 @@ class JobKeys:
     def rendezvous_result(self) -> str:
         return f"{self.root}/rdzv/result"
 
+    @property
+    def rendezvous_readers(self) -> str:
+        """Counter of agents that read the result: a failed rendezvous keeps the store up until all did."""
+        return f"{self.root}/rdzv/readers"
+
     # liveness counters: a reader notices progress with its own clock, so hosts need no clock sync
     @property
     def controller_heartbeat(self) -> str:

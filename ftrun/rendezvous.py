@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.keys import JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult
-from ftrun.store import ControlStore
+from ftrun.store import ControlStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL = 0.05
@@ -124,20 +124,39 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
 
 def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> tuple[RendezvousResult, NodeSlot]:
     """An agent's side: announce itself, wait for the result, find its slot."""
-    store.append(keys.arrivals, keys.join, record)
-    deadline = time.monotonic() + timeout + 5.0  # the controller decides at `timeout`; allow for its answer
-    while True:
-        result = store.try_get(RendezvousResult, keys.rendezvous_result)
-        if result is not None:
-            break
-        if stop.is_set():
-            raise RendezvousError("stopped while waiting for the rendezvous")
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"no rendezvous result from the controller at {store.endpoint} within {timeout:g}s")
-        time.sleep(POLL_INTERVAL)
+    try:
+        result = _await_result(store, keys, record, timeout, stop)
+    except StoreUnavailable as e:
+        raise RendezvousError(f"lost the store during the rendezvous: {e}") from None
     if result.error:
         raise FtrunError(result.error, ExitCode(result.exit_code))
     slot = result.slot_of(record.agent_id)
     if slot is None:
         raise RendezvousError(f"the job already has its {len(result.nodes)} nodes; this agent was not admitted")
     return result, slot
+
+
+def _await_result(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> RendezvousResult:
+    store.append(keys.arrivals, keys.join, record)
+    deadline = time.monotonic() + timeout + 5.0  # the controller decides at `timeout`; allow for its answer
+    while True:
+        result = store.try_get(RendezvousResult, keys.rendezvous_result)
+        if result is not None:
+            store.add(keys.rendezvous_readers)
+            return result
+        if stop.is_set():
+            raise RendezvousError("stopped while waiting for the rendezvous")
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"no rendezvous result from the controller at {store.endpoint} within {timeout:g}s")
+        time.sleep(POLL_INTERVAL)
+
+
+def linger_for_readers(store: ControlStore, keys: JobKeys, deadline: float) -> None:
+    """The store's host after a failed rendezvous: keep the store up until every agent that joined has
+    read why (their own one line beats "lost the store"), or until ``deadline`` seconds have passed."""
+    until = time.monotonic() + deadline
+    try:
+        while store.counter(keys.rendezvous_readers) < store.counter(keys.arrivals) and time.monotonic() < until:
+            time.sleep(POLL_INTERVAL)
+    except StoreUnavailable:
+        pass

@@ -32,13 +32,15 @@ from ftrun.faults.process import OomWatch
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.probe import probe
-from ftrun.rendezvous import RendezvousPolicy, join
+from ftrun.rendezvous import RendezvousPolicy, join, linger_for_readers
 from ftrun.store import ControlStore, StoreUnavailable, open_control_store
 
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
+#: after a failed rendezvous, how long the store's host waits for the other agents to read why
+RENDEZVOUS_LINGER = 5.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ class Agent:
         except FtrunError:
             if self.stop_signal is not None:
                 return self._finish(self._interrupt_code, "interrupted during the rendezvous")
+            if self.store.is_host:
+                linger_for_readers(self.store, self.keys, RENDEZVOUS_LINGER)
             raise
         log.info(
             "node %d of %d, ranks %d-%d of %d",
