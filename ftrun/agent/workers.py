@@ -269,7 +269,7 @@ class WorkerGroup:
             evidence = oom.killed_by_oom(worker.pid) if oom is not None and code == -signal.SIGKILL else ""
             fault = classify_exit(code, tuple(worker.err.tail), error, table, oom=evidence)
             cause, detail = fault.kind, fault.detail
-            level = fault.level.value if fault.level is not None and fault.kind == "device" else ""
+            level = fault.level.value if fault.level is not None else ""  # set for device errors only
         return WorkerFailure(
             rank=p.rank,
             local_rank=p.local_rank,

@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 
 from ftrun.cli.console import out
+from ftrun.cli.launch import DEVICES, option
 from ftrun.errors import ExitCode
 
 HELP = """Show this node's devices: health, error codes, fault level and the action ftrun would take.
@@ -21,12 +22,11 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 
 
 @click.command(help=HELP, context_settings={"max_content_width": 110})
-@click.option("--device", default="auto", show_default=True, help="auto, npu, cuda or cpu.")
-@click.option("--npu-smi", "--npu_smi", "npu_smi", default="npu-smi", show_default=True, help="The npu-smi program to run.")
-@click.option("--device-timeout", "--device_timeout", "device_timeout", type=float, default=10.0, show_default=True,
-              help="Seconds the device tool may take.")
-@click.option("--fault-levels", "--fault_levels", "fault_levels", default="",
-              help="YAML file merged over ftrun's fault-level table.")
+@option("device", group=DEVICES, default="auto", show_default=True, help="auto, npu, cuda or cpu.")
+@option("npu-smi", group=DEVICES, default="npu-smi", show_default=True, help="The npu-smi program to run.")
+@option("device-timeout", group=DEVICES, type=float, default=10.0, show_default=True,
+        help="Seconds the device tool may take.")
+@option("fault-levels", group=DEVICES, default="", help="YAML file merged over ftrun's fault-level table.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
