@@ -98,6 +98,10 @@ class LaunchConfig:
     hang_timeout: float = 0.0
     #: check every node's devices before training
     preflight: bool = False
+    #: only these device ids on this node (None: every one found)
+    devices: tuple[int, ...] | None = None
+    #: started by a head node over ssh: stops when that session closes, labels every output line with its rank
+    head_managed: bool = False
 
     @property
     def script(self) -> str:
@@ -328,7 +332,8 @@ def _find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool) -> tuple[str, ...]:
+def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool,
+                     check_script: bool = True) -> tuple[str, ...]:
     """The worker command before the script's own arguments (torchrun's rules)."""
     if sum((module, no_python, run_path)) > 1:
         raise UsageError("--module, --no-python and --run-path cannot be combined")
@@ -338,13 +343,14 @@ def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool)
 
     if module:
         return (sys.executable, "-u", "-m", script)
-    if no_python:
+    if no_python and check_script:
         if os.sep not in script and not shutil.which(script):
             raise UsageError(f"--no-python: program '{script}' is not on PATH")
         if os.sep in script and not os.access(script, os.X_OK):
             raise UsageError(f"--no-python: '{script}' is not an executable file")
+    if no_python:
         return (script,)
-    if not os.path.isfile(script):
+    if check_script and not os.path.isfile(script):
         raise UsageError(f"training script '{script}' does not exist")
     if run_path:
         code = "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -352,8 +358,11 @@ def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool)
     return (sys.executable, "-u", script)
 
 
-def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
-    """Check every raw option value and derive the launch configuration."""
+def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> LaunchConfig:
+    """Check every raw option value and derive the launch configuration.
+
+    ``check_script`` False: the script lives on other hosts (a head node's ``--remote-cwd``).
+    """
     rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
     standalone = bool(raw.get("standalone"))
     min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", "1"))
@@ -400,7 +409,8 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
     )
     nproc = parse_nproc(raw.get("nproc_per_node", "1"))
     entrypoint = build_entrypoint(
-        str(raw.get("script") or ""), bool(raw.get("module")), bool(raw.get("no_python")), bool(raw.get("run_path"))
+        str(raw.get("script") or ""), bool(raw.get("module")), bool(raw.get("no_python")), bool(raw.get("run_path")),
+        check_script,
     )
     return LaunchConfig(
         entrypoint=entrypoint,
@@ -429,6 +439,7 @@ def build_launch_config(raw: Mapping[str, Any]) -> LaunchConfig:
         redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
         tee=parse_streams(raw.get("tee", "0"), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
+        head_managed=bool(raw.get("ssh_agent")),
         **device_options(raw),
     )
 
@@ -448,4 +459,16 @@ def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
         fault_levels=os.path.abspath(fault_levels) if fault_levels else "",
         hang_timeout=positive_seconds(raw.get("hang_timeout", 0), "--hang-timeout", True),
         preflight=bool(raw.get("preflight")),
+        devices=parse_device_list(raw.get("devices") or ""),
     )
+
+
+def parse_device_list(text: str) -> tuple[int, ...] | None:
+    """``--devices 0,2``: device ids, ascending; None when not given."""
+    text = str(text).strip()
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--devices must be device ids like 0,2,3, got '{text}'")
+    return tuple(sorted({int(p) for p in parts}))

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -24,15 +25,14 @@ from ftrun.agent.placement import NoDevice
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.config import LaunchConfig
-from ftrun.controller.controller import Controller, RecoveryPolicy
-from ftrun.controller.policy import Level
+from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.faults.levels import FaultLevel, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.probe import probe
-from ftrun.rendezvous import RendezvousPolicy, join, linger_for_readers
+from ftrun.rendezvous import join, linger_for_readers
 from ftrun.store import ControlStore, StoreUnavailable, open_control_store
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,22 @@ class Agent:
         self.stop_signal = signum
         self.stop_event.set()
 
+    def watch_session(self) -> None:
+        """Started by a head node over ssh: when that session closes (end of input), stop as on SIGTERM."""
+
+        def wait_for_end():
+            try:  # the bare descriptor: a buffered reader's lock would stall the interpreter's exit
+                while os.read(sys.stdin.fileno(), 4096):
+                    pass
+            except (OSError, ValueError):
+                pass
+            log.warning("the head node's ssh session closed; stopping")
+            if self.stop_signal is None:
+                self.stop_signal = signal.SIGTERM
+            self.stop_event.set()
+
+        threading.Thread(target=wait_for_end, name="ftrun-session", daemon=True).start()
+
     @property
     def _interrupt_code(self) -> int:
         return ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
@@ -149,20 +165,7 @@ class Agent:
 
     def _start_controller(self) -> None:
         config = self.config
-        self.controller = Controller(
-            store=self.store,
-            keys=self.keys,
-            rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout),
-            host_agent_id=self.agent_id,
-            advertised_host=config.local_addr or config.endpoint.host,
-            policy=RecoveryPolicy(
-                max_restarts=config.max_restarts,
-                recovery=Level(config.recovery),
-                node_timeout=config.node_timeout,
-                stop_timeout=config.stop_timeout,
-                repair_timeout=config.repair_timeout,
-            ),
-        )
+        self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
         self.controller.start()
 
     def _finish(self, code: int, reason: str) -> JobOutcome:

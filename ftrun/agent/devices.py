@@ -64,7 +64,12 @@ class NodeDevices:
         except DeviceToolError as e:
             log.warning("no %s devices found: %s; running without device assignment or health checks", backend.kind, e)
         visible = os.environ.get(backend.visibility_var or "", "").strip()
-        if visible and devices:
+        if config.devices is not None and devices:
+            missing = sorted(set(config.devices) - set(devices))
+            if missing:
+                log.warning("--devices: this node has no %s device %s", backend.kind, ",".join(map(str, missing)))
+            devices = [d for d in devices if d in config.devices]
+        elif visible and devices:
             allowed = {int(part) for part in visible.split(",") if part.strip().isdigit()}
             devices = [d for d in devices if d in allowed]  # the user restricted the agent to these
         if config.device == "auto" and 0 < len(devices) < config.nproc_per_node:

@@ -17,10 +17,13 @@ _console_lock = threading.Lock()
 class StreamPump:
     """Copies one worker pipe line by line, in a named thread, until the pipe closes."""
 
-    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | None, prefix: bytes, file_path: str | None):
+    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | None, prefix: bytes, file_path: str | None,
+                 console_only: bytes = b""):
         self._pipe = pipe
         self._console = console
         self._prefix = prefix
+        #: only lines that start with this reach the console (all of them reach the file)
+        self._console_only = console_only
         self._file = open(file_path, "wb") if file_path else None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         #: lines seen so far: output is a sign of life for the hang check
@@ -36,7 +39,7 @@ class StreamPump:
                 if self._file:
                     self._file.write(line)
                     self._file.flush()
-                if self._console is not None:
+                if self._console is not None and line.startswith(self._console_only):
                     with _console_lock:
                         self._console.write(self._prefix + line)
                         self._console.flush()

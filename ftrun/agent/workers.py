@@ -167,7 +167,7 @@ class WorkerGroup:
                 pipe,
                 f"ftrun-{name}-rank{placement.rank}",
                 console_stream(which) if on_console else None,
-                f"[rank {placement.rank}]: ".encode() if teed & which else b"",
+                f"[rank {placement.rank}]: ".encode() if teed & which or self.config.head_managed else b"",
                 paths[name] if (redirected | teed) & which else None,
             )
 

@@ -18,6 +18,8 @@ HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for t
 \b
   ftrun --standalone --nproc-per-node 4 train.py --lr 3e-4
   ftrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint head:29400 --max-restarts 3 train.py
+  ftrun --hostfile hosts.txt --recovery process train.py      # from a head node: one agent per host over ssh
+  srun --ntasks-per-node=1 ftrun --nproc-per-node 8 train.py  # in a Slurm allocation
   ftrun probe          # this node's devices and their health (ftrun probe --help)
 """
 
@@ -62,31 +64,48 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_launch(values: dict) -> int:
     from ftrun.agent.agent import Agent
+    from ftrun.cli import cluster
     from ftrun.config import build_launch_config
-    from ftrun.summary import job_summary
 
     started = time.monotonic()
-    agent = None
     try:
-        config = build_launch_config(values)
-        agent = Agent(config)
-        agent.install_signal_handlers()
-        outcome = agent.run()
+        values = cluster.apply_slurm(values)
+        if values.get("print_hosts"):
+            return cluster.print_hosts(values)
+        if values.get("dry_run"):
+            return cluster.dry_run(values, launch_command)
+        if values.get("hostfile"):
+            outcome = cluster.run_cluster(values, launch_command)
+        else:
+            config = build_launch_config(values)
+            if values.get("slurm"):
+                say(f"ftrun: {values['slurm'].describe()[0]}")
+            agent = Agent(config)
+            agent.install_signal_handlers()
+            if config.head_managed:
+                agent.watch_session()
+            outcome = agent.run()
     except FtrunError as e:
         abort(e.message, e.exit_code)
     except KeyboardInterrupt:
         abort("interrupted", ExitCode.INTERRUPTED)
-    controller = outcome.controller
+    return report_outcome(outcome.exit_code, outcome.reason, outcome.controller, time.monotonic() - started)
+
+
+def report_outcome(exit_code: int, reason: str, controller, duration: float) -> int:
+    """The job summary where the controller ran; elsewhere one line when this node stopped on an error."""
+    from ftrun.summary import job_summary
+
     if controller is not None and controller.view is not None:
         view = controller.view
         style = "green" if view.exit_code == ExitCode.OK else "bold red"
         for line in job_summary(view.exit_code, view.reason, view.failures, view.restarts_used,
-                                view.max_restarts, time.monotonic() - started):
+                                view.max_restarts, duration):
             say(f"ftrun: {line}", style=style)
-        return outcome.exit_code
-    if outcome.exit_code != ExitCode.OK:
-        say(f"ftrun: job stopped (exit code {outcome.exit_code}): {outcome.reason}", style="bold red")
-    return outcome.exit_code
+        return exit_code
+    if exit_code != ExitCode.OK:
+        say(f"ftrun: job stopped (exit code {exit_code}): {reason}", style="bold red")
+    return exit_code
 
 
 def _quiet_torch_cpp_logs() -> None:

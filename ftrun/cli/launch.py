@@ -8,8 +8,8 @@ from ftrun import __version__
 from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
 
 #: help sections, in the order --help shows them
-GROUPS = ("Nodes and processes", "Rendezvous", "Recovery", "Devices and faults", "Worker command", "Logs and output",
-          "General")
+GROUPS = ("Nodes and processes", "Cluster (SSH, Slurm)", "Rendezvous", "Recovery", "Devices and faults",
+          "Worker command", "Logs and output", "General")
 _group_of: dict[str, str] = {}
 
 
@@ -59,6 +59,7 @@ RDZV = "Rendezvous"
 WORKER = "Worker command"
 DEVICES = "Devices and faults"
 LOGS = "Logs and output"
+CLUSTER = "Cluster (SSH, Slurm)"
 
 
 def launch_options(fn):
@@ -68,6 +69,29 @@ def launch_options(fn):
                help="Workers per node: a number, or auto/cpu/gpu."),
         option("node-rank", group=NODES, type=int, default=-1, help="This node's rank (assigned at rendezvous when not given)."),
         option("standalone", group=NODES, is_flag=True, help="Single node: a local store on a free port, a fresh run id."),
+        option("hostfile", group=CLUSTER, default="",
+               help="Run from this head node: one agent per host over ssh (lines 'host slots=N [spare]' or "
+                    "'host:N'; node ranks in file order). The store and the controller run here."),
+        option("include", group=CLUSTER, default="",
+               help="Only these hosts (and slots) of the hostfile: 'h1@h2:0,2', Slurm ranges allowed (n[01-04])."),
+        option("exclude", group=CLUSTER, default="", help="Leave out these hosts (or slots): 'h3@h2:1'."),
+        option("ssh-port", group=CLUSTER, type=int, default=None, help="Port of the hosts' sshd.  [default: ssh's]"),
+        option("ssh-option", group=CLUSTER, multiple=True,
+               help="An ssh -o option (Name=Value), repeatable; wins over ftrun's BatchMode/ConnectTimeout."),
+        option("remote-python", group=CLUSTER, default="",
+               help="Python on the hosts.  [default: this ftrun's interpreter path]"),
+        option("remote-cwd", group=CLUSTER, default="", help="Working folder on the hosts.  [default: the current one]"),
+        option("env", group=CLUSTER, multiple=True,
+               help="NAME or NAME=VALUE for the hosts' agents and workers, repeatable "
+                    "(NCCL_*, HCCL_*, ASCEND_*, GLOO_*, PYTHONPATH are passed on anyway)."),
+        option("rdzv-host", group=CLUSTER, default="",
+               help="Address the hosts reach this head node at.  [default: --local-addr, else the address on "
+                    "the route to the first host]"),
+        option("print-hosts", group=CLUSTER, is_flag=True,
+               help="Print the hosts, slots and node ranks derived from --hostfile or Slurm, then exit."),
+        option("dry-run", group=CLUSTER, is_flag=True,
+               help="Print the commands ftrun would run on each host (or for each local rank), then exit."),
+        option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
         option("rdzv-backend", group=RDZV, default="c10d", show_default=True,
                help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}."),
         option("rdzv-endpoint", group=RDZV, default="", help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
@@ -110,6 +134,8 @@ def launch_options(fn):
                help="Seconds between device health polls (in a thread of their own)."),
         option("fault-levels", group=DEVICES, default="",
                help="YAML file merged over ftrun's fault-level table (error codes, health, error strings)."),
+        option("devices", group=DEVICES, default="",
+               help="Only these device ids on this node (0,2,3), as npu-smi or nvidia-smi number them."),
         option("preflight", group=DEVICES, is_flag=True,
                help="Check every node's devices (as ftrun probe) before training; an unusable device stops the job."),
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
@@ -134,7 +160,7 @@ def launch_options(fn):
 
 
 #: options a config file may not set (they select the file or are handled by click)
-NOT_IN_CONFIG = {"config"}
+NOT_IN_CONFIG = {"config", "ssh_agent"}
 #: second names of one option: alias -> the option it sets
 ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts"}
 
@@ -148,6 +174,7 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
             values[target] = params[alias]
             given.add(target)
     path = params.get("config")
+    from_file: dict = {}
     if path:
         from_file = read_config_file(path)
         check_known_keys(from_file, sorted(set(params) - NOT_IN_CONFIG), f"config file {path}")
@@ -157,4 +184,32 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
         values.update((k, v) for k, v in from_file.items() if k not in given)
     if values.get("max_restarts") is None:
         values["max_restarts"] = 0
+    #: what the user set (flag, PET_* variable or config file), as against defaults
+    values["given"] = frozenset(given | set(from_file))
     return values
+
+
+#: options only a head node reads (or sets per host itself); never passed on to the agents it starts
+HEAD_ONLY = frozenset({
+    "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
+    "print_hosts", "dry_run", "ssh_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
+    "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
+})
+
+
+def agent_flags(command: click.Command, values: dict) -> list[str]:
+    """The head node's options that every agent it starts gets, as flags (defaults left out)."""
+    flags: list[str] = []
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.name in HEAD_ONLY or param.name not in values:
+            continue
+        value = values[param.name]
+        if value is None or value == param.default or param.multiple and not value:
+            continue
+        name = next(o for o in param.opts if o.startswith("--"))
+        if param.is_flag:
+            flags += [name] if value else []
+        else:
+            for item in value if param.multiple else [value]:
+                flags += [name, str(item)]
+    return flags

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
+from typing import Callable
 
 from ftrun.controller.policy import (
     MILESTONE_OF,
@@ -19,6 +21,7 @@ from ftrun.controller.policy import (
     on_node_lost,
     on_repair_failed,
     on_report,
+    on_stop,
     start,
 )
 from ftrun.errors import ExitCode
@@ -92,13 +95,46 @@ class Controller:
         self._repair = RepairClock()
         self._said_no_library = False
         self._announced = 0  # the newest generation announced to the ranks
+        #: news from the process hosting the controller, applied in the controller's thread
+        self._news: queue.SimpleQueue[Callable[[JobView], tuple]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
+
+    @classmethod
+    def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str) -> "Controller":
+        """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``)."""
+        return cls(
+            store=store,
+            keys=JobKeys(config.run_id),
+            rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout),
+            host_agent_id=host_agent_id,
+            advertised_host=advertised_host,
+            policy=RecoveryPolicy(
+                max_restarts=config.max_restarts,
+                recovery=Level(config.recovery),
+                node_timeout=config.node_timeout,
+                stop_timeout=config.stop_timeout,
+                repair_timeout=config.repair_timeout,
+            ),
+        )
 
     def start(self) -> None:
         self._thread.start()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop_job(self, exit_code: int, reason: str) -> None:
+        """End the job (Ctrl-C on a head node): every agent stops its workers and exits."""
+        self.stop_requested.set()  # ends a rendezvous still under way
+        self._news.put(lambda view: on_stop(view, exit_code, reason))
+
+    def node_gone(self, node_rank: int, detail: str) -> None:
+        """A node's agent is known to be gone (its ssh session ended): no need to wait for its keepalive."""
+        self._news.put(lambda view: on_node_lost(view, node_rank, detail))
 
     def _run(self) -> None:
         try:
@@ -138,6 +174,8 @@ class Controller:
                 next_report += 1
                 self._apply(on_report(self.view, report))
             self._check_repair()
+            while not self._news.empty():
+                self._apply(self._news.get()(self.view))
             if self.view.phase is Phase.EXITING:
                 exit_deadline = exit_deadline or now + self.policy.stop_timeout + EXIT_GRACE
                 if now > exit_deadline:

@@ -206,6 +206,11 @@ def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
     return _exit(view, ExitCode.JOB_FAILED, detail)
 
 
+def on_stop(view: JobView, exit_code: int, reason: str) -> Decision:
+    """The user stopped the job where the controller runs (a head node's Ctrl-C)."""
+    return _exit(view, exit_code, reason)
+
+
 def on_node_unusable(view: JobView, node_rank: int, detail: str) -> Decision:
     """A node has no usable device left for its ranks: a node-level fault. Without a spare node
     to take its place the job cannot go on; no retry would help, so no budget is spent."""

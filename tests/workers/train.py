@@ -72,7 +72,8 @@ def main() -> None:
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {
         "step": steps, "rank": rank, "world": world, "allreduce": total.item(), "checksum": checksum,
-        "env": {name: os.environ.get(name) for name in CONTRACT},
+        "env": {name: os.environ.get(name) for name in CONTRACT}, "argv": sys.argv[1:], "cwd": os.getcwd(),
+        "hostile": os.environ.get("HOSTILE"),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -1,0 +1,315 @@
+"""SSH mode: one command on a head node runs the whole job.
+
+The head node hosts the control store and the controller, and starts one agent
+per host with ``ssh`` (no TTY, BatchMode, the user's ssh config honoured). Each
+remote agent runs until the controller tells it to exit, or until its ssh
+session closes (end of input): so Ctrl-C on the head, the head dying, or a cut
+connection all stop every remote worker. The store does not live on any worker
+node, so losing a node never takes the controller with it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from ftrun.agent.output import StreamPump
+from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
+from ftrun.controller.controller import Controller
+from ftrun.errors import ExitCode, FtrunError, UsageError
+from ftrun.hosts import Host
+from ftrun.orphans import die_with_parent
+from ftrun.store import ControlStore, host_store, is_local_host
+
+log = logging.getLogger(__name__)
+
+#: environment variables every remote agent gets from the head, besides --env
+FORWARDED_ENV = ("NCCL_*", "HCCL_*", "ASCEND_*", "GLOO_*", "PYTHONPATH", "FTRUN_LOG_LEVEL")
+SSH_CONNECT_TIMEOUT = 10
+#: after the job ended, how long the ssh sessions get to finish before they are ended
+SESSION_GRACE = 15.0
+#: ssh's own exit code when it could not connect or authenticate
+SSH_FAILED = 255
+WATCH_INTERVAL = 0.05
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    port: int | None = None
+    #: ``Name=Value`` pairs given with -o, before ftrun's own (ssh takes the first value it reads)
+    options: tuple[str, ...] = ()
+    #: the program; tests and odd setups may point elsewhere
+    program: str = "ssh"
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """How each host starts its agent: everything but the per-host flags."""
+
+    python: str
+    cwd: str
+    env: tuple[tuple[str, str], ...]
+    #: the agent flags shared by every host (forwarded from the head's own)
+    flags: tuple[str, ...]
+    #: the script (or module/program) and its arguments
+    command: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RemoteAgent:
+    host: Host
+    node_rank: int
+    argv: tuple[str, ...]
+
+
+def forwarded_env(environ: Mapping[str, str], requested: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """The variables the agents get: the default patterns, then ``--env NAME`` / ``--env NAME=VALUE``."""
+    chosen = {k: v for k, v in environ.items() if any(fnmatch.fnmatchcase(k, p) for p in FORWARDED_ENV)}
+    for item in requested:
+        name, sep, value = str(item).partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
+            raise UsageError(f"--env: '{item}' is not NAME or NAME=VALUE")
+        if sep:
+            chosen[name] = value
+        elif name in environ:
+            chosen[name] = environ[name]
+        else:
+            raise UsageError(f"--env {name}: {name} is not set here (give --env {name}=VALUE)")
+    return tuple(sorted(chosen.items()))
+
+
+def remote_command(spec: RemoteSpec, host_flags: list[str]) -> str:
+    """The shell command line a host runs: every word quoted for a POSIX shell."""
+    argv = [spec.python, "-u", "-m", "ftrun", "--ssh-agent", *host_flags, *spec.flags, *spec.command]
+    env = [f"{name}={value}" for name, value in spec.env]
+    run = ["exec", *(["env", *env] if env else []), *argv]
+    return f"cd {shlex.quote(spec.cwd)} && {shlex.join(run)}"
+
+
+def ssh_argv(host: Host, command: str, ssh: SshOptions) -> tuple[str, ...]:
+    argv = [ssh.program, "-T"]
+    for option in ssh.options:
+        argv += ["-o", option]
+    argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT}"]
+    if ssh.port:
+        argv += ["-p", str(ssh.port)]
+    return (*argv, host.name, command)
+
+
+def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: Endpoint, run_id: str,
+                nnodes: str, nproc: str | None) -> list[RemoteAgent]:
+    """One agent per host, node ranks in hostfile order.
+
+    ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's default).
+    """
+    agents = []
+    for rank, host in enumerate(hosts):
+        flags = ["--nnodes", nnodes, "--node-rank", str(rank), "--rdzv-endpoint", str(endpoint),
+                 "--run-id", run_id, "--local-addr", host.address]
+        if nproc is not None or host.slots is None:
+            flags += ["--nproc-per-node", nproc or "1"]
+        else:
+            flags += ["--nproc-per-node", str(len(host.slots))]
+            if host.slots != tuple(range(len(host.slots))):
+                flags += ["--devices", ",".join(map(str, host.slots))]
+        agents.append(RemoteAgent(host, rank, ssh_argv(host, remote_command(spec, flags), ssh)))
+    return agents
+
+
+def store_endpoint(hosts: list[Host], rdzv_endpoint: str, rdzv_host: str, local_addr: str) -> Endpoint:
+    """Where the head node hosts the store, as the agents reach it."""
+    if rdzv_endpoint:
+        endpoint = parse_endpoint(rdzv_endpoint, DEFAULT_RDZV_PORT)
+        if not is_local_host(endpoint.host):
+            raise UsageError(f"--rdzv-endpoint {rdzv_endpoint}: with --hostfile the store runs on this head node, "
+                             "so the endpoint must name it")
+        return endpoint
+    host = rdzv_host or local_addr or route_address([h.address for h in hosts])
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return Endpoint(host, port)
+
+
+def route_address(hosts: list[str]) -> str:
+    """This head node's address as the hosts see it: the source address of the route to the first
+    one that resolves (loopback when every host is this machine)."""
+    if all(h == "localhost" or h.startswith("127.") for h in hosts):
+        return "127.0.0.1"
+    for host in hosts:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, 22, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(address)  # no packet is sent: this only picks the route
+                return s.getsockname()[0]
+        except OSError:
+            continue  # an ssh-config alias or a host not up yet: try the next
+    return socket.getfqdn()
+
+
+class Session:
+    """One host's ssh process, its output on the head's console (and in a log file), how it ended."""
+
+    def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes):
+        self.agent = agent
+        self.handled = False
+        path = os.path.join(log_dir, f"{agent.host.address}.log") if log_dir else None
+        self.proc = subprocess.Popen(
+            agent.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )
+        prefix = f"{agent.host.address}: ".encode()
+        self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", sys.stdout.buffer, prefix,
+                              path, console_filter)
+        self.err = StreamPump(self.proc.stderr, f"ftrun-ssh-err-{agent.node_rank}", sys.stderr.buffer, prefix,
+                              path + ".err" if path else None, console_filter)
+
+    @property
+    def host(self) -> str:
+        return self.agent.host.name
+
+    def why(self) -> str:
+        """How the session ended, in the words of ssh or the remote agent."""
+        self.err.drain(2.0)
+        self.out.drain(0.5)
+        lines = [line.strip() for line in self.err.tail if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        said = (errors or lines or ["no output"])[-1]
+        code = self.proc.returncode
+        if code == SSH_FAILED:
+            return f"cannot start the agent on {self.host} over ssh: {said}"
+        return f"the agent on {self.host} exited with code {code}: {said}"
+
+    def close_input(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def end(self, deadline: float) -> None:
+        """Close the session's input (the agent stops), then end ssh if it has not gone by ``deadline``."""
+        self.close_input()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                return
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(sig)
+                deadline = time.monotonic() + 2.0
+        self.proc.wait()
+
+
+@dataclass(frozen=True)
+class HeadOutcome:
+    exit_code: int
+    reason: str
+    controller: Controller | None
+
+
+class Head:
+    """Hosts the store and the controller, runs one ssh session per host, watches them."""
+
+    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent], log_dir: str):
+        self.config = config
+        self.agents = agents
+        self.log_dir = log_dir
+        self.stop_signal: int | None = None
+        self.sessions: list[Session] = []
+        self.controller: Controller | None = None
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the agents
+        self.stop_signal = signum
+
+    def run(self) -> HeadOutcome:
+        config = self.config
+        server = host_store(config.endpoint)
+        if server is None:
+            raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
+        store = ControlStore(server, config.endpoint, is_host=True)
+        self.controller = Controller.for_config(store, config, "", config.endpoint.host)
+        self.controller.start()
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+        log.info("store and controller on %s; starting %d agent%s over ssh", config.endpoint, len(self.agents),
+                 "s" if len(self.agents) != 1 else "")
+        hurry = False
+        try:
+            for agent in self.agents:
+                self.sessions.append(Session(agent, self.log_dir, b"ftrun" if self.log_dir else b""))
+            code, reason = self._watch()
+        except KeyboardInterrupt:
+            code, reason, hurry = ExitCode.INTERRUPTED, "interrupted", True
+        finally:
+            self._end_sessions(hurry)
+            self.controller.stop_requested.set()
+            self.controller.join(config.stop_timeout + 5)
+        if self.controller.view is None and code != ExitCode.OK:
+            raise FtrunError(reason, code)  # the job never started: one error line, as an agent would say it
+        return HeadOutcome(code, reason, self.controller)
+
+    def _watch(self) -> tuple[int, str]:
+        controller = self.controller
+        stopped_at = None
+        while controller.running:
+            if self.stop_signal is not None and stopped_at is None:
+                stopped_at = time.monotonic()
+                name = signal.Signals(self.stop_signal).name
+                code = ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
+                log.warning("%s: stopping every agent", name)
+                controller.stop_job(code, f"{name} on the head node")
+            if stopped_at is not None and time.monotonic() - stopped_at > self.config.stop_timeout + SESSION_GRACE:
+                return ExitCode.INTERRUPTED, "interrupted; the agents did not all stop in time"
+            for session in self.sessions:
+                if session.handled or session.proc.poll() is None:
+                    continue
+                session.handled = True
+                why = session.why()
+                if controller.rendezvous is None:
+                    controller.stop_requested.set()
+                    code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else _agent_code(session.proc.returncode)
+                    return code, why
+                controller.node_gone(session.agent.node_rank, why)
+            time.sleep(WATCH_INTERVAL)
+        if controller.view is not None:
+            return controller.view.exit_code, controller.view.reason
+        result = controller.rendezvous
+        if result is not None and result.error:
+            return result.exit_code or ExitCode.RENDEZVOUS, result.error
+        if self.stop_signal is not None:
+            return ExitCode.INTERRUPTED, "interrupted during the rendezvous"
+        return ExitCode.JOB_FAILED, "the controller stopped"
+
+    def _end_sessions(self, hurry: bool) -> None:
+        """Every ssh session ends. The agents were told to exit (or saw the rendezvous fail) and get the
+        time to; then end of input stops any agent still there, and ssh itself is ended if it lingers."""
+        deadline = time.monotonic() + self.config.stop_timeout + SESSION_GRACE
+        while not hurry and time.monotonic() < deadline and any(s.proc.poll() is None for s in self.sessions):
+            time.sleep(WATCH_INTERVAL)
+        for session in self.sessions:
+            session.close_input()
+        deadline = time.monotonic() + SESSION_GRACE
+        for session in self.sessions:
+            session.end(deadline)
+        for session in self.sessions:
+            session.out.drain(1.0)
+            session.err.drain(1.0)
+
+
+def _agent_code(code: int) -> int:
+    """An agent's own exit code where it is one of ftrun's, else 'job failed'."""
+    return code if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.JOB_FAILED

@@ -1,0 +1,204 @@
+"""Which hosts a job runs on: hostfiles, ``--include``/``--exclude`` and Slurm node lists.
+
+Pure parsing, no network: every problem is a ``UsageError`` naming the file, line
+or flag, and the text that could not be read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ftrun.errors import UsageError
+
+#: a host as ssh takes it: optional user@, then a name or an IPv4 address; never starting with '-'
+#: (ssh would read it as an option)
+_HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+_COUNT = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One hostfile line, after ``--include``/``--exclude``."""
+
+    name: str
+    #: the slots (device indices) ranks may use; None: as many as --nproc-per-node says
+    slots: tuple[int, ...] | None = None
+    #: a standby node: joins the job but runs no ranks until it replaces a lost one
+    spare: bool = False
+
+    @property
+    def address(self) -> str:
+        """The host without the ssh user."""
+        return self.name.rpartition("@")[2]
+
+
+def parse_hostfile(text: str, where: str) -> list[Host]:
+    """Hosts in file order: ``host slots=N [spare]`` (DeepSpeed/MPI), ``host:N`` (Horovod), or ``host``."""
+    hosts: list[Host] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            host = _parse_host_line(line)
+        except UsageError as e:
+            raise UsageError(f"{where}, line {number}: {e.message}") from None
+        if host.name in seen:
+            raise UsageError(f"{where}, line {number}: host '{host.name}' is already listed on line {seen[host.name]}")
+        seen[host.name] = number
+        hosts.append(host)
+    if not hosts:
+        raise UsageError(f"{where} lists no hosts")
+    return hosts
+
+
+def _parse_host_line(line: str) -> Host:
+    words = line.split()
+    name, slots, spare = words[0], None, False
+    if ":" in name:  # Horovod: host:N
+        name, _, count = name.partition(":")
+        slots = _slot_count(count)
+    check_host_name(name)
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if word == "spare":
+            spare = True
+        elif sep and key == "slots" and slots is None:
+            slots = _slot_count(value)
+        elif sep and key == "max_slots":  # Open MPI's; ftrun runs `slots` ranks
+            _slot_count(value)
+        elif sep and key == "slots":
+            raise UsageError(f"host '{name}' gives its slots twice")
+        else:
+            raise UsageError(f"unexpected '{word}' (expected slots=N or spare)")
+    return Host(name, tuple(range(slots)) if slots is not None else None, spare)
+
+
+def check_host_name(name: str) -> None:
+    if not _HOST.match(name):
+        raise UsageError(f"'{name}' is not a host name (letters, digits, '.', '-', '_', optionally user@)")
+
+
+def _slot_count(text: str) -> int:
+    if not _COUNT.match(text) or int(text) < 1:
+        raise UsageError(f"slots must be a whole number of at least 1, got '{text}'")
+    return int(text)
+
+
+def parse_host_filter(text: str, flag: str) -> dict[str, tuple[int, ...] | None]:
+    """DeepSpeed's ``h1@h2:0,2`` (hosts joined by @, optional slot list): host -> slots, None = all.
+
+    Host names may use Slurm's bracket ranges (``n[01-04]``).
+    """
+    selected: dict[str, tuple[int, ...] | None] = {}
+    for part in text.split("@"):
+        part = part.strip()
+        if not part:
+            raise UsageError(f"{flag}: empty host in '{text}'")
+        name, sep, slot_text = part.partition(":")
+        slots = None
+        if sep:
+            try:
+                slots = tuple(sorted({int(s) for s in slot_text.split(",")}))
+            except ValueError:
+                raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{slot_text}'") from None
+            if any(s < 0 for s in slots):
+                raise UsageError(f"{flag}: slots of '{name}' must not be negative, got '{slot_text}'")
+        for host in expand_nodelist(name, flag):
+            selected[host] = slots
+    return selected
+
+
+def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> list[Host]:
+    """The hosts and slots left after ``--include`` or ``--exclude`` (not both)."""
+    if include and exclude:
+        raise UsageError("--include and --exclude cannot be combined")
+    if not include and not exclude:
+        return list(hosts)
+    flag = "--include" if include else "--exclude"
+    wanted = parse_host_filter(include or exclude, flag)
+    by_name = {h.name: h for h in hosts} | {h.address: h for h in hosts}
+    for name, slots in wanted.items():
+        if name not in by_name:
+            raise UsageError(f"{flag}: host '{name}' is not in the hostfile")
+        known = by_name[name].slots
+        bad = [s for s in slots or () if known is not None and s not in known]
+        if bad:
+            raise UsageError(f"{flag}: host '{name}' has no slot {bad[0]} (slots 0-{len(known) - 1})")
+        if slots is not None and known is None:
+            raise UsageError(f"{flag}: host '{name}' has no slots= in the hostfile to choose from")
+    chosen = []
+    for host in hosts:
+        slots = wanted.get(host.name, wanted.get(host.address, "absent"))
+        if include:
+            if slots != "absent":
+                chosen.append(Host(host.name, host.slots if slots is None else slots, host.spare))
+        elif slots == "absent":
+            chosen.append(host)
+        elif slots is not None:
+            left = tuple(s for s in host.slots if s not in slots)
+            if left:
+                chosen.append(Host(host.name, left, host.spare))
+    if not chosen:
+        raise UsageError(f"{flag} leaves no host to run on")
+    return chosen
+
+
+def expand_nodelist(text: str, where: str = "node list") -> list[str]:
+    """Slurm's compressed node list: ``n[01-03,07]``, ``a1,b[2-3]``, ``r[1-2]n[1-2]``; zero padding kept."""
+    names: list[str] = []
+    for part in _split_top_level(text.strip(), where):
+        names.extend(_expand_one(part, where))
+    if not names:
+        raise UsageError(f"{where}: no hosts in '{text}'")
+    return names
+
+
+def _split_top_level(text: str, where: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise UsageError(f"{where}: nested '[' in '{text}'")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"{where}: ']' without '[' in '{text}'")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise UsageError(f"{where}: '[' without ']' in '{text}'")
+    parts.append(current)
+    if any(not p.strip() for p in parts):
+        raise UsageError(f"{where}: empty host name in '{text}'")
+    return [p.strip() for p in parts]
+
+
+def _expand_one(part: str, where: str) -> list[str]:
+    start = part.find("[")
+    if start < 0:
+        return [part]
+    end = part.index("]", start)
+    prefix, ranges, rest = part[:start], part[start + 1:end], part[end + 1:]
+    tails = _expand_one(rest, where)
+    names = []
+    for item in ranges.split(","):
+        low, sep, high = item.strip().partition("-")
+        if not _COUNT.match(low) or (sep and not _COUNT.match(high)):
+            raise UsageError(f"{where}: bad range '{item}' in '{part}'")
+        if not sep:
+            names.extend(prefix + low + tail for tail in tails)
+            continue
+        if int(high) < int(low):
+            raise UsageError(f"{where}: range '{item}' in '{part}' runs backwards")
+        if int(high) - int(low) > 100_000:
+            raise UsageError(f"{where}: range '{item}' in '{part}' is too long")
+        width = len(low) if low.startswith("0") else 0
+        names.extend(f"{prefix}{n:0{width}d}{tail}" for n in range(int(low), int(high) + 1) for tail in tails)
+    return names

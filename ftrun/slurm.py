@@ -1,0 +1,84 @@
+"""Inside a Slurm allocation: the job's nodes, this node's rank and the store's address, from SLURM_*.
+
+``srun --ntasks-per-node=1 ftrun train.py`` starts one agent per node; each finds the
+others here, without ``scontrol``. The first node of the step hosts the store.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from ftrun.config import DEFAULT_RDZV_PORT, Endpoint
+from ftrun.errors import UsageError
+from ftrun.hosts import expand_nodelist
+
+#: options that, when given, mean the user placed the job themselves: Slurm's values are not used
+PLACEMENT_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone", "hostfile")
+#: spread concurrent steps of one allocation over this many ports from the default one
+PORT_SPREAD = 1000
+
+
+@dataclass(frozen=True)
+class SlurmPlan:
+    job_id: str
+    hosts: tuple[str, ...]
+    node_rank: int
+    endpoint: Endpoint
+    run_id: str
+
+    def options(self) -> dict[str, str | int]:
+        """The launch options this plan sets."""
+        return {"nnodes": str(len(self.hosts)), "node_rank": self.node_rank,
+                "rdzv_endpoint": str(self.endpoint), "run_id": self.run_id}
+
+    def describe(self) -> list[str]:
+        lines = [f"Slurm job {self.job_id}: {len(self.hosts)} node{'s' if len(self.hosts) != 1 else ''}, "
+                 f"this is node {self.node_rank}; store on {self.endpoint}; run id {self.run_id}"]
+        lines += [f"  node {rank}  {host}" for rank, host in enumerate(self.hosts)]
+        return lines
+
+
+def slurm_plan(env: Mapping[str, str]) -> SlurmPlan | None:
+    """What SLURM_* says about this job, or None outside an allocation."""
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        return None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise UsageError("inside a Slurm allocation but SLURM_JOB_NODELIST is not set; run ftrun under srun")
+    hosts = expand_nodelist(nodelist, "SLURM_JOB_NODELIST")
+    count = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    if count and _whole(count, "SLURM_NNODES") != len(hosts):
+        raise UsageError(f"SLURM_NNODES is {count} but the node list '{nodelist}' names {len(hosts)} nodes")
+    node_rank = _whole(env.get("SLURM_NODEID", "0"), "SLURM_NODEID")
+    if node_rank >= len(hosts):
+        raise UsageError(f"SLURM_NODEID {node_rank} is out of range for {len(hosts)} nodes")
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+    if tasks and _tasks_on_first_node(tasks) > 1:
+        raise UsageError(f"Slurm starts {tasks} tasks per node; ftrun is one agent per node that starts the "
+                         "ranks itself: use srun --ntasks-per-node=1 and ftrun --nproc-per-node N")
+    step = env.get("SLURM_STEP_ID", "")
+    step_number = int(step) if step.isdigit() else 0
+    port = env.get("MASTER_PORT", "")
+    if port:
+        port_number = _whole(port, "MASTER_PORT")
+    else:  # steps running side by side in one allocation must not share a store
+        port_number = DEFAULT_RDZV_PORT + (int(job_id) + step_number) % PORT_SPREAD if job_id.isdigit() else DEFAULT_RDZV_PORT
+    run_id = f"slurm-{job_id}" + (f".{step}" if step else "")
+    return SlurmPlan(job_id, tuple(hosts), node_rank, Endpoint(hosts[0], port_number), run_id)
+
+
+def _whole(text: str, name: str) -> int:
+    if not re.fullmatch(r"\d+", text.strip()):
+        raise UsageError(f"{name} must be a whole number, got '{text}'")
+    return int(text)
+
+
+def _tasks_on_first_node(text: str) -> int:
+    """SLURM_TASKS_PER_NODE looks like ``2(x3),1``: the first node's count."""
+    match = re.match(r"\s*(\d+)", text)
+    if not match:
+        raise UsageError(f"SLURM_TASKS_PER_NODE must look like 1 or 2(x3), got '{text}'")
+    return int(match.group(1))

@@ -1,0 +1,172 @@
+"""SSH mode: one ftrun on the head node starts an agent per host through a real sshd.
+
+The hosts are 127.0.0.2, 127.0.0.3, ... (all this machine); the remote agents and
+workers carry the test's mark (passed with --env), so the leftover check sees them.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, marked_processes, wait_for
+from tests.sshd import HOSTS, SshdUnavailable, start_sshd
+
+pytestmark = pytest.mark.integration
+TRAIN = str(WORKERS / "train.py")
+ELASTIC = str(WORKERS / "elastic_train.py")
+#: arguments a shell would mangle or run: every one must reach the workers as it was typed
+HOSTILE_ARGS = ["two words", "it's", '"quoted"', "$HOME", "$(touch pwned)", "`touch pwned`", "a;touch pwned",
+                "back\\slash", "--lr=3e-4", "*", ""]
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    try:
+        server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    except SshdUnavailable as e:
+        pytest.skip(f"SSH tests need a local sshd: {e}")
+    yield server
+    server.stop()
+
+
+def hostfile(launcher, lines: list[str], folder=None):
+    path = (folder or launcher.tmp) / "hosts"
+    path.write_text("# made by the test\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def start_head(launcher, sshd, hosts: list[str], script_args: list[str], flags: list[str] = (), env=None, cwd=None):
+    path = hostfile(launcher, hosts, cwd)
+    args = ["--hostfile", str(path), *sshd.client_flags(), "--env", "FTRUN_TEST_MARK", "--env", "OUT_DIR",
+            "--env", "STEPS", "--env", "STEP_SLEEP", "--monitor-interval", "0.05", *flags, *script_args]
+    return launcher.start(args, env=env or launcher.env(STEPS="6", STEP_SLEEP="0.05"), cwd=cwd)
+
+
+def test_two_hosts_by_two_ranks_run_to_completion(launcher, sshd):
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]}:2"], [TRAIN])
+    assert launcher.wait() == [0], head.output
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3]
+    assert {r["step"] for r in results.values()} == {6} and {r["world"] for r in results.values()} == {4}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    output = head.output
+    # node ranks follow the hostfile; output comes back prefixed with host and rank
+    assert f"{HOSTS[0]}: ftrun: node 0 of 2, ranks 0-1 of 4" in output
+    assert f"{HOSTS[1]}: ftrun: node 1 of 2, ranks 2-3 of 4" in output
+    assert f"{HOSTS[1]}: [rank 3]: rank 3 finished step 6" in output
+    assert "job succeeded" in output
+
+
+def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
+    env = launcher.env(STEPS="40", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [ELASTIC],
+                      flags=["--recovery", "process", "--max-restarts", "2"], env=env)
+    progress = launcher.out_dir / "progress-rank2"
+    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3,
+             timeout=120, what="rank 2 to make progress")
+    victim = worker_of_rank(launcher.mark, 2)
+    victim.kill()
+    assert launcher.wait() == [0], head.output
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {40}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    assert results[2]["replacement"] == "1" and results[2]["pid"] != victim.pid
+    assert results[0]["replacement"] == "0"  # the healthy ranks lived on
+    assert "process-level repair into generation 1" in head.output
+    assert "1 of 2 restarts used" in head.output
+
+
+def test_ctrl_c_on_the_head_stops_every_host(launcher, sshd):
+    env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [TRAIN], env=env)
+    wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
+    assert len(workers(launcher.mark)) == 4
+    head.proc.send_signal(signal.SIGINT)
+    assert launcher.wait() == [130], head.output
+    assert "SIGINT on the head node" in head.output
+    # nothing of the job is left on any host (the fixture checks again, with a deadline)
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=30, what="every remote process to exit")
+
+
+def test_head_killed_outright_leaves_no_remote_process(launcher, sshd):
+    env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [TRAIN], env=env)
+    wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
+    head.proc.kill()  # no chance to clean up: the ssh sessions close, and the agents see it
+    head.proc.wait()
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=60, what="every remote process to exit")
+
+
+def test_unreachable_host_is_named_with_ssh_error(launcher, sshd):
+    # 127.0.0.9 is this machine too, but the test's sshd does not listen there
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", "127.0.0.9 slots=1"], [TRAIN])
+    assert launcher.wait() == [3], head.output
+    error = [line for line in head.output.splitlines() if line.startswith("ftrun: error:")]
+    assert error and "127.0.0.9" in error[0] and "Connection refused" in error[0], head.output
+
+
+def test_hostile_arguments_env_and_folder_reach_the_workers_unchanged(launcher, sshd, tmp_path):
+    folder = tmp_path / "dir with 'quote' $x ;"
+    folder.mkdir()
+    hostile = "v'a\"l $HOME `id` ;x"
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN, *HOSTILE_ARGS],
+                      flags=["--env", f"HOSTILE={hostile}"], cwd=folder)
+    assert launcher.wait() == [0], head.output
+    results = launcher.results()
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert result["argv"] == HOSTILE_ARGS
+        assert result["hostile"] == hostile
+        assert result["cwd"] == str(folder)
+    assert not list(tmp_path.rglob("pwned")) and not (launcher.tmp / "pwned").exists()
+
+
+def test_log_dir_keeps_each_hosts_output_in_a_file(launcher, sshd):
+    log_dir = launcher.tmp / "logs"
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN],
+                      flags=["--log-dir", str(log_dir), "--run-id", "logged"])
+    assert launcher.wait() == [0], head.output
+    for rank, host in enumerate(HOSTS[:2]):
+        text = (log_dir / "logged" / f"{host}.log").read_text()
+        assert f"[rank {rank}]: rank {rank} finished step 6" in text
+    # on the console: only the agents' own lines, prefixed by host
+    assert "finished step" not in head.output and f"{HOSTS[1]}: ftrun: node 1 of 2" in head.output
+
+
+def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, sshd, ftrun_cli, tmp_path):
+    path = hostfile(launcher, ["n01 slots=2", "n02:2", "n03 slots=4 spare"])
+    code, out, err = ftrun_cli("--hostfile", str(path), "--exclude", "n02:0", "--env", "A=x y", "--dry-run",
+                               "--rdzv-host", "head", "--max-restarts", "2", TRAIN, "it's")
+    assert code == 0, err
+    commands = [line for line in out.splitlines() if line.startswith("ssh ")]
+    assert len(commands) == 2
+    words = shlex.split(commands[1])
+    assert words[:2] == ["ssh", "-T"] and "BatchMode=yes" in words and words[-2] == "n02"
+    remote = shlex.split(words[-1])  # what the host's shell runs
+    assert remote[:2] == ["cd", str(tmp_path)] and "A=x y" in remote
+    assert remote[-2:] == [TRAIN, "it's"] and "--max-restarts" in remote
+    flags = dict(zip(remote, remote[1:]))
+    assert flags["--node-rank"] == "1" and flags["--nproc-per-node"] == "1" and flags["--devices"] == "1"
+    assert flags["--rdzv-endpoint"].startswith("head:")
+
+
+def worker_of_rank(mark: str, rank: int) -> psutil.Process:
+    for proc in workers(mark):
+        if proc.environ().get("RANK") == str(rank):
+            return proc
+    raise AssertionError(f"no worker process of rank {rank}")
+
+
+def workers(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in marked_processes(mark):
+        try:
+            if "RANK" in proc.environ():
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
