@@ -97,6 +97,44 @@ def test_bad_fault_table_gets_one_clear_line_naming_the_file(ftrun_cli, tmp_path
         assert str(path) in stderr
 
 
+HOSTFILES = [
+    # (id, hostfile text, extra args, words the line must contain); every one exits 2 before any ssh runs
+    ("missing-file", None, [], "cannot read hostfile hosts"),
+    ("empty", "# nothing\n\n", [], "lists no hosts"),
+    ("slots-zero", "n01 slots=0\n", [], "line 1: slots must be a whole number of at least 1, got '0'"),
+    ("slots-word", "n01:many\n", [], "got 'many'"),
+    ("duplicate", "n01\nn02\nn01 slots=2\n", [], "line 3: host 'n01' is already listed on line 1"),
+    ("unknown-word", "n01 gpus=8\n", [], "unexpected 'gpus=8'"),
+    ("option-as-host", "-oProxyCommand=x\n", [], "is not a host name"),
+    ("shell-in-host", "n01;reboot\n", [], "is not a host name"),
+    ("not-utf8", b"n01 slots=\xff\n", [], "cannot read hostfile hosts"),
+    ("include-unknown", "n01\nn02\n", ["--include", "n09"], "--include: host 'n09' is not in the hostfile"),
+    ("include-and-exclude", "n01\nn02\n", ["--include", "n01", "--exclude", "n02"], "cannot be combined"),
+    ("exclude-everything", "n01\n", ["--exclude", "n01"], "--exclude leaves no host"),
+    ("slot-not-there", "n01 slots=2\n", ["--include", "n01:5"], "host 'n01' has no slot 5"),
+    ("too-many-nodes", "n01\nn02\n", ["--nnodes", "3"], "--nnodes 3 but the hostfile has 2 hosts"),
+    ("with-node-rank", "n01\n", ["--node-rank", "0"], "--node-rank cannot be used with --hostfile"),
+    ("with-standalone", "n01\n", ["--standalone"], "--standalone cannot be used with --hostfile"),
+    ("bad-env", "n01\n", ["--env", "1X=2"], "--env: '1X=2' is not NAME or NAME=VALUE"),
+    ("env-unset", "n01\n", ["--env", "FTRUN_NO_SUCH_VARIABLE"], "FTRUN_NO_SUCH_VARIABLE is not set here"),
+    ("bad-ssh-option", "n01\n", ["--ssh-option", "-v"], "--ssh-option must be Name=Value"),
+    ("bad-ssh-port", "n01\n", ["--ssh-port", "0"], "--ssh-port must be a port number"),
+    ("endpoint-elsewhere", "n01\n", ["--rdzv-endpoint", "192.0.2.1:29400"], "must name it"),
+    ("spare", "n01\nn02 spare\n", [], "spare hosts are not supported yet (n02)"),
+    ("bad-devices", "n01\n", ["--devices", "0,x"], "--devices must be device ids"),
+]
+
+
+@pytest.mark.parametrize("text, args, words", [c[1:] for c in HOSTFILES], ids=[c[0] for c in HOSTFILES])
+def test_bad_hostfile_or_cluster_flag_gets_one_clear_line(ftrun_cli, tmp_path, text, args, words):
+    if text is not None:
+        (tmp_path / "hosts").write_bytes(text if isinstance(text, bytes) else text.encode())
+    returncode, stdout, stderr = ftrun_cli("--hostfile", "hosts", *args, SCRIPT)
+    assert returncode == 2, stderr
+    assert_one_clear_line(stderr, words)
+    assert not stdout
+
+
 def test_port_in_use_by_another_program(ftrun_cli):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
