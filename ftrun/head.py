@@ -237,30 +237,41 @@ class Head:
 
     def run(self) -> HeadOutcome:
         config = self.config
-        server = host_store(config.endpoint)
-        if server is None:
-            raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
-        store = ControlStore(server, config.endpoint, is_host=True)
-        self.controller = Controller.for_config(store, config, "", config.endpoint.host)
-        self.controller.start()
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-        log.info("store and controller on %s; starting %d agent%s over ssh", config.endpoint, len(self.agents),
-                 "s" if len(self.agents) != 1 else "")
+        log.info("starting %d agent%s over ssh; the store and the controller on %s", len(self.agents),
+                 "s" if len(self.agents) != 1 else "", config.endpoint)
         hurry = False
         try:
+            # the sessions first: the hosts start their Python while this one starts the store
+            # (the agents retry the store until --rdzv-timeout)
             for agent in self.agents:
                 self.sessions.append(Session(agent, self.log_dir, b"ftrun" if self.log_dir else b""))
+            self.controller = self._start_controller()
             code, reason = self._watch()
         except KeyboardInterrupt:
             code, reason, hurry = ExitCode.INTERRUPTED, "interrupted", True
+        except FtrunError:
+            hurry = True
+            raise
         finally:
             self._end_sessions(hurry)
-            self.controller.stop_requested.set()
-            self.controller.join(config.stop_timeout + 5)
+            if self.controller is not None:
+                self.controller.stop_requested.set()
+                self.controller.join(config.stop_timeout + 5)
         if self.controller.view is None and code != ExitCode.OK:
             raise FtrunError(reason, code)  # the job never started: one error line, as an agent would say it
         return HeadOutcome(code, reason, self.controller)
+
+    def _start_controller(self) -> Controller:
+        config = self.config
+        server = host_store(config.endpoint)
+        if server is None:
+            raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
+        controller = Controller.for_config(ControlStore(server, config.endpoint, is_host=True), config, "",
+                                           config.endpoint.host)
+        controller.start()
+        return controller
 
     def _watch(self) -> tuple[int, str]:
         controller = self.controller

@@ -14,7 +14,7 @@ from ftrun.errors import UsageError
 #: a host as ssh takes it: optional user@, then a name or an IPv4 address; never starting with '-'
 #: (ssh would read it as an option)
 _HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9._-]*$")
-_COUNT = re.compile(r"^\d+$")
+_COUNT = re.compile(r"^[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ def parse_hostfile(text: str, where: str) -> list[Host]:
             host = _parse_host_line(line)
         except UsageError as e:
             raise UsageError(f"{where}, line {number}: {e.message}") from None
-        if host.name in seen:
-            raise UsageError(f"{where}, line {number}: host '{host.name}' is already listed on line {seen[host.name]}")
-        seen[host.name] = number
+        if host.address in seen:  # user@n1 and n1 are one machine: two agents there would clash
+            raise UsageError(f"{where}, line {number}: host '{host.address}' is already listed on line "
+                             f"{seen[host.address]}")
+        seen[host.address] = number
         hosts.append(host)
     if not hosts:
         raise UsageError(f"{where} lists no hosts")
@@ -100,13 +101,13 @@ def parse_host_filter(text: str, flag: str) -> dict[str, tuple[int, ...] | None]
         name, sep, slot_text = part.partition(":")
         slots = None
         if sep:
-            try:
-                slots = tuple(sorted({int(s) for s in slot_text.split(",")}))
-            except ValueError:
-                raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{slot_text}'") from None
-            if any(s < 0 for s in slots):
-                raise UsageError(f"{flag}: slots of '{name}' must not be negative, got '{slot_text}'")
+            parts = [s.strip() for s in slot_text.split(",")]
+            if not all(_COUNT.match(p) for p in parts):
+                raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{slot_text}'")
+            slots = tuple(sorted({int(p) for p in parts}))
         for host in expand_nodelist(name, flag):
+            if host in selected:
+                raise UsageError(f"{flag}: host '{host}' is named twice (give its slots once: {host}:0,1)")
             selected[host] = slots
     return selected
 

@@ -7,6 +7,7 @@ others here, without ``scontrol``. The first node of the step hosts the store.
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -16,7 +17,7 @@ from ftrun.hosts import expand_nodelist
 
 #: options that, when given, mean the user placed the job themselves: Slurm's values are not used
 PLACEMENT_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone", "hostfile")
-#: spread concurrent steps of one allocation over this many ports from the default one
+#: jobs and steps get ports spread over this many from the default one
 PORT_SPREAD = 1000
 
 
@@ -56,29 +57,37 @@ def slurm_plan(env: Mapping[str, str]) -> SlurmPlan | None:
     if node_rank >= len(hosts):
         raise UsageError(f"SLURM_NODEID {node_rank} is out of range for {len(hosts)} nodes")
     tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
-    if tasks and _tasks_on_first_node(tasks) > 1:
+    if tasks and _most_tasks_on_a_node(tasks) > 1:
         raise UsageError(f"Slurm starts {tasks} tasks per node; ftrun is one agent per node that starts the "
                          "ranks itself: use srun --ntasks-per-node=1 and ftrun --nproc-per-node N")
     step = env.get("SLURM_STEP_ID", "")
-    step_number = int(step) if step.isdigit() else 0
     port = env.get("MASTER_PORT", "")
     if port:
         port_number = _whole(port, "MASTER_PORT")
-    else:  # steps running side by side in one allocation must not share a store
-        port_number = DEFAULT_RDZV_PORT + (int(job_id) + step_number) % PORT_SPREAD if job_id.isdigit() else DEFAULT_RDZV_PORT
+        if not 0 < port_number < 65536:
+            raise UsageError(f"MASTER_PORT must be a port number (1-65535), got {port}")
+    else:
+        port_number = derived_port(job_id, step)
     run_id = f"slurm-{job_id}" + (f".{step}" if step else "")
     return SlurmPlan(job_id, tuple(hosts), node_rank, Endpoint(hosts[0], port_number), run_id)
 
 
+def derived_port(job_id: str, step: str) -> int:
+    """The store's port without MASTER_PORT: the same on every node of a step, spread over
+    ``PORT_SPREAD`` ports so that jobs and steps side by side on one first node do not share a store."""
+    return DEFAULT_RDZV_PORT + zlib.crc32(f"{job_id}.{step}".encode()) % PORT_SPREAD
+
+
 def _whole(text: str, name: str) -> int:
-    if not re.fullmatch(r"\d+", text.strip()):
+    if not re.fullmatch(r"[0-9]+", text.strip()):
         raise UsageError(f"{name} must be a whole number, got '{text}'")
     return int(text)
 
 
-def _tasks_on_first_node(text: str) -> int:
-    """SLURM_TASKS_PER_NODE looks like ``2(x3),1``: the first node's count."""
-    match = re.match(r"\s*(\d+)", text)
-    if not match:
-        raise UsageError(f"SLURM_TASKS_PER_NODE must look like 1 or 2(x3), got '{text}'")
-    return int(match.group(1))
+def _most_tasks_on_a_node(text: str) -> int:
+    """SLURM_TASKS_PER_NODE looks like ``2(x3),1``: the largest count on any node."""
+    items = text.split(",")
+    counts = [re.fullmatch(r"\s*([0-9]+)(\(x[0-9]+\))?\s*", item) for item in items]
+    if not all(counts):
+        raise UsageError(f"SLURM_TASKS_PER_NODE must look like 1 or 2(x3),1, got '{text}'")
+    return max(int(match.group(1)) for match in counts)

@@ -29,10 +29,13 @@ def apply_slurm(values: dict) -> dict:
     given = values.get("given", frozenset())
     if values.get("hostfile") or any(name in given for name in PLACEMENT_OPTIONS):
         return values
-    plan = slurm_plan(os.environ)
+    environ = dict(os.environ)
+    if "master_port" in given:  # the flag wins over Slurm's variable
+        environ["MASTER_PORT"] = str(values["master_port"])
+    plan = slurm_plan(environ)
     if plan is None:
         return values
-    return {**values, **plan.options(), "slurm": plan}
+    return {**values, **{k: v for k, v in plan.options().items() if k not in given}, "slurm": plan}
 
 
 def print_hosts(values: dict) -> int:
