@@ -298,11 +298,12 @@ class Head:
             time.sleep(WATCH_INTERVAL)
         if controller.view is not None:
             return controller.view.exit_code, controller.view.reason
+        if self.stop_signal is not None:
+            code = ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
+            return code, "interrupted during the rendezvous"
         result = controller.rendezvous
         if result is not None and result.error:
             return result.exit_code or ExitCode.RENDEZVOUS, result.error
-        if self.stop_signal is not None:
-            return ExitCode.INTERRUPTED, "interrupted during the rendezvous"
         return ExitCode.JOB_FAILED, "the controller stopped"
 
     def _end_sessions(self, hurry: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftrun.cli import launch_command
+from ftrun.cli.cluster import ClusterPlan
 from ftrun.config import (
     Endpoint,
     StreamSpec,
@@ -166,9 +167,14 @@ LAUNCH_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name !
 
 
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)
-def test_example_configs_are_valid(path, tmp_path):
+def test_example_configs_are_valid(path, tmp_path, monkeypatch):
     script = tmp_path / "train.py"
     script.write_text("")
     values = parse(["--config", str(path), str(script)])
     config = build_launch_config(values)
     assert config.nproc_per_node >= 1
+    if values.get("hostfile"):  # relative to the repository, as the file's usage line runs it
+        monkeypatch.chdir(ROOT)
+        monkeypatch.setenv("WANDB_API_KEY", "set-for-the-test")
+        plan = ClusterPlan.from_values({**values, "rdzv_host": "head"}, launch_command)
+        assert [agent.host.name for agent in plan.agents] == ["node01", "node02", "node03", "node04"]
