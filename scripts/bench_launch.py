@@ -87,6 +87,16 @@ def run_once(way: str, hosts: int, sshd, folder: Path) -> dict:
         kill_everything(procs, MARKER_VARIABLE, marker)
 
 
+def ssh_round_trip(sshd) -> float:
+    """The median time of ``ssh host true`` through the benchmark's sshd."""
+    times = []
+    for _ in range(5):
+        started = time.monotonic()
+        subprocess.run(sshd.ssh(HOSTS[0], "true"), check=True, timeout=30)
+        times.append(time.monotonic() - started)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -102,6 +112,8 @@ def main() -> None:
         except SshdUnavailable as e:
             sys.exit(f"bench_launch: {e}")
         try:
+            ssh_s = ssh_round_trip(sshd)
+            console.print(f"one ssh session (ssh host true), median of 5: {ssh_s:.2f}s")
             rows = []
             for hosts in counts:
                 for way in ("head", "by hand"):
@@ -122,7 +134,9 @@ def main() -> None:
         table.add_row(str(row["hosts"]), "ftrun --hostfile (head node, ssh)" if row["way"] == "head" else
                       "ftrun on each host by hand", f"{row['first_step_median_s']:.2f} s", f"{row['total_median_s']:.2f} s")
     console.print(table)
-    text = json.dumps({"repeats": args.repeats, "rows": rows}, indent=2)
+    console.print(f"one ssh session costs {ssh_s:.2f}s here; on one machine the head's own torch import (it hosts "
+                  "the store) also competes with the hosts' agents for the cores")
+    text = json.dumps({"repeats": args.repeats, "ssh_session_s": ssh_s, "rows": rows}, indent=2)
     if args.json == "-":
         print(text)
     else:

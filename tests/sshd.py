@@ -31,14 +31,25 @@ class Sshd:
     key: Path
     log: Path
 
+    @property
+    def options(self) -> list[str]:
+        """ssh -o options that reach this server with the test's key and nothing from the user's setup."""
+        return [f"IdentityFile={self.key}", "IdentitiesOnly=yes", "UserKnownHostsFile=/dev/null",
+                "StrictHostKeyChecking=no", "LogLevel=ERROR", f"User={getpass.getuser()}"]
+
     def client_flags(self) -> list[str]:
-        """ftrun flags that reach this server with the test's key and nothing from the user's setup."""
-        options = [f"IdentityFile={self.key}", "IdentitiesOnly=yes", "UserKnownHostsFile=/dev/null",
-                   "StrictHostKeyChecking=no", "LogLevel=ERROR", f"User={getpass.getuser()}"]
+        """The same, as ftrun flags."""
         flags = ["--ssh-port", str(self.port)]
-        for option in options:
+        for option in self.options:
             flags += ["--ssh-option", option]
         return flags
+
+    def ssh(self, host: str, *command: str) -> list[str]:
+        """A plain ssh command line to one of the hosts."""
+        argv = ["ssh", "-T", "-p", str(self.port)]
+        for option in self.options:
+            argv += ["-o", option]
+        return [*argv, host, *command]
 
     def stop(self) -> None:
         self.proc.terminate()
