@@ -27,6 +27,7 @@ from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoi
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError, UsageError
 from ftrun.hosts import Host
+from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
 from ftrun.store import ControlStore, host_store, is_local_host
 
@@ -222,18 +223,12 @@ class Head:
         self.config = config
         self.agents = agents
         self.log_dir = log_dir
-        self.stop_signal: int | None = None
+        self.interrupts = Interrupts()
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the agents
-        self.stop_signal = signum
+        self.interrupts.install()
 
     def run(self) -> HeadOutcome:
         config = self.config
@@ -277,12 +272,10 @@ class Head:
         controller = self.controller
         stopped_at = None
         while controller.running:
-            if self.stop_signal is not None and stopped_at is None:
+            if self.interrupts.requested and stopped_at is None:
                 stopped_at = time.monotonic()
-                name = signal.Signals(self.stop_signal).name
-                code = ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
-                log.warning("%s: stopping every agent", name)
-                controller.stop_job(code, f"{name} on the head node")
+                log.warning("%s: stopping every agent", self.interrupts.name)
+                controller.stop_job(self.interrupts.exit_code, f"{self.interrupts.name} on the head node")
             if stopped_at is not None and time.monotonic() - stopped_at > self.config.stop_timeout + SESSION_GRACE:
                 return ExitCode.INTERRUPTED, "interrupted; the agents did not all stop in time"
             for session in self.sessions:
@@ -298,9 +291,8 @@ class Head:
             time.sleep(WATCH_INTERVAL)
         if controller.view is not None:
             return controller.view.exit_code, controller.view.reason
-        if self.stop_signal is not None:
-            code = ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
-            return code, "interrupted during the rendezvous"
+        if self.interrupts.requested:
+            return self.interrupts.exit_code, "interrupted during the rendezvous"
         result = controller.rendezvous
         if result is not None and result.error:
             return result.exit_code or ExitCode.RENDEZVOUS, result.error

@@ -29,6 +29,7 @@ from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.faults.levels import FaultLevel, load_fault_table
 from ftrun.faults.process import OomWatch
+from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.probe import probe
@@ -70,8 +71,7 @@ class Agent:
         self.keys = JobKeys(config.run_id)
         self.host = config.local_addr or socket.gethostname()
         self.agent_id = f"{self.host}:{os.getpid()}"
-        self.stop_signal: int | None = None
-        self.stop_event = threading.Event()
+        self.interrupts = Interrupts()
         self.controller: Controller | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
@@ -87,14 +87,7 @@ class Agent:
     # -- signals -----------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for anyone
-        self.stop_signal = signum
-        self.stop_event.set()
+        self.interrupts.install()
 
     def watch_session(self) -> None:
         """Started by a head node over ssh: when that session closes (end of input), stop as on SIGTERM."""
@@ -106,15 +99,9 @@ class Agent:
             except (OSError, ValueError):
                 pass
             log.warning("the head node's ssh session closed; stopping")
-            if self.stop_signal is None:
-                self.stop_signal = signal.SIGTERM
-            self.stop_event.set()
+            self.interrupts.request(signal.SIGTERM)
 
         threading.Thread(target=wait_for_end, name="ftrun-session", daemon=True).start()
-
-    @property
-    def _interrupt_code(self) -> int:
-        return ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -129,10 +116,10 @@ class Agent:
         log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight)
         try:
-            self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.stop_event)
+            self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.interrupts.event)
         except FtrunError:
-            if self.stop_signal is not None:
-                return self._finish(self._interrupt_code, "interrupted during the rendezvous")
+            if self.interrupts.requested:
+                return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
             if self.store.is_host:
                 linger_for_readers(self.store, self.keys, RENDEZVOUS_LINGER)
             raise
@@ -213,12 +200,12 @@ class Agent:
                     for local_rank in self.devices.apply(event):
                         group.fail(local_rank, "device", event.reason)
                 self._retry_pending(group)
-                if self.stop_signal is not None and interrupted_at is None:
+                if self.interrupts.requested and interrupted_at is None:
                     interrupted_at = now
-                    self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self._interrupt_code,
-                                 detail=f"{signal.Signals(self.stop_signal).name} on node {self.slot.node_rank} ({self.host})")
+                    self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
+                                 detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
                 if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
-                    return self._interrupt_code, "interrupted; the controller did not answer"
+                    return self.interrupts.exit_code, "interrupted; the controller did not answer"
 
                 ended = group.poll()
                 failed = [w for w in ended if w.returncode != 0]
