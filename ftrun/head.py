@@ -315,5 +315,6 @@ class Head:
 
 
 def _agent_code(code: int) -> int:
-    """An agent's own exit code where it is one of ftrun's, else 'job failed'."""
-    return code if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.JOB_FAILED
+    """Why the job could not start, from the exit code of an agent that ended before the rendezvous:
+    its own where it is one of ftrun's, else the rendezvous's (a missing Python, a shell error)."""
+    return code if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.RENDEZVOUS

@@ -39,8 +39,8 @@ def apply_slurm(values: dict) -> dict:
 
 
 def print_hosts(values: dict) -> int:
-    if values.get("hostfile"):
-        plan = ClusterPlan.from_values(values, None)
+    if values.get("hostfile"):  # the script is not needed to show the hosts
+        plan = ClusterPlan.from_values({**values, "script": values.get("script") or "-"}, None, check_script=False)
         lines = [f"store on {plan.config.endpoint} (this head node); run id {plan.config.run_id}"]
         for agent in plan.agents:
             lines.append(f"  node {agent.node_rank}  {agent.host.name}  {_ranks(agent, plan.nproc)}")
@@ -100,7 +100,7 @@ class ClusterPlan:
         self.log_dir = log_dir
 
     @classmethod
-    def from_values(cls, values: dict, command: click.Command | None) -> "ClusterPlan":
+    def from_values(cls, values: dict, command: click.Command | None, check_script: bool = True) -> "ClusterPlan":
         given = values.get("given", frozenset())
         clash = [name for name in NOT_WITH_HOSTFILE if name in given]
         if clash:
@@ -123,14 +123,15 @@ class ClusterPlan:
             nnodes = str(values["nnodes"])
         else:
             max_nodes, nnodes = len(runnable), str(len(runnable))
-        active, spares = runnable[:max_nodes], runnable[max_nodes:] + [h for h in hosts if h.spare]
+        active = runnable[:max_nodes]
+        spares = [h for h in hosts if h not in active]  # in file order
         endpoint = store_endpoint(active, str(values.get("rdzv_endpoint") or ""), str(values.get("rdzv_host") or ""),
                                   str(values.get("local_addr") or ""))
         run_id = str(values.get("run_id") or "").strip() or uuid.uuid4().hex[:12]
         remote_cwd = str(values.get("remote_cwd") or "")
         head_values = {**values, "nnodes": nnodes, "node_rank": -1, "rdzv_endpoint": str(endpoint), "run_id": run_id,
                        "rdzv_backend": "c10d", "standalone": False}
-        config = build_launch_config(head_values, check_script=not remote_cwd)
+        config = build_launch_config(head_values, check_script=check_script and not remote_cwd)
         config = replace(config, is_host=True, local_addr=endpoint.host)
         conf = parse_rdzv_conf(str(values.get("rdzv_conf") or "")) | {"is_host": "0"}
         ssh_port = values.get("ssh_port")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import signal
+import sys
 
 import psutil
 import pytest
@@ -109,12 +110,23 @@ def test_unreachable_host_is_named_with_ssh_error(launcher, sshd):
     assert error and "127.0.0.9" in error[0] and "Connection refused" in error[0], head.output
 
 
+def test_agent_that_cannot_start_is_named_with_the_shells_error(launcher, sshd):
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN],
+                      flags=["--remote-python", "/nonexistent/python3"])
+    assert launcher.wait() == [3], head.output
+    error = [line for line in head.output.splitlines() if line.startswith("ftrun: error:")]
+    assert error and "the agent on 127.0.0." in error[0] and "/nonexistent/python3" in error[0], head.output
+
+
 def test_hostile_arguments_env_and_folder_reach_the_workers_unchanged(launcher, sshd, tmp_path):
     folder = tmp_path / "dir with 'quote' $x ;"
     folder.mkdir()
     hostile = "v'a\"l $HOME `id` ;x"
+    python = folder / "my python"  # --remote-python with a space: a wrapper keeps the venv
+    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN, *HOSTILE_ARGS],
-                      flags=["--env", f"HOSTILE={hostile}"], cwd=folder)
+                      flags=["--env", f"HOSTILE={hostile}", "--remote-python", str(python)], cwd=folder)
     assert launcher.wait() == [0], head.output
     results = launcher.results()
     assert sorted(results) == [0, 1]
@@ -137,7 +149,7 @@ def test_log_dir_keeps_each_hosts_output_in_a_file(launcher, sshd):
     assert "finished step" not in head.output and f"{HOSTS[1]}: ftrun: node 1 of 2" in head.output
 
 
-def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, sshd, ftrun_cli, tmp_path):
+def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, ftrun_cli, tmp_path):
     path = hostfile(launcher, ["n01 slots=2", "n02:2", "n03 slots=4 spare"])
     code, out, err = ftrun_cli("--hostfile", str(path), "--exclude", "n02:0", "--env", "A=x y", "--dry-run",
                                "--rdzv-host", "head", "--max-restarts", "2", TRAIN, "it's")
@@ -152,6 +164,26 @@ def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, sshd, ftrun_cl
     flags = dict(zip(remote, remote[1:]))
     assert flags["--node-rank"] == "1" and flags["--nproc-per-node"] == "1" and flags["--devices"] == "1"
     assert flags["--rdzv-endpoint"].startswith("head:")
+
+
+def test_print_hosts_shows_node_ranks_ranks_and_spares(launcher, ftrun_cli):
+    path = hostfile(launcher, ["alice@n01 slots=2", "n02:4", "n03 slots=4 spare", "n04"])
+    code, out, err = ftrun_cli("--hostfile", str(path), "--include", "n01@n02:1,3@n03@n04", "--nnodes", "2",
+                               "--rdzv-endpoint", "127.0.0.1:29555", "--run-id", "job7", "--print-hosts")
+    assert code == 0, err
+    assert out.splitlines() == ["store on 127.0.0.1:29555 (this head node); run id job7",
+                                "  node 0  alice@n01  2 ranks", "  node 1  n02  2 ranks on devices 1,3",
+                                "  spare  n03", "  spare  n04"]
+
+
+def test_dry_run_without_a_hostfile_prints_this_nodes_worker_commands(ftrun_cli):
+    code, out, err = ftrun_cli("--standalone", "--nproc-per-node", "2", "--dry-run", TRAIN, "a b")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("# this node: 2 ranks, store localhost:") and len(lines) == 3
+    for local_rank, line in enumerate(lines[1:]):
+        words = shlex.split(line)
+        assert words[0] == f"LOCAL_RANK={local_rank}" and words[-2:] == [TRAIN, "a b"] and "-u" in words
 
 
 def worker_of_rank(mark: str, rank: int) -> psutil.Process:
