@@ -102,6 +102,8 @@ class LaunchConfig:
     devices: tuple[int, ...] | None = None
     #: started by a head node over ssh: stops when that session closes, labels every output line with its rank
     head_managed: bool = False
+    #: spare nodes the job keeps: agents beyond max_nodes stand by to replace a lost node
+    spares: int = 0
 
     @property
     def script(self) -> str:
@@ -440,6 +442,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         tee=parse_streams(raw.get("tee", "0"), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
         head_managed=bool(raw.get("ssh_agent")),
+        spares=whole_number(raw.get("spares") or 0, "--spares"),
         **device_options(raw),
     )
 

@@ -107,22 +107,23 @@ def ssh_argv(host: Host, command: str, ssh: SshOptions) -> tuple[str, ...]:
 
 
 def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: Endpoint, run_id: str,
-                nnodes: str, nproc: str | None) -> list[RemoteAgent]:
-    """One agent per host, node ranks in hostfile order.
+                nnodes: str, nproc: str | None, spares: list[Host] = ()) -> list[RemoteAgent]:
+    """One agent per host, node ranks in hostfile order, then the spares (node rank -1: they stand by).
 
     ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's default).
     """
     agents = []
-    for rank, host in enumerate(hosts):
-        flags = ["--nnodes", nnodes, "--node-rank", str(rank), "--rdzv-endpoint", str(endpoint),
-                 "--run-id", run_id, "--local-addr", host.address]
+    for rank, host in enumerate([*hosts, *spares]):
+        node_rank = rank if rank < len(hosts) else -1
+        flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
+                 "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
         if nproc is not None or host.slots is None:
             flags += ["--nproc-per-node", nproc or "1"]
         else:
             flags += ["--nproc-per-node", str(len(host.slots))]
             if host.slots != tuple(range(len(host.slots))):
                 flags += ["--devices", ",".join(map(str, host.slots))]
-        agents.append(RemoteAgent(host, rank, ssh_argv(host, remote_command(spec, flags), ssh)))
+        agents.append(RemoteAgent(host, node_rank, ssh_argv(host, remote_command(spec, flags), ssh)))
     return agents
 
 
@@ -287,7 +288,7 @@ class Head:
                     controller.stop_requested.set()
                     code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else _agent_code(session.proc.returncode)
                     return code, why
-                controller.node_gone(session.agent.node_rank, why)
+                controller.host_gone(session.agent.host.address, why)
             time.sleep(WATCH_INTERVAL)
         if controller.view is not None:
             return controller.view.exit_code, controller.view.reason

@@ -49,6 +49,17 @@ class JobKeys:
     def node_heartbeat(self, node_rank: int) -> str:
         return f"{self.root}/node/{node_rank}/heartbeat"
 
+    def node_owner(self, node_rank: int) -> str:
+        """The agent id that holds this node rank now (a spare's, after a takeover)."""
+        return f"{self.root}/node/{node_rank}/owner"
+
+    def spare_heartbeat(self, agent_id: str) -> str:
+        return f"{self.root}/spare/{agent_id}/heartbeat"
+
+    def admission(self, agent_id: str) -> str:
+        """The controller's answer to an agent that joined after the rendezvous: "spare", or why not."""
+        return f"{self.root}/spare/{agent_id}/admission"
+
     # commands: controller -> agents, an append-only sequence
     @property
     def command_count(self) -> str:

@@ -79,8 +79,12 @@ class RendezvousResult:
     #: the exit code that goes with the error (ExitCode.RENDEZVOUS, or DEVICE for a failed preflight)
     exit_code: int = 3
 
+    #: standby agents (spare nodes): node_rank and first_rank -1 until one takes over a lost node
+    spares: tuple[NodeSlot, ...] = ()
+
     def slot_of(self, agent_id: str) -> NodeSlot | None:
-        return next((n for n in self.nodes if n.agent_id == agent_id), None)
+        """This agent's place: a node, a spare, or None when it was not admitted."""
+        return next((n for n in self.nodes + self.spares if n.agent_id == agent_id), None)
 
 
 class CommandKind(str, enum.Enum):
@@ -88,6 +92,7 @@ class CommandKind(str, enum.Enum):
     STOP = "stop"  # stop this generation's workers and acknowledge
     EXIT = "exit"  # stop everything, acknowledge and leave with exit_code
     REPLACE = "replace"  # process level: kill (if alive) and respawn these ranks for this generation
+    TAKEOVER = "takeover"  # a spare (agent_id) becomes node node_rank, whose agent was lost and is fenced
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ class Command:
     ranks: tuple[int, ...] = ()
     exit_code: int = 0
     reason: str = ""
+    #: TAKEOVER: the node rank handed over, and the spare agent that takes it
+    node_rank: int = -1
+    agent_id: str = ""
 
 
 class ReportKind(str, enum.Enum):
@@ -155,6 +163,8 @@ class Report:
     #: exit code the agent wants for the job (INTERRUPTED: 130 or 143)
     exit_code: int = 0
     detail: str = ""
+    #: the reporting agent: a fenced agent's word about a node it no longer holds is ignored
+    agent_id: str = ""
 
 
 def signal_name(returncode: int) -> str:

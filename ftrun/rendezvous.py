@@ -18,6 +18,8 @@ from ftrun.store import ControlStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL = 0.05
+#: how long an agent that joined after the rendezvous waits for the controller's answer
+ADMISSION_DEADLINE = 10.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class RendezvousPolicy:
     #: with MIN:MAX, how long to wait for more nodes once MIN have joined
     last_call_timeout: float
     timeout: float
+    #: agents beyond max_nodes admitted as spares
+    spares: int = 0
 
 
 def decide_rendezvous(
@@ -47,11 +51,11 @@ def decide_rendezvous(
     unfit = [j.preflight for j in joins if j.preflight]
     if unfit:
         return RendezvousResult(error=f"preflight failed: {'; '.join(unfit)}", exit_code=ExitCode.DEVICE)
-    complete = len(joins) >= policy.max_nodes or (
+    complete = len(joins) >= policy.max_nodes + policy.spares or (
         min_reached_for is not None and min_reached_for >= policy.last_call_timeout
     )
     if complete:
-        return assign_node_ranks(joins[: policy.max_nodes], host_agent_id)
+        return assign_node_ranks(joins, host_agent_id, policy.max_nodes, policy.spares)
     if waited >= policy.timeout:
         return RendezvousResult(error=_missing_message(joins, policy))
     return None
@@ -82,24 +86,31 @@ def _missing_message(joins: list[JoinRecord], policy: RendezvousPolicy) -> str:
     return text
 
 
-def assign_node_ranks(joins: list[JoinRecord], host_agent_id: str) -> RendezvousResult:
-    """Requested node ranks are kept; the store's host gets 0 when free; the rest go by arrival."""
-    count = len(joins)
-    taken = {j.requested_node_rank: j for j in joins if j.requested_node_rank >= 0}
+def assign_node_ranks(joins: list[JoinRecord], host_agent_id: str, max_nodes: int | None = None,
+                      spares: int = 0) -> RendezvousResult:
+    """Up to ``max_nodes`` nodes: those that asked for a node rank keep it, then the store's host (0 when
+    free), then the rest by arrival. Up to ``spares`` of the agents left over stand by as spares."""
+    max_nodes = len(joins) if max_nodes is None else max_nodes
+    requested = [j for j in joins if j.requested_node_rank >= 0]
+    others = sorted((j for j in joins if j.requested_node_rank < 0), key=lambda j: j.agent_id != host_agent_id)
+    chosen = (requested + others)[:max_nodes]
+    left = [j for j in joins if j not in chosen][:spares]
+    count = len(chosen)
+    taken = {j.requested_node_rank: j for j in chosen if j.requested_node_rank >= 0}
     bad = [r for r in taken if r >= count]
     if bad:
         return RendezvousResult(error=f"--node-rank {bad[0]} is out of range: only {count} nodes joined")
-    order = sorted((j for j in joins if j.requested_node_rank < 0), key=lambda j: j.agent_id != host_agent_id)
     free = iter(r for r in range(count) if r not in taken)
     by_rank = dict(taken)
-    for join in order:
+    for join in (j for j in chosen if j.requested_node_rank < 0):
         by_rank[next(free)] = join
     slots, first_rank = [], 0
     for rank in range(count):
         join = by_rank[rank]
         slots.append(NodeSlot(rank, join.agent_id, join.host, join.nproc, first_rank))
         first_rank += join.nproc
-    return RendezvousResult(nodes=tuple(slots), world_size=first_rank)
+    standby = tuple(NodeSlot(-1, j.agent_id, j.host, j.nproc, -1) for j in left)
+    return RendezvousResult(nodes=tuple(slots), world_size=first_rank, spares=standby)
 
 
 def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_agent_id: str, stop) -> RendezvousResult:
@@ -131,9 +142,24 @@ def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float,
     if result.error:
         raise FtrunError(result.error, ExitCode(result.exit_code))
     slot = result.slot_of(record.agent_id)
-    if slot is None:
-        raise RendezvousError(f"the job already has its {len(result.nodes)} nodes; this agent was not admitted")
+    if slot is None:  # joined after the rendezvous, or one too many: the controller may take it as a spare
+        try:
+            slot = _await_admission(store, keys, record, stop)
+        except StoreUnavailable as e:
+            raise RendezvousError(f"lost the store while waiting to be admitted: {e}") from None
     return result, slot
+
+
+def _await_admission(store: ControlStore, keys: JobKeys, record: JoinRecord, stop) -> NodeSlot:
+    deadline = time.monotonic() + ADMISSION_DEADLINE
+    while time.monotonic() < deadline and not stop.is_set():
+        answer = store.try_text(keys.admission(record.agent_id))
+        if answer == "spare":
+            return NodeSlot(-1, record.agent_id, record.host, record.nproc, -1)
+        if answer:
+            raise RendezvousError(f"not admitted: {answer}")
+        time.sleep(POLL_INTERVAL)
+    raise RendezvousError("the job has already started and its controller did not admit this agent")
 
 
 def _await_result(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> RendezvousResult:

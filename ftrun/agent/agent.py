@@ -123,16 +123,22 @@ class Agent:
             if self.store.is_host:
                 linger_for_readers(self.store, self.keys, RENDEZVOUS_LINGER)
             raise
-        log.info(
-            "node %d of %d, ranks %d-%d of %d",
-            self.slot.node_rank, len(self.rendezvous.nodes), self.slot.first_rank,
-            self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
-        )
         ops = ProcessOps()
-        group = WorkerGroup(ops, config, self._log_dir(), config.warm_standby)
+        group = WorkerGroup(ops, config, "", config.warm_standby)
         self.devices.start()
         try:
-            code, reason = self._supervise(group)
+            next_command = 0
+            if self.slot.node_rank < 0:
+                next_command, ended = self._stand_by(group)
+                if ended is not None:
+                    return self._finish(*ended)
+            log.info(
+                "node %d of %d, ranks %d-%d of %d",
+                self.slot.node_rank, len(self.rendezvous.nodes), self.slot.first_rank,
+                self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
+            )
+            group.log_dir = self._log_dir()
+            code, reason = self._supervise(group, next_command)
         finally:
             self.devices.stop()
             group.stop(config.stop_timeout)
@@ -180,9 +186,35 @@ class Agent:
 
     # -- the supervision loop: observe, report, execute ----------------------------------------
 
-    def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
-        config = self.config
+    def _stand_by(self, group: WorkerGroup) -> tuple[int, tuple[int, str] | None]:
+        """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
+        Returns the next command to read and, when the job ended first, how it ended."""
+        log.info("standing by as a spare node (the job has %d nodes)", len(self.rendezvous.nodes))
+        group.fill_standbys()
         next_command = 0
+        controller_beat = (-1, time.monotonic())
+        try:
+            while True:
+                now = time.monotonic()
+                self.store.add(self.keys.spare_heartbeat(self.agent_id))
+                controller_beat = self._check_controller(controller_beat, now)
+                if self.interrupts.requested:
+                    return next_command, (self.interrupts.exit_code, "interrupted while standing by as a spare")
+                for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
+                    next_command += 1
+                    if command.kind is CommandKind.EXIT:
+                        return next_command, (command.exit_code, command.reason)
+                    if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
+                        lost = self.rendezvous.nodes[command.node_rank]
+                        self.slot = NodeSlot(command.node_rank, self.agent_id, self.host, lost.nproc, lost.first_rank)
+                        log.warning("taking the place of node %d (%s): %s", command.node_rank, lost.host, command.reason)
+                        return next_command, None
+                time.sleep(HEARTBEAT_INTERVAL)
+        except StoreUnavailable as e:
+            return next_command, (ExitCode.JOB_FAILED, f"lost the controller: {e}")
+
+    def _supervise(self, group: WorkerGroup, next_command: int = 0) -> tuple[int, str]:
+        config = self.config
         next_beat = 0.0
         controller_beat = (-1, time.monotonic())
         interrupted_at = None
@@ -229,6 +261,11 @@ class Agent:
                         group.stop(config.stop_timeout)
                         self._report(ReportKind.EXITED, command.generation)
                         return command.exit_code, command.reason
+                    if command.kind is CommandKind.TAKEOVER and command.node_rank == self.slot.node_rank:
+                        # this node was declared lost (silent past --node-timeout) and handed to a spare
+                        group.stop(config.stop_timeout)
+                        return ExitCode.JOB_FAILED, (f"this node was declared lost and node {self.slot.node_rank} "
+                                                     f"given to a spare ({command.reason}); leaving")
                     if command.kind is CommandKind.STOP:
                         log.warning("stopping generation %d: %s", command.generation, command.reason)
                         group.stop(config.stop_timeout)
@@ -365,5 +402,5 @@ class Agent:
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:
-        report = Report(kind, self.slot.node_rank, generation, **fields)
+        report = Report(kind, self.slot.node_rank, generation, agent_id=self.agent_id, **fields)
         self.store.append(self.keys.report_count, self.keys.report, report)

@@ -191,6 +191,8 @@ class WorkerGroup:
 
     def clear(self, local_rank: int, timeout: float) -> None:
         """Kill one worker if it is still alive and reap it (process-level env clear)."""
+        if local_rank >= len(self.workers):
+            return  # never ran here: a spare taking over a lost node's ranks
         worker = self.workers[local_rank]
         if worker.returncode is None:
             self.ops.signal_group(worker.pid, signal.SIGKILL)
@@ -208,7 +210,11 @@ class WorkerGroup:
     def respawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> None:
         """Start a replacement for one rank; the node's other workers keep running."""
         self.generation = gen.generation
-        self.workers[placement.local_rank] = self._spawn(placement, gen)
+        worker = self._spawn(placement, gen)
+        if placement.local_rank < len(self.workers):
+            self.workers[placement.local_rank] = worker
+        else:  # a spare taking over a lost node: its ranks come in order
+            self.workers.append(worker)
 
     def poll(self) -> list[Worker]:
         """Workers that ended since the last poll (their process groups are cleared)."""

@@ -21,7 +21,7 @@ from ftrun.hosts import Host, parse_hostfile, select_hosts
 from ftrun.slurm import PLACEMENT_OPTIONS, slurm_plan
 
 #: options that place the job themselves, which a hostfile does instead
-NOT_WITH_HOSTFILE = ("standalone", "node_rank", "master_addr", "master_port", "rdzv_backend")
+NOT_WITH_HOSTFILE = ("standalone", "node_rank", "master_addr", "master_port", "rdzv_backend", "spares")
 
 
 def apply_slurm(values: dict) -> dict:
@@ -43,8 +43,8 @@ def print_hosts(values: dict) -> int:
         plan = ClusterPlan.from_values({**values, "script": values.get("script") or "-"}, None, check_script=False)
         lines = [f"store on {plan.config.endpoint} (this head node); run id {plan.config.run_id}"]
         for agent in plan.agents:
-            lines.append(f"  node {agent.node_rank}  {agent.host.name}  {_ranks(agent, plan.nproc)}")
-        lines += [f"  spare  {host.name}" for host in plan.spares]
+            role = f"node {agent.node_rank}" if agent.node_rank >= 0 else "spare "
+            lines.append(f"  {role}  {agent.host.name}  {_ranks(agent, plan.nproc)}")
     elif values.get("slurm"):
         lines = values["slurm"].describe()
     else:
@@ -58,7 +58,8 @@ def dry_run(values: dict, command: click.Command) -> int:
     if values.get("hostfile"):
         plan = ClusterPlan.from_values(values, command)
         for agent in plan.agents:
-            sys.stdout.write(f"# node {agent.node_rank}: {agent.host.name}, {_ranks(agent, plan.nproc)}\n")
+            role = f"node {agent.node_rank}" if agent.node_rank >= 0 else "spare"
+            sys.stdout.write(f"# {role}: {agent.host.name}, {_ranks(agent, plan.nproc)}\n")
             sys.stdout.write(shlex.join(agent.argv) + "\n")
         return 0
     config = build_launch_config(values)
@@ -71,10 +72,6 @@ def dry_run(values: dict, command: click.Command) -> int:
 
 def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
     plan = ClusterPlan.from_values(values, command)
-    if plan.spares:
-        names = ", ".join(h.name for h in plan.spares)
-        raise UsageError(f"spare hosts are not supported yet ({names}): list only the hosts to run on, "
-                         "or give --nnodes as their count")
     head = Head(plan.config, plan.agents, plan.log_dir)
     head.install_signal_handlers()
     return head.run()
@@ -83,7 +80,8 @@ def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
 def _ranks(agent: RemoteAgent, nproc: str | None) -> str:
     slots = agent.host.slots
     if nproc is not None or slots is None:
-        return f"{nproc or '1'} ranks"
+        count = nproc or "1"
+        return f"{count} rank{'' if count == '1' else 's'}"
     devices = "" if slots == tuple(range(len(slots))) else f" on devices {','.join(map(str, slots))}"
     return f"{len(slots)} rank{'s' if len(slots) != 1 else ''}{devices}"
 
@@ -132,7 +130,7 @@ class ClusterPlan:
         head_values = {**values, "nnodes": nnodes, "node_rank": -1, "rdzv_endpoint": str(endpoint), "run_id": run_id,
                        "rdzv_backend": "c10d", "standalone": False}
         config = build_launch_config(head_values, check_script=check_script and not remote_cwd)
-        config = replace(config, is_host=True, local_addr=endpoint.host)
+        config = replace(config, is_host=True, local_addr=endpoint.host, spares=len(spares))
         conf = parse_rdzv_conf(str(values.get("rdzv_conf") or "")) | {"is_host": "0"}
         ssh_port = values.get("ssh_port")
         if ssh_port is not None and not 0 < int(ssh_port) < 65536:
@@ -147,7 +145,7 @@ class ClusterPlan:
         )
         ssh = SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))
         nproc = str(values["nproc_per_node"]) if "nproc_per_node" in given else None
-        agents = plan_agents(active, spec, ssh, endpoint, run_id, nnodes, nproc)
+        agents = plan_agents(active, spec, ssh, endpoint, run_id, nnodes, nproc, spares)
         log_dir = os.path.join(config.log_dir, run_id) if config.log_dir else ""
         return cls(config, agents, spares, nproc, log_dir)
 

@@ -65,6 +65,8 @@ CLUSTER = "Cluster (SSH, Slurm)"
 def launch_options(fn):
     decorators = [
         option("nnodes", group=NODES, default="1", show_default=True, help="Number of nodes, or MIN:MAX."),
+        option("spares", group=NODES, type=int, default=0, show_default=True,
+               help="Spare nodes: agents that join beyond --nnodes stand by and take the place of a lost node."),
         option("nproc-per-node", group=NODES, default="1", show_default=True,
                help="Workers per node: a number, or auto/cpu/gpu."),
         option("node-rank", group=NODES, type=int, default=-1, help="This node's rank (assigned at rendezvous when not given)."),
@@ -194,6 +196,7 @@ HEAD_ONLY = frozenset({
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
     "print_hosts", "dry_run", "ssh_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
     "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
+    "spares",
 })
 
 

@@ -26,7 +26,7 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Report, RendezvousResult
+from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
 
@@ -96,7 +96,14 @@ class Controller:
         self._said_no_library = False
         self._announced = 0  # the newest generation announced to the ranks
         #: news from the process hosting the controller, applied in the controller's thread
-        self._news: queue.SimpleQueue[Callable[[JobView], tuple]] = queue.SimpleQueue()
+        self._news: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        #: node rank -> the node as it is now (a spare's agent after a takeover)
+        self.nodes: dict[int, NodeSlot] = {}
+        #: idle spare agents, and when each was last heard from
+        self.spares: list[NodeSlot] = []
+        self._spare_beats: dict[str, tuple[int, float]] = {}
+        #: join records answered so far (the rendezvous's, then late arrivals)
+        self._arrivals_seen = 0
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -105,7 +112,8 @@ class Controller:
         return cls(
             store=store,
             keys=JobKeys(config.run_id),
-            rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout),
+            rendezvous=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout, config.rdzv_timeout,
+                                        config.spares),
             host_agent_id=host_agent_id,
             advertised_host=advertised_host,
             policy=RecoveryPolicy(
@@ -130,17 +138,26 @@ class Controller:
     def stop_job(self, exit_code: int, reason: str) -> None:
         """End the job (Ctrl-C on a head node): every agent stops its workers and exits."""
         self.stop_requested.set()  # ends a rendezvous still under way
-        self._news.put(lambda view: on_stop(view, exit_code, reason))
+        self._news.put(lambda: self._apply(on_stop(self.view, exit_code, reason)))
 
-    def node_gone(self, node_rank: int, detail: str) -> None:
-        """A node's agent is known to be gone (its ssh session ended): no need to wait for its keepalive."""
-        self._news.put(lambda view: on_node_lost(view, node_rank, detail))
+    def host_gone(self, host: str, detail: str) -> None:
+        """The agent on ``host`` is known to be gone (its ssh session ended): no need to wait for its
+        keepalive. (In SSH mode every host runs one agent, named by its address.)"""
+        self._news.put(lambda: self._host_gone(host, detail))
+
+    def _host_gone(self, host: str, detail: str) -> None:
+        self.spares = [s for s in self.spares if s.host != host]
+        node = next((n.node_rank for n in self.nodes.values() if n.host == host), None)
+        if node is not None and node in self.view.present:
+            log.error(detail)
+            self.lose_node(node, detail)
 
     def _run(self) -> None:
         try:
             self.rendezvous = gather(self.store, self.keys, self.rendezvous_policy, self.host_agent_id, self.stop_requested)
             if self.rendezvous.error:
                 return
+            self._take_places(self.rendezvous)
             self.view = JobView(
                 node_count=len(self.rendezvous.nodes),
                 max_restarts=self.policy.max_restarts,
@@ -169,13 +186,15 @@ class Controller:
                 self.store.add(self.keys.controller_heartbeat)
                 next_beat = now + HEARTBEAT_INTERVAL
                 self._check_nodes(beats, now)
+                self._check_spares(now)
+                self._admit_late_arrivals()
                 self._check_library()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
-                self._apply(on_report(self.view, report))
+                self._on_report(report)
             self._check_repair()
             while not self._news.empty():
-                self._apply(self._news.get()(self.view))
+                self._news.get()()
             if self.view.phase is Phase.EXITING:
                 exit_deadline = exit_deadline or now + self.policy.stop_timeout + EXIT_GRACE
                 if now > exit_deadline:
@@ -191,10 +210,77 @@ class Controller:
             if count != seen:
                 beats[node] = (count, now)
             elif now - since > self.policy.node_timeout:
-                host = self.rendezvous.nodes[node].host
+                host = self.nodes[node].host
                 detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.policy.node_timeout:g}s"
                 log.error(detail)
-                self._apply(on_node_lost(self.view, node, detail))
+                self.lose_node(node, detail)
+                beats.pop(node, None)  # a spare that took the node gets its own node_timeout
+
+    def lose_node(self, node: int, detail: str) -> None:
+        """A node's agent is gone: a spare takes its place when one is idle (and the policy agrees)."""
+        slot = self.nodes[node]
+        spare = next((s for s in self.spares if s.nproc == slot.nproc), None)
+        ranks = tuple(range(slot.first_rank, slot.first_rank + slot.nproc))
+        self._apply(on_node_lost(self.view, node, detail, spare.agent_id if spare else "", ranks))
+
+    def _on_report(self, report: Report) -> None:
+        owner = self.nodes.get(report.node_rank)
+        if report.agent_id and owner is not None and report.agent_id != owner.agent_id:
+            log.warning("ignoring a %s report from %s: node %d now belongs to %s", report.kind.value,
+                        report.agent_id, report.node_rank, owner.agent_id)
+            return
+        if report.kind is ReportKind.NODE_UNUSABLE and any(s.nproc == owner.nproc for s in self.spares):
+            self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
+            return
+        self._apply(on_report(self.view, report))
+
+    def _take_places(self, result: RendezvousResult) -> None:
+        self.nodes = {slot.node_rank: slot for slot in result.nodes}
+        self.spares = list(result.spares)
+        self._arrivals_seen = len(self.nodes) + len(self.spares)
+        for slot in result.nodes:
+            self.store.set_text(self.keys.node_owner(slot.node_rank), slot.agent_id)
+        if self.spares:
+            log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
+                     ", ".join(s.host for s in self.spares))
+
+    def _hand_over(self, command: Command) -> None:
+        """A TAKEOVER is published: the spare holds the node from now on."""
+        spare = next(s for s in self.spares if s.agent_id == command.agent_id)
+        self.spares.remove(spare)
+        lost = self.nodes[command.node_rank]
+        self.nodes[command.node_rank] = dataclasses.replace(lost, agent_id=spare.agent_id, host=spare.host)
+        self.store.set_text(self.keys.node_owner(command.node_rank), spare.agent_id)
+        log.warning("spare %s takes the place of node %d (%s)", spare.host, command.node_rank, lost.host)
+
+    def _check_spares(self, now: float) -> None:
+        for spare in list(self.spares):
+            count = self.store.counter(self.keys.spare_heartbeat(spare.agent_id))
+            seen, since = self._spare_beats.get(spare.agent_id, (-1, now))
+            if count != seen:
+                self._spare_beats[spare.agent_id] = (count, now)
+            elif now - since > self.policy.node_timeout:
+                log.warning("spare %s lost: no keepalive for %gs", spare.host, self.policy.node_timeout)
+                self.spares.remove(spare)
+
+    def _admit_late_arrivals(self) -> None:
+        """Agents that joined after the rendezvous: spares while the job wants more, else refused."""
+        admitted = {s.agent_id for s in self.spares} | {n.agent_id for n in self.nodes.values()}
+        for index in range(self._arrivals_seen, self.store.counter(self.keys.arrivals)):
+            join = self.store.try_get(JoinRecord, self.keys.join(index))
+            if join is None:
+                break  # reserved, not yet written
+            self._arrivals_seen = index + 1
+            if join.agent_id in admitted:
+                continue
+            if len(self.spares) < self.rendezvous_policy.spares:
+                self.spares.append(NodeSlot(-1, join.agent_id, join.host, join.nproc, -1))
+                self.store.set_text(self.keys.admission(join.agent_id), "spare")
+                log.info("%s joined as a spare node", join.host)
+            else:
+                self.store.set_text(self.keys.admission(join.agent_id), (
+                    f"the job already has its {len(self.nodes)} nodes and "
+                    f"{self.rendezvous_policy.spares} spare{'s' if self.rendezvous_policy.spares != 1 else ''}"))
 
     def _check_library(self) -> None:
         view = self.view
@@ -231,6 +317,8 @@ class Controller:
             elif command.kind is CommandKind.REPLACE:
                 command = dataclasses.replace(command, worker_store=self._worker_store_address)
                 self._announce(command.generation)
+            elif command.kind is CommandKind.TAKEOVER:
+                self._hand_over(command)
             log.debug("publishing %s", command)
             self.store.append(self.keys.command_count, self.keys.command, command)
 

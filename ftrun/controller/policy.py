@@ -108,6 +108,8 @@ class JobView:
     lost: frozenset[int] = frozenset()
     #: every worker failure of the job, oldest first: the first is the root cause
     failures: tuple[WorkerFailure, ...] = ()
+    #: nodes lost and replaced by a spare, each as one line
+    replaced_nodes: tuple[str, ...] = ()
     exit_code: int = 0
     reason: str = ""
 
@@ -194,16 +196,41 @@ def on_repair_failed(view: JobView, detail: str) -> Decision:
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{detail}; falling back to job level")]
 
 
-def on_node_lost(view: JobView, node_rank: int, detail: str) -> Decision:
-    """A node stopped sending keepalives. Without spares the job cannot go on."""
-    if node_rank in view.lost:
+def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ranks: tuple[int, ...] = ()) -> Decision:
+    """A node stopped sending keepalives (or its ssh session ended). With ``spare`` (an idle spare
+    agent) that agent takes the node's rank and its ``ranks`` are started there: alone while the
+    others run on (process level), or with every rank restarted (job level). Without one the job
+    cannot go on."""
+    if node_rank in view.lost or view.phase is Phase.DONE:
         return view, []
-    view = dataclasses.replace(view, lost=view.lost | {node_rank})
-    if view.phase is Phase.EXITING:
-        return _acknowledge_exit(view, node_rank)
-    if view.phase is Phase.DONE:
-        return view, []
-    return _exit(view, ExitCode.JOB_FAILED, detail)
+    if view.phase is Phase.EXITING or not spare:
+        view = dataclasses.replace(view, lost=view.lost | {node_rank})
+        if view.phase is Phase.EXITING:
+            return _acknowledge_exit(view, node_rank)
+        return _exit(view, ExitCode.JOB_FAILED, detail)
+    takeover = Command(CommandKind.TAKEOVER, view.generation, node_rank=node_rank, agent_id=spare, reason=detail)
+    view = dataclasses.replace(view, replaced_nodes=view.replaced_nodes + (detail,))
+    if view.phase is Phase.STOPPING and view.level is Level.JOB:
+        # a job-level restart under way: the spare has nothing to stop, the lost node never will
+        view, commands = _on_stopped(view, node_rank)
+        return view, [takeover, *commands]
+    if view.budget_left <= 0:
+        spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
+        return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
+    if view.phase is Phase.RUNNING and view.process_level_ready and ranks:
+        view = view.move(
+            Phase.STOPPING,
+            level=Level.PROCESS,
+            generation=view.generation + 1,
+            restarts_used=view.restarts_used + 1,
+            replacing=frozenset(ranks),
+            clearing=frozenset({node_rank}),
+            acknowledged=frozenset(),
+            reason=detail,
+        )
+        return view, [takeover, _replace_command(view, frozenset(ranks))]
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail)
+    return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
 
 
 def on_stop(view: JobView, exit_code: int, reason: str) -> Decision:

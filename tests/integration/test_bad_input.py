@@ -120,7 +120,7 @@ HOSTFILES = [
     ("bad-ssh-option", "n01\n", ["--ssh-option", "-v"], "--ssh-option must be Name=Value"),
     ("bad-ssh-port", "n01\n", ["--ssh-port", "0"], "--ssh-port must be a port number"),
     ("endpoint-elsewhere", "n01\n", ["--rdzv-endpoint", "192.0.2.1:29400"], "must name it"),
-    ("spare", "n01\nn02 spare\n", [], "spare hosts are not supported yet (n02)"),
+    ("spares-flag", "n01\nn02 spare\n", ["--spares", "1"], "--spares cannot be used with --hostfile"),
     ("bad-devices", "n01\n", ["--devices", "0,x"], "--devices must be device ids"),
 ]
 

@@ -155,7 +155,7 @@ def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, ftrun_cli, tmp
                                "--rdzv-host", "head", "--max-restarts", "2", TRAIN, "it's")
     assert code == 0, err
     commands = [line for line in out.splitlines() if line.startswith("ssh ")]
-    assert len(commands) == 2
+    assert len(commands) == 3 and "# spare: n03, 4 ranks" in out  # the spare stands by (node rank -1)
     words = shlex.split(commands[1])
     assert words[:2] == ["ssh", "-T"] and "BatchMode=yes" in words and words[-2] == "n02"
     remote = shlex.split(words[-1])  # what the host's shell runs
@@ -173,7 +173,7 @@ def test_print_hosts_shows_node_ranks_ranks_and_spares(launcher, ftrun_cli):
     assert code == 0, err
     assert out.splitlines() == ["store on 127.0.0.1:29555 (this head node); run id job7",
                                 "  node 0  alice@n01  2 ranks", "  node 1  n02  2 ranks on devices 1,3",
-                                "  spare  n03", "  spare  n04"]
+                                "  spare   n03  4 ranks", "  spare   n04  1 rank"]
 
 
 def test_dry_run_without_a_hostfile_prints_this_nodes_worker_commands(ftrun_cli):

@@ -1,0 +1,118 @@
+"""Spare nodes: 3 simulated nodes + 1 spare on loopback (CPU, gloo, 1 rank per node).
+
+A lost node (its agent SIGKILLed, or frozen past --node-timeout) is fenced and a spare takes its
+node rank; the job ends at its final step with the parameters of a run without the fault.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, Launcher, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+TRAIN = str(WORKERS / "train.py")
+ELASTIC = str(WORKERS / "elastic_train.py")
+STEPS = 24
+NODES = 3
+
+
+def start(launcher, script: str, spares: int = 1, flags=(), **env) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", "1", "--rdzv-endpoint",
+              endpoint, "--run-id", launcher.mark, "--monitor-interval", "0.05", "--node-timeout", "3", *flags]
+    environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
+    for _ in range(NODES + spares):
+        launcher.start([*common, script], env=environment)
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    runner = Launcher(tmp_path_factory.mktemp("spares-fault-free"), "spares-fault-free")
+    start(runner, TRAIN, spares=0, STEP_SLEEP="0")
+    assert runner.wait() == [0] * NODES, runner.output()
+    return {r["checksum"] for r in runner.results().values()}
+
+
+def node_agent(launcher, node_rank: int):
+    """The launcher's agent that got ``node_rank`` at the rendezvous."""
+    found = wait_for(lambda: [n for n in launcher.nodes if f"node {node_rank} of {NODES}," in n.output], timeout=120,
+                     what=f"node {node_rank} to be assigned")
+    return found[0]
+
+
+def wait_for_step(launcher, step: int) -> None:
+    checkpoint = launcher.out_dir / "ckpt.pt"
+    wait_for(lambda: checkpoint.exists() and time.sleep(0.2) is None and _step(checkpoint) >= step, timeout=120,
+             what=f"training to pass step {step}")
+
+
+def _step(checkpoint) -> int:
+    import torch
+
+    try:
+        return torch.load(checkpoint)["step"]
+    except Exception:  # being replaced at this instant
+        return 0
+
+
+def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free):
+    start(launcher, TRAIN, flags=["--max-restarts", "2"])
+    victim = node_agent(launcher, 1)
+    spare = wait_for(lambda: [n for n in launcher.nodes if "standing by as a spare node" in n.output], timeout=60,
+                     what="the spare to stand by")[0]
+    wait_for_step(launcher, 3)
+    victim.proc.kill()
+    others = [n for n in launcher.nodes if n is not victim]
+    assert launcher.wait(others) == [0, 0, 0], launcher.output()
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2] and {r["step"] for r in results.values()} == {STEPS}
+    assert {r["checksum"] for r in results.values()} == fault_free
+    assert "taking the place of node 1" in spare.output
+    assert results[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    controller = node_agent(launcher, 0).output
+    assert "takes the place of node 1" in controller
+    assert "job succeeded" in controller and "nodes replaced by a spare (1)" in controller
+
+
+def test_frozen_node_that_comes_back_after_being_fenced_is_refused(launcher, fault_free):
+    start(launcher, TRAIN, flags=["--max-restarts", "2"])
+    victim = node_agent(launcher, 1)
+    wait_for_step(launcher, 3)
+    frozen = [psutil.Process(victim.proc.pid), *psutil.Process(victim.proc.pid).children(recursive=True)]
+    for proc in frozen:
+        proc.send_signal(signal.SIGSTOP)
+    controller = node_agent(launcher, 0)
+    wait_for(lambda: "takes the place of node 1" in controller.output, timeout=60, what="the takeover")
+    wait_for_step(launcher, 8)  # the new generation trains without the frozen node
+    for proc in frozen:
+        try:
+            proc.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:
+            pass
+    # it learns it was fenced and leaves, stopping its workers; nothing it says counts any more
+    assert launcher.wait([victim]) == [1], victim.output
+    assert "this node was declared lost and node 1 given to a spare" in victim.output
+    others = [n for n in launcher.nodes if n is not victim]
+    assert launcher.wait(others) == [0, 0, 0], launcher.output()
+    results = launcher.results()
+    assert {r["checksum"] for r in results.values()} == fault_free
+    assert results[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"  # written by the spare's rank, not the fenced one
+
+
+def test_losing_the_node_that_hosts_the_store_ends_the_job_everywhere(launcher):
+    start(launcher, TRAIN, spares=0, STEP_SLEEP="0.2", STEPS="1000")
+    host = node_agent(launcher, 0)
+    wait_for_step(launcher, 2)
+    host.proc.kill()
+    others = [n for n in launcher.nodes if n is not host]
+    started = time.monotonic()
+    codes = launcher.wait(others, timeout=60)  # --node-timeout 3: each notices within seconds
+    assert codes == [1, 1], launcher.output()
+    for node in others:
+        assert "lost the controller" in node.output
+    assert time.monotonic() - started < 60
