@@ -116,3 +116,30 @@ def test_losing_the_node_that_hosts_the_store_ends_the_job_everywhere(launcher):
     for node in others:
         assert "lost the controller" in node.output
     assert time.monotonic() - started < 60
+
+
+@pytest.fixture(scope="module")
+def elastic_fault_free(tmp_path_factory):
+    runner = Launcher(tmp_path_factory.mktemp("spares-elastic-fault-free"), "spares-elastic-fault-free")
+    start(runner, ELASTIC, spares=0, flags=["--recovery", "process"], STEP_SLEEP="0")
+    assert runner.wait() == [0] * NODES, runner.output()
+    return {r["checksum"] for r in runner.results().values()}
+
+
+def test_spare_takes_a_lost_nodes_ranks_while_the_others_live_on(launcher, elastic_fault_free):
+    start(launcher, ELASTIC, flags=["--recovery", "process", "--max-restarts", "2"])
+    victim = node_agent(launcher, 1)
+    progress = launcher.out_dir / "progress-rank1"
+    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3,
+             timeout=120, what="rank 1 to make progress")
+    victim.proc.kill()  # the agent, and with it (its guardian) rank 1
+    others = [n for n in launcher.nodes if n is not victim]
+    assert launcher.wait(others) == [0, 0, 0], launcher.output()
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2] and {r["step"] for r in results.values()} == {STEPS}
+    assert {r["checksum"] for r in results.values()} == elastic_fault_free
+    starts = {rank: len(list(launcher.out_dir.glob(f"pid-start-rank{rank}-*"))) for rank in results}
+    assert starts == {0: 1, 1: 2, 2: 1}  # only the lost node's rank started again, on the spare
+    assert results[1]["replacement"] == "1" and results[0]["replacement"] == "0"
+    controller = node_agent(launcher, 0).output
+    assert "process-level repair into generation 1" in controller and "1 of 2 restarts used" in controller

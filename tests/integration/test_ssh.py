@@ -81,6 +81,23 @@ def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
     assert "1 of 2 restarts used" in head.output
 
 
+def test_spare_host_takes_over_as_soon_as_a_hosts_session_ends(launcher, sshd):
+    env = launcher.env(STEPS="30", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1", f"{HOSTS[2]} slots=1 spare"],
+                      [TRAIN], flags=["--max-restarts", "2", "--node-timeout", "600"], env=env)
+    wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
+    agent = next(p for p in marked_processes(launcher.mark) if "--ssh-agent" in p.cmdline()
+                 and p.cmdline()[p.cmdline().index("--node-rank") + 1] == "1")
+    agent.kill()  # its ssh session ends: the head knows at once, long before --node-timeout
+    assert launcher.wait() == [0], head.output
+    results = launcher.results()
+    assert sorted(results) == [0, 1] and {r["step"] for r in results.values()} == {30}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    assert f"{HOSTS[2]}: ftrun: standing by as a spare node" in head.output
+    assert f"spare {HOSTS[2]} takes the place of node 1 ({HOSTS[1]})" in head.output
+    assert "nodes replaced by a spare (1)" in head.output
+
+
 def test_ctrl_c_on_the_head_stops_every_host(launcher, sshd):
     env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [TRAIN], env=env)
