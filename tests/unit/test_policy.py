@@ -130,6 +130,46 @@ def test_node_lost_while_exiting_counts_as_its_acknowledgement():
     assert v.phase is Phase.DONE and v.exit_code == 130
 
 
+def test_lost_node_with_a_spare_restarts_the_job_with_the_spare_in_its_place():
+    v, commands = on_node_lost(view(), 1, "node 1 lost", spare="spare:9", ranks=(2, 3))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.STOP]
+    assert (commands[0].node_rank, commands[0].agent_id) == (1, "spare:9")
+    assert v.phase is Phase.STOPPING and v.level is Level.JOB and v.replaced_nodes == ("node 1 lost",)
+    assert v.present == {0, 1}  # the node rank lives on, held by the spare, which has nothing to stop
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=0))
+    assert v.phase is Phase.RUNNING and (v.generation, v.restarts_used) == (1, 1)
+    assert [c.kind for c in commands] == [CommandKind.START]
+
+
+def test_lost_node_with_a_spare_is_a_process_level_repair_when_ready():
+    ready = view(recovery=Level.PROCESS, world_size=4, library_ranks=4)
+    v, commands = on_node_lost(ready, 1, "node 1 lost", spare="spare:9", ranks=(2, 3))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.REPLACE]
+    assert commands[1].ranks == (2, 3) and commands[1].generation == 1
+    assert v.level is Level.PROCESS and v.replacing == {2, 3} and v.clearing == {1} and v.restarts_used == 1
+
+
+def test_lost_node_during_a_job_level_restart_lets_the_restart_finish():
+    v, _ = on_report(view(), failed(node=0))  # the lost node's peers failed first
+    v, commands = on_node_lost(v, 1, "node 1 lost", spare="spare:9", ranks=(2, 3))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER] and v.phase is Phase.STOPPING
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=0))
+    assert v.phase is Phase.RUNNING and v.restarts_used == 1  # one repair, one unit of budget
+    assert [c.kind for c in commands] == [CommandKind.START]
+
+
+def test_lost_node_with_a_spare_but_no_budget_ends_the_job():
+    v, commands = on_node_lost(view(max_restarts=0), 1, "node 1 lost", spare="spare:9", ranks=(2, 3))
+    assert v.phase is Phase.EXITING and "retry budget spent" in v.reason
+    assert [c.kind for c in commands] == [CommandKind.EXIT]
+
+
+def test_lost_node_while_exiting_takes_no_spare():
+    v, _ = on_report(view(), report(ReportKind.INTERRUPTED, node=0, exit_code=130))
+    v, commands = on_node_lost(v, 1, "gone", spare="spare:9", ranks=(2, 3))
+    assert commands == [] and v.phase is Phase.EXITING and v.replaced_nodes == ()
+
+
 def test_illegal_transition_raises():
     with pytest.raises(IllegalTransition):
         view(phase=Phase.DONE).move(Phase.RUNNING)

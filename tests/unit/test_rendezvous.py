@@ -66,3 +66,32 @@ def test_failed_preflight_on_any_node_fails_the_rendezvous_with_the_device_exit_
     result = decide_rendezvous([joined("host"), sick], POLICY, "host", waited=0.1, min_reached_for=0.1)
     assert result.error == "preflight failed: h2: device 0 Critical: health Critical"
     assert result.exit_code == 4
+
+
+SPARES = RendezvousPolicy(min_nodes=2, max_nodes=2, last_call_timeout=5, timeout=30, spares=1)
+
+
+def test_agents_beyond_the_nodes_stand_by_as_spares():
+    result = decide_rendezvous([joined("s"), joined("host"), joined("b")], SPARES, "host", waited=1, min_reached_for=0)
+    assert [n.agent_id for n in result.nodes] == ["host", "s"] and result.world_size == 4
+    assert [(s.agent_id, s.node_rank, s.first_rank) for s in result.spares] == [("b", -1, -1)]
+    assert result.slot_of("b").node_rank == -1 and result.slot_of("x") is None
+
+
+def test_requested_node_ranks_win_over_arrival_so_an_early_spare_stays_a_spare():
+    joins = [joined("spare"), joined("n1", rank=1), joined("n0", rank=0)]
+    result = decide_rendezvous(joins, SPARES, "", waited=1, min_reached_for=0)
+    assert [n.agent_id for n in result.nodes] == ["n0", "n1"] and [s.agent_id for s in result.spares] == ["spare"]
+
+
+def test_waits_for_the_spares_until_the_last_call():
+    joins = [joined("host"), joined("b")]
+    assert decide_rendezvous(joins, SPARES, "host", waited=1, min_reached_for=1) is None
+    result = decide_rendezvous(joins, SPARES, "host", waited=6, min_reached_for=5)
+    assert len(result.nodes) == 2 and result.spares == ()
+
+
+def test_agents_beyond_nodes_and_spares_are_not_admitted():
+    joins = [joined("host"), joined("b"), joined("c"), joined("d")]
+    result = decide_rendezvous(joins, SPARES, "host", waited=1, min_reached_for=0)
+    assert [s.agent_id for s in result.spares] == ["c"] and result.slot_of("d") is None
