@@ -104,6 +104,8 @@ class LaunchConfig:
     head_managed: bool = False
     #: spare nodes the job keeps: agents beyond max_nodes stand by to replace a lost node
     spares: int = 0
+    #: a YAML file of device RoCE addresses per host (for the HCCL rank table without hccn_tool), or ""
+    device_ips: str = ""
 
     @property
     def script(self) -> str:
@@ -451,19 +453,25 @@ def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The device layer's options, checked (shared by the launcher and ``ftrun probe``)."""
     from ftrun.devices import DEVICE_KINDS
 
-    fault_levels = str(raw.get("fault_levels") or "")
-    if fault_levels and not os.path.isfile(fault_levels):
-        raise UsageError(f"--fault-levels: file '{fault_levels}' does not exist")
     return dict(
         device=choice(raw.get("device") or "auto", DEVICE_KINDS, "--device"),
         npu_smi=str(raw.get("npu_smi") or "npu-smi"),
         device_timeout=positive_seconds(raw.get("device_timeout", 10), "--device-timeout"),
         health_interval=positive_seconds(raw.get("health_interval", 5), "--health-interval"),
-        fault_levels=os.path.abspath(fault_levels) if fault_levels else "",
+        fault_levels=_existing_file(raw.get("fault_levels") or "", "--fault-levels"),
         hang_timeout=positive_seconds(raw.get("hang_timeout", 0), "--hang-timeout", True),
         preflight=bool(raw.get("preflight")),
         devices=parse_device_list(raw.get("devices") or ""),
+        device_ips=_existing_file(raw.get("device_ips") or "", "--device-ips"),
     )
+
+
+def _existing_file(path: str, flag: str) -> str:
+    """An absolute path to a file that exists, or "" when none was given."""
+    path = str(path)
+    if path and not os.path.isfile(path):
+        raise UsageError(f"{flag}: file '{path}' does not exist")
+    return os.path.abspath(path) if path else ""
 
 
 def parse_device_list(text: str) -> tuple[int, ...] | None:

@@ -49,6 +49,11 @@ class JobKeys:
     def node_heartbeat(self, node_rank: int) -> str:
         return f"{self.root}/node/{node_rank}/heartbeat"
 
+    @property
+    def layout(self) -> str:
+        """The nodes as they are now (a Layout): the rank tables are built from it."""
+        return f"{self.root}/layout"
+
     def node_owner(self, node_rank: int) -> str:
         """The agent id that holds this node rank now (a spare's, after a takeover)."""
         return f"{self.root}/node/{node_rank}/owner"

@@ -47,6 +47,18 @@ def _convert(kind, value):
 
 
 @dataclass(frozen=True)
+class DeviceRecord:
+    """One device a node offers its ranks, as the rank tables name it."""
+
+    #: the logical id the runtime counts in
+    index: int
+    #: the physical id (npu-smi's Phy-ID; HCCL's device_id), or -1 when the backend has none
+    physical: int = -1
+    #: the chip's RoCE address (hccn_tool, or --device-ips), or ""
+    ip: str = ""
+
+
+@dataclass(frozen=True)
 class JoinRecord:
     """What an agent says of itself when it joins the rendezvous."""
 
@@ -58,6 +70,9 @@ class JoinRecord:
     requested_node_rank: int = -1
     #: --preflight: what is wrong with this node's devices ("" when fit to train)
     preflight: str = ""
+    #: the host's IP address (the HCCL rank table's server_id), and its usable devices, ascending
+    host_ip: str = ""
+    devices: tuple[DeviceRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,16 @@ class NodeSlot:
     host: str
     nproc: int
     first_rank: int
+    host_ip: str = ""
+    #: the devices the node's local ranks take at a fresh start, in order
+    devices: tuple[DeviceRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which agent holds which node rank now: the rendezvous's nodes, updated at each takeover."""
+
+    nodes: tuple[NodeSlot, ...] = ()
 
 
 @dataclass(frozen=True)

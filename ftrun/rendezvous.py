@@ -107,10 +107,15 @@ def assign_node_ranks(joins: list[JoinRecord], host_agent_id: str, max_nodes: in
     slots, first_rank = [], 0
     for rank in range(count):
         join = by_rank[rank]
-        slots.append(NodeSlot(rank, join.agent_id, join.host, join.nproc, first_rank))
+        slots.append(node_slot(join, rank, first_rank))
         first_rank += join.nproc
-    standby = tuple(NodeSlot(-1, j.agent_id, j.host, j.nproc, -1) for j in left)
+    standby = tuple(node_slot(j, -1, -1) for j in left)
     return RendezvousResult(nodes=tuple(slots), world_size=first_rank, spares=standby)
+
+
+def node_slot(join: JoinRecord, node_rank: int, first_rank: int) -> NodeSlot:
+    """The place an agent gets: a node (ranks from ``first_rank``), or a spare (-1, -1)."""
+    return NodeSlot(node_rank, join.agent_id, join.host, join.nproc, first_rank, join.host_ip, join.devices)
 
 
 def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_agent_id: str, stop) -> RendezvousResult:
@@ -155,7 +160,7 @@ def _await_admission(store: ControlStore, keys: JobKeys, record: JoinRecord, sto
     while time.monotonic() < deadline and not stop.is_set():
         answer = store.try_text(keys.admission(record.agent_id))
         if answer == "spare":
-            return NodeSlot(-1, record.agent_id, record.host, record.nproc, -1)
+            return node_slot(record, -1, -1)
         if answer:
             raise RendezvousError(f"not admitted: {answer}")
         time.sleep(POLL_INTERVAL)

@@ -31,8 +31,9 @@ from ftrun.faults.levels import FaultLevel, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
+from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.probe import probe
+from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import join, linger_for_readers
 from ftrun.store import ControlStore, StoreUnavailable, open_control_store
 
@@ -83,6 +84,8 @@ class Agent:
         self.oom = OomWatch()
         #: workers waiting for a device (one is being reset)
         self._pending: PendingSpawn | None = None
+        #: where this node's rank tables go (its log folder)
+        self._table_dir = ""
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -114,7 +117,10 @@ class Agent:
         if self.store.is_host:
             self._start_controller()
         log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
-        record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight)
+        ips = load_device_ips(config.device_ips) if config.device_ips else {}
+        host_ip = host_address(self.host)
+        record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
+                            host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
             self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.interrupts.event)
         except FtrunError:
@@ -137,7 +143,7 @@ class Agent:
                 self.slot.node_rank, len(self.rendezvous.nodes), self.slot.first_rank,
                 self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
             )
-            group.log_dir = self._log_dir()
+            group.log_dir = self._table_dir = self._log_dir()
             code, reason = self._supervise(group, next_command)
         finally:
             self.devices.stop()
@@ -379,6 +385,7 @@ class Agent:
             mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
         if not mine:
             group.generation = command.generation
+            self._rank_tables(command.generation)  # the new generation's table (a spare may hold a node now)
             return
         log.warning("replacing rank%s %s for generation %d", "s" if len(mine) > 1 else "",
                     ", ".join(str(self.slot.first_rank + i) for i in mine), command.generation)
@@ -386,6 +393,20 @@ class Agent:
             group.clear(local_rank, self.config.stop_timeout)
         self._report(ReportKind.CLEARED, command.generation)
         self._respawn(group, command, tuple(mine))
+
+    def _rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:
+        """Write this generation's rank tables (from the controller's layout); their variables."""
+        layout = self.store.try_get(Layout, self.keys.layout)
+        nodes = layout.nodes if layout is not None else self.rendezvous.nodes
+        table = ftrun_table(self.config.run_id, generation, nodes, self.slot.node_rank, self.devices.assigned)
+        folder = self._table_dir
+        tables = [("FTRUN_RANKTABLE", write_table(folder, FTRUN_TABLE, table))]
+        if self.devices.backend.kind == "npu" and self.devices.allocator is not None:
+            try:
+                tables.append(("RANK_TABLE_FILE", write_table(folder, HCCL_TABLE, hccl_table(table))))
+            except ValueError as e:
+                log.warning("no HCCL rank table for generation %d: %s", generation, e)
+        return tuple(tables)
 
     def _generation_env(self, command: Command, replacement: bool = False) -> GenerationEnv:
         host, _, port = command.worker_store.rpartition(":")
@@ -399,8 +420,17 @@ class Agent:
             control_store=str(self.config.endpoint),
             max_restarts=command.max_restarts,
             replacement=replacement,
+            rank_tables=self._rank_tables(command.generation),
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:
         report = Report(kind, self.slot.node_rank, generation, agent_id=self.agent_id, **fields)
         self.store.append(self.keys.report_count, self.keys.report, report)
+
+
+def host_address(host: str) -> str:
+    """``host``'s IPv4 address (the HCCL rank table's server_id), or "" when it does not resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return ""

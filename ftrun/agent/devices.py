@@ -21,6 +21,7 @@ from typing import Iterable
 
 from ftrun.agent.health import ACTIONS, REPAIR_LEVELS, DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
+from ftrun.messages import DeviceRecord
 from ftrun.config import LaunchConfig
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_backend
 from ftrun.faults.levels import Escalation, FaultLevel, FaultTable
@@ -126,6 +127,27 @@ class NodeDevices:
     def resetting(self) -> bool:
         """A device is being reset: a rank that finds no usable device now may find one soon."""
         return bool(self.allocator and self.allocator.resetting)
+
+    def records(self, ips: dict[int, str]) -> tuple[DeviceRecord, ...]:
+        """The usable devices as the rank tables name them: physical ids and RoCE addresses where
+        the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips)."""
+        if self.allocator is None:
+            return ()
+        records = []
+        for index in self.allocator.devices:
+            physical, ip = -1, ""
+            try:
+                physical = self.backend.physical_id(index) if hasattr(self.backend, "physical_id") else -1
+                ip = self.backend.device_ip(index) if hasattr(self.backend, "device_ip") else ""
+            except DeviceToolError as e:
+                log.warning("device %d: %s", index, e)
+            records.append(DeviceRecord(index, physical, ip or ips.get(physical, "")))
+        return tuple(records)
+
+    @property
+    def assigned(self) -> dict[int, int]:
+        """Local rank -> the logical device it runs on now."""
+        return dict(self.allocator.assigned) if self.allocator is not None else {}
 
     def env(self, slot: DeviceSlot | None) -> tuple[tuple[str, str], ...]:
         """The worker's device variables: what it sees, and which of those is its own."""

@@ -125,6 +125,8 @@ class GenerationEnv:
     max_restarts: int
     #: process level: this worker replaces a failed rank and must receive the training state
     replacement: bool = False
+    #: the generation's rank tables: FTRUN_RANKTABLE, and RANK_TABLE_FILE on Ascend
+    rank_tables: tuple[tuple[str, str], ...] = ()
 
 
 class WorkerGroup:
@@ -352,6 +354,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
         FTRUN_REPLACEMENT="1" if gen.replacement else "0",
     )
+    env.update(gen.rank_tables)
     env.update(placement.device_env)
     return env
 

@@ -136,6 +136,9 @@ def launch_options(fn):
                help="Seconds between device health polls (in a thread of their own)."),
         option("fault-levels", group=DEVICES, default="",
                help="YAML file merged over ftrun's fault-level table (error codes, health, error strings)."),
+        option("device-ips", group=DEVICES, default="",
+               help="YAML file of each host's device RoCE addresses ({host: {device id: IP}}) for the HCCL "
+                    "rank table, where hccn_tool is not installed."),
         option("devices", group=DEVICES, default="",
                help="Only these device ids on this node (0,2,3), as npu-smi or nvidia-smi number them."),
         option("preflight", group=DEVICES, is_flag=True,

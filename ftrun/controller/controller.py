@@ -26,8 +26,8 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, JoinRecord, NodeSlot, Report, ReportKind, RendezvousResult
-from ftrun.rendezvous import RendezvousPolicy, gather
+from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
+from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -240,6 +240,7 @@ class Controller:
         self._arrivals_seen = len(self.nodes) + len(self.spares)
         for slot in result.nodes:
             self.store.set_text(self.keys.node_owner(slot.node_rank), slot.agent_id)
+        self.store.set(self.keys.layout, Layout(result.nodes))
         if self.spares:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
                      ", ".join(s.host for s in self.spares))
@@ -249,8 +250,10 @@ class Controller:
         spare = next(s for s in self.spares if s.agent_id == command.agent_id)
         self.spares.remove(spare)
         lost = self.nodes[command.node_rank]
-        self.nodes[command.node_rank] = dataclasses.replace(lost, agent_id=spare.agent_id, host=spare.host)
+        self.nodes[command.node_rank] = dataclasses.replace(
+            lost, agent_id=spare.agent_id, host=spare.host, host_ip=spare.host_ip, devices=spare.devices)
         self.store.set_text(self.keys.node_owner(command.node_rank), spare.agent_id)
+        self.store.set(self.keys.layout, Layout(tuple(self.nodes[n] for n in sorted(self.nodes))))
         log.warning("spare %s takes the place of node %d (%s)", spare.host, command.node_rank, lost.host)
 
     def _check_spares(self, now: float) -> None:
@@ -274,7 +277,7 @@ class Controller:
             if join.agent_id in admitted:
                 continue
             if len(self.spares) < self.rendezvous_policy.spares:
-                self.spares.append(NodeSlot(-1, join.agent_id, join.host, join.nproc, -1))
+                self.spares.append(node_slot(join, -1, -1))
                 self.store.set_text(self.keys.admission(join.agent_id), "spare")
                 log.info("%s joined as a spare node", join.host)
             else:

@@ -22,12 +22,13 @@ NODES = 3
 
 
 def start(launcher, script: str, spares: int = 1, flags=(), **env) -> None:
+    """Agent i says it is on host 127.0.0.<i+2>: every address is this machine, and the rank tables show who is who."""
     endpoint = f"127.0.0.1:{free_port()}"
     common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", "1", "--rdzv-endpoint",
               endpoint, "--run-id", launcher.mark, "--monitor-interval", "0.05", "--node-timeout", "3", *flags]
     environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
-    for _ in range(NODES + spares):
-        launcher.start([*common, script], env=environment)
+    for i in range(NODES + spares):
+        launcher.start([*common, "--local-addr", f"127.0.0.{i + 2}", script], env=environment)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,12 @@ def node_agent(launcher, node_rank: int):
     found = wait_for(lambda: [n for n in launcher.nodes if f"node {node_rank} of {NODES}," in n.output], timeout=120,
                      what=f"node {node_rank} to be assigned")
     return found[0]
+
+
+def host_of(launcher, node) -> str:
+    """The --local-addr the test gave this agent."""
+    args = node.proc.args
+    return args[args.index("--local-addr") + 1]
 
 
 def wait_for_step(launcher, step: int) -> None:
@@ -74,6 +81,13 @@ def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free):
     assert {r["checksum"] for r in results.values()} == fault_free
     assert "taking the place of node 1" in spare.output
     assert results[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    # the rank table of the new generation names the spare's host for node 1, on every node
+    spare_host = host_of(launcher, spare)
+    for result in results.values():
+        table = result["ranktable"]
+        assert table["generation"] == 1 and table["world_size"] == 3
+        assert [(r["rank"], r["node_rank"]) for r in table["ranks"]] == [(0, 0), (1, 1), (2, 2)]
+        assert table["ranks"][1]["host"] == spare_host != host_of(launcher, victim)
     controller = node_agent(launcher, 0).output
     assert "takes the place of node 1" in controller
     assert "job succeeded" in controller and "nodes replaced by a spare (1)" in controller

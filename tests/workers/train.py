@@ -32,6 +32,13 @@ def inject_fault(rank: int, step: int) -> None:
         faults.trigger(kind, step)
 
 
+def read_json(path):
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 @record
 def main() -> None:
     steps = int(os.environ.get("STEPS", "12"))
@@ -73,7 +80,8 @@ def main() -> None:
     result = {
         "step": steps, "rank": rank, "world": world, "allreduce": total.item(), "checksum": checksum,
         "env": {name: os.environ.get(name) for name in CONTRACT}, "argv": sys.argv[1:], "cwd": os.getcwd(),
-        "hostile": os.environ.get("HOSTILE"),
+        "hostile": os.environ.get("HOSTILE"), "ranktable": read_json(os.environ.get("FTRUN_RANKTABLE")),
+        "hccl_ranktable": read_json(os.environ.get("RANK_TABLE_FILE")),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -1,0 +1,96 @@
+"""The rank tables each agent writes for its workers at every generation.
+
+* ftrun's own (``FTRUN_RANKTABLE``), for any backend: every rank's node, host, local rank and device.
+* On Ascend, the HCCL rank table v1.0 (``RANK_TABLE_FILE``): one server per node, one device per
+  rank, every value a string, ``status`` "completed".
+
+Both come from the controller's layout (which agent holds which node, after any takeover). A node's
+own ranks carry the devices its agent gave them; the other nodes' ranks carry the devices those
+nodes offered at the rendezvous, in order: what they take at a fresh start. Files are written
+atomically (a temporary file, fsync, rename), owner-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from ftrun.messages import DeviceRecord, NodeSlot
+
+FTRUN_TABLE = "ranktable.json"
+HCCL_TABLE = "hccl_ranktable.json"
+
+
+def ftrun_table(run_id: str, generation: int, nodes: tuple[NodeSlot, ...], own_node: int,
+                own_devices: dict[int, int]) -> dict:
+    """``own_devices``: this node's local rank -> logical device, as its agent assigned them."""
+    ranks = []
+    for node in sorted(nodes, key=lambda n: n.node_rank):
+        for local_rank in range(node.nproc):
+            device = _device_of(node, local_rank, own_devices if node.node_rank == own_node else None)
+            ranks.append({
+                "rank": node.first_rank + local_rank, "node_rank": node.node_rank, "host": node.host,
+                "host_ip": node.host_ip, "local_rank": local_rank,
+                "device": device.index if device else None,
+                "physical_device": device.physical if device and device.physical >= 0 else None,
+                "device_ip": device.ip if device else "",
+            })
+    return {"version": "1", "run_id": run_id, "generation": generation, "world_size": len(ranks),
+            "node_count": len(nodes), "ranks": ranks}
+
+
+def hccl_table(table: dict) -> dict:
+    """The HCCL rank table v1.0 for ftrun's own table (every rank needs a physical device)."""
+    servers: dict[int, dict] = {}
+    for rank in table["ranks"]:
+        if rank["physical_device"] is None:
+            raise ValueError(f"rank {rank['rank']} on {rank['host']} has no NPU")
+        server = servers.setdefault(rank["node_rank"], {
+            "server_id": rank["host_ip"] or rank["host"], "host_ip": rank["host_ip"] or rank["host"], "device": []})
+        server["device"].append({"device_id": str(rank["physical_device"]), "device_ip": rank["device_ip"],
+                                 "rank_id": str(rank["rank"])})
+    return {"version": "1.0", "server_count": str(len(servers)), "status": "completed",
+            "server_list": [servers[node] for node in sorted(servers)]}
+
+
+def load_device_ips(path: str) -> dict[str, dict[int, str]]:
+    """``--device-ips FILE``: host -> {physical device id: RoCE address}, for nodes without hccn_tool."""
+    from ftrun.config import _ConfigLoader, read_yaml_mapping
+    from ftrun.errors import UsageError
+
+    data = read_yaml_mapping(path, _ConfigLoader, "device IP file", "a mapping of host names to {device id: IP}")
+    table: dict[str, dict[int, str]] = {}
+    for host, devices in data.items():
+        if not isinstance(devices, dict) or not all(isinstance(k, int) and k >= 0 and isinstance(v, str)
+                                                    for k, v in devices.items()):
+            raise UsageError(f"device IP file {path}: host '{host}' must map device ids to IP addresses "
+                             "(0: 192.168.100.11)")
+        table[str(host)] = dict(devices)
+    return table
+
+
+def _device_of(node: NodeSlot, local_rank: int, assigned: dict[int, int] | None) -> DeviceRecord | None:
+    by_index = {d.index: d for d in node.devices}
+    if assigned is not None:
+        index = assigned.get(local_rank)
+        return by_index.get(index, DeviceRecord(index)) if index is not None else None
+    return node.devices[local_rank] if local_rank < len(node.devices) else None
+
+
+def write_table(folder: str, name: str, table: dict) -> str:
+    """Write ``table`` as ``folder/name`` atomically, readable by its owner only; returns the path."""
+    path = os.path.join(folder, name)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+    try:
+        with os.fdopen(descriptor, "w") as f:
+            json.dump(table, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return path
