@@ -92,6 +92,12 @@ class Layout:
     """Which agent holds which node rank now: the rendezvous's nodes, updated at each takeover."""
 
     nodes: tuple[NodeSlot, ...] = ()
+    #: the world size of the generation before this layout's (0: the first)
+    previous_world_size: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nproc for n in self.nodes)
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,14 @@ HCCL_TABLE = "hccl_ranktable.json"
 
 def ftrun_table(run_id: str, generation: int, nodes: tuple[NodeSlot, ...], own_node: int,
                 own_devices: dict[int, int]) -> dict:
-    """``own_devices``: this node's local rank -> logical device, as its agent assigned them."""
+    """``nodes``: the layout (node ranks in order; after a scale-in some are missing and the workers'
+    node_rank is the position). ``own_devices``: node ``own_node``'s local rank -> logical device."""
     ranks = []
-    for node in sorted(nodes, key=lambda n: n.node_rank):
+    for group_rank, node in enumerate(sorted(nodes, key=lambda n: n.node_rank)):
         for local_rank in range(node.nproc):
             device = _device_of(node, local_rank, own_devices if node.node_rank == own_node else None)
             ranks.append({
-                "rank": node.first_rank + local_rank, "node_rank": node.node_rank, "host": node.host,
+                "rank": node.first_rank + local_rank, "node_rank": group_rank, "host": node.host,
                 "host_ip": node.host_ip, "local_rank": local_rank,
                 "device": device.index if device else None,
                 "physical_device": device.physical if device and device.physical >= 0 else None,

@@ -30,6 +30,7 @@ def job_summary(
     max_restarts: int,
     duration: float,
     replaced_nodes: tuple[str, ...] = (),
+    resized: tuple[str, ...] = (),
 ) -> list[str]:
     """The lines printed when the job ends."""
     budget = f"{restarts_used} of {max_restarts} restart{'s' if max_restarts != 1 else ''} used"
@@ -40,9 +41,10 @@ def job_summary(
     lines = [head]
     if reason and exit_code != ExitCode.OK:
         lines.append(f"reason: {reason}")
-    if replaced_nodes:
-        lines.append(f"nodes replaced by a spare ({len(replaced_nodes)}):")
-        lines.extend(f"  {line}" for line in replaced_nodes)
+    for title, events in (("nodes replaced by a spare", replaced_nodes), ("job resized", resized)):
+        if events:
+            lines.append(f"{title} ({len(events)}):")
+            lines.extend(f"  {line}" for line in events)
     if failures and exit_code == ExitCode.OK:
         lines.append(f"recovered faults ({len(failures)}):")
         for failure in failures:

@@ -7,6 +7,7 @@ the controller's liveness), reports, and executes commands. The policy lives in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -86,6 +87,8 @@ class Agent:
         self._pending: PendingSpawn | None = None
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
+        #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
+        self.layout = Layout()
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -123,6 +126,7 @@ class Agent:
                             host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
             self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.interrupts.event)
+            self.layout = Layout(self.rendezvous.nodes)
         except FtrunError:
             if self.interrupts.requested:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
@@ -278,6 +282,10 @@ class Agent:
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
+                        if not self._refresh_layout():
+                            group.stop(config.stop_timeout)
+                            return ExitCode.JOB_FAILED, (f"node {self.slot.node_rank} was declared lost and left "
+                                                         "out of the job; leaving")
                         if command.generation > 0:
                             log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
                                         command.restart_count, command.max_restarts)
@@ -298,7 +306,23 @@ class Agent:
         return last
 
     def _placement(self, local_rank: int, device_env=()) -> WorkerPlacement:
-        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, self.slot.node_rank, self.host, device_env)
+        group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.slot.node_rank)
+        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env)
+
+    def _refresh_layout(self) -> bool:
+        """Read who holds which node now (before a generation starts); False when this agent holds
+        none any more (it was declared lost and left out, or replaced)."""
+        layout = self.store.try_get(Layout, self.keys.layout)
+        if layout is not None:
+            self.layout = layout
+        mine = next((n for n in self.layout.nodes if n.node_rank == self.slot.node_rank), None)
+        if mine is None or mine.agent_id != self.agent_id:
+            return False
+        if mine.first_rank != self.slot.first_rank:
+            log.warning("node %d now holds ranks %d-%d of %d", self.slot.node_rank, mine.first_rank,
+                        mine.first_rank + mine.nproc - 1, sum(n.nproc for n in self.layout.nodes))
+        self.slot = dataclasses.replace(self.slot, first_rank=mine.first_rank)
+        return True
 
     def _start_workers(self, group: WorkerGroup, command: Command) -> None:
         try:
@@ -380,6 +404,7 @@ class Agent:
 
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
+        self._refresh_layout()  # a spare may hold a node now (global ranks never move at process level)
         mine = [r - self.slot.first_rank for r in command.ranks if 0 <= r - self.slot.first_rank < self.slot.nproc]
         if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
             mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
@@ -396,9 +421,8 @@ class Agent:
 
     def _rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:
         """Write this generation's rank tables (from the controller's layout); their variables."""
-        layout = self.store.try_get(Layout, self.keys.layout)
-        nodes = layout.nodes if layout is not None else self.rendezvous.nodes
-        table = ftrun_table(self.config.run_id, generation, nodes, self.slot.node_rank, self.devices.assigned)
+        table = ftrun_table(self.config.run_id, generation, self.layout.nodes, self.slot.node_rank,
+                            self.devices.assigned)
         folder = self._table_dir
         tables = [("FTRUN_RANKTABLE", write_table(folder, FTRUN_TABLE, table))]
         if self.devices.backend.kind == "npu" and self.devices.allocator is not None:
@@ -413,14 +437,15 @@ class Agent:
         return GenerationEnv(
             generation=command.generation,
             restart_count=command.restart_count,
-            world_size=self.rendezvous.world_size,
-            node_count=len(self.rendezvous.nodes),
+            world_size=self.layout.world_size,
+            node_count=len(self.layout.nodes),
             master_addr=host,
             master_port=int(port),
             control_store=str(self.config.endpoint),
             max_restarts=command.max_restarts,
             replacement=replacement,
             rank_tables=self._rank_tables(command.generation),
+            previous_world_size=self.layout.previous_world_size,
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:

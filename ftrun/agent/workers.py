@@ -127,6 +127,8 @@ class GenerationEnv:
     replacement: bool = False
     #: the generation's rank tables: FTRUN_RANKTABLE, and RANK_TABLE_FILE on Ascend
     rank_tables: tuple[tuple[str, str], ...] = ()
+    #: the world size of the generation before (a scale-in or grow-back changes it), 0 for the first
+    previous_world_size: int = 0
 
 
 class WorkerGroup:
@@ -353,6 +355,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_RECOVERY=config.recovery,
         FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
         FTRUN_REPLACEMENT="1" if gen.replacement else "0",
+        FTRUN_PREVIOUS_WORLD_SIZE=str(gen.previous_world_size or gen.world_size),
     )
     env.update(gen.rank_tables)
     env.update(placement.device_env)

@@ -100,7 +100,7 @@ def report_outcome(exit_code: int, reason: str, controller, duration: float) -> 
         view = controller.view
         style = "green" if view.exit_code == ExitCode.OK else "bold red"
         for line in job_summary(view.exit_code, view.reason, view.failures, view.restarts_used,
-                                view.max_restarts, duration, view.replaced_nodes):
+                                view.max_restarts, duration, view.replaced_nodes, view.resized):
             say(f"ftrun: {line}", style=style)
         return exit_code
     if exit_code != ExitCode.OK:

@@ -18,6 +18,7 @@ from ftrun.controller.policy import (
     Phase,
     on_library_ranks,
     on_milestone,
+    on_node_joined,
     on_node_lost,
     on_repair_failed,
     on_report,
@@ -104,6 +105,8 @@ class Controller:
         self._spare_beats: dict[str, tuple[int, float]] = {}
         #: join records answered so far (the rendezvous's, then late arrivals)
         self._arrivals_seen = 0
+        #: the world size of the last generation started (0 before the first)
+        self._started_world = 0
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -163,6 +166,7 @@ class Controller:
                 max_restarts=self.policy.max_restarts,
                 world_size=self.rendezvous.world_size,
                 recovery=self.policy.recovery,
+                min_nodes=self.rendezvous_policy.min_nodes,
             )
             self._apply(start(self.view))
             self._loop()
@@ -188,6 +192,7 @@ class Controller:
                 self._check_nodes(beats, now)
                 self._check_spares(now)
                 self._admit_late_arrivals()
+                self._grow()
                 self._check_library()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
@@ -245,16 +250,43 @@ class Controller:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
                      ", ".join(s.host for s in self.spares))
 
+    def _room_to_grow(self) -> bool:
+        """Fewer nodes than --nnodes MAX: after a scale-in, or when some were late for the rendezvous."""
+        return bool(self.view.vacant) or self.view.node_count < self.rendezvous_policy.max_nodes
+
+    def _grow(self) -> None:
+        """An idle spare and room for a node: it joins the job as a node of its own."""
+        if not self.spares or not self._room_to_grow() or self.view.phase is not Phase.RUNNING:
+            return
+        spare = self.spares[0]
+        node_rank = min(self.view.vacant) if self.view.vacant else self.view.node_count
+        self._apply(on_node_joined(self.view, node_rank, spare.agent_id, spare.nproc, spare.host))
+
     def _hand_over(self, command: Command) -> None:
         """A TAKEOVER is published: the spare holds the node from now on."""
         spare = next(s for s in self.spares if s.agent_id == command.agent_id)
         self.spares.remove(spare)
-        lost = self.nodes[command.node_rank]
-        self.nodes[command.node_rank] = dataclasses.replace(
-            lost, agent_id=spare.agent_id, host=spare.host, host_ip=spare.host_ip, devices=spare.devices)
+        lost = self.nodes.get(command.node_rank)
+        self.nodes[command.node_rank] = dataclasses.replace(spare, node_rank=command.node_rank,
+                                                            first_rank=lost.first_rank if lost else -1)
         self.store.set_text(self.keys.node_owner(command.node_rank), spare.agent_id)
-        self.store.set(self.keys.layout, Layout(tuple(self.nodes[n] for n in sorted(self.nodes))))
-        log.warning("spare %s takes the place of node %d (%s)", spare.host, command.node_rank, lost.host)
+        self._publish_layout()
+        if lost is None:
+            log.warning("%s joins the job as node %d", spare.host, command.node_rank)
+        else:
+            log.warning("spare %s takes the place of node %d (%s)", spare.host, command.node_rank, lost.host)
+
+    def _publish_layout(self, starting: bool = False) -> None:
+        """The nodes that hold a place in the job now, global ranks numbered over them in node order.
+        ``starting``: for a new generation's start (its world size is then the one to compare with)."""
+        first_rank, nodes = 0, []
+        for rank in sorted(self.view.present & set(self.nodes)):
+            self.nodes[rank] = dataclasses.replace(self.nodes[rank], first_rank=first_rank)
+            nodes.append(self.nodes[rank])
+            first_rank += self.nodes[rank].nproc
+        self.store.set(self.keys.layout, Layout(tuple(nodes), self._started_world))
+        if starting:
+            self._started_world = first_rank
 
     def _check_spares(self, now: float) -> None:
         for spare in list(self.spares):
@@ -276,7 +308,7 @@ class Controller:
             self._arrivals_seen = index + 1
             if join.agent_id in admitted:
                 continue
-            if len(self.spares) < self.rendezvous_policy.spares:
+            if len(self.spares) < self.rendezvous_policy.spares or self._room_to_grow():
                 self.spares.append(node_slot(join, -1, -1))
                 self.store.set_text(self.keys.admission(join.agent_id), "spare")
                 log.info("%s joined as a spare node", join.host)
@@ -313,9 +345,12 @@ class Controller:
     def _apply(self, decision) -> None:
         before = self.view
         self.view, commands = decision
+        for line in self.view.resized[len(before.resized) if before else 0:]:
+            log.warning(line)
         self._note_phase(before, self.view)
         for command in commands:
             if command.kind is CommandKind.START:
+                self._publish_layout(starting=True)  # a scale-in or a grow-back renumbers the global ranks
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
                 command = dataclasses.replace(command, worker_store=self._worker_store_address)
@@ -350,7 +385,10 @@ class Controller:
                 log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
                             after.library_ranks, after.world_size)
             target = after.generation if after.level is Level.PROCESS else after.generation + 1
-            log.warning("%s-level repair into generation %d: %s", after.level.value, target, after.reason)
+            if after.free_restart:
+                log.warning("job-level restart into generation %d to grow the job", target)
+            else:
+                log.warning("%s-level repair into generation %d: %s", after.level.value, target, after.reason)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
             start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
@@ -362,6 +400,8 @@ class Controller:
             detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
             if before.level is Level.PROCESS:
                 log.warning("generation %d resumed training %.2fs after the fault (%s)", after.generation, total, detail)
+            elif before.free_restart:
+                log.warning("generation %d starting with %d nodes", after.generation, len(after.present))
             else:
                 log.warning("generation %d starting, %.2fs after the fault (%s)", after.generation, total, detail)
             self._repair = RepairClock()

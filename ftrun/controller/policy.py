@@ -110,6 +110,15 @@ class JobView:
     failures: tuple[WorkerFailure, ...] = ()
     #: nodes lost and replaced by a spare, each as one line
     replaced_nodes: tuple[str, ...] = ()
+    #: --nnodes MIN: with fewer nodes than the rendezvous gave, the job may go on down to MIN
+    #: (0: no scale-in)
+    min_nodes: int = 0
+    #: node ranks left empty by a scale-in (no agent holds them; a node that joins later may)
+    vacant: frozenset[int] = frozenset()
+    #: nodes lost and left out (scale-in), and nodes that joined later (grow back), each as one line
+    resized: tuple[str, ...] = ()
+    #: the restart under way changes the job's size by choice (a node joined): it spends no budget
+    free_restart: bool = False
     exit_code: int = 0
     reason: str = ""
 
@@ -120,7 +129,7 @@ class JobView:
 
     @property
     def present(self) -> frozenset[int]:
-        return frozenset(range(self.node_count)) - self.lost
+        return frozenset(range(self.node_count)) - self.lost - self.vacant
 
     @property
     def budget_left(self) -> int:
@@ -199,10 +208,12 @@ def on_repair_failed(view: JobView, detail: str) -> Decision:
 def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ranks: tuple[int, ...] = ()) -> Decision:
     """A node stopped sending keepalives (or its ssh session ended). With ``spare`` (an idle spare
     agent) that agent takes the node's rank and its ``ranks`` are started there: alone while the
-    others run on (process level), or with every rank restarted (job level). Without one the job
-    cannot go on."""
-    if node_rank in view.lost or view.phase is Phase.DONE:
+    others run on (process level), or with every rank restarted (job level). Without one, the job
+    goes on without the node if --nnodes MIN allows (scale-in, job level), else it ends."""
+    if node_rank in view.lost or node_rank in view.vacant or view.phase is Phase.DONE:
         return view, []
+    if view.phase is not Phase.EXITING and not spare and view.min_nodes and len(view.present) - 1 >= view.min_nodes:
+        return _scale_in(view, node_rank, detail, len(ranks))
     if view.phase is Phase.EXITING or not spare:
         view = dataclasses.replace(view, lost=view.lost | {node_rank})
         if view.phase is Phase.EXITING:
@@ -231,6 +242,36 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
         return view, [takeover, _replace_command(view, frozenset(ranks))]
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail)
     return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
+
+
+def _scale_in(view: JobView, node_rank: int, detail: str, nproc: int) -> Decision:
+    """Go on without the node: every rank restarts (job level) in a smaller world."""
+    if view.budget_left <= 0:
+        spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
+        return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
+    line = f"{detail}; going on with {len(view.present) - 1} nodes"
+    view = dataclasses.replace(view, vacant=view.vacant | {node_rank}, world_size=view.world_size - nproc,
+                               resized=view.resized + (line,))
+    if view.phase is Phase.STOPPING and view.level is Level.JOB:
+        return _restart_when_stopped(view)  # the node it waited for is not part of the job any more
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=line)
+    return view, [Command(CommandKind.STOP, view.generation, reason=line)]
+
+
+def on_node_joined(view: JobView, node_rank: int, agent_id: str, nproc: int, host: str) -> Decision:
+    """A node joined a job that has fewer nodes than --nnodes MAX (after a scale-in, or one that was
+    late for the rendezvous): it takes ``node_rank`` (a vacant one, or the next new one) and the job
+    restarts at job level to grow back. Chosen, not a fault: it spends no budget."""
+    if view.phase is not Phase.RUNNING:
+        return view, []  # a repair or the exit under way: it stays a spare, asked again later
+    line = f"{host} joined as node {node_rank}; going on with {len(view.present) + 1} nodes"
+    view = dataclasses.replace(
+        view, vacant=view.vacant - {node_rank}, node_count=max(view.node_count, node_rank + 1),
+        world_size=view.world_size + nproc, resized=view.resized + (line,))
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=line,
+                     free_restart=True)
+    takeover = Command(CommandKind.TAKEOVER, view.generation, node_rank=node_rank, agent_id=agent_id, reason=line)
+    return view, [takeover, Command(CommandKind.STOP, view.generation, reason=line)]
 
 
 def on_stop(view: JobView, exit_code: int, reason: str) -> Decision:
@@ -299,13 +340,18 @@ def _on_success(view: JobView, node_rank: int) -> Decision:
 def _on_stopped(view: JobView, node_rank: int) -> Decision:
     if view.phase is not Phase.STOPPING or view.level is not Level.JOB:
         return view, []
-    view = dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank})
+    return _restart_when_stopped(dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank}))
+
+
+def _restart_when_stopped(view: JobView) -> Decision:
+    """Job level: once every node stopped its workers, the next generation starts everywhere."""
     if view.acknowledged < view.present:
         return view, []
     view = view.move(
         Phase.RUNNING,
         generation=view.generation + 1,
-        restarts_used=view.restarts_used + 1,
+        restarts_used=view.restarts_used + (0 if view.free_restart else 1),
+        free_restart=False,
         library_ranks=0,
         replacing=frozenset(),
         clearing=frozenset(),

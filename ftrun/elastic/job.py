@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -234,6 +234,14 @@ class ElasticJob:
     def step(self) -> int:
         """The next step to run: the number of steps committed so far."""
         return self._step
+
+    def on_resize(self, callback: Callable[[int, int], None]) -> None:
+        """Call ``callback(old_world_size, new_world_size)`` now when this generation runs in a world
+        of another size than the one before it (after a scale-in or a grow-back, which restart every
+        rank): the place to rescale the batch size or the learning rate. Never called otherwise."""
+        previous = int(os.environ.get("FTRUN_PREVIOUS_WORLD_SIZE") or self.world_size)
+        if previous != self.world_size:
+            callback(previous, self.world_size)
 
     def register(self, **objects) -> None:
         """Register training state: anything with ``state_dict()`` / ``load_state_dict()``.

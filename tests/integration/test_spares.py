@@ -157,3 +157,47 @@ def test_spare_takes_a_lost_nodes_ranks_while_the_others_live_on(launcher, elast
     assert results[1]["replacement"] == "1" and results[0]["replacement"] == "0"
     controller = node_agent(launcher, 0).output
     assert "process-level repair into generation 1" in controller and "1 of 2 restarts used" in controller
+
+
+def results_of_last_generation(launcher) -> dict[int, dict]:
+    return {rank: r for rank, r in launcher.results().items() if r["env"]["FTRUN_GENERATION"] == max(
+        x["env"]["FTRUN_GENERATION"] for x in launcher.results().values())}
+
+
+def test_two_nodes_lost_with_one_spare_scale_in_and_finish(launcher):
+    start(launcher, TRAIN, flags=["--max-restarts", "3", "--nnodes", "2:3"])  # the last --nnodes wins
+    first, second = node_agent(launcher, 1), node_agent(launcher, 2)
+    wait_for_step(launcher, 3)
+    first.proc.kill()
+    controller = node_agent(launcher, 0)
+    wait_for(lambda: "takes the place of node 1" in controller.output, timeout=60, what="the spare to take over")
+    second.proc.kill()  # no spare left: 2 nodes are enough for --nnodes 2:3
+    others = [n for n in launcher.nodes if n not in (first, second)]
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    final = results_of_last_generation(launcher)
+    assert sorted(final) == [0, 1] and {r["world"] for r in final.values()} == {2}
+    assert {r["env"]["FTRUN_PREVIOUS_WORLD_SIZE"] for r in final.values()} == {"3"}  # what on_resize reads
+    assert {r["step"] for r in final.values()} == {STEPS}
+    assert "going on with 2 nodes" in controller.output
+    assert "nodes replaced by a spare (1)" in controller.output and "job succeeded" in controller.output
+
+
+def test_scaled_in_job_grows_back_when_a_node_joins(launcher):
+    start(launcher, TRAIN, spares=0, flags=["--max-restarts", "3", "--nnodes", "2:3"], STEPS="150")
+    lost = node_agent(launcher, 2)
+    wait_for_step(launcher, 3)
+    lost.proc.kill()
+    controller = node_agent(launcher, 0)
+    wait_for(lambda: "going on with 2 nodes" in controller.output, timeout=60, what="the scale-in")
+    wait_for(lambda: "generation 1 starting" in controller.output, timeout=60, what="the smaller job to start")
+    args = list(lost.proc.args[3:])  # the same flags, as a node restarted by its operator would give
+    late = launcher.start(args, env=launcher.env(STEPS="150", STEP_SLEEP="0.1"))
+    others = [n for n in launcher.nodes if n is not lost]
+    assert launcher.wait(others) == [0, 0, 0], launcher.output()
+    final = results_of_last_generation(launcher)
+    assert sorted(final) == [0, 1, 2] and {r["world"] for r in final.values()} == {3}
+    assert "joins the job as node 2" in controller.output or "takes the place of node 2" in controller.output
+    assert "going on with 3 nodes" in controller.output
+    assert "taking the place of node 2" in late.output
+    assert "1 of 3 restarts used" in controller.output  # the loss (and scale-in) spent one, growing back none
+    assert "generation 2 starting with 3 nodes" in controller.output

@@ -186,3 +186,15 @@ def test_interrupted_step_puts_running_statistics_back(one_rank_group):
     assert not torch.equal(wrapped.module.running_mean, before)
     wrapped.restore_buffers()
     assert torch.equal(wrapped.module.running_mean, before)
+
+
+@pytest.mark.parametrize("previous, now, calls", [("3", 2, [(3, 2)]), ("2", 3, [(2, 3)]), ("2", 2, []), ("", 2, [])])
+def test_on_resize_tells_the_script_when_the_world_changed_size(monkeypatch, previous, now, calls):
+    from types import SimpleNamespace
+
+    from ftrun.elastic import ElasticJob
+
+    monkeypatch.setenv("FTRUN_PREVIOUS_WORLD_SIZE", previous)
+    seen = []
+    ElasticJob.on_resize(SimpleNamespace(world_size=now), lambda old, new: seen.append((old, new)))
+    assert seen == calls

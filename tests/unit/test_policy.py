@@ -13,6 +13,7 @@ from ftrun.controller.policy import (
     Milestone,
     Phase,
     on_milestone,
+    on_node_joined,
     on_node_lost,
     on_repair_failed,
     on_report,
@@ -168,6 +169,34 @@ def test_lost_node_while_exiting_takes_no_spare():
     v, _ = on_report(view(), report(ReportKind.INTERRUPTED, node=0, exit_code=130))
     v, commands = on_node_lost(v, 1, "gone", spare="spare:9", ranks=(2, 3))
     assert commands == [] and v.phase is Phase.EXITING and v.replaced_nodes == ()
+
+
+def test_lost_node_without_a_spare_scales_in_down_to_min_nodes():
+    three = JobView(node_count=3, max_restarts=2, world_size=6, min_nodes=2)
+    v, commands = on_node_lost(three, 2, "node 2 lost", ranks=(4, 5))
+    assert v.phase is Phase.STOPPING and v.level is Level.JOB and [c.kind for c in commands] == [CommandKind.STOP]
+    assert v.present == {0, 1} and v.vacant == {2} and v.world_size == 4
+    assert v.resized == ("node 2 lost; going on with 2 nodes",)
+    v, commands = on_report(on_report(v, report(ReportKind.STOPPED, node=0))[0], report(ReportKind.STOPPED, node=1))
+    assert v.phase is Phase.RUNNING and v.restarts_used == 1 and [c.kind for c in commands] == [CommandKind.START]
+    v, commands = on_node_lost(v, 1, "node 1 lost", ranks=(2, 3))  # below MIN: the job ends
+    assert v.phase is Phase.EXITING and v.exit_code == 1
+
+
+def test_node_joining_a_smaller_job_grows_it_back_without_spending_budget():
+    shrunk = JobView(node_count=3, max_restarts=2, world_size=4, min_nodes=2, vacant=frozenset({2}), restarts_used=1)
+    v, commands = on_node_joined(shrunk, 2, "new:1", 2, "n9")
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.STOP] and commands[0].node_rank == 2
+    assert v.present == {0, 1, 2} and v.world_size == 6 and v.acknowledged == {2}
+    for node in (0, 1):
+        v, commands = on_report(v, report(ReportKind.STOPPED, node=node))
+    assert v.phase is Phase.RUNNING and v.restarts_used == 1 and not v.free_restart
+    assert [c.kind for c in commands] == [CommandKind.START]
+
+
+def test_node_joining_waits_while_a_repair_is_under_way():
+    v, _ = on_report(JobView(node_count=2, max_restarts=2, min_nodes=1, vacant=frozenset({1})), failed(node=0))
+    assert on_node_joined(v, 1, "new:1", 2, "n9") == (v, [])
 
 
 def test_illegal_transition_raises():
