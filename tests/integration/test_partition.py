@@ -32,17 +32,18 @@ def netns():
     namespace, near, far = f"ftrun{tag}", f"vh{tag}", f"vn{tag}"
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
     try:
-        ip("netns", "add", namespace)
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"ip netns is not permitted here: {getattr(e, 'stderr', b'').decode(errors='replace').strip() or e}")
-    try:
-        ip("link", "add", near, "type", "veth", "peer", "name", far)
-        ip("link", "set", far, "netns", namespace)
-        ip("addr", "add", f"{subnet}.1/24", "dev", near)
-        ip("link", "set", near, "up")
-        ip("addr", "add", f"{subnet}.2/24", "dev", far, namespace=namespace)
-        ip("link", "set", far, "up", namespace=namespace)
-        ip("link", "set", "lo", "up", namespace=namespace)
+        try:
+            ip("netns", "add", namespace)
+            ip("link", "add", near, "type", "veth", "peer", "name", far)
+            ip("link", "set", far, "netns", namespace)
+            ip("addr", "add", f"{subnet}.1/24", "dev", near)
+            ip("link", "set", near, "up")
+            ip("addr", "add", f"{subnet}.2/24", "dev", far, namespace=namespace)
+            ip("link", "set", far, "up", namespace=namespace)
+            ip("link", "set", "lo", "up", namespace=namespace)
+        except (OSError, subprocess.CalledProcessError) as e:
+            why = getattr(e, "stderr", b"") or b""
+            pytest.skip(f"network namespaces are not permitted here: {why.decode(errors='replace').strip() or e}")
         yield namespace, near, far, f"{subnet}.1", f"{subnet}.2"
     finally:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
