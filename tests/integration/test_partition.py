@@ -57,17 +57,18 @@ def test_partitioned_node_is_replaced_and_refused_when_it_comes_back(launcher, n
               "--run-id", launcher.mark, "--node-timeout", "3", "--max-restarts", "2", "--monitor-interval", "0.05"]
     here = launcher.env(STEPS="40", STEP_SLEEP="0.1", GLOO_SOCKET_IFNAME=near)
     # node 0 hosts the store; node 1 lives behind the link; the spare waits on this side
-    first = launcher.start([*common, "--node-rank", "0", "--local-addr", near_address, TRAIN], env=here)
+    first = launcher.start([*common, "--node-rank", "0", "--local-addr", near_address, "--rdzv-conf", "is_host=1",
+                            TRAIN], env=here)
     log = launcher.tmp / "partitioned.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             ["ip", "netns", "exec", namespace, sys.executable, "-m", "ftrun", *common, "--node-rank", "1",
-             "--local-addr", far_address, TRAIN],
+             "--local-addr", far_address, "--rdzv-conf", "is_host=0", TRAIN],
             stdout=out, stderr=subprocess.STDOUT, env={**here, "GLOO_SOCKET_IFNAME": far}, cwd=launcher.tmp,
             start_new_session=True)
     partitioned = Node(proc, log)
     launcher.nodes.append(partitioned)
-    spare = launcher.start([*common, "--local-addr", near_address, TRAIN], env=here)
+    spare = launcher.start([*common, "--local-addr", near_address, "--rdzv-conf", "is_host=0", TRAIN], env=here)
     wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
     ip("link", "set", far, "down", namespace=namespace)  # the cut
     wait_for(lambda: "takes the place of node 1" in first.output, timeout=60, what="the takeover")
