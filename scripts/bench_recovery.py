@@ -34,6 +34,16 @@ steps, a step sleep so that many workers on few cores are not starved, a longer 
 
     .venv/bin/python scripts/bench_recovery.py --scaling 2,4,8
 
+With --node-loss 2,4,8 it loses a whole node instead: for each N, N nodes of 1 rank each train, and once
+every rank has finished --kill-at-step the benchmark SIGKILLs the last node's launcher with everything under
+it (the agent and its rank, as when a host dies). ftrun runs with one spare node (--spares 1, one more
+launcher process standing by) and --node-timeout --node-timeout seconds; torchrun has no spare, so its
+other nodes wait for the lost one to come back, which no one does: after --regain-deadline seconds without
+training past the pre-fault step the run stops and counts as "fails (restart by hand)". The fault's time is
+the kill; the pre-fault step is the highest step any rank had finished by then.
+
+    .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
+
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default); the exit status is
 0 once every launcher has been measured, whatever its outcome (130 if interrupted). Every process it
 starts carries a marker in its environment; on the way out (also on Ctrl-C) it kills the launchers'
@@ -54,6 +64,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -108,6 +119,9 @@ SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(LAUNCHERS), steps=60, step_sleep=
 SCALING_DEFAULTS = ModeDefaults(
     launchers=(BASELINE, "ftrun", "ftrun-process"), steps=40, step_sleep=0.05, deadline=180.0,
 )
+NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
+#: --node-loss: launchers that can take a spare node
+SPARE_CAPABLE = ("ftrun",)
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,14 @@ class Scenario:
     step_sleep: float
     deadline: float
     max_restarts: int = 3
+    #: lose the last node (its launcher and everything under it) instead of one rank
+    node_loss: bool = False
+    #: --node-loss: ftrun's --node-timeout, and how long after the loss a run may take to train on
+    node_timeout: float = 3.0
+    regain_deadline: float = 45.0
+
+    def spares(self, launcher: "Launcher") -> int:
+        return 1 if self.node_loss and launcher.program in SPARE_CAPABLE else 0
 
     @property
     def world_size(self) -> int:
@@ -147,7 +169,7 @@ class RunResult:
     nnodes: int
     nproc_per_node: int
     kill_rank: int
-    outcome: str  # "ok", "failed", or "hung"
+    outcome: str  # "ok", "failed", "hung", or (--node-loss) "fails": never trained on after the loss
     exit_codes: list[int | None]  # one per launcher process; None: still running at the deadline
     last_step: int | None  # the highest step any rank finished
     resumed_after_step: int | None
@@ -162,6 +184,8 @@ class RunResult:
     def outcome_text(self) -> str:
         if self.outcome == "ok":
             return "ok"
+        if self.outcome == "fails":
+            return "fails: no spare; the others wait for the lost node (restart by hand)"
         details = [f"last step {self.last_step}"]
         if any(code is not None for code in self.exit_codes):
             details.insert(0, "exit " + ", ".join("-" if code is None else str(code) for code in self.exit_codes))
@@ -171,7 +195,17 @@ class RunResult:
 # --- running a launcher ---------------------------------------------------------------------------
 
 
-def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: str, workdir: Path) -> list[str]:
+def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: str, workdir: Path,
+                     node: int) -> list[str]:
+    """The command of launcher process ``node`` (``scenario.nnodes`` and beyond: a spare)."""
+    placement = []
+    if scenario.node_loss:  # node 0 hosts the store: the lost node must not take it along
+        placement = ["--rdzv-conf", f"is_host={int(node == 0)}"]
+        if launcher.program in SPARE_CAPABLE:
+            placement += ["--spares", "1", "--node-timeout", f"{scenario.node_timeout:g}"]
+            placement += ["--node-rank", str(node)] if node < scenario.nnodes else []
+    fault = [] if scenario.node_loss else ["--kill-rank", str(scenario.kill_rank),
+                                           "--kill-at-step", str(scenario.kill_at_step)]
     return [
         find_program(launcher.program, "bench_recovery"),
         "--nnodes", str(scenario.nnodes),
@@ -179,44 +213,83 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", run_id,
         "--max-restarts", str(scenario.max_restarts),
+        *placement,
         *launcher.extra_args,
         str(launcher.script),
         "--steps", str(scenario.steps),
         "--ckpt-dir", str(workdir / "checkpoints"),
         "--ckpt-every", str(scenario.ckpt_every),
         "--progress", str(workdir / "progress.txt"),
-        "--kill-rank", str(scenario.kill_rank),
-        "--kill-at-step", str(scenario.kill_at_step),
+        *fault,
         "--step-sleep", str(scenario.step_sleep),
     ]
 
 
-def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path) -> tuple[float, list[int | None]]:
-    """Start one launcher process per node, wait for all to exit or the deadline, kill what is left.
+@dataclass(frozen=True)
+class NodeLoss:
+    """--node-loss: when the last node was killed, and the processes that died with it."""
 
-    Returns the launch time (Unix seconds) and the exit codes, None for a process still running at the
-    deadline.
+    time: float
+    pids: frozenset[int]
+
+
+def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path
+                 ) -> tuple[float, list[int | None], NodeLoss | None]:
+    """Start one launcher process per node (and a spare's), wait for all to exit or the deadline, kill
+    what is left. With --node-loss, kill the last node once every rank passed the kill step.
+
+    Returns the launch time (Unix seconds), the exit codes (None for a process still running at the
+    deadline; the lost node's left out) and the node loss.
     """
     port, run_id, marker = free_port(), f"bench-{launcher.name}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     # Launchers set OMP_NUM_THREADS=1 only for several ranks per node; the simulated nodes share one
     # machine's cores, so a one-rank node gets it too.
     env = {"OMP_NUM_THREADS": "1", **os.environ, **dict(launcher.extra_env), MARKER_VARIABLE: marker}
-    command = launcher_command(launcher, scenario, port, run_id, workdir)
     processes: list[subprocess.Popen] = []
     launch_time = time.time()
+    loss = None
     try:
-        for node in range(scenario.nnodes):
+        for node in range(scenario.nnodes + scenario.spares(launcher)):
             with open(workdir / f"node{node}.log", "wb") as log:
                 processes.append(subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    launcher_command(launcher, scenario, port, run_id, workdir, node), env=env,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 ))
         deadline = time.monotonic() + scenario.deadline
-        while time.monotonic() < deadline and any(process.poll() is None for process in processes):
+        victim = processes[scenario.nnodes - 1]
+        while time.monotonic() < deadline and any(p.poll() is None for p in processes if p is not victim or not loss):
+            if scenario.node_loss and loss is None and every_rank_reached(workdir, scenario):
+                loss = kill_node(victim)
+            if loss and time.time() - loss.time > scenario.regain_deadline and not trained_on(workdir, scenario, loss):
+                break  # no one trains past the fault: the job waits for the lost node, for good
             time.sleep(0.2)
-        return launch_time, [process.poll() for process in processes]
+        codes = [process.poll() for process in processes]
+        return launch_time, [code for p, code in zip(processes, codes) if not (loss and p is victim)], loss
     finally:
         kill_everything(processes, MARKER_VARIABLE, marker)
+
+
+def every_rank_reached(workdir: Path, scenario: Scenario) -> bool:
+    lines = read_progress(workdir / "progress.txt")
+    return len({line.rank for line in lines if line.step >= scenario.kill_at_step}) == scenario.world_size
+
+
+def trained_on(workdir: Path, scenario: Scenario, loss: NodeLoss) -> bool:
+    lines = read_progress(workdir / "progress.txt")
+    pre_fault = max(line.step for line in lines if line.time <= loss.time)
+    return any(line.step > pre_fault and line.time > loss.time for line in lines)
+
+
+def kill_node(launcher_process: subprocess.Popen) -> NodeLoss:
+    """SIGKILL a node's launcher and every process under it at once, as a host that dies."""
+    root = psutil.Process(launcher_process.pid)
+    victims = [root, *root.children(recursive=True)]
+    for process in victims:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return NodeLoss(time.time(), frozenset(p.pid for p in victims))
 
 
 # --- reading the progress file --------------------------------------------------------------------
@@ -289,27 +362,37 @@ def outcome_of(exit_codes: list[int | None], last_step: int | None, scenario: Sc
 
 def analyse(
     launcher: Launcher, scenario: Scenario, launch_time: float, exit_codes: list[int | None],
-    lines: list[ProgressLine], wall_s: float,
+    lines: list[ProgressLine], wall_s: float, loss: NodeLoss | None = None,
 ) -> RunResult:
-    fault = next(
-        (line for line in lines if line.rank == scenario.kill_rank and line.step == scenario.kill_at_step), None
-    )
+    if loss is not None:  # the fault is the kill; training must pass the highest step finished before it
+        lost = [line for line in lines if line.pid in loss.pids]
+        pre_fault = max(line.step for line in lines if line.time <= loss.time)
+        scenario = replace(scenario, kill_at_step=pre_fault, kill_rank=lost[-1].rank if lost else scenario.kill_rank)
+        fault = ProgressLine(loss.time, scenario.kill_rank, pre_fault, -1, 0)
+    else:
+        fault = next(
+            (line for line in lines if line.rank == scenario.kill_rank and line.step == scenario.kill_at_step), None
+        )
     before_fault = [line for line in lines if fault is None or line.time <= fault.time]
     resumed_after = resumed_after_step(lines, {line.pid for line in before_fault})
     last_step = max((line.step for line in lines), default=None)
+    regain = None if fault is None else regain_progress_s(lines, scenario, fault)
+    outcome = outcome_of(exit_codes, last_step, scenario)
+    if loss is not None and regain is None:
+        outcome = "fails"  # stopped by the benchmark: nothing would have brought the lost node back
     return RunResult(
         launcher=launcher.name,
         description=launcher.description,
         nnodes=scenario.nnodes,
         nproc_per_node=scenario.nproc_per_node,
         kill_rank=scenario.kill_rank,
-        outcome=outcome_of(exit_codes, last_step, scenario),
+        outcome=outcome,
         exit_codes=exit_codes,
         last_step=last_step,
         resumed_after_step=resumed_after,
         steps_redone=None if resumed_after is None else scenario.kill_at_step - resumed_after,
         healthy_pids_kept=healthy_pids_kept(lines, scenario),
-        regain_progress_s=None if fault is None else regain_progress_s(lines, scenario, fault),
+        regain_progress_s=regain,
         median_step_s=median_step_s(before_fault),
         launch_to_first_step_s=lines[0].time - launch_time if lines else None,
         wall_s=wall_s,
@@ -339,9 +422,9 @@ def regain_spread(results: list[RunResult]) -> float | None:
 def benchmark(launcher: Launcher, scenario: Scenario, workdir: Path) -> RunResult:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    launch_time, exit_codes = run_launcher(launcher, scenario, workdir)
+    launch_time, exit_codes, loss = run_launcher(launcher, scenario, workdir)
     wall_s = time.monotonic() - started
-    return analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s)
+    return analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s, loss)
 
 
 # --- reporting ------------------------------------------------------------------------------------
@@ -360,8 +443,11 @@ def yes_no(value: bool | None) -> str:
 
 
 def print_table(results: list[RunResult], scenario: Scenario) -> None:
+    fault = (f"losing the last node (its launcher and rank SIGKILLed) once every rank passed step "
+             f"{scenario.kill_at_step}" if scenario.node_loss
+             else f"SIGKILL of rank {scenario.kill_rank} at step {scenario.kill_at_step}")
     table = Table(title=(
-        f"Recovery after SIGKILL of rank {scenario.kill_rank} at step {scenario.kill_at_step}: "
+        f"Recovery after {fault}: "
         f"{scenario.shape}, checkpoint every {scenario.ckpt_every} steps, step sleep {scenario.step_sleep:g} s"
     ))
     for header in ("launcher", "regain progress (s)", "steps redone", "healthy pids kept", "median step (s)",
@@ -394,17 +480,25 @@ def print_step_time_ratios(results: list[RunResult]) -> None:
 
 
 def print_scaling_table(results: list[RunResult], scenarios: list[Scenario], launchers: list[Launcher]) -> None:
-    table = Table(
-        title=f"Regain progress (s), N nodes x 1 rank, last rank killed at step {scenarios[0].kill_at_step}",
-        caption="goal: process-level repair stays flat as N grows (max / min <= 1.3)",
-    )
+    if scenarios[0].node_loss:
+        table = Table(
+            title=f"Regain progress (s) after losing the last node (its launcher and rank SIGKILLed after step "
+                  f"{scenarios[0].kill_at_step}), N nodes x 1 rank",
+            caption=f"ftrun: one spare node, --node-timeout {scenarios[0].node_timeout:g}; torchrun has no spares",
+        )
+    else:
+        table = Table(
+            title=f"Regain progress (s), N nodes x 1 rank, last rank killed at step {scenarios[0].kill_at_step}",
+            caption="goal: process-level repair stays flat as N grows (max / min <= 1.3)",
+        )
     table.add_column("launcher")
     for scenario in scenarios:
         table.add_column(f"N = {scenario.nnodes}", justify="right")
     table.add_column("max / min", justify="right")
     for launcher in launchers:
         runs = [result for result in results if result.launcher == launcher.name]
-        cells = [regain_text(run) + ("" if run.outcome == "ok" else f" ({run.outcome})") for run in runs]
+        cells = [("fails" if run.outcome == "fails" else regain_text(run))
+                 + ("" if run.outcome in ("ok", "fails") else f" ({run.outcome})") for run in runs]
         spread = regain_spread(runs)
         table.add_row(launcher.description, *cells, "-" if spread is None else f"{spread:.2f}")
     console.print(table)
@@ -448,6 +542,12 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks per node (default 2)")
     parser.add_argument("--scaling", type=node_counts, metavar="N,N",
                         help="instead of one run per launcher, one for each of these node counts, 1 rank per node")
+    parser.add_argument("--node-loss", type=node_counts, metavar="N,N",
+                        help="lose the last of N nodes (1 rank each) for each N in the list; ftrun gets a spare")
+    parser.add_argument("--node-timeout", type=float, default=3.0, metavar="SECONDS",
+                        help="--node-loss: ftrun's --node-timeout (default 3)")
+    parser.add_argument("--regain-deadline", type=float, default=45.0, metavar="SECONDS",
+                        help="--node-loss: a run not training past the fault this long after it fails (default 45)")
     parser.add_argument("--steps", type=int, metavar="N",
                         help=f"steps of training (default {single.steps}; with --scaling {scaling.steps})")
     parser.add_argument("--ckpt-every", type=int, default=10, metavar="K", help="checkpoint every K steps (default 10)")
@@ -465,17 +565,20 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                         help="a new folder to keep logs, progress files and checkpoints in (default: a temporary one)")
     args = parser.parse_args()
 
-    defaults = scaling if args.scaling else single
+    if args.scaling and args.node_loss:
+        parser.error("--scaling and --node-loss are two sweeps: give one")
+    sweep = args.scaling or args.node_loss
+    defaults = scaling if sweep else single
     names = [name.strip() for name in args.launchers.split(",") if name.strip()] if args.launchers else defaults.launchers
     unknown = [name for name in names if name not in LAUNCHERS]
     if unknown or not names:
         parser.error(f"unknown launcher {', '.join(unknown)}; choose from {', '.join(LAUNCHERS)}")
     if len(set(names)) < len(names):
         parser.error("--launchers names a launcher twice: each has one work folder and one row")
-    if args.scaling and (args.nnodes or args.nproc_per_node or args.kill_rank is not None):
-        parser.error("--scaling sets the nodes (1 rank each) and kills the last rank: drop --nnodes, "
+    if sweep and (args.nnodes or args.nproc_per_node or args.kill_rank is not None):
+        parser.error("--scaling and --node-loss set the nodes (1 rank each) and kill the last: drop --nnodes, "
                      "--nproc-per-node and --kill-rank")
-    shapes = [(nnodes, 1) for nnodes in args.scaling] if args.scaling else [(args.nnodes or 2, args.nproc_per_node or 2)]
+    shapes = [(nnodes, 1) for nnodes in sweep] if sweep else [(args.nnodes or 2, args.nproc_per_node or 2)]
     steps = args.steps or defaults.steps
     if not 0 < args.kill_at_step < steps:
         parser.error("--kill-at-step must be between 1 and --steps - 1")
@@ -492,6 +595,7 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
             kill_rank=kill_rank, kill_at_step=args.kill_at_step,
             step_sleep=defaults.step_sleep if args.step_sleep is None else args.step_sleep,
             deadline=args.deadline or defaults.deadline,
+            node_loss=bool(args.node_loss), node_timeout=args.node_timeout, regain_deadline=args.regain_deadline,
         ))
     return args, scenarios, [LAUNCHERS[name] for name in names]
 
@@ -506,6 +610,8 @@ def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path)
         console.print(f"[bold]{launcher.description}[/bold], {scenario.shape}: running, "
                       f"deadline {scenario.deadline:g} s")
         workdir = work_root / f"{launcher.name}-{scenario.nnodes}x{scenario.nproc_per_node}"
+        if scenario.spares(launcher):
+            console.print("  with one spare node")
         result = benchmark(launcher, scenario, workdir)
         console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
         results.append(result)
@@ -531,7 +637,7 @@ def main() -> int:
     for scenario, results in zip(scenarios, results_by_scenario):
         print_table(results, scenario)
     all_results = [result for results in results_by_scenario for result in results]
-    if args.scaling:
+    if args.scaling or args.node_loss:
         print_scaling_table(all_results, scenarios, launchers)
     write_json(all_results, scenarios, launchers, args.json)
     return 0  # the measurements are the result: a launcher that hangs is a finding, not an error
