@@ -234,7 +234,7 @@ class Controller:
             log.warning("ignoring a %s report from %s: node %d now belongs to %s", report.kind.value,
                         report.agent_id, report.node_rank, owner.agent_id)
             return
-        if report.kind is ReportKind.NODE_UNUSABLE and any(s.nproc == owner.nproc for s in self.spares):
+        if report.kind is ReportKind.NODE_UNUSABLE and owner is not None and any(s.nproc == owner.nproc for s in self.spares):
             self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
             return
         self._apply(on_report(self.view, report))
