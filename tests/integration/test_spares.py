@@ -13,6 +13,8 @@ import psutil
 import pytest
 
 from tests.conftest import WORKERS, Launcher, free_port, wait_for
+from tests.integration.test_detection import NpuState, npu_env
+from tests.unit.test_ranktable import assert_hccl_v1
 
 pytestmark = pytest.mark.integration
 TRAIN = str(WORKERS / "train.py")
@@ -21,12 +23,12 @@ STEPS = 24
 NODES = 3
 
 
-def start(launcher, script: str, spares: int = 1, flags=(), **env) -> None:
+def start(launcher, script: str, spares: int = 1, flags=(), environment=None, **env) -> None:
     """Agent i says it is on host 127.0.0.<i+2>: every address is this machine, and the rank tables show who is who."""
     endpoint = f"127.0.0.1:{free_port()}"
     common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", "1", "--rdzv-endpoint",
               endpoint, "--run-id", launcher.mark, "--monitor-interval", "0.05", "--node-timeout", "3", *flags]
-    environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
+    environment = environment or launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
     for i in range(NODES + spares):
         launcher.start([*common, "--local-addr", f"127.0.0.{i + 2}", script], env=environment)
 
@@ -67,8 +69,13 @@ def _step(checkpoint) -> int:
         return 0
 
 
-def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free):
-    start(launcher, TRAIN, flags=["--max-restarts", "2"])
+def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free, tmp_path):
+    # (stand-in) Ascend nodes, so that the HCCL rank table is written too; device IPs from --device-ips
+    state = NpuState(tmp_path / "npu-smi.json", devices=1)
+    ips = tmp_path / "device-ips.yaml"
+    ips.write_text("".join(f"127.0.0.{i + 2}:\n  0: 192.168.100.{i + 2}\n" for i in range(NODES + 1)))
+    start(launcher, TRAIN, flags=["--max-restarts", "2", "--device", "npu", "--device-ips", str(ips)],
+          environment=npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.1"))
     victim = node_agent(launcher, 1)
     spare = wait_for(lambda: [n for n in launcher.nodes if "standing by as a spare node" in n.output], timeout=60,
                      what="the spare to stand by")[0]
@@ -83,11 +90,17 @@ def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free):
     assert results[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
     # the rank table of the new generation names the spare's host for node 1, on every node
     spare_host = host_of(launcher, spare)
+    hosts = [host_of(launcher, node_agent(launcher, 0)), spare_host, host_of(launcher, node_agent(launcher, 2))]
     for result in results.values():
         table = result["ranktable"]
         assert table["generation"] == 1 and table["world_size"] == 3
         assert [(r["rank"], r["node_rank"]) for r in table["ranks"]] == [(0, 0), (1, 1), (2, 2)]
         assert table["ranks"][1]["host"] == spare_host != host_of(launcher, victim)
+        hccl = result["hccl_ranktable"]
+        assert_hccl_v1(hccl, world_size=3)
+        assert [server["server_id"] for server in hccl["server_list"]] == hosts
+        spare_ip = f"192.168.100.{spare_host.rsplit('.', 1)[1]}"
+        assert hccl["server_list"][1]["device"] == [{"device_id": "0", "device_ip": spare_ip, "rank_id": "1"}]
     controller = node_agent(launcher, 0).output
     assert "takes the place of node 1" in controller
     assert "job succeeded" in controller and "nodes replaced by a spare (1)" in controller
@@ -183,7 +196,7 @@ def test_two_nodes_lost_with_one_spare_scale_in_and_finish(launcher):
 
 
 def test_scaled_in_job_grows_back_when_a_node_joins(launcher):
-    start(launcher, TRAIN, spares=0, flags=["--max-restarts", "3", "--nnodes", "2:3"], STEPS="150")
+    start(launcher, TRAIN, spares=0, flags=["--max-restarts", "3", "--nnodes", "2:3"], STEPS="100")
     lost = node_agent(launcher, 2)
     wait_for_step(launcher, 3)
     lost.proc.kill()
@@ -191,7 +204,7 @@ def test_scaled_in_job_grows_back_when_a_node_joins(launcher):
     wait_for(lambda: "going on with 2 nodes" in controller.output, timeout=60, what="the scale-in")
     wait_for(lambda: "generation 1 starting" in controller.output, timeout=60, what="the smaller job to start")
     args = list(lost.proc.args[3:])  # the same flags, as a node restarted by its operator would give
-    late = launcher.start(args, env=launcher.env(STEPS="150", STEP_SLEEP="0.1"))
+    late = launcher.start(args, env=launcher.env(STEPS="100", STEP_SLEEP="0.1"))
     others = [n for n in launcher.nodes if n is not lost]
     assert launcher.wait(others) == [0, 0, 0], launcher.output()
     final = results_of_last_generation(launcher)

@@ -47,19 +47,24 @@ def start_head(launcher, sshd, hosts: list[str], script_args: list[str], flags: 
     return launcher.start(args, env=env or launcher.env(STEPS="6", STEP_SLEEP="0.05"), cwd=cwd)
 
 
-def test_two_hosts_by_two_ranks_run_to_completion(launcher, sshd):
-    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]}:2"], [TRAIN])
+def test_two_hosts_by_two_ranks_run_to_completion_with_a_log_file_per_host(launcher, sshd):
+    log_dir = launcher.tmp / "logs"
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]}:2"], [TRAIN],
+                      flags=["--log-dir", str(log_dir), "--run-id", "logged"])
     assert launcher.wait() == [0], head.output
     results = launcher.results()
     assert sorted(results) == [0, 1, 2, 3]
     assert {r["step"] for r in results.values()} == {6} and {r["world"] for r in results.values()} == {4}
     assert len({r["checksum"] for r in results.values()}) == 1
     output = head.output
-    # node ranks follow the hostfile; output comes back prefixed with host and rank
+    # node ranks follow the hostfile; the console keeps the agents' own lines, prefixed by host
     assert f"{HOSTS[0]}: ftrun: node 0 of 2, ranks 0-1 of 4" in output
     assert f"{HOSTS[1]}: ftrun: node 1 of 2, ranks 2-3 of 4" in output
-    assert f"{HOSTS[1]}: [rank 3]: rank 3 finished step 6" in output
-    assert "job succeeded" in output
+    assert "finished step" not in output and "job succeeded" in output
+    # and each host's whole output, worker lines labelled with their rank, is in its own file
+    for host, ranks in ((HOSTS[0], (0, 1)), (HOSTS[1], (2, 3))):
+        text = (log_dir / "logged" / f"{host}.log").read_text()
+        assert all(f"[rank {rank}]: rank {rank} finished step 6" in text for rank in ranks)
 
 
 def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
@@ -151,19 +156,9 @@ def test_hostile_arguments_env_and_folder_reach_the_workers_unchanged(launcher, 
         assert result["argv"] == HOSTILE_ARGS
         assert result["hostile"] == hostile
         assert result["cwd"] == str(folder)
+    # worker output comes back to the console prefixed with host and rank
+    assert f"{HOSTS[1]}: [rank 1]: rank 1 finished step 6" in head.output
     assert not list(tmp_path.rglob("pwned")) and not (launcher.tmp / "pwned").exists()
-
-
-def test_log_dir_keeps_each_hosts_output_in_a_file(launcher, sshd):
-    log_dir = launcher.tmp / "logs"
-    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN],
-                      flags=["--log-dir", str(log_dir), "--run-id", "logged"])
-    assert launcher.wait() == [0], head.output
-    for rank, host in enumerate(HOSTS[:2]):
-        text = (log_dir / "logged" / f"{host}.log").read_text()
-        assert f"[rank {rank}]: rank {rank} finished step 6" in text
-    # on the console: only the agents' own lines, prefixed by host
-    assert "finished step" not in head.output and f"{HOSTS[1]}: ftrun: node 1 of 2" in head.output
 
 
 def test_dry_run_prints_one_quoted_ssh_command_per_host(launcher, ftrun_cli, tmp_path):
