@@ -164,16 +164,17 @@ class Session:
     def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes):
         self.agent = agent
         self.handled = False
-        path = os.path.join(log_dir, f"{agent.host.address}.log") if log_dir else None
+        paths = {name: os.path.join(log_dir, f"{agent.host.address}.{name}.log") if log_dir else None
+                 for name in ("stdout", "stderr")}
         self.proc = subprocess.Popen(
             agent.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=die_with_parent,
         )
         prefix = f"{agent.host.address}: ".encode()
         self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", sys.stdout.buffer, prefix,
-                              path, console_filter)
+                              paths["stdout"], console_filter)
         self.err = StreamPump(self.proc.stderr, f"ftrun-ssh-err-{agent.node_rank}", sys.stderr.buffer, prefix,
-                              path + ".err" if path else None, console_filter)
+                              paths["stderr"], console_filter)
 
     @property
     def host(self) -> str:

@@ -63,8 +63,9 @@ def test_two_hosts_by_two_ranks_run_to_completion_with_a_log_file_per_host(launc
     assert "finished step" not in output and "job succeeded" in output
     # and each host's whole output, worker lines labelled with their rank, is in its own file
     for host, ranks in ((HOSTS[0], (0, 1)), (HOSTS[1], (2, 3))):
-        text = (log_dir / "logged" / f"{host}.log").read_text()
-        assert all(f"[rank {rank}]: rank {rank} finished step 6" in text for rank in ranks)
+        stdout = (log_dir / "logged" / f"{host}.stdout.log").read_text()
+        assert all(f"[rank {rank}]: rank {rank} finished step 6" in stdout for rank in ranks)
+        assert "ftrun: node " in (log_dir / "logged" / f"{host}.stderr.log").read_text()
 
 
 def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
