@@ -68,8 +68,16 @@ class RemoteSpec:
 @dataclass(frozen=True)
 class RemoteAgent:
     host: Host
+    #: -1 for a spare
     node_rank: int
     argv: tuple[str, ...]
+    #: its --nproc-per-node, and its --devices when the hostfile picked some of the host's slots
+    nproc: str = "1"
+    devices: tuple[int, ...] = ()
+
+    @property
+    def role(self) -> str:
+        return f"node {self.node_rank}" if self.node_rank >= 0 else "spare"
 
 
 def forwarded_env(environ: Mapping[str, str], requested: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
@@ -117,13 +125,14 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
         node_rank = rank if rank < len(hosts) else -1
         flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
                  "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
-        if nproc is not None or host.slots is None:
-            flags += ["--nproc-per-node", nproc or "1"]
-        else:
-            flags += ["--nproc-per-node", str(len(host.slots))]
-            if host.slots != tuple(range(len(host.slots))):
-                flags += ["--devices", ",".join(map(str, host.slots))]
-        agents.append(RemoteAgent(host, node_rank, ssh_argv(host, remote_command(spec, flags), ssh)))
+        count, devices = nproc or "1", ()
+        if nproc is None and host.slots is not None:
+            count = str(len(host.slots))
+            devices = host.slots if host.slots != tuple(range(len(host.slots))) else ()
+        flags += ["--nproc-per-node", count]
+        if devices:
+            flags += ["--devices", ",".join(map(str, devices))]
+        agents.append(RemoteAgent(host, node_rank, ssh_argv(host, remote_command(spec, flags), ssh), count, devices))
     return agents
 
 

@@ -51,12 +51,9 @@ class JobKeys:
 
     @property
     def layout(self) -> str:
-        """The nodes as they are now (a Layout): the rank tables are built from it."""
+        """The nodes as they are now (a Layout): which agent holds each node rank, after any takeover or
+        resize; agents read it before each generation, and the rank tables are built from it."""
         return f"{self.root}/layout"
-
-    def node_owner(self, node_rank: int) -> str:
-        """The agent id that holds this node rank now (a spare's, after a takeover)."""
-        return f"{self.root}/node/{node_rank}/owner"
 
     def spare_heartbeat(self, agent_id: str) -> str:
         return f"{self.root}/spare/{agent_id}/heartbeat"

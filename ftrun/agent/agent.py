@@ -215,9 +215,11 @@ class Agent:
                     if command.kind is CommandKind.EXIT:
                         return next_command, (command.exit_code, command.reason)
                     if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
-                        lost = self.rendezvous.nodes[command.node_rank]
-                        self.slot = NodeSlot(command.node_rank, self.agent_id, self.host, lost.nproc, lost.first_rank)
-                        log.warning("taking the place of node %d (%s): %s", command.node_rank, lost.host, command.reason)
+                        # the controller published the layout with this agent in it before the command
+                        lost = next((n.host for n in self.layout.nodes if n.node_rank == command.node_rank), "new")
+                        self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
+                        self._refresh_layout()
+                        log.warning("taking the place of node %d (%s): %s", command.node_rank, lost, command.reason)
                         return next_command, None
                 time.sleep(HEARTBEAT_INTERVAL)
         except StoreUnavailable as e:
@@ -320,7 +322,7 @@ class Agent:
             return False
         if mine.first_rank != self.slot.first_rank:
             log.warning("node %d now holds ranks %d-%d of %d", self.slot.node_rank, mine.first_rank,
-                        mine.first_rank + mine.nproc - 1, sum(n.nproc for n in self.layout.nodes))
+                        mine.first_rank + mine.nproc - 1, self.layout.world_size)
         self.slot = dataclasses.replace(self.slot, first_rank=mine.first_rank)
         return True
 

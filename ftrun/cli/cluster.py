@@ -17,7 +17,7 @@ from ftrun.cli.launch import agent_flags
 from ftrun.config import LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
 from ftrun.errors import UsageError
 from ftrun.head import Head, HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents, store_endpoint
-from ftrun.hosts import Host, parse_hostfile, select_hosts
+from ftrun.hosts import parse_hostfile, select_hosts
 from ftrun.slurm import PLACEMENT_OPTIONS, slurm_plan
 
 #: options that place the job themselves, which a hostfile does instead
@@ -42,9 +42,7 @@ def print_hosts(values: dict) -> int:
     if values.get("hostfile"):  # the script is not needed to show the hosts
         plan = ClusterPlan.from_values({**values, "script": values.get("script") or "-"}, None, check_script=False)
         lines = [f"store on {plan.config.endpoint} (this head node); run id {plan.config.run_id}"]
-        for agent in plan.agents:
-            role = f"node {agent.node_rank}" if agent.node_rank >= 0 else "spare "
-            lines.append(f"  {role}  {agent.host.name}  {_ranks(agent, plan.nproc)}")
+        lines += [f"  {agent.role:<6}  {agent.host.name}  {_ranks(agent)}" for agent in plan.agents]
     elif values.get("slurm"):
         lines = values["slurm"].describe()
     else:
@@ -58,8 +56,7 @@ def dry_run(values: dict, command: click.Command) -> int:
     if values.get("hostfile"):
         plan = ClusterPlan.from_values(values, command)
         for agent in plan.agents:
-            role = f"node {agent.node_rank}" if agent.node_rank >= 0 else "spare"
-            sys.stdout.write(f"# {role}: {agent.host.name}, {_ranks(agent, plan.nproc)}\n")
+            sys.stdout.write(f"# {agent.role}: {agent.host.name}, {_ranks(agent)}\n")
             sys.stdout.write(shlex.join(agent.argv) + "\n")
         return 0
     config = build_launch_config(values)
@@ -77,24 +74,18 @@ def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
     return head.run()
 
 
-def _ranks(agent: RemoteAgent, nproc: str | None) -> str:
-    slots = agent.host.slots
-    if nproc is not None or slots is None:
-        count = nproc or "1"
-        return f"{count} rank{'' if count == '1' else 's'}"
-    devices = "" if slots == tuple(range(len(slots))) else f" on devices {','.join(map(str, slots))}"
-    return f"{len(slots)} rank{'s' if len(slots) != 1 else ''}{devices}"
+def _ranks(agent: RemoteAgent) -> str:
+    devices = f" on devices {','.join(map(str, agent.devices))}" if agent.devices else ""
+    return f"{agent.nproc} rank{'' if agent.nproc == '1' else 's'}{devices}"
 
 
 class ClusterPlan:
     """A hostfile job, worked out on the head node: its hosts, store and each host's ssh command."""
 
-    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent], spares: list[Host], nproc: str | None,
-                 log_dir: str):
+    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent], log_dir: str):
         self.config = config
+        #: the nodes' agents in node-rank order, then the spares'
         self.agents = agents
-        self.spares = spares
-        self.nproc = nproc
         self.log_dir = log_dir
 
     @classmethod
@@ -147,7 +138,7 @@ class ClusterPlan:
         nproc = str(values["nproc_per_node"]) if "nproc_per_node" in given else None
         agents = plan_agents(active, spec, ssh, endpoint, run_id, nnodes, nproc, spares)
         log_dir = os.path.join(config.log_dir, run_id) if config.log_dir else ""
-        return cls(config, agents, spares, nproc, log_dir)
+        return cls(config, agents, log_dir)
 
 
 def _ssh_option(text: str) -> str:

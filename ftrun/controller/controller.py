@@ -52,6 +52,24 @@ class RecoveryPolicy:
     repair_timeout: float
 
 
+class Keepalives:
+    """When each keepalive counter last moved, by this process's clock (so hosts need no clock sync)."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def quiet_for(self, key: str, count: int, now: float) -> float:
+        """Seconds since ``key``'s counter last changed; 0 when it just did (or is new)."""
+        seen, since = self._seen.get(key, (None, now))
+        if count != seen:
+            self._seen[key] = (count, now)
+            return 0.0
+        return now - since
+
+    def forget(self, key: str) -> None:
+        self._seen.pop(key, None)
+
+
 class RepairClock:
     """When each phase of the repair under way began, for the phase breakdown.
 
@@ -100,9 +118,10 @@ class Controller:
         self._news: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: node rank -> the node as it is now (a spare's agent after a takeover)
         self.nodes: dict[int, NodeSlot] = {}
-        #: idle spare agents, and when each was last heard from
+        #: idle spare agents
         self.spares: list[NodeSlot] = []
-        self._spare_beats: dict[str, tuple[int, float]] = {}
+        #: the nodes' and spares' keepalive counters, as this controller last saw them move
+        self._keepalives = Keepalives()
         #: join records answered so far (the rendezvous's, then late arrivals)
         self._arrivals_seen = 0
         #: the world size of the last generation started (0 before the first)
@@ -181,7 +200,6 @@ class Controller:
 
     def _loop(self) -> None:
         next_report = 0
-        beats: dict[int, tuple[int, float]] = {}
         next_beat = 0.0
         exit_deadline = None
         while self.view.phase is not Phase.DONE:
@@ -189,7 +207,7 @@ class Controller:
             if now >= next_beat:
                 self.store.add(self.keys.controller_heartbeat)
                 next_beat = now + HEARTBEAT_INTERVAL
-                self._check_nodes(beats, now)
+                self._check_nodes(now)
                 self._check_spares(now)
                 self._admit_late_arrivals()
                 self._grow()
@@ -208,18 +226,15 @@ class Controller:
                     break
             time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
 
-    def _check_nodes(self, beats: dict[int, tuple[int, float]], now: float) -> None:
+    def _check_nodes(self, now: float) -> None:
         for node in self.view.present:
-            count = self.store.counter(self.keys.node_heartbeat(node))
-            seen, since = beats.get(node, (-1, now))
-            if count != seen:
-                beats[node] = (count, now)
-            elif now - since > self.policy.node_timeout:
+            key = self.keys.node_heartbeat(node)
+            if self._keepalives.quiet_for(key, self.store.counter(key), now) > self.policy.node_timeout:
                 host = self.nodes[node].host
                 detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.policy.node_timeout:g}s"
                 log.error(detail)
                 self.lose_node(node, detail)
-                beats.pop(node, None)  # a spare that took the node gets its own node_timeout
+                self._keepalives.forget(key)  # a spare that took the node gets its own node_timeout
 
     def lose_node(self, node: int, detail: str) -> None:
         """A node's agent is gone: a spare takes its place when one is idle (and the policy agrees)."""
@@ -243,8 +258,6 @@ class Controller:
         self.nodes = {slot.node_rank: slot for slot in result.nodes}
         self.spares = list(result.spares)
         self._arrivals_seen = len(self.nodes) + len(self.spares)
-        for slot in result.nodes:
-            self.store.set_text(self.keys.node_owner(slot.node_rank), slot.agent_id)
         self.store.set(self.keys.layout, Layout(result.nodes))
         if self.spares:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
@@ -269,7 +282,6 @@ class Controller:
         lost = self.nodes.get(command.node_rank)
         self.nodes[command.node_rank] = dataclasses.replace(spare, node_rank=command.node_rank,
                                                             first_rank=lost.first_rank if lost else -1)
-        self.store.set_text(self.keys.node_owner(command.node_rank), spare.agent_id)
         self._publish_layout()
         if lost is None:
             log.warning("%s joins the job as node %d", spare.host, command.node_rank)
@@ -290,11 +302,8 @@ class Controller:
 
     def _check_spares(self, now: float) -> None:
         for spare in list(self.spares):
-            count = self.store.counter(self.keys.spare_heartbeat(spare.agent_id))
-            seen, since = self._spare_beats.get(spare.agent_id, (-1, now))
-            if count != seen:
-                self._spare_beats[spare.agent_id] = (count, now)
-            elif now - since > self.policy.node_timeout:
+            key = self.keys.spare_heartbeat(spare.agent_id)
+            if self._keepalives.quiet_for(key, self.store.counter(key), now) > self.policy.node_timeout:
                 log.warning("spare %s lost: no keepalive for %gs", spare.host, self.policy.node_timeout)
                 self.spares.remove(spare)
 
