@@ -245,9 +245,11 @@ def test_preflight_stops_every_node_before_training_when_one_has_a_sick_device(l
     healthy, sick = NpuState(tmp_path / "a.json", devices=2), NpuState(tmp_path / "b.json", devices=2)
     sick.set_chip(0, "Critical", [], [])
     endpoint = f"127.0.0.1:{free_port()}"
-    for state in (healthy, sick):
+    # the healthy node hosts the store: two agents on one machine must not both try to bind its port
+    # (a fresh-clone run once saw both succeed, and each waited on its own store)
+    for host, state in ((1, healthy), (0, sick)):
         args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--run-id", launcher.mark,
-                "--device", "npu", "--preflight", ELASTIC]
+                "--rdzv-conf", f"is_host={host}", "--device", "npu", "--preflight", ELASTIC]
         launcher.start(args, env=npu_env(launcher, state))
     assert launcher.wait() == [4, 4], launcher.output()
     output = launcher.output()
