@@ -106,6 +106,8 @@ class LaunchConfig:
     spares: int = 0
     #: a YAML file of device RoCE addresses per host (for the HCCL rank table without hccn_tool), or ""
     device_ips: str = ""
+    #: the controller's status display: auto, live, plain or off
+    status: str = "auto"
 
     @property
     def script(self) -> str:
@@ -323,6 +325,10 @@ def whole_number(value: Any, flag: str, minimum: int = 0) -> int:
     return number
 
 
+#: --status: the controller's display (ftrun.status)
+STATUS_MODES = ("auto", "live", "plain", "off")
+
+
 def choice(value: Any, choices: tuple[str, ...], flag: str) -> str:
     text = str(value).strip().lower()
     if text not in choices:
@@ -445,6 +451,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
         head_managed=bool(raw.get("ssh_agent")),
         spares=whole_number(raw.get("spares") or 0, "--spares"),
+        status=choice(raw.get("status") or "auto", STATUS_MODES, "--status"),
         **device_options(raw),
     )
 

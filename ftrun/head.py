@@ -17,18 +17,18 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from ftrun.agent.output import StreamPump
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError, UsageError
 from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
+from ftrun.status import StatusView, status_view
 from ftrun.store import ControlStore, host_store, is_local_host
 
 log = logging.getLogger(__name__)
@@ -180,9 +180,9 @@ class Session:
             start_new_session=True, preexec_fn=die_with_parent,
         )
         prefix = f"{agent.host.address}: ".encode()
-        self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", sys.stdout.buffer, prefix,
+        self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", ConsoleStream(STDOUT), prefix,
                               paths["stdout"], console_filter)
-        self.err = StreamPump(self.proc.stderr, f"ftrun-ssh-err-{agent.node_rank}", sys.stderr.buffer, prefix,
+        self.err = StreamPump(self.proc.stderr, f"ftrun-ssh-err-{agent.node_rank}", ConsoleStream(STDERR), prefix,
                               paths["stderr"], console_filter)
 
     @property
@@ -237,6 +237,7 @@ class Head:
         self.interrupts = Interrupts()
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
+        self.view: StatusView | None = None
 
     def install_signal_handlers(self) -> None:
         self.interrupts.install()
@@ -265,6 +266,8 @@ class Head:
             if self.controller is not None:
                 self.controller.stop_requested.set()
                 self.controller.join(config.stop_timeout + 5)
+            if self.view is not None:
+                self.view.stop()
         if self.controller.view is None and code != ExitCode.OK:
             raise FtrunError(reason, code)  # the job never started: one error line, as an agent would say it
         return HeadOutcome(code, reason, self.controller)
@@ -277,6 +280,7 @@ class Head:
         controller = Controller.for_config(ControlStore(server, config.endpoint, is_host=True), config, "",
                                            config.endpoint.host)
         controller.start()
+        self.view = status_view(controller, config.status)
         return controller
 
     def _watch(self) -> tuple[int, str]:

@@ -55,6 +55,15 @@ class JobKeys:
         resize; agents read it before each generation, and the rank tables are built from it."""
         return f"{self.root}/layout"
 
+    def agent_status(self, agent_id: str) -> str:
+        """The agent's NodeStatus (ranks, standbys, devices), rewritten at each keepalive."""
+        return f"{self.root}/agent/{agent_id}/status"
+
+    @property
+    def status(self) -> str:
+        """The controller's status snapshot (JSON), rewritten while the job runs: ``ftrun status`` reads it."""
+        return f"{self.root}/status"
+
     def spare_heartbeat(self, agent_id: str) -> str:
         return f"{self.root}/spare/{agent_id}/heartbeat"
 
@@ -114,3 +123,11 @@ class JobKeys:
     def rollback_failure(self, generation: int) -> str:
         """Why the generation's rollback could not happen (no healthy replica holds the state)."""
         return f"{self.generation(generation)}/rollback_failure"
+
+
+#: the run ids of the jobs a store has served, as a sequence (``ftrun status`` picks from them)
+JOBS_COUNT = "ftrun/jobs/count"
+
+
+def job_entry(index: int) -> str:
+    return f"ftrun/jobs/{index}"

@@ -118,6 +118,39 @@ class RendezvousResult:
         return next((n for n in self.nodes + self.spares if n.agent_id == agent_id), None)
 
 
+@dataclass(frozen=True)
+class RankState:
+    """One local rank as its agent sees it, for the status view."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    alive: bool
+    #: how many times this rank's process was started again (job- or process-level)
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """One of the node's devices: ok, resetting, preseparated or isolated (and why)."""
+
+    index: int
+    health: str = "ok"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What an agent publishes about its node at each keepalive, for the status view."""
+
+    agent_id: str
+    host: str
+    generation: int = -1
+    ranks: tuple[RankState, ...] = ()
+    standbys: int = 0
+    devices: tuple[DeviceState, ...] = ()
+
+
 class CommandKind(str, enum.Enum):
     START = "start"  # spawn this generation's workers
     STOP = "stop"  # stop this generation's workers and acknowledge

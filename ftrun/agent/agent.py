@@ -32,10 +32,13 @@ from ftrun.faults.levels import FaultLevel, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
+from ftrun.messages import (
+    Command, CommandKind, JoinRecord, Layout, NodeSlot, NodeStatus, RankState, Report, ReportKind, RendezvousResult,
+)
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import join, linger_for_readers
+from ftrun.status import StatusView, status_view
 from ftrun.store import ControlStore, StoreUnavailable, open_control_store
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ class Agent:
         self.agent_id = f"{self.host}:{os.getpid()}"
         self.interrupts = Interrupts()
         self.controller: Controller | None = None
+        #: the live status view or progress lines, where this agent hosts the controller
+        self.view: StatusView | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
         self.rendezvous: RendezvousResult | None = None
@@ -89,6 +94,8 @@ class Agent:
         self._table_dir = ""
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
         self.layout = Layout()
+        #: global rank -> how many times this agent started its process (the status view's restarts)
+        self._starts: dict[int, int] = {}
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -112,6 +119,13 @@ class Agent:
     # -- run -----------------------------------------------------------------------------------
 
     def run(self) -> JobOutcome:
+        try:
+            return self._run()
+        finally:
+            if self.view is not None:
+                self.view.stop()
+
+    def _run(self) -> JobOutcome:
         config = self.config
         self.table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, self.table)
@@ -170,6 +184,7 @@ class Agent:
         config = self.config
         self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
         self.controller.start()
+        self.view = status_view(self.controller, config.status)
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:
@@ -207,6 +222,7 @@ class Agent:
             while True:
                 now = time.monotonic()
                 self.store.add(self.keys.spare_heartbeat(self.agent_id))
+                self._publish_status(group)
                 controller_beat = self._check_controller(controller_beat, now)
                 if self.interrupts.requested:
                     return next_command, (self.interrupts.exit_code, "interrupted while standing by as a spare")
@@ -236,6 +252,7 @@ class Agent:
                 now = time.monotonic()
                 if now >= next_beat:
                     self.store.add(self.keys.node_heartbeat(self.slot.node_rank))
+                    self._publish_status(group)
                     next_beat = now + HEARTBEAT_INTERVAL
                     controller_beat = self._check_controller(controller_beat, now)
                     if interrupted_at is None:
@@ -299,6 +316,22 @@ class Agent:
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
+    def _publish_status(self, group: WorkerGroup) -> None:
+        """This node's ranks, standbys and devices, for the status view (one store write per keepalive)."""
+        ranks = tuple(
+            RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
+                      max(0, self._starts.get(w.placement.rank, 1) - 1))
+            for w in group.workers
+        )
+        standbys = sum(1 for p in group.standbys if p.poll() is None)
+        status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
+        self.store.set(self.keys.agent_status(self.agent_id), status)
+
+    def _started(self, worker: Worker) -> None:
+        rank = worker.placement.rank
+        self._starts[rank] = self._starts.get(rank, 0) + 1
+        self._watch_from_now(worker)
+
     def _check_controller(self, last: tuple[int, float], now: float) -> tuple[int, float]:
         count = self.store.counter(self.keys.controller_heartbeat)
         if count != last[0]:
@@ -336,7 +369,7 @@ class Agent:
         self._pending = None
         group.start(placements, self._generation_env(command))
         for worker in group.workers:
-            self._watch_from_now(worker)
+            self._started(worker)
         group.fill_standbys()
 
     def _respawn(self, group: WorkerGroup, command: Command, local_ranks: tuple[int, ...]) -> None:
@@ -349,7 +382,7 @@ class Agent:
                 self._wait_for_device(command, local_ranks[done:], e)
                 return
             group.respawn(self._placement(local_rank, self.devices.env(slot)), gen)
-            self._watch_from_now(group.workers[local_rank])
+            self._started(group.workers[local_rank])
         self._pending = None
         group.fill_standbys()
 

@@ -21,7 +21,7 @@ from typing import Iterable
 
 from ftrun.agent.health import ACTIONS, REPAIR_LEVELS, DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
-from ftrun.messages import DeviceRecord
+from ftrun.messages import DeviceRecord, DeviceState
 from ftrun.config import LaunchConfig
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_backend
 from ftrun.faults.levels import Escalation, FaultLevel, FaultTable
@@ -143,6 +143,22 @@ class NodeDevices:
                 log.warning("device %d: %s", index, e)
             records.append(DeviceRecord(index, physical, ip or ips.get(physical, "")))
         return tuple(records)
+
+    def states(self) -> tuple[DeviceState, ...]:
+        """Each device's health as the status view shows it."""
+        allocator = self.allocator
+        if allocator is None:
+            return ()
+        states = []
+        for device in allocator.devices:
+            state = DeviceState(device)
+            for health, unfit in (("isolated", allocator.isolated), ("resetting", allocator.resetting),
+                                  ("preseparated", allocator.preseparated)):
+                if device in unfit:
+                    state = DeviceState(device, health, unfit[device])
+                    break
+            states.append(state)
+        return tuple(states)
 
     @property
     def assigned(self) -> dict[int, int]:

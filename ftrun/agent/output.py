@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import os
 import sys
 import threading
@@ -17,7 +18,7 @@ _console_lock = threading.Lock()
 class StreamPump:
     """Copies one worker pipe line by line, in a named thread, until the pipe closes."""
 
-    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | None, prefix: bytes, file_path: str | None,
+    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes, file_path: str | None,
                  console_only: bytes = b""):
         self._pipe = pipe
         self._console = console
@@ -55,8 +56,22 @@ class StreamPump:
         self._thread.join(timeout)
 
 
-def console_stream(which: int) -> IO[bytes]:
-    return sys.stdout.buffer if which == STDOUT else sys.stderr.buffer
+class ConsoleStream:
+    """The process's stdout or stderr, looked up at each write: while the live status view runs,
+    ``sys.stdout`` is its proxy, which prints each line above the view rather than through it."""
+
+    def __init__(self, which: int):
+        self.which = which
+
+    def write(self, data: bytes) -> None:
+        stream = sys.stdout if self.which == STDOUT else sys.stderr
+        if isinstance(stream, io.TextIOWrapper):
+            stream.buffer.write(data)
+        else:
+            stream.write(data.decode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        (sys.stdout if self.which == STDOUT else sys.stderr).flush()
 
 
 def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.agent import standby
-from ftrun.agent.output import STDERR, STDOUT, StreamPump, console_stream, rank_log_paths
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
@@ -170,7 +170,7 @@ class WorkerGroup:
             return StreamPump(
                 pipe,
                 f"ftrun-{name}-rank{placement.rank}",
-                console_stream(which) if on_console else None,
+                ConsoleStream(which) if on_console else None,
                 f"[rank {placement.rank}]: ".encode() if teed & which or self.config.head_managed else b"",
                 paths[name] if (redirected | teed) & which else None,
             )

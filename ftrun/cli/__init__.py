@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 
 import click
 
@@ -21,6 +20,8 @@ HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for t
   ftrun --hostfile hosts.txt --recovery process train.py      # from a head node: one agent per host over ssh
   srun --ntasks-per-node=1 ftrun --nproc-per-node 8 train.py  # in a Slurm allocation
   ftrun probe          # this node's devices and their health (ftrun probe --help)
+  ftrun status --rdzv-endpoint head:29400 --watch   # a running job's nodes, ranks and repairs
+  ftrun report logs/RUN_ID/events.jsonl --html job.html   # a finished job's summary and timeline
 """
 
 
@@ -34,8 +35,9 @@ def launch_command(ctx: click.Context, **params):
 def _subcommands() -> dict[str, click.Command]:
     """Words that name a command rather than a script (run a script named so as ./probe)."""
     from ftrun.cli.probe import probe_command
+    from ftrun.cli.status import report_command, status_command
 
-    return {"probe": probe_command, "doctor": probe_command}
+    return {"probe": probe_command, "doctor": probe_command, "status": status_command, "report": report_command}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +69,6 @@ def run_launch(values: dict) -> int:
     from ftrun.cli import cluster
     from ftrun.config import build_launch_config
 
-    started = time.monotonic()
     try:
         values = cluster.apply_slurm(values)
         if values.get("print_hosts"):
@@ -89,18 +90,16 @@ def run_launch(values: dict) -> int:
         abort(e.message, e.exit_code)
     except KeyboardInterrupt:
         abort("interrupted", ExitCode.INTERRUPTED)
-    return report_outcome(outcome.exit_code, outcome.reason, outcome.controller, time.monotonic() - started)
+    return report_outcome(outcome.exit_code, outcome.reason, outcome.controller)
 
 
-def report_outcome(exit_code: int, reason: str, controller, duration: float) -> int:
+def report_outcome(exit_code: int, reason: str, controller) -> int:
     """The job summary where the controller ran; elsewhere one line when this node stopped on an error."""
     from ftrun.summary import job_summary
 
     if controller is not None and controller.view is not None:
-        view = controller.view
-        style = "green" if view.exit_code == ExitCode.OK else "bold red"
-        for line in job_summary(view.exit_code, view.reason, view.failures, view.restarts_used,
-                                view.max_restarts, duration, view.replaced_nodes, view.resized):
+        style = "green" if controller.view.exit_code == ExitCode.OK else "bold red"
+        for line in job_summary(controller.events.events):
             say(f"ftrun: {line}", style=style)
         return exit_code
     if exit_code != ExitCode.OK:

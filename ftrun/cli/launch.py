@@ -153,6 +153,9 @@ def launch_options(fn):
         option("tee", group=LOGS, short="-t", default="0", show_default=True,
                help="Copy streams to log files too, lines prefixed [rank N] on the console; values as -r."),
         option("local-ranks-filter", group=LOGS, default="", help="Show only these local ranks' output on the console (0,1)."),
+        option("status", group=LOGS, default="auto", show_default=True,
+               help="The job's status where the controller runs: live (a view redrawn in place), plain (log "
+                    "lines and a progress line every 30s), off, or auto (live on a terminal, else plain)."),
         option("config", group="General", default="", envvar="FTRUN_CONFIG",
                help="YAML file of option values (keys as the flags: nproc_per_node: 2)."),
         click.version_option(__version__, "--version", prog_name="ftrun", message="%(prog)s %(version)s"),

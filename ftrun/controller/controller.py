@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,8 +27,10 @@ from ftrun.controller.policy import (
     on_stop,
     start,
 )
+from ftrun.controller.board import StatusBoard
 from ftrun.errors import ExitCode
-from ftrun.keys import JobKeys
+from ftrun.events import EVENTS_FILE, EventLog
+from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
 from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
@@ -99,6 +103,7 @@ class Controller:
         host_agent_id: str,
         advertised_host: str,
         policy: RecoveryPolicy,
+        events: EventLog | None = None,
     ):
         self.store = store
         self.keys = keys
@@ -107,11 +112,20 @@ class Controller:
         self.advertised_host = advertised_host
         self.policy = policy
         self.view: JobView | None = None
+        #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
+        self.events = events or EventLog()
+        self.board = StatusBoard(store, keys, self.events, keys.run_id)
+        #: when the job entered its current phase (monotonic), for the view's "for 1.2s"
+        self._phase_since = time.monotonic()
         self.rendezvous: RendezvousResult | None = None
         self.stop_requested = threading.Event()
         self._worker_store = None
         self._worker_store_address = ""
         self._repair = RepairClock()
+        #: a job-level restart waiting for its ranks to join (its generation), and whether the
+        #: generation before it used ftrun.elastic (else there is nothing to wait for)
+        self._restarting: int | None = None
+        self._library_seen = False
         self._said_no_library = False
         self._announced = 0  # the newest generation announced to the ranks
         #: news from the process hosting the controller, applied in the controller's thread
@@ -131,6 +145,7 @@ class Controller:
     @classmethod
     def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str) -> "Controller":
         """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``)."""
+        path = os.path.join(config.log_dir, config.run_id, EVENTS_FILE) if config.log_dir else ""
         return cls(
             store=store,
             keys=JobKeys(config.run_id),
@@ -145,6 +160,7 @@ class Controller:
                 stop_timeout=config.stop_timeout,
                 repair_timeout=config.repair_timeout,
             ),
+            events=EventLog(path),
         )
 
     def start(self) -> None:
@@ -187,16 +203,44 @@ class Controller:
                 recovery=self.policy.recovery,
                 min_nodes=self.rendezvous_policy.min_nodes,
             )
+            self._job_started()
             self._apply(start(self.view))
             self._loop()
+            self._refresh_status()
         except StoreUnavailable as e:
             log.error("controller lost its store: %s", e)
+            if self.view is not None:
+                self.view = dataclasses.replace(self.view, exit_code=ExitCode.JOB_FAILED,
+                                                reason=f"the controller lost its store: {e}")
         except Exception:
             log.exception("controller failed")
             if self.view is not None:
                 self.view = dataclasses.replace(self.view, exit_code=ExitCode.JOB_FAILED, reason="the controller failed")
         finally:
             self._worker_store = None
+            if self.view is not None and self.view.phase not in (Phase.EXITING, Phase.DONE):
+                self._job_finished(self.view)  # the controller itself failed: say so in the log
+            self.events.close()
+
+    def _job_started(self) -> None:
+        """The first event, and this job's entry in the store's list (``ftrun status`` finds it there)."""
+        result, view = self.rendezvous, self.view
+        nodes = [{"node": n.node_rank, "host": n.host, "nproc": n.nproc} for n in result.nodes]
+        spares = [{"host": s.host, "nproc": s.nproc} for s in result.spares]
+        self.events.emit("job_started", 0, f"{len(nodes)} nodes, {result.world_size} ranks, {len(spares)} spares, "
+                         f"{view.recovery.value}-level recovery, {view.max_restarts} restarts",
+                         run_id=self.keys.run_id, world_size=result.world_size, nodes=nodes, spares=spares,
+                         recovery=view.recovery.value, max_restarts=view.max_restarts)
+        self.store.set_text(job_entry(self.store.add(JOBS_COUNT) - 1), self.keys.run_id)
+
+    def _refresh_status(self) -> None:
+        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since)
+        self.store.set_text(self.keys.status, json.dumps(snapshot, separators=(",", ":")))
+
+    @property
+    def status(self) -> dict:
+        """The latest status snapshot ({} before the rendezvous is done)."""
+        return self.board.snapshot
 
     def _loop(self) -> None:
         next_report = 0
@@ -212,10 +256,13 @@ class Controller:
                 self._admit_late_arrivals()
                 self._grow()
                 self._check_library()
+                self._refresh_status()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 self._on_report(report)
             self._check_repair()
+            if self._restarting is not None:
+                self._check_restarted()
             while not self._news.empty():
                 self._news.get()()
             if self.view.phase is Phase.EXITING:
@@ -239,6 +286,7 @@ class Controller:
     def lose_node(self, node: int, detail: str) -> None:
         """A node's agent is gone: a spare takes its place when one is idle (and the policy agrees)."""
         slot = self.nodes[node]
+        self.events.emit("node_lost", self.view.generation, detail, node=node, host=slot.host)
         spare = next((s for s in self.spares if s.nproc == slot.nproc), None)
         ranks = tuple(range(slot.first_rank, slot.first_rank + slot.nproc))
         self._apply(on_node_lost(self.view, node, detail, spare.agent_id if spare else "", ranks))
@@ -284,9 +332,11 @@ class Controller:
                                                             first_rank=lost.first_rank if lost else -1)
         self._publish_layout()
         if lost is None:
-            log.warning("%s joins the job as node %d", spare.host, command.node_rank)
+            line = f"{spare.host} joins the job as node {command.node_rank}"
         else:
-            log.warning("spare %s takes the place of node %d (%s)", spare.host, command.node_rank, lost.host)
+            line = f"spare {spare.host} takes the place of node {command.node_rank} ({lost.host})"
+        log.warning(line)
+        self.events.emit("takeover", command.generation, line, node=command.node_rank, host=spare.host)
 
     def _publish_layout(self, starting: bool = False) -> None:
         """The nodes that hold a place in the job now, global ranks numbered over them in node order.
@@ -354,11 +404,18 @@ class Controller:
     def _apply(self, decision) -> None:
         before = self.view
         self.view, commands = decision
+        for failure in self.view.failures[len(before.failures) if before else 0:]:
+            self.events.fault(failure)
         for line in self.view.resized[len(before.resized) if before else 0:]:
             log.warning(line)
+            self.events.emit("resized", self.view.generation, line, world_size=self.view.world_size)
         self._note_phase(before, self.view)
         for command in commands:
             if command.kind is CommandKind.START:
+                level = "start" if command.generation == 0 else "grow" if before.free_restart else "job"
+                self.events.emit("generation_started", command.generation,
+                                 f"generation {command.generation} starts with {self.view.world_size} ranks",
+                                 level=level, world_size=self.view.world_size)
                 self._publish_layout(starting=True)  # a scale-in or a grow-back renumbers the global ranks
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
@@ -381,39 +438,93 @@ class Controller:
         self._announced = generation
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:
+        """Log and record where the job moved: a decision, the repair's phases, its end."""
         if before is None or before.phase is after.phase and before.generation == after.generation:
             return
         now = time.time()
-        if before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
-            self._repair = RepairClock()
-            new_failures = after.failures[len(before.failures):]
-            self._repair.mark("detect", min((f.timestamp for f in new_failures), default=now))
-            self._repair.mark("stop", now)
-            if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
-                self._said_no_library = True
-                log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
-                            after.library_ranks, after.world_size)
-            target = after.generation if after.level is Level.PROCESS else after.generation + 1
-            if after.free_restart:
-                log.warning("job-level restart into generation %d to grow the job", target)
-            else:
-                log.warning("%s-level repair into generation %d: %s", after.level.value, target, after.reason)
+        self._phase_since = time.monotonic()
+        if before.phase is not after.phase:
+            self.events.emit("phase", after.generation, f"{before.phase.value} -> {after.phase.value}",
+                             phase=after.phase.value, level=after.level.value)
+        if after.phase is Phase.EXITING:
+            self._job_finished(after)
+        elif before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
+            self._decided(before, after, now)
+        elif before.level is Level.PROCESS and after.level is Level.JOB and after.phase is Phase.STOPPING:
+            self.events.emit("repair_failed", after.generation, f"{after.reason}; falling back to job level",
+                             level=Level.JOB.value)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
             start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
             for phase in PROCESS_PHASES[start:PROCESS_PHASES.index(after.phase) + 1]:
                 self._repair.mark(phase.value.replace("_", " "), now)
         elif before.phase is not Phase.RUNNING and after.phase is Phase.RUNNING and self._repair.marks:
-            phases = self._repair.breakdown(now)
-            total = sum(seconds for _, seconds in phases)
-            detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
-            if before.level is Level.PROCESS:
-                log.warning("generation %d resumed training %.2fs after the fault (%s)", after.generation, total, detail)
-            elif before.free_restart:
-                log.warning("generation %d starting with %d nodes", after.generation, len(after.present))
+            if before.level is Level.JOB and not before.free_restart and self._library_seen:
+                # the new workers are starting: the repair ends when they all joined their group
+                self._repair.mark("restart", now)
+                self._restarting = after.generation
             else:
-                log.warning("generation %d starting, %.2fs after the fault (%s)", after.generation, total, detail)
-            self._repair = RepairClock()
+                self._repaired(before.level, before.free_restart, after, now)
+
+    def _check_restarted(self) -> None:
+        """After a job-level restart: once every new rank joined its process group, training is back."""
+        view = self.view
+        if view.generation != self._restarting or view.phase is not Phase.RUNNING:
+            self._restarting = None
+            return
+        if self.store.counter(self.keys.milestone(view.generation, "joined")) >= view.world_size:
+            self._restarting = None
+            self._repaired(Level.JOB, False, view, time.time())
+
+    def _decided(self, before: JobView, after: JobView, now: float) -> None:
+        """A fault (or a node joining) stopped the job: the repair's clock starts."""
+        self._repair = RepairClock()
+        new_failures = after.failures[len(before.failures):]
+        self._repair.mark("detect", min((f.timestamp for f in new_failures), default=now))
+        self._repair.mark("stop", now)
+        self._library_seen = self.store.counter(self.keys.milestone(before.generation, "joined")) > 0
+        if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
+            self._said_no_library = True
+            log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
+                        after.library_ranks, after.world_size)
+        target = after.generation if after.level is Level.PROCESS else after.generation + 1
+        if after.free_restart:
+            line = f"job-level restart into generation {target} to grow the job"
+        else:
+            line = f"{after.level.value}-level repair into generation {target}: {after.reason}"
+        log.warning(line)
+        self.events.emit("decision", after.generation, line, level="grow" if after.free_restart else after.level.value,
+                         budget_left=after.budget_left, target_generation=target)
+
+    def _repaired(self, level: Level, free_restart: bool, after: JobView, now: float) -> None:
+        """Training runs again: the repair's phase breakdown, logged and recorded."""
+        phases = self._repair.breakdown(now)
+        total = sum(seconds for _, seconds in phases)
+        detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
+        if level is Level.PROCESS:
+            line = f"generation {after.generation} resumed training {total:.2f}s after the fault ({detail})"
+        elif free_restart:
+            line = f"generation {after.generation} starting with {len(after.present)} nodes"
+        elif phases[-1][0] == "restart":
+            line = f"generation {after.generation} back in training {total:.2f}s after the fault ({detail})"
+        else:  # a script without ftrun.elastic: no sign of its training, only that it started
+            line = f"generation {after.generation} starting, {total:.2f}s after the fault ({detail})"
+        log.warning(line)
+        self._repair = RepairClock()
+        if not free_restart:
+            self.events.emit("repair_done", after.generation, line, level=level.value,
+                             durations={name: round(seconds, 6) for name, seconds in phases}, total=round(total, 6))
+
+    def _job_finished(self, view: JobView) -> None:
+        try:
+            self._refresh_status()  # the final step
+        except StoreUnavailable:
+            pass
+        snapshot = self.board.snapshot
+        outcome = "succeeded" if view.exit_code == ExitCode.OK else f"failed (exit code {view.exit_code})"
+        self.events.emit("job_finished", view.generation, f"job {outcome}: {view.reason}", exit_code=view.exit_code, reason=view.reason,
+                         duration=round(time.monotonic() - self.board.started, 3), step=snapshot.get("step"),
+                         restarts_used=view.restarts_used, max_restarts=view.max_restarts)
 
     def _with_new_worker_store(self, command: Command) -> Command:
         # Each generation gets a fresh store for the workers' env:// rendezvous; the

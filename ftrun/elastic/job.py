@@ -290,6 +290,10 @@ class ElasticJob:
     def close(self) -> None:
         """Leave the job: stop the heartbeat, destroy the process group."""
         self._closed.set()
+        try:
+            self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))  # the final step
+        except Exception:
+            pass  # the controller is gone already
         if dist.is_initialized():
             dist.destroy_process_group()
 

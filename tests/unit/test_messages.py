@@ -15,7 +15,8 @@ from ftrun.messages import (
     signal_name,
     to_json,
 )
-from ftrun.summary import job_summary
+from ftrun.events import EventLog
+from ftrun.summary import figures, job_summary
 
 FAILURE = WorkerFailure(rank=3, local_rank=1, node_rank=1, host="n1", pid=42, exit_code=None, signal="SIGKILL",
                         stderr_tail=("loading", "Killed"), error="", timestamp=1.0, generation=0)
@@ -39,17 +40,42 @@ def test_signal_names():
     assert signal_name(-9) == "SIGKILL" and signal_name(-11) == "SIGSEGV" and signal_name(1) == ""
 
 
+def _events(*failures, exit_code=1, reason="budget spent", repairs=()):
+    log = EventLog()
+    log.emit("job_started", 0, run_id="r", max_restarts=3)
+    for failure in failures:
+        log.fault(failure)
+    for level, total in repairs:
+        log.emit("repair_done", 1, "back", level=level, total=total, durations={"detect": total})
+    log.emit("job_finished", 1, "", exit_code=exit_code, reason=reason, duration=12.0, step=40, restarts_used=1,
+             max_restarts=1 if exit_code else 3)
+    return log.events
+
+
 def test_failure_summary_names_the_root_cause_first():
     second = WorkerFailure(rank=0, local_rank=0, node_rank=0, host="n0", pid=7, exit_code=1, generation=0)
-    lines = job_summary(ExitCode.JOB_FAILED, "budget spent", (FAILURE, second), 1, 1, 12.0)
+    lines = job_summary(_events(FAILURE, second))
     text = "\n".join(lines)
-    assert lines[0].startswith("job failed after 12.0s (exit code 1); 1 of 1 restart used")
+    assert lines[0] == "job failed after 12.0s at step 40 (exit code 1); 1 of 1 restart used"
+    assert lines[1] == "reason: budget spent"
     assert text.index("root cause") < text.index("rank 3 (local rank 1) on node 1 (n1), pid 42: killed by SIGKILL")
     assert text.index("killed by SIGKILL") < text.index("other failures (1)") < text.index("rank 0 (local rank 0)")
     assert "Killed" in text
 
 
-def test_success_summary_lists_recovered_faults():
-    text = "\n".join(job_summary(ExitCode.OK, "", (FAILURE,), 1, 3, 5.0))
-    assert text.startswith("job succeeded in 5.0s; 1 of 3 restarts used")
-    assert "recovered faults (1)" in text and "killed by SIGKILL" in text
+def test_success_summary_counts_faults_and_repairs():
+    exited = WorkerFailure(rank=1, local_rank=1, node_rank=0, host="n0", pid=8, exit_code=1, generation=0, cause="exit")
+    events = _events(FAILURE, exited, exit_code=0, reason="every worker finished",
+                     repairs=(("process", 0.5), ("process", 0.9), ("process", 0.7), ("job", 6.0)))
+    text = "\n".join(job_summary(events))
+    assert text.startswith("job succeeded in 12.0s at step 40; 1 of 3 restarts used")
+    assert "faults: 2 (1 exit, 1 signal)" in text
+    assert "repairs: 3 process-level repairs, median time to repair 0.70s" in text
+    assert "repairs: 1 job-level repair, median time to repair 6.00s" in text
+    assert "recovered faults (2)" in text and "killed by SIGKILL" in text and "reason:" not in text
+    assert figures(events)["faults_by_kind"] == {"signal": 1, "exit": 1}
+
+
+def test_summary_of_a_log_without_its_end():
+    events = _events(FAILURE)[:-1]
+    assert job_summary(events)[0].startswith("job still running (or its controller died)")

@@ -1,0 +1,165 @@
+"""``ftrun status``: a running job's state, from any machine that reaches its store (read-only);
+``ftrun report``: the summary of a finished job again, from its event log, and its HTML page."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from ftrun.cli.console import out, say
+from ftrun.errors import ExitCode, FtrunError, RendezvousError, UsageError
+
+STATUS_HELP = """Show a running job's state: its nodes, ranks, recovery phase and last events.
+
+\b
+  ftrun status --rdzv-endpoint head:29400
+  ftrun status --rdzv-endpoint head:29400 --run-id train7 --watch
+  ftrun status --rdzv-endpoint head:29400 --json | jq .phase
+
+Reads the job's control store and changes nothing. Exits 0, 2 on bad input, 3 when the store cannot
+be reached or holds no ftrun job.
+"""
+
+REPORT_HELP = """Print the end-of-job summary again from an event log (--log-dir DIR writes DIR/RUN_ID/events.jsonl).
+
+\b
+  ftrun report logs/train7/events.jsonl
+  ftrun report logs/train7/events.jsonl --html train7.html
+"""
+
+
+@click.command(help=STATUS_HELP, context_settings={"max_content_width": 110})
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
+              help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
+@click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (one object per line with --watch).")
+@click.option("--watch", is_flag=True, help="Keep showing it, redrawn in place, until the job ends or Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
+              help="Seconds between reads with --watch.")
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+              help="Seconds to wait for the store to answer.")
+def status_command(endpoint: str, run_id: str, as_json: bool, watch: bool, interval: float, timeout: float) -> int:
+    from ftrun.config import DEFAULT_RDZV_PORT, parse_endpoint
+    from ftrun.store import StoreUnavailable
+
+    reader = StatusReader(parse_endpoint(endpoint, DEFAULT_RDZV_PORT), run_id, timeout)
+    try:
+        snapshot = reader.read()
+        if not watch:
+            show(snapshot, as_json)
+            return ExitCode.OK
+        return watch_status(reader, snapshot, as_json, interval)
+    except StoreUnavailable as e:
+        raise RendezvousError(str(e)) from None
+
+
+class StatusReader:
+    """The job's status snapshot from its store: gets and checks only, never a write."""
+
+    def __init__(self, endpoint, run_id: str, timeout: float):
+        from ftrun.keys import JobKeys
+        from ftrun.store import ControlStore, connect_store
+
+        self.endpoint = endpoint
+        self.store = ControlStore(connect_store(endpoint, timeout), endpoint, is_host=False)
+        self.keys = JobKeys(run_id or self._only_run_id())
+
+    def _only_run_id(self) -> str:
+        from ftrun.keys import JOBS_COUNT, job_entry
+
+        count = int(self.store.try_text(JOBS_COUNT) or 0)
+        run_ids = [self.store.try_text(job_entry(index)) for index in range(count)]
+        run_ids = [r for r in run_ids if r]
+        if not run_ids:
+            raise RendezvousError(f"no ftrun job has started on the store at {self.endpoint} (yet)")
+        if len(set(run_ids)) > 1:
+            raise UsageError(f"the store at {self.endpoint} has several jobs: {', '.join(run_ids)}; choose one with --run-id")
+        return run_ids[0]
+
+    def read(self) -> dict:
+        text = self.store.try_text(self.keys.status)
+        if not text:
+            raise RendezvousError(f"job '{self.keys.run_id}' has no status on the store at {self.endpoint} "
+                                  "(a wrong --run-id, or its nodes are still gathering)")
+        return json.loads(text)
+
+
+def show(snapshot: dict, as_json: bool) -> None:
+    from ftrun.status import render
+
+    if as_json:
+        out.print_json(json.dumps(snapshot)) if out.is_terminal else print(json.dumps(snapshot), flush=True)
+    else:
+        out.print(render(snapshot, out.width, out.height))
+
+
+def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: float) -> int:
+    """Redraw (or print a JSON line) every ``interval`` until the job ends, its store goes, or Ctrl-C."""
+    from rich.live import Live
+
+    from ftrun.status import plain_line, render
+    from ftrun.store import StoreUnavailable
+
+    live = None if as_json else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)
+    if live is not None:
+        live.start()
+    try:
+        while True:
+            if as_json:
+                print(json.dumps(snapshot), flush=True)
+            else:
+                live.update(render(snapshot, out.width, out.height), refresh=True)
+            if snapshot["phase"] == "done":
+                return ExitCode.OK
+            time.sleep(interval)
+            try:
+                snapshot = reader.read()
+            except StoreUnavailable:
+                if snapshot["phase"] in ("exiting", "done"):
+                    return ExitCode.OK  # the job ended and its store with it
+                raise RendezvousError(f"the job's store at {reader.endpoint} went away (the job ended, or its host "
+                                      f"is gone); last seen: {plain_line(snapshot)}") from None
+    except KeyboardInterrupt:
+        return ExitCode.OK
+    finally:
+        if live is not None:
+            live.stop()
+
+
+@click.command(help=REPORT_HELP, context_settings={"max_content_width": 110})
+@click.argument("events_file", metavar="EVENTS.jsonl")
+@click.option("--html", "html_path", default="", metavar="FILE", help="Also write a self-contained HTML page with a timeline.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as JSON instead.")
+def report_command(events_file: str, html_path: str, as_json: bool) -> int:
+    from ftrun.events import read_events
+    from ftrun.summary import figures, job_summary
+
+    try:
+        events = read_events(events_file)
+    except (OSError, UnicodeError) as e:
+        raise UsageError(f"cannot read {events_file}: {getattr(e, 'strerror', None) or e}") from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not events:
+        raise UsageError(f"{events_file} holds no events")
+    if as_json:
+        print(json.dumps(figures(events), indent=2))
+    else:
+        for line in job_summary(events):
+            say(line)
+    if html_path:
+        write_html(events, html_path)
+        say(f"wrote {html_path}")
+    return ExitCode.OK
+
+
+def write_html(events: list[dict], path: str) -> None:
+    from ftrun.report import html_report
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(html_report(events))
+    except OSError as e:
+        raise FtrunError(f"cannot write {path}: {e.strerror}", ExitCode.USAGE) from None

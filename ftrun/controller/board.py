@@ -1,0 +1,146 @@
+"""The job's status snapshot: what the live view and ``ftrun status`` show.
+
+The controller builds it at each keepalive from its own view and what the store holds (each agent's
+NodeStatus, each rank's heartbeat counter and committed step), keeps it in memory for the live view
+on its own terminal, and publishes it as JSON under ``keys.status`` for ``ftrun status`` elsewhere.
+Plain data only (dicts, lists, numbers, strings), so both read the same thing.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from ftrun.controller.policy import REPAIR_PHASES, JobView, Phase
+from ftrun.events import EventLog
+from ftrun.keys import JobKeys
+from ftrun.messages import NodeSlot, NodeStatus
+from ftrun.store import ControlStore
+
+#: the training rate is measured over this many seconds of committed steps
+RATE_WINDOW = 5.0
+#: events shown with the snapshot (progress events left out)
+EVENTS_SHOWN = 8
+#: the event log gets a progress line this often (seconds): densely at first, for a short job's timeline
+PROGRESS_EVERY_EARLY, PROGRESS_EVERY, EARLY = 1.0, 10.0, 60.0
+
+
+class Rate:
+    """Steps per second over the last RATE_WINDOW seconds; starts afresh when the step goes back."""
+
+    def __init__(self):
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, now: float, step: int) -> float:
+        samples = self._samples
+        if samples and step < samples[-1][1]:
+            samples.clear()  # a rollback to an older step
+        samples.append((now, step))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW:
+            samples.popleft()
+        (t0, s0), (t1, s1) = samples[0], samples[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class StatusBoard:
+    """Builds the snapshot; records progress in the event log now and then."""
+
+    def __init__(self, store: ControlStore, keys: JobKeys, events: EventLog, run_id: str):
+        self.store = store
+        self.keys = keys
+        self.events = events
+        self.run_id = run_id
+        self.started = time.monotonic()
+        self.snapshot: dict = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._rate = Rate()
+        self._next_progress = 0.0
+        self._last_logged_step = None
+
+    def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float) -> dict:
+        now = time.monotonic()
+        ranks = self._ranks(view.world_size, now)
+        steps = [r["step"] for r in ranks if r["step"] is not None]
+        step = min(steps) if steps else None
+        rate = self._rate.add(now, step) if step is not None else 0.0
+        node_rows = [self._node_row(view, slot, "active") for _, slot in sorted(nodes.items())
+                     if slot.node_rank in view.present]
+        node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
+        node_rows += [self._node_row(view, slot, "spare") for slot in spares]
+        by_rank = {r["rank"]: r for row in node_rows for r in row.pop("rank_states")}
+        for rank in ranks:
+            rank.update(by_rank.get(rank["rank"], {}))
+        self.snapshot = {
+            "run_id": self.run_id,
+            "time": time.time(),
+            "elapsed": now - self.started,
+            "generation": view.generation,
+            "phase": view.phase.value,
+            "level": view.level.value if view.phase in REPAIR_PHASES else "",
+            "phase_for": now - phase_since,
+            "recovery": view.recovery.value,
+            "restarts_used": view.restarts_used,
+            "max_restarts": view.max_restarts,
+            "world_size": view.world_size,
+            "step": step,
+            "steps_per_s": round(rate, 3),
+            "reason": view.reason,
+            "exit_code": view.exit_code if view.phase in (Phase.EXITING, Phase.DONE) else None,
+            "nodes": node_rows,
+            "ranks": ranks,
+            "events": self.events.last((k for k in _SHOWN_KINDS), EVENTS_SHOWN),
+        }
+        self._log_progress(view, now, step, rate)
+        return self.snapshot
+
+    def _ranks(self, world_size: int, now: float) -> list[dict]:
+        rows = []
+        for rank in range(world_size):
+            beats = self.store.counter(self.keys.rank_heartbeat(rank))
+            seen, since = self._beats.get(rank, (None, now))
+            if beats != seen:
+                self._beats[rank] = (beats, now)
+                since = now
+            text = self.store.try_text(self.keys.rank_progress(rank)) if beats else ""
+            rows.append({"rank": rank, "step": int(text) if text.lstrip("-").isdigit() else None,
+                         "heartbeat_age": round(now - since, 1) if beats else None})
+        return rows
+
+    def _node_row(self, view: JobView, slot: NodeSlot, role: str) -> dict:
+        status = self.store.try_get(NodeStatus, self.keys.agent_status(slot.agent_id))
+        states = status.ranks if status else ()
+        row = {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
+               "state": _node_state(view, slot.node_rank) if role == "active" else "standing by",
+               "ranks_total": slot.nproc if role == "active" else 0,
+               "ranks_alive": sum(1 for r in states if r.alive),
+               "standbys": status.standbys if status else 0,
+               "devices": [{"index": d.index, "health": d.health, "reason": d.reason}
+                           for d in (status.devices if status else ())],
+               "rank_states": [{"rank": r.rank, "node": slot.node_rank, "pid": r.pid, "alive": r.alive,
+                                "restarts": r.restarts} for r in states]}
+        return row
+
+    def _vacant_row(self, view: JobView, node: int) -> dict:
+        return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
+                "ranks_total": 0, "ranks_alive": 0, "standbys": 0, "devices": [], "rank_states": []}
+
+    def _log_progress(self, view: JobView, now: float, step: int | None, rate: float) -> None:
+        if step is None or now < self._next_progress or step == self._last_logged_step:
+            return
+        early = now - self.started < EARLY
+        self._next_progress = now + (PROGRESS_EVERY_EARLY if early else PROGRESS_EVERY)
+        self._last_logged_step = step
+        self.events.emit("progress", view.generation, f"step {step}, {rate:.2f} steps/s", step=step,
+                         steps_per_s=round(rate, 3))
+
+
+_SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed", "takeover", "resized",
+                "generation_started", "job_finished")
+
+
+def _node_state(view: JobView, node: int) -> str:
+    if view.phase is Phase.RUNNING:
+        return "finished" if node in view.succeeded else "running"
+    if view.phase in REPAIR_PHASES and view.level.value == "process":
+        return "repairing" if node in view.clearing else "waiting"
+    return view.phase.value

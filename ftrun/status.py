@@ -1,0 +1,205 @@
+"""Showing the job's status snapshot (``ftrun.controller.board``): the live view, plain lines, JSON.
+
+The live view (``--status live``, or auto on a terminal) is a rich ``Live`` redrawn a few times a
+second on the controller's terminal; lines printed meanwhile (ftrun's own, and worker output, which
+``ftrun.agent.output`` writes through ``sys.stdout``) scroll above it instead of tearing it. ``ftrun
+status`` renders the same snapshot read from the store.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Callable
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+#: redraws per second of the live view
+REFRESH_PER_SECOND = 4
+#: plain mode: a progress line this often (seconds)
+PLAIN_EVERY = 30.0
+#: below this width the node table drops its device column
+NARROW = 90
+PHASE_TRACK = ("stopping", "env_clear", "repair", "rollback")
+PHASE_STYLE = {"running": "bold green", "exiting": "bold", "done": "bold"}
+HEALTH_STYLE = {"ok": "green", "resetting": "yellow", "preseparated": "yellow", "isolated": "bold red"}
+EVENT_STYLE = {"fault": "red", "node_lost": "red", "repair_failed": "bold red", "repair_done": "green",
+               "decision": "yellow", "takeover": "cyan", "resized": "cyan", "job_finished": "bold"}
+
+
+def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType:
+    """The whole view: the job line, one row per node, the ranks when they fit, the last events."""
+    if not snapshot:
+        return Text("ftrun: waiting for the nodes to gather (rendezvous)…", style="dim")
+    parts: list[RenderableType] = [job_line(snapshot)]
+    if snapshot["phase"] in PHASE_TRACK:
+        parts.append(phase_track(snapshot))
+    parts.append(node_table(snapshot, width))
+    events = snapshot.get("events") or []
+    room = height - len(snapshot["nodes"]) - len(events) - 10
+    if snapshot["ranks"] and len(snapshot["ranks"]) <= room:
+        parts.append(rank_table(snapshot))
+    if events:
+        parts.append(event_lines(events, width))
+    return Group(*parts)
+
+
+def job_line(s: dict) -> Text:
+    phase = s["phase"]
+    line = Text("ftrun ", style="bold")
+    line.append(f"run {s['run_id']} · generation {s['generation']} · ")
+    label = phase.replace("_", " ").upper()
+    if phase in PHASE_TRACK:
+        label = f"{s['level'].upper()}-LEVEL REPAIR: {phase.replace('_', ' ')} ({s['phase_for']:.1f}s)"
+    line.append(label, style=PHASE_STYLE.get(phase, "bold yellow"))
+    left = s["max_restarts"] - s["restarts_used"]
+    line.append(f" · {s['recovery']}-level recovery · budget {left}/{s['max_restarts']} left")
+    if s["step"] is not None:
+        line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
+    line.append(f" · up {_clock(s['elapsed'])}")
+    if s.get("exit_code") is not None:
+        style = "bold green" if s["exit_code"] == 0 else "bold red"
+        line.append(f" · exit code {s['exit_code']}: {s['reason']}", style=style)
+    return line
+
+
+def phase_track(s: dict) -> Text:
+    """stopping ▸ env clear ▸ repair ▸ rollback, the current phase highlighted."""
+    text = Text("  ")
+    current = PHASE_TRACK.index(s["phase"])
+    for index, phase in enumerate(PHASE_TRACK):
+        style = "bold reverse yellow" if index == current else ("green" if index < current else "dim")
+        text.append(f" {phase.replace('_', ' ')} ", style=style)
+        if index < len(PHASE_TRACK) - 1:
+            text.append(" ▸ ", style="dim")
+    if s["reason"]:
+        text.append(f"  {s['reason']}", style="yellow")
+    return text
+
+
+def node_table(s: dict, width: int) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+    columns = ["node", "host", "role", "state", "ranks", "standby"] + (["devices"] if width >= NARROW else [])
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    for node in s["nodes"]:
+        state_style = "red" if node["state"] in ("lost", "vacant") else "yellow" if node["state"] != "running" else ""
+        ranks = f"{node['ranks_alive']}/{node['ranks_total']}" if node["role"] == "active" else "-"
+        ranks_style = "red" if node["role"] == "active" and node["ranks_alive"] < node["ranks_total"] else ""
+        cells = [str(node["node"]) if node["node"] >= 0 else "-", node["host"], node["role"],
+                 Text(node["state"], style=state_style), Text(ranks, style=ranks_style), str(node["standbys"])]
+        if width >= NARROW:
+            cells.append(_devices(node["devices"]))
+        table.add_row(*cells)
+    return table
+
+
+def rank_table(s: dict) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("rank", "node", "pid", "step", "heartbeat", "restarts"):
+        table.add_column(name, justify="right")
+    for rank in s["ranks"]:
+        age = rank.get("heartbeat_age")
+        beat = Text(f"{age:.1f}s ago" if age is not None else "-", style="red" if age and age > 5 else "")
+        alive = rank.get("alive", True)
+        table.add_row(str(rank["rank"]), str(rank.get("node", "-")),
+                      Text(str(rank.get("pid", "-")), style="" if alive else "red strike"),
+                      str(rank["step"]) if rank["step"] is not None else "-", beat, str(rank.get("restarts", 0)))
+    return table
+
+
+def event_lines(events: list[dict], width: int) -> Text:
+    text = Text("last events\n", style="bold")
+    for event in events:
+        text.append(f"  +{event['elapsed']:7.1f}s  ", style="dim")
+        text.append(f"{event['kind']:<18}", style=EVENT_STYLE.get(event["kind"], ""))
+        detail = event["detail"]
+        room = max(20, width - 32)
+        text.append((detail if len(detail) <= room else detail[:room - 1] + "…") + "\n")
+    text.rstrip()
+    return text
+
+
+def plain_line(s: dict) -> str:
+    """One line: for logs, and for ``--status plain``'s progress report."""
+    alive = sum(n["ranks_alive"] for n in s["nodes"] if n["role"] == "active")
+    step = f", step {s['step']} ({s['steps_per_s']:.1f} steps/s)" if s["step"] is not None else ""
+    spares = sum(1 for n in s["nodes"] if n["role"] == "spare")
+    return (f"generation {s['generation']}, {s['phase'].replace('_', ' ')}{step}, {alive}/{s['world_size']} ranks "
+            f"alive, {spares} spare{'s' if spares != 1 else ''}, budget {s['max_restarts'] - s['restarts_used']}/"
+            f"{s['max_restarts']} left, up {_clock(s['elapsed'])}")
+
+
+def _devices(devices: list[dict]) -> Text:
+    if not devices:
+        return Text("-", style="dim")
+    text = Text()
+    for device in devices:
+        text.append(f"{device['index']}:{device['health']} ", style=HEALTH_STYLE.get(device["health"], "yellow"))
+    return text
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def live_wanted(mode: str) -> bool:
+    """--status auto: the live view when both output streams are terminals."""
+    return mode == "live" or (mode == "auto" and sys.stdout.isatty() and sys.stderr.isatty())
+
+
+class StatusView:
+    """The controller's terminal: the live view, or a plain progress line now and then.
+
+    ``source`` returns the latest snapshot ({} while the rendezvous runs); it is read from the view's
+    own thread, so the controller never waits on the terminal.
+    """
+
+    def __init__(self, source: Callable[[], dict], mode: str, console: Console):
+        self.source = source
+        self.mode = "live" if live_wanted(mode) else mode if mode != "auto" else "plain"
+        self.console = console
+        self._live: Live | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.mode == "live":
+            if not self.console.is_terminal:  # --status live into a pipe or a file: draw anyway
+                self.console = Console(file=sys.stderr, force_terminal=True, width=self.console.width)
+            self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=REFRESH_PER_SECOND,
+                              redirect_stdout=True, redirect_stderr=True, transient=False)
+            self._live.start()
+        elif self.mode == "plain":
+            self._thread = threading.Thread(target=self._plain, name="ftrun-status", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Leave the last view on the screen (the summary prints below it)."""
+        self._stop.set()
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _render(self) -> RenderableType:
+        return render(self.source(), self.console.width, self.console.height)
+
+    def _plain(self) -> None:
+        while not self._stop.wait(PLAIN_EVERY):
+            snapshot = self.source()
+            if snapshot and snapshot["phase"] not in ("exiting", "done"):
+                self.console.print(f"ftrun: {escape(plain_line(snapshot))}", highlight=False)
+
+
+def status_view(controller, mode: str) -> StatusView:
+    """Start the view of ``controller``'s status (a ``Controller``) on ftrun's console."""
+    from ftrun.cli.console import console
+
+    view = StatusView(lambda: controller.status, mode, console)
+    view.start()
+    return view
