@@ -12,11 +12,13 @@ read them there) and, with ``--log-dir``, appends each as a line to ``<log-dir>/
 ``node``, ``rank``, ``host``   where it happened, or null
 ``detail``      one line for a person
 
-and, by kind: ``evidence`` (fault: cause, exit code, signal, error, stderr tail), ``level`` (decision,
-repair_done, generation_started), ``phase`` (phase), ``durations`` and ``total`` (repair_done),
-``step`` and ``steps_per_s`` (progress, job_finished), ``exit_code``, ``duration``, ``restarts_used``,
-``max_restarts`` (job_finished), ``budget_left`` (decision), ``world_size`` (job_started,
-generation_started, resized), ``nodes`` and ``spares`` (job_started).
+and, by kind: ``evidence`` (fault: cause, exit code, signal, pid, error, stderr tail, the agent's
+detection time), ``level`` (decision, repair_done, generation_started), ``phase`` (phase),
+``durations`` (seconds by step of the repair: detect, stop, env clear, repair, rollback at process
+level; detect, stop, restart at job level) and ``total`` (repair_done), ``step`` (progress,
+job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration``, ``restarts_used``,
+``max_restarts`` (job_finished), ``budget_left`` and ``target_generation`` (decision), ``world_size``
+(job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class EventLog:
         self._file: IO[str] | None = None
         if path:
             os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # one job per file
             self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def emit(self, kind: str, generation: int, detail: str = "", *, node: int | None = None,

@@ -27,6 +27,9 @@ NARROW = 90
 PHASE_TRACK = ("stopping", "env_clear", "repair", "rollback")
 PHASE_STYLE = {"running": "bold green", "exiting": "bold", "done": "bold"}
 HEALTH_STYLE = {"ok": "green", "resetting": "yellow", "preseparated": "yellow", "isolated": "bold red"}
+#: the event kinds as the view names them
+EVENT_LABEL = {"generation_started": "generation", "node_lost": "node lost", "repair_done": "repaired",
+               "repair_failed": "repair failed", "job_finished": "finished", "job_started": "started"}
 EVENT_STYLE = {"fault": "red", "node_lost": "red", "repair_failed": "bold red", "repair_done": "green",
                "decision": "yellow", "takeover": "cyan", "resized": "cyan", "job_finished": "bold"}
 
@@ -89,7 +92,8 @@ def node_table(s: dict, width: int) -> Table:
     for node in s["nodes"]:
         state_style = "red" if node["state"] in ("lost", "vacant") else "yellow" if node["state"] != "running" else ""
         ranks = f"{node['ranks_alive']}/{node['ranks_total']}" if node["role"] == "active" else "-"
-        ranks_style = "red" if node["role"] == "active" and node["ranks_alive"] < node["ranks_total"] else ""
+        short = node["state"] in ("running", "repairing", "waiting") and node["ranks_alive"] < node["ranks_total"]
+        ranks_style = "red" if short else ""
         cells = [str(node["node"]) if node["node"] >= 0 else "-", node["host"], node["role"],
                  Text(node["state"], style=state_style), Text(ranks, style=ranks_style), str(node["standbys"])]
         if width >= NARROW:
@@ -115,10 +119,10 @@ def rank_table(s: dict) -> Table:
 def event_lines(events: list[dict], width: int) -> Text:
     text = Text("last events\n", style="bold")
     for event in events:
-        text.append(f"  +{event['elapsed']:7.1f}s  ", style="dim")
-        text.append(f"{event['kind']:<18}", style=EVENT_STYLE.get(event["kind"], ""))
+        text.append(f"  {'+%.1fs' % event['elapsed']:>8}  ", style="dim")
+        text.append(f"{EVENT_LABEL.get(event['kind'], event['kind']):<14}", style=EVENT_STYLE.get(event["kind"], ""))
         detail = event["detail"]
-        room = max(20, width - 32)
+        room = max(20, width - 28)
         text.append((detail if len(detail) <= room else detail[:room - 1] + "…") + "\n")
     text.rstrip()
     return text

@@ -1,21 +1,232 @@
-"""The man page keeps up with the flags: every visible option of ``ftrun`` is documented there."""
+"""The man page keeps up with the code: every visible flag, config key, exit code and worker variable of
+``ftrun`` is documented there, and every example config loads and explains its keys."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import click
 import pytest
+import yaml
 
-from ftrun.cli import launch_command
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.cli import _subcommands, launch_command
+from ftrun.cli.cluster import ClusterPlan
+from ftrun.cli.launch import ALIASES, NOT_IN_CONFIG
+from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, STATUS_MODES, build_launch_config
+from ftrun.devices import DEVICE_KINDS
+from ftrun.devices.cuda import CudaBackend
+from ftrun.devices.npu import NpuBackend
+from ftrun.errors import ExitCode, UsageError
+from ftrun.faults.levels import load_fault_table
 from tests.conftest import ROOT
 
 MAN_PAGE = (ROOT / "man" / "ftrun.1").read_text()
 OPTIONS = [p for p in launch_command.params if isinstance(p, click.Option) and not p.hidden and p.name != "version"]
+#: the keys a config file may hold: every value the launch command passes on (flags and the script's
+#: arguments), as merge_config checks them
+SUBCOMMANDS = sorted(_subcommands().items())
+CONFIG_KEYS = sorted({p.name for p in launch_command.params if p.expose_value} - NOT_IN_CONFIG)
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+#: configs/ holds launch configs, and the fault-level table
+FAULT_TABLE = ROOT / "configs" / "fault_levels.yaml"
+#: sections that man-pages(7) orders so; the page's own topics (RECOVERY, LOGS, ...) sit in between
+STANDARD_SECTIONS = ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "COMMANDS", "CONFIGURATION FILE", "ENVIRONMENT",
+                     "EXIT STATUS", "FILES", "EXAMPLES", "SEE ALSO")
+
+
+def section(title: str) -> str:
+    """The man page's text from ``.SH title`` to the next ``.SH``."""
+    match = re.search(rf'^\.SH "?{re.escape(title)}"?\n(.*?)(?=^\.SH |\Z)', MAN_PAGE, re.M | re.S)
+    assert match, f"man/ftrun.1 has no {title} section"
+    return match.group(1)
+
+
+def mentions(text: str, name: str) -> bool:
+    """``name`` (a variable or key) appears in the groff source ``text`` as a whole word."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", text) is not None
+
+
+def man_spelling(flag: str) -> str:
+    """A regex for ``--flag-name`` as groff source spells it, and not as the start of a longer flag."""
+    return re.escape(flag.replace("-", "\\-")) + r"(?!\\-|\w)"
 
 
 @pytest.mark.parametrize("option", OPTIONS, ids=[o.name for o in OPTIONS])
 def test_every_flag_has_an_entry_in_the_man_page(option):
     long_name = next(o for o in option.opts if o.startswith("--") and "_" not in o)
-    spelled = re.escape(long_name.replace("-", "\\-")) + r"(?!\\-|\w)"  # not the start of a longer flag
-    assert re.search(spelled, MAN_PAGE), f"{long_name} is missing from man/ftrun.1"
+    assert re.search(man_spelling(long_name), MAN_PAGE), f"{long_name} is missing from man/ftrun.1"
+
+
+@pytest.mark.parametrize("flag, choices", [("--recovery", RECOVERY_LEVELS), ("--rdzv-backend", RDZV_BACKENDS),
+                                           ("--device", DEVICE_KINDS), ("--status", STATUS_MODES)])
+def test_an_option_s_entry_lists_exactly_its_choices(flag, choices):
+    tag = re.search(rf"^\\fB{man_spelling(flag)}\\fR (.*)$", section("OPTIONS"), re.M)
+    assert tag, f"{flag} has no entry in OPTIONS"
+    assert set(re.findall(r"\\fB(\w+)\\fR", tag.group(1))) == set(choices)
+
+
+@pytest.mark.parametrize("name, command", SUBCOMMANDS, ids=[name for name, _ in SUBCOMMANDS])
+def test_every_command_and_its_options_are_in_the_commands_section(name, command):
+    text = section("COMMANDS")
+    assert f"\\fBftrun {name}" in text and f"ftrun {name}" in section("SYNOPSIS")
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden:
+            flag = next(o for o in param.opts if o.startswith("--") and "_" not in o)
+            assert re.search(man_spelling(flag), text), f"ftrun {name} {flag} is missing from COMMANDS"
+
+
+def test_the_standard_sections_come_in_the_usual_order():
+    titles = [t.strip('"') for t in re.findall(r"^\.SH (.+)$", MAN_PAGE, re.M)]
+    assert [t for t in titles if t in STANDARD_SECTIONS] == list(STANDARD_SECTIONS)
+
+
+# -- config keys ---------------------------------------------------------------------------------------
+
+
+def test_the_config_loader_accepts_exactly_these_keys(tmp_path):
+    every_key = tmp_path / "every.yaml"
+    every_key.write_text(yaml.safe_dump({key: "x" for key in CONFIG_KEYS}))
+    values = launch_command.main(["--config", str(every_key)], prog_name="ftrun", standalone_mode=False)
+    assert {ALIASES.get(key, key) for key in CONFIG_KEYS} <= values["given"]  # an alias sets its option
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("config: other.yaml\n")  # a real flag, but not one a file may set
+    with pytest.raises(UsageError, match="unknown key 'config'"):
+        launch_command.main(["--config", str(unknown)], prog_name="ftrun", standalone_mode=False)
+
+
+@pytest.mark.parametrize("key", CONFIG_KEYS)
+def test_every_config_key_is_listed_in_the_configuration_file_section(key):
+    assert re.search(rf"\\fB{key}\\fR", section("CONFIGURATION FILE")), (
+        f"config key '{key}' is missing from CONFIGURATION FILE in man/ftrun.1")
+
+
+# -- exit codes ----------------------------------------------------------------------------------------
+
+
+def documented_exit_codes() -> set[int]:
+    return {int(code) for code in re.findall(r"^\.B (\d+)$", section("EXIT STATUS"), re.M)}
+
+
+@pytest.mark.parametrize("code", list(ExitCode), ids=[c.name for c in ExitCode])
+def test_every_exit_code_is_in_the_exit_status_section(code):
+    assert int(code) in documented_exit_codes(), f"exit code {int(code)} ({code.name}) is not in EXIT STATUS"
+
+
+def test_the_exit_status_section_lists_no_code_ftrun_does_not_use():
+    assert documented_exit_codes() <= {int(c) for c in ExitCode}
+
+
+# -- worker environment --------------------------------------------------------------------------------
+
+
+def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
+    """Every variable ftrun sets for a worker: what worker_env adds to an empty environment, plus the
+    device and rank-table variables that the agent assembles as ``("NAME", value)`` pairs."""
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = build_launch_config({"script": str(script), "nproc_per_node": "2", "rdzv_endpoint": "head:29400",
+                                  "device": "cpu"})
+    generation = GenerationEnv(generation=1, restart_count=1, world_size=4, node_count=2, master_addr="head",
+                               master_port=29501, control_store="head:29400", max_restarts=3)
+    names = set(worker_env(config, WorkerPlacement(1, 3, 1, "node1"), generation, str(tmp_path / "error.json")))
+    for source in sorted((ROOT / "ftrun" / "agent").glob("*.py")):
+        names |= set(re.findall(r'\(\s*"([A-Z][A-Z0-9_]+)",', source.read_text()))
+    names |= {CudaBackend.visibility_var, NpuBackend.visibility_var}
+    return names
+
+
+def test_every_variable_set_for_workers_is_in_the_worker_environment_section(tmp_path, monkeypatch):
+    names = variables_set_for_workers(tmp_path, monkeypatch)
+    # both ways of finding them found something: worker_env's own, and the agent's device and rank tables
+    assert {"RANK", "FTRUN_CONTROL_STORE", "FTRUN_DEVICE_INDEX", "FTRUN_RANKTABLE", "RANK_TABLE_FILE"} <= names
+    text = section("WORKER ENVIRONMENT")
+    missing = sorted(name for name in names if not mentions(text, name))
+    assert not missing, f"set for workers but not in WORKER ENVIRONMENT: {', '.join(missing)}"
+
+
+def test_every_ftrun_variable_in_the_man_page_exists_in_the_code():
+    code = "\n".join(p.read_text() for p in (ROOT / "ftrun").rglob("*.py"))
+    named = set(re.findall(r"FTRUN_[A-Z][A-Z0-9_]*[A-Z0-9]", MAN_PAGE))
+    assert named, "the man page names no FTRUN_* variable"
+    stale = sorted(name for name in named if not mentions(code, name))
+    assert not stale, f"man/ftrun.1 names variables ftrun neither reads nor sets: {', '.join(stale)}"
+
+
+# -- example configs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_example_config_loads(path, tmp_path, monkeypatch):
+    if path == FAULT_TABLE:
+        assert load_fault_table(str(path)).sources[-1] == str(path)
+        return
+    monkeypatch.chdir(ROOT)  # paths in the files are relative to the repository, as their usage lines run them
+    script = tmp_path / "train.py"
+    script.write_text("")
+    values = launch_command.main(["--config", str(path), str(script)], prog_name="ftrun", standalone_mode=False)
+    config = build_launch_config(values)
+    assert config.nproc_per_node >= 1
+    if values.get("hostfile"):
+        for name in values.get("env") or ():
+            if "=" not in name:  # a variable the file takes from the head node's shell
+                monkeypatch.setenv(name, "set-for-the-test")
+        assert ClusterPlan.from_values({**values, "rdzv_host": "head"}, launch_command).agents
+
+
+#: a top-level key, in use or commented out (``# key: value``)
+KEY_LINE = re.compile(r"^(#\s*)?([a-z_]+):(\s|$)")
+
+
+def unexplained_keys(lines: list[str], known: set[str]) -> list[str]:
+    """Keys with no comment of their own: neither at the end of their line nor in the comment right
+    above them (a run of keys may share one). A section header (``# --- logs ---``) explains nothing."""
+    def is_key(line: str) -> bool:
+        match = KEY_LINE.match(line)
+        return bool(match) and (not match.group(1) or match.group(2) in known)
+
+    def has_own_comment(line: str) -> bool:
+        return re.search(r"\s#\s", line.lstrip("#").strip()) is not None
+
+    bare = []
+    for number, line in enumerate(lines):
+        if not is_key(line) or has_own_comment(line):
+            continue
+        above = number - 1
+        while above >= 0 and is_key(lines[above]) and not has_own_comment(lines[above]):
+            above -= 1  # keys in a run share the comment above the first
+        comment = lines[above] if above >= 0 else ""
+        if not comment.startswith("#") or is_key(comment) or "---" in comment:
+            bare.append(f"line {number + 1}: {KEY_LINE.match(line).group(2)}")
+    return bare
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_key_in_an_example_config_is_explained(path):
+    bare = unexplained_keys(path.read_text().splitlines(), set(CONFIG_KEYS))
+    assert not bare, f"{path.name}: keys without a comment: {'; '.join(bare)}"
+
+
+def test_the_key_check_spots_a_bare_key():
+    lines = ["# --- logs ---", "log_dir: logs", "", "# the budget", "max_restarts: 3", "recovery: job  # level",
+             "tee: 3", "# the Python and folder on the hosts", "# remote_python: /usr/bin/python3",
+             "# remote_cwd: /shared", "", "# remote_python: /opt/python"]
+    assert unexplained_keys(lines, set(CONFIG_KEYS)) == ["line 2: log_dir", "line 7: tee", "line 12: remote_python"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").iterdir()), ids=lambda p: p.name)
+def test_the_man_page_names_every_example_file(path):
+    assert path.name.replace("-", "\\-") in section("FILES"), f"configs/{path.name} is not named in FILES"
+
+
+@pytest.mark.skipif(not shutil.which("groff"), reason="groff is not installed")
+def test_the_man_page_renders_without_warnings():
+    result = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z", str(ROOT / "man" / "ftrun.1")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and not result.stderr, result.stderr

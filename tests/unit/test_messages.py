@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ftrun.errors import ExitCode
 from ftrun.messages import (
     Command,
     CommandKind,
