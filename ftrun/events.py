@@ -65,6 +65,7 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # one job per file
+            os.fchmod(fd, 0o600)  # also when an older run left the file
             self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def emit(self, kind: str, generation: int, detail: str = "", *, node: int | None = None,

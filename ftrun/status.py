@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 #: redraws per second of the live view
-REFRESH_PER_SECOND = 4
+REFRESH_PER_SECOND = 2
 #: plain mode: a progress line this often (seconds)
 PLAIN_EVERY = 30.0
 #: below this width the node table drops its device column

@@ -44,6 +44,13 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
+With --status-overhead N it measures what the status view and the event log cost the training loop:
+N runs each, alternating, of ftrun --recovery process with --status off (no view, no event log) and with
+--status live (the view drawn twice a second into the log, as on a terminal) and --log-dir (events.jsonl),
+and compares their median steps before the fault (goal: under 1% apart):
+
+    .venv/bin/python scripts/bench_recovery.py --status-overhead 3
+
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default); the exit status is
 0 once every launcher has been measured, whatever its outcome (130 if interrupted). Every process it
 starts carries a marker in its environment; on the way out (also on Ctrl-C) it kills the launchers'
@@ -84,6 +91,8 @@ class Launcher:
     extra_args: tuple[str, ...]
     extra_env: tuple[tuple[str, str], ...] = ()
     script: Path = EXAMPLES / "train_ddp.py"
+    #: ftrun: write the event log (--log-dir in the run's folder)
+    event_log: bool = False
 
 
 LAUNCHERS = {
@@ -99,8 +108,15 @@ LAUNCHERS = {
             "ftrun-process", "ftrun --recovery process", "ftrun", ("--recovery", "process"),
             script=EXAMPLES / "train_ddp_elastic.py",
         ),
+        # --status-overhead: the status view and the event log on, and both off
+        Launcher("ftrun-status-off", "ftrun --recovery process --status off", "ftrun",
+                 ("--recovery", "process", "--status", "off"), script=EXAMPLES / "train_ddp_elastic.py"),
+        Launcher("ftrun-status-live", "ftrun --recovery process --status live --log-dir", "ftrun",
+                 ("--recovery", "process", "--status", "live"), script=EXAMPLES / "train_ddp_elastic.py",
+                 event_log=True),
     )
 }
+STATUS_PAIR = ("ftrun-status-off", "ftrun-status-live")
 BASELINE = "torchrun-noshare"  # the launcher whose median step the ftrun rows are compared with
 
 
@@ -114,7 +130,7 @@ class ModeDefaults:
     deadline: float
 
 
-SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(LAUNCHERS), steps=60, step_sleep=0.0, deadline=90.0)
+SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(name for name in LAUNCHERS if name not in STATUS_PAIR), steps=60, step_sleep=0.0, deadline=90.0)
 # Up to 8 workers and 8 agents share the machine's cores: short runs, and a sleep so steps are not starved.
 SCALING_DEFAULTS = ModeDefaults(
     launchers=(BASELINE, "ftrun", "ftrun-process"), steps=40, step_sleep=0.05, deadline=180.0,
@@ -215,6 +231,7 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         "--max-restarts", str(scenario.max_restarts),
         *placement,
         *launcher.extra_args,
+        *(["--log-dir", str(workdir / "logs")] if launcher.event_log else []),
         str(launcher.script),
         "--steps", str(scenario.steps),
         "--ckpt-dir", str(workdir / "checkpoints"),
@@ -506,9 +523,10 @@ def print_scaling_table(results: list[RunResult], scenarios: list[Scenario], lau
 
 def write_json(
     results: list[RunResult], scenarios: list[Scenario], launchers: list[Launcher], destination: str,
+    extra: dict | None = None,
 ) -> None:
     document = {"scenarios": [asdict(scenario) for scenario in scenarios],
-                "runs": [asdict(result) for result in results]}
+                "runs": [asdict(result) for result in results], **(extra or {})}
     if len(scenarios) > 1:
         document["regain_progress_max_over_min"] = {
             launcher.name: regain_spread([result for result in results if result.launcher == launcher.name])
@@ -560,11 +578,17 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help=f"a run still going after this long counts as hung (default {single.deadline:g}; "
                              f"with --scaling {scaling.deadline:g})")
+    parser.add_argument("--status-overhead", type=int, default=0, metavar="N",
+                        help="instead: N runs each of ftrun --recovery process with --status off and with --status "
+                             "live and the event log, alternating; compares their median step")
     parser.add_argument("--json", default="-", metavar="FILE", help="where the JSON results go; - for stdout (default)")
     parser.add_argument("--work-dir", type=Path, metavar="DIR",
                         help="a new folder to keep logs, progress files and checkpoints in (default: a temporary one)")
     args = parser.parse_args()
 
+    if args.status_overhead and (args.scaling or args.node_loss or args.launchers):
+        parser.error("--status-overhead runs its own pair of launchers, on one job shape: drop --scaling, "
+                     "--node-loss and --launchers")
     if args.scaling and args.node_loss:
         parser.error("--scaling and --node-loss are two sweeps: give one")
     sweep = args.scaling or args.node_loss
@@ -604,12 +628,12 @@ def raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # so a SIGTERM cleans up the way Ctrl-C does
 
 
-def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path) -> list[RunResult]:
+def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path, repeat: int = 0) -> list[RunResult]:
     results = []
     for launcher in launchers:
         console.print(f"[bold]{launcher.description}[/bold], {scenario.shape}: running, "
                       f"deadline {scenario.deadline:g} s")
-        workdir = work_root / f"{launcher.name}-{scenario.nnodes}x{scenario.nproc_per_node}"
+        workdir = work_root / f"{launcher.name}-{scenario.nnodes}x{scenario.nproc_per_node}-{repeat}"
         if scenario.spares(launcher):
             console.print("  with one spare node")
         result = benchmark(launcher, scenario, workdir)
@@ -618,12 +642,42 @@ def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path)
     return compare_with_baseline(results)
 
 
+def status_overhead(results: list[RunResult]) -> dict:
+    """--status-overhead: the median of each launcher's median steps, and live over off."""
+    medians = {name: [r.median_step_s for r in results if r.launcher == name and r.median_step_s] for name in STATUS_PAIR}
+    summary = {name: statistics.median(values) if values else None for name, values in medians.items()}
+    off, live = (summary[name] for name in STATUS_PAIR)
+    return {"median_step_s": summary, "runs": medians, "overhead": live / off - 1 if off and live else None}
+
+
+def print_status_overhead(overhead: dict) -> None:
+    table = Table(title="status view and event log: median step time (s), runs alternating")
+    table.add_column("launcher")
+    table.add_column("median step of each run")
+    table.add_column("median", justify="right")
+    for name in STATUS_PAIR:
+        median = overhead["median_step_s"][name]
+        table.add_row(LAUNCHERS[name].description, ", ".join(f"{v:.4f}" for v in overhead["runs"][name]),
+                      "-" if median is None else f"{median:.4f}")
+    console.print(table)
+    if overhead["overhead"] is not None:
+        console.print(f"overhead of --status live with the event log: {overhead['overhead']:+.2%} (goal: under 1%)")
+
+
 def main() -> int:
     args, scenarios, launchers = parse_args()
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_recovery-"))
     results_by_scenario = []
     try:
+        if args.status_overhead:
+            runs = [run_scenario(scenarios[0], [LAUNCHERS[n] for n in STATUS_PAIR], work_root, repeat)
+                    for repeat in range(args.status_overhead)]
+            results = [result for pair in runs for result in pair]
+            overhead = status_overhead(results)
+            print_status_overhead(overhead)
+            write_json(results, scenarios, [], args.json, {"status_overhead": overhead})
+            return 0
         for scenario in scenarios:
             results_by_scenario.append(run_scenario(scenario, launchers, work_root))
     except KeyboardInterrupt:

@@ -1,0 +1,178 @@
+"""The status snapshot (built from a real store), its rendering, and the event log."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import stat
+
+import pytest
+from rich.console import Console
+
+from ftrun.config import Endpoint
+from ftrun.controller.board import Rate, StatusBoard
+from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.events import EventLog, read_events
+from ftrun.keys import JobKeys
+from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure
+from ftrun.status import StatusView, live_wanted, plain_line, render
+from ftrun.store import ControlStore
+
+KEYS = JobKeys("job1")
+NODES = {0: NodeSlot(0, "a0", "host-a", 2, 0), 1: NodeSlot(1, "a1", "host-b", 2, 2)}
+SPARE = NodeSlot(-1, "s0", "host-c", 2, -1)
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    return ControlStore(raw, Endpoint("127.0.0.1", raw.port), is_host=True)
+
+
+def publish_node(store, agent: str, host: str, first: int, alive=(True, True), devices=()):
+    ranks = tuple(RankState(first + i, i, 100 + first + i, up, restarts=1 if not up else 0) for i, up in enumerate(alive))
+    store.set(KEYS.agent_status(agent), NodeStatus(agent, host, 0, ranks, 1, devices))
+
+
+def snapshot(store, view: JobView, events: EventLog | None = None) -> dict:
+    board = StatusBoard(store, KEYS, events or EventLog(), "job1")
+    return board.refresh(view, NODES, [SPARE], board.started)
+
+
+def test_board_joins_the_agents_and_the_ranks_words(store):
+    publish_node(store, "a0", "host-a", 0, devices=(DeviceState(0), DeviceState(1, "isolated", "SeparateNPU")))
+    publish_node(store, "a1", "host-b", 2, alive=(True, False))
+    for rank, step in ((0, 7), (1, 7), (2, 6)):
+        store.add(KEYS.rank_heartbeat(rank))
+        store.set_text(KEYS.rank_progress(rank), str(step))
+    view = JobView(node_count=2, max_restarts=3, world_size=4, restarts_used=1, generation=1)
+    s = snapshot(store, view)
+    assert (s["phase"], s["generation"], s["step"], s["world_size"]) == ("running", 1, 6, 4)
+    rows = {(n["role"], n["host"]): n for n in s["nodes"]}
+    assert rows["active", "host-a"]["devices"][1] == {"index": 1, "health": "isolated", "reason": "SeparateNPU"}
+    assert (rows["active", "host-b"]["ranks_alive"], rows["active", "host-b"]["ranks_total"]) == (1, 2)
+    assert rows["spare", "host-c"]["state"] == "standing by"
+    rank3 = s["ranks"][3]
+    assert (rank3["pid"], rank3["alive"], rank3["restarts"], rank3["step"], rank3["heartbeat_age"]) == (103, False, 1, None, None)
+    assert s["ranks"][0]["step"] == 7 and s["ranks"][0]["heartbeat_age"] == 0.0
+    json.dumps(s)  # what ftrun status reads: plain data only
+
+
+def test_board_shows_lost_and_vacant_nodes_and_the_repair(store):
+    view = JobView(node_count=3, max_restarts=3, world_size=4, lost=frozenset({2}), phase=Phase.REPAIR,
+                   level=Level.PROCESS, clearing=frozenset({1}), reason="rank 3 killed")
+    s = snapshot(store, view)
+    states = {n["node"]: n["state"] for n in s["nodes"] if n["role"] == "active"}
+    assert states == {0: "waiting", 1: "repairing", 2: "lost"}
+    assert (s["phase"], s["level"]) == ("repair", "process")
+
+
+def test_rate_measures_a_window_and_starts_again_after_a_rollback():
+    rate = Rate()
+    assert rate.add(0.0, 10) == 0.0
+    assert rate.add(1.0, 12) == pytest.approx(2.0)
+    assert rate.add(2.0, 16) == pytest.approx(3.0)
+    assert rate.add(3.0, 5) == 0.0  # rolled back: no negative rate
+    assert rate.add(4.0, 6) == pytest.approx(1.0)
+    for t in range(5, 20):
+        last = rate.add(float(t), 6 + 10 * (t - 4))
+    assert last == pytest.approx(10.0)  # the slow start has left the window
+
+
+def example(phase: str = "running", width_events: int = 3) -> dict:
+    events = EventLog()
+    events.emit("generation_started", 0, "generation 0 starts with 4 ranks")
+    events.fault(WorkerFailure(3, 1, 1, "host-b", 55, None, "SIGKILL", timestamp=1.0, generation=0))
+    events.emit("repair_done", 1, "generation 1 resumed training 0.81s after the fault " + "x" * 200, level="process")
+    return {"run_id": "job1", "time": 0, "elapsed": 3725.0, "generation": 1, "phase": phase,
+            "level": "process" if phase != "running" else "", "phase_for": 0.4, "recovery": "process",
+            "restarts_used": 1, "max_restarts": 3, "world_size": 4, "step": 42, "steps_per_s": 12.5,
+            "reason": "rank 3 killed", "exit_code": None,
+            "nodes": [{"node": 0, "host": "host-a", "agent": "a0", "role": "active", "state": "running",
+                       "ranks_total": 2, "ranks_alive": 2, "standbys": 1,
+                       "devices": [{"index": 0, "health": "ok", "reason": ""}]},
+                      {"node": -1, "host": "host-c", "agent": "s0", "role": "spare", "state": "standing by",
+                       "ranks_total": 0, "ranks_alive": 0, "standbys": 1, "devices": []}],
+            "ranks": [{"rank": r, "node": 0, "pid": 100 + r, "step": 42, "heartbeat_age": 0.5, "alive": True,
+                       "restarts": 0} for r in range(4)],
+            "events": events.events[:width_events]}
+
+
+def text_of(renderable, width: int) -> str:
+    console = Console(record=True, width=width, height=40, file=open(os.devnull, "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_view_shows_the_job_line_nodes_ranks_and_events():
+    text = text_of(render(example(), 120, 40), 120)
+    assert "run job1 · generation 1 · RUNNING · process-level recovery · budget 2/3 left · step 42 · 12.5 steps/s" in text
+    assert "up 1:02:05" in text
+    assert "devices" in text and "0:ok" in text and "host-c" in text and "spare" in text
+    assert re.search(r"rank\s+node\s+pid\s+step\s+heartbeat\s+restarts", text) and " 103 " in text
+    assert "fault" in text and "killed by SIGKILL" in text and "repaired" in text
+    assert all(len(line) <= 120 for line in text.splitlines())  # long details are cut, not wrapped
+
+
+def test_view_adapts_to_a_narrow_short_terminal():
+    text = text_of(render(example(), 70, 12), 70)
+    assert "devices" not in text and "host-a" in text
+    assert "pid" not in text  # no room for the rank rows
+    assert all(len(line) <= 70 for line in text.splitlines() if not line.startswith("ftrun run"))
+
+
+def test_view_during_a_repair_shows_the_phase_track():
+    text = text_of(render(example("rollback"), 120, 40), 120)
+    assert "PROCESS-LEVEL REPAIR: rollback (0.4s)" in text
+    assert "stopping  ▸  env clear  ▸  repair  ▸  rollback" in text and "rank 3 killed" in text
+
+
+def test_view_before_the_rendezvous_and_the_plain_line():
+    assert "waiting for the nodes" in text_of(render({}), 80)
+    line = plain_line(example())
+    assert line == "generation 1, running, step 42 (12.5 steps/s), 2/4 ranks alive, 1 spare, budget 2/3 left, up 1:02:05"
+
+
+def test_view_modes_off_the_terminal():
+    assert not live_wanted("auto") and live_wanted("live") and not live_wanted("plain")
+    console = Console(file=open(os.devnull, "w"))
+    for mode, kind in (("auto", "plain"), ("plain", "plain"), ("off", "off")):
+        view = StatusView(dict, mode, console)
+        assert view.mode == kind
+        view.start()
+        view.stop()
+
+
+def test_event_log_file_is_private_and_times_never_go_back(tmp_path, monkeypatch):
+    path = tmp_path / "logs" / "run" / "events.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("an older job's events\n")
+    log = EventLog(str(path))
+    clock = iter([100.0, 99.0, 101.0])
+    monkeypatch.setattr("ftrun.events.time.time", lambda: next(clock))
+    for kind in ("job_started", "phase", "job_finished"):
+        log.emit(kind, 0, kind)
+    log.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    events = read_events(str(path))
+    assert [e["kind"] for e in events] == ["job_started", "phase", "job_finished"]  # the older job's are gone
+    assert [e["t"] for e in events] == [100.0, 100.0, 101.0]
+    with pytest.raises(ValueError, match="unknown event kind"):
+        EventLog().emit("rumour", 0)
+
+
+def test_reading_a_damaged_event_log(tmp_path):
+    path = tmp_path / "events.jsonl"
+    good = json.dumps({"kind": "phase", "t": 1.0})
+    path.write_text(f"{good}\n{good}\n{{\"kind\": \"pha")  # the writer died mid-line: the last line goes
+    assert len(read_events(str(path))) == 2
+    path.write_text(f"{good}\nnot json\n{good}\n")
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        read_events(str(path))
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="line 1 is not an ftrun event"):
+        read_events(str(path))
