@@ -186,7 +186,7 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     if path:
         from_file = read_config_file(path)
         check_known_keys(from_file, sorted(set(params) - NOT_IN_CONFIG), f"config file {path}")
-        from_file = {ALIASES.get(k, k): v for k, v in from_file.items()}
+        from_file = {ALIASES.get(k, k): _as_flag_value(ctx.command, k, v) for k, v in from_file.items()}
         if "script" in given:  # a script on the command line comes with its own arguments
             from_file.pop("script_args", None)
         values.update((k, v) for k, v in from_file.items() if k not in given)
@@ -195,6 +195,20 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     #: what the user set (flag, PET_* variable or config file), as against defaults
     values["given"] = frozenset(given | set(from_file))
     return values
+
+
+def _as_flag_value(command: click.Command, name: str, value):
+    """A config file's value as the flag would have given it: ``env: A=1`` is one value, not a list of
+    letters, and ``devices: 0`` is the text "0", not a false-looking number."""
+    param = next((p for p in command.params if p.name == name), None)
+    if param is None or isinstance(value, bool):
+        return value
+    if getattr(param, "multiple", False):
+        items = value if isinstance(value, list) else [value]
+        return tuple(str(item) for item in items if item is not None)
+    if param.type is click.STRING and isinstance(value, (int, float)):
+        return str(value)
+    return value
 
 
 #: options only a head node reads (or sets per host itself); never passed on to the agents it starts

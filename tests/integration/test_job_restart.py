@@ -14,12 +14,19 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def fault_free_checksum(tmp_path_factory):
+def fault_free(tmp_path_factory):
+    """One fault-free run, shared: the reference checksum and the success path's own checks."""
     from tests.conftest import Launcher
 
     runner = Launcher(tmp_path_factory.mktemp("fault-free"), "fault-free-reference")
-    runner.start_job(2, 2, [TRAIN], env=runner.env(STEPS=str(STEPS)))
-    assert runner.wait() == [0, 0], runner.output()
+    codes = run_with_fault(runner, fault="")
+    return runner, codes
+
+
+@pytest.fixture(scope="module")
+def fault_free_checksum(fault_free):
+    runner, codes = fault_free
+    assert codes == [0, 0], runner.output()
     results = runner.results()
     assert sorted(results) == [0, 1, 2, 3]
     return results[0]["checksum"]
@@ -31,18 +38,19 @@ def run_with_fault(launcher, fault: str, max_restarts: int = 2, restarts: str = 
     return launcher.wait()
 
 
-def test_success_path_runs_every_rank_to_the_final_step(launcher, fault_free_checksum):
-    codes = run_with_fault(launcher, fault="")
-    assert codes == [0, 0], launcher.output()
-    results = launcher.results()
+def test_success_path_runs_every_rank_to_the_final_step(fault_free, fault_free_checksum):
+    runner, codes = fault_free
+    assert codes == [0, 0], runner.output()
+    results = runner.results()
     assert {r["step"] for r in results.values()} == {STEPS}
     assert {r["checksum"] for r in results.values()} == {fault_free_checksum}
-    assert "job succeeded" in launcher.output()
+    assert "job succeeded" in runner.output()
 
 
-def test_worker_environment_follows_the_torchrun_contract(launcher):
-    assert run_with_fault(launcher, fault="") == [0, 0], launcher.output()
-    results = launcher.results()
+def test_worker_environment_follows_the_torchrun_contract(fault_free):
+    runner, codes = fault_free
+    assert codes == [0, 0], runner.output()
+    results = runner.results()
     assert sorted(results) == [0, 1, 2, 3]
     for rank, result in results.items():
         env = result["env"]
@@ -53,7 +61,7 @@ def test_worker_environment_follows_the_torchrun_contract(launcher):
         assert env["LOCAL_WORLD_SIZE"] == "2"
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["TORCHELASTIC_MAX_RESTARTS"] == "2"
-        assert env["TORCHELASTIC_RUN_ID"] == env["FTRUN_RUN_ID"] == launcher.mark
+        assert env["TORCHELASTIC_RUN_ID"] == env["FTRUN_RUN_ID"] == runner.mark
         assert env["FTRUN_GENERATION"] == "0"
         assert env["MASTER_ADDR"] == "127.0.0.1"
     # every rank met at the same per-generation worker store, distinct from the control store

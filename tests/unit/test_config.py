@@ -74,7 +74,7 @@ def test_flags_override_config_file_which_overrides_defaults(tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text("nproc-per-node: 4\nmax_restarts: 3\nscript: from_file.py\nscript_args: [--a, '1']\n")
     values = parse(["--config", str(config), "--max-restarts", "1"])
-    assert values["nproc_per_node"] == 4
+    assert values["nproc_per_node"] == "4"  # as the flag gives it
     assert values["max_restarts"] == 1
     assert values["script"] == "from_file.py" and values["script_args"] == ["--a", "1"]
 
@@ -126,6 +126,15 @@ def test_alias_flags_also_override_the_config_file(tmp_path, alias, value, key):
     config.write_text("max_restarts: 0\nrun_id: file\n")
     values = parse(["--config", str(config), alias, value, "x.py"])
     assert str(values[key]) == value
+
+
+def test_config_values_read_as_the_flags_give_them(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("env: OMP_NUM_THREADS=8\nssh_option: [-4, ConnectTimeout=5]\ndevices: 0\nlocal_ranks_filter: 0\n")
+    values = parse(["--config", str(config), "x.py"])
+    assert values["env"] == ("OMP_NUM_THREADS=8",)  # one value, not a list of letters
+    assert values["ssh_option"] == ("-4", "ConnectTimeout=5")
+    assert (values["devices"], values["local_ranks_filter"]) == ("0", "0")  # not a false-looking 0
 
 
 def test_config_reads_min_max_as_text_not_base_60(tmp_path):
