@@ -15,11 +15,12 @@ import shlex
 import shutil
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import yaml
 
+from ftrun.auth import read_token
 from ftrun.errors import UsageError
 
 RECOVERY_LEVELS = ("process", "job")
@@ -30,6 +31,11 @@ RDZV_CONF_KEYS = (
     "keep_alive_interval", "keep_alive_max_attempt", "store_type", "use_libuv",
 )
 DEFAULT_MASTER_PORT = 29500
+#: the most nodes, ranks per node, spares or standbys ftrun takes: more is a typo, and would only start
+#: processes (or count node ranks) until the machine gives out
+MAX_COUNT = 100_000
+#: the longest wait ftrun takes, in seconds (31 years): Python's sleeps and waits overflow near 9.2e9
+MAX_SECONDS = 1e9
 #: torchrun's port for a c10d endpoint given without one
 DEFAULT_RDZV_PORT = 29400
 
@@ -108,14 +114,37 @@ class LaunchConfig:
     device_ips: str = ""
     #: the controller's status display: auto, live, plain or off
     status: str = "auto"
+    #: --store-bind: where the stores this node hosts listen ("" for the address the endpoint names)
+    store_bind: str = ""
+    #: the job's secret for signing control messages (--token-file; b"": unsigned)
+    token: bytes = field(default=b"", repr=False)
 
     @property
     def script(self) -> str:
         return self.entrypoint[-1]
 
 
+class _DuplicateKey(Exception):
+    """A key given twice in one YAML mapping (PyYAML would silently keep the last value)."""
+
+    def __init__(self, key: str, line: int, first: int):
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
 class _ConfigLoader(yaml.SafeLoader):
-    """YAML 1.1 without base-60 numbers: ``nnodes: 2:4`` must stay the string "2:4", not 124."""
+    """YAML 1.1 without base-60 numbers: ``nnodes: 2:4`` must stay the string "2:4", not 124.
+    A key given twice is an error, not a silent choice of the last value."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise _DuplicateKey(key_node.value, line, seen[key_node.value])
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
 
 
 _ConfigLoader.yaml_implicit_resolvers = {
@@ -133,7 +162,14 @@ _ConfigLoader.add_implicit_resolver(
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a YAML config file: a mapping of option names (``nproc_per_node: 2``)."""
     data = read_yaml_mapping(path, _ConfigLoader, "config file", "a mapping of option names to values")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    options: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in options:
+            raise UsageError(f"config file {path} sets '{name}' twice (as '{spelled[name]}' and '{key}')")
+        options[name], spelled[name] = value, str(key)
+    return options
 
 
 def read_yaml_mapping(path: str, loader: type, what: str, shape: str) -> dict:
@@ -158,6 +194,12 @@ def parse_yaml_mapping(text: str, loader: type, where: str, shape: str) -> dict:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise UsageError(f"{where} is not valid YAML{at}") from None
+    except _DuplicateKey as e:
+        raise UsageError(f"{where}, line {e.line}: key '{e.key}' is already given on line {e.first}") from None
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        # PyYAML's constructors raise these for values they cannot build: a 5000-digit number,
+        # "2001-13-45", a !!timestamp tag on junk, lists nested thousands deep
+        raise UsageError(f"{where} is not valid YAML ({str(e).split(':')[0]})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -187,6 +229,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise UsageError(f"--nnodes must be N or MIN:MAX with whole numbers, got '{text}'") from None
     if low < 1 or high < low:
         raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got '{text}'")
+    if high > MAX_COUNT:
+        raise UsageError(f"--nnodes must be at most {MAX_COUNT}, got '{text}'")
     return low, high
 
 
@@ -200,6 +244,8 @@ def parse_nproc(text: str) -> int:
         raise UsageError(f"--nproc-per-node must be a positive number or auto/cpu/gpu, got '{text}'") from None
     if value < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {value}")
+    if value > MAX_COUNT:
+        raise UsageError(f"--nproc-per-node must be at most {MAX_COUNT}, got {value}")
     return value
 
 
@@ -225,12 +271,23 @@ def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") 
     host = host.strip("[]")
     if not host:
         raise UsageError(f"{flag} '{text}' has no host name")
+    check_address(host, f"{flag} '{text}'")
     try:
         port = int(port_text)
     except ValueError:
         raise UsageError(f"{flag} '{text}': port '{port_text}' is not a number") from None
     check_port(port, flag)
     return Endpoint(host, port)
+
+
+def check_address(host: str, where: str) -> str:
+    """A host name or address the resolver can take: socket calls raise UnicodeError, not the
+    gaierror callers expect, for a label over 63 characters, an empty one, or bytes that are not UTF-8."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise UsageError(f"{where}: '{host}' is not a host name or address") from None
+    return host
 
 
 def check_port(port: int, flag: str) -> None:
@@ -245,6 +302,8 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--rdzv-conf entries must be key=value, got '{item}'")
+        if key.strip() in conf:
+            raise UsageError(f"--rdzv-conf gives '{key.strip()}' twice")
         conf[key.strip()] = value.strip()
     check_known_keys(conf, RDZV_CONF_KEYS, "--rdzv-conf")
     return conf
@@ -256,11 +315,13 @@ def parse_streams(text: str, flag: str) -> StreamSpec:
     try:
         if ":" not in text:
             return StreamSpec(default=_stream_bits(text))
-        per_rank = []
+        per_rank: dict[int, int] = {}
         for item in text.split(","):
             rank, _, bits = item.partition(":")
-            per_rank.append((int(rank), _stream_bits(bits)))
-        return StreamSpec(per_rank=tuple(per_rank))
+            if int(rank) < 0 or int(rank) in per_rank:
+                raise ValueError(rank)  # a negative rank matches nothing; a second one hides the first
+            per_rank[int(rank)] = _stream_bits(bits)
+        return StreamSpec(per_rank=tuple(per_rank.items()))
     except ValueError:
         raise UsageError(f"{flag} must be 0-3 or LOCAL_RANK:0-3,... (1 stdout, 2 stderr, 3 both), got '{text}'") from None
 
@@ -275,7 +336,7 @@ def _stream_bits(text: str) -> int:
 def _warm_standby(value: Any, recovery: str) -> int:
     if value is None or value == "":
         return 1 if recovery == "process" else 0  # replacements are what standbys are for
-    return whole_number(value, "--warm-standby")
+    return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 
 def parse_script_args(value: Any) -> tuple[str, ...]:
@@ -305,15 +366,19 @@ def parse_rank_filter(text: str) -> frozenset[int] | None:
 
 def positive_seconds(value: Any, flag: str, allow_zero: bool = False) -> float:
     try:
+        if isinstance(value, bool):  # a config file's `true` is not one second
+            raise TypeError
         seconds = float(value)
     except (TypeError, ValueError):
         raise UsageError(f"{flag} must be a number of seconds, got '{value}'") from None
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise UsageError(f"{flag} must be a positive number of seconds, got '{value}'")
+    if seconds > MAX_SECONDS:
+        raise UsageError(f"{flag} must be at most {MAX_SECONDS:g} seconds, got '{value}'")
     return seconds
 
 
-def whole_number(value: Any, flag: str, minimum: int = 0) -> int:
+def whole_number(value: Any, flag: str, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool):
         raise UsageError(f"{flag} must be a whole number, got '{value}'")
     try:
@@ -322,6 +387,8 @@ def whole_number(value: Any, flag: str, minimum: int = 0) -> int:
         raise UsageError(f"{flag} must be a whole number, got '{value}'") from None
     if number < minimum:
         raise UsageError(f"{flag} must be at least {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise UsageError(f"{flag} must be at most {maximum}, got {number}")
     return number
 
 
@@ -340,6 +407,14 @@ def _find_free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def switch(raw: Mapping[str, Any], name: str) -> bool:
+    """An on/off option: a flag gives a bool, and so must a config file (bool("no") is True)."""
+    value = raw.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise UsageError(f"{name} is a switch: true or false, got '{value}'")
+    return bool(value)
 
 
 def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool,
@@ -374,12 +449,13 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     ``check_script`` False: the script lives on other hosts (a head node's ``--remote-cwd``).
     """
     rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
-    standalone = bool(raw.get("standalone"))
+    standalone = switch(raw, "standalone")
     min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", "1"))
     backend = choice(raw.get("rdzv_backend") or "c10d", RDZV_BACKENDS + ("etcd", "etcd-v2"), "--rdzv-backend")
     if backend.startswith("etcd"):
         raise UsageError(f"--rdzv-backend {backend} is not supported: ftrun uses c10d (a TCPStore) or static")
-    master_port = whole_number(raw.get("master_port") or DEFAULT_MASTER_PORT, "--master-port", 1)
+    master_port = raw.get("master_port")  # 0 is a bad port, not "the default"
+    master_port = whole_number(DEFAULT_MASTER_PORT if master_port is None else master_port, "--master-port", 1)
     check_port(master_port, "--master-port")
     run_id = str(raw.get("run_id") or "").strip()
     node_rank = whole_number(raw.get("node_rank", -1), "--node-rank", -1)
@@ -397,7 +473,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
             is_host = node_rank == 0
     else:
         # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
-        endpoint = Endpoint(str(raw.get("master_addr") or "127.0.0.1"), master_port)
+        endpoint = Endpoint(check_address(str(raw.get("master_addr") or "127.0.0.1"), "--master-addr"), master_port)
         backend = "static" if max_nodes > 1 or backend == "static" else backend
         if max_nodes == 1:
             is_host = True
@@ -414,12 +490,13 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         is_host = rdzv_conf["is_host"].lower() in ("1", "true", "yes")
 
     recovery = choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery")
-    rdzv_timeout = positive_seconds(
-        raw.get("rdzv_timeout") or rdzv_conf.get("join_timeout") or 600, "--rdzv-timeout"
-    )
+    if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
+        rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
+    else:
+        rdzv_timeout = positive_seconds(rdzv_conf.get("join_timeout") or 600, "join_timeout")
     nproc = parse_nproc(raw.get("nproc_per_node", "1"))
     entrypoint = build_entrypoint(
-        str(raw.get("script") or ""), bool(raw.get("module")), bool(raw.get("no_python")), bool(raw.get("run_path")),
+        str(raw.get("script") or ""), switch(raw, "module"), switch(raw, "no_python"), switch(raw, "run_path"),
         check_script,
     )
     return LaunchConfig(
@@ -444,14 +521,16 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         repair_timeout=positive_seconds(raw.get("repair_timeout", 60), "--repair-timeout"),
         warm_standby=_warm_standby(raw.get("warm_standby"), recovery),
         role=str(raw.get("role") or "default"),
-        local_addr=str(raw.get("local_addr") or ""),
+        local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
         redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
         tee=parse_streams(raw.get("tee", "0"), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
         head_managed=bool(raw.get("ssh_agent")),
-        spares=whole_number(raw.get("spares") or 0, "--spares"),
+        spares=whole_number(raw.get("spares") or 0, "--spares", maximum=MAX_COUNT),
         status=choice(raw.get("status") or "auto", STATUS_MODES, "--status"),
+        store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),
+        token=read_token(str(raw["token_file"])) if raw.get("token_file") else b"",
         **device_options(raw),
     )
 
@@ -467,7 +546,7 @@ def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
         health_interval=positive_seconds(raw.get("health_interval", 5), "--health-interval"),
         fault_levels=_existing_file(raw.get("fault_levels") or "", "--fault-levels"),
         hang_timeout=positive_seconds(raw.get("hang_timeout", 0), "--hang-timeout", True),
-        preflight=bool(raw.get("preflight")),
+        preflight=switch(raw, "preflight"),
         devices=parse_device_list(raw.get("devices") or ""),
         device_ips=_existing_file(raw.get("device_ips") or "", "--device-ips"),
     )
@@ -487,6 +566,6 @@ def parse_device_list(text: str) -> tuple[int, ...] | None:
     if not text:
         return None
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(re.fullmatch(r"[0-9]{1,9}", p) for p in parts):  # not isdigit(): int() refuses "²"
         raise UsageError(f"--devices must be device ids like 0,2,3, got '{text}'")
     return tuple(sorted({int(p) for p in parts}))

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import IO, Iterable
 
+from ftrun.agent.output import private_dirs
 from ftrun.messages import WorkerFailure
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class EventLog:
         self._last_t = 0.0
         self._file: IO[str] | None = None
         if path:
-            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            private_dirs(os.path.dirname(path) or ".")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # one job per file
             os.fchmod(fd, 0o600)  # also when an older run left the file
             self._file = os.fdopen(fd, "a", encoding="utf-8")

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump, private_dirs
+from ftrun.auth import Signer, new_token
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError, UsageError
@@ -170,7 +171,7 @@ def route_address(hosts: list[str]) -> str:
 class Session:
     """One host's ssh process, its output on the head's console (and in a log file), how it ended."""
 
-    def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes):
+    def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes, token: bytes):
         self.agent = agent
         self.handled = False
         paths = {name: os.path.join(log_dir, f"{agent.host.address}.{name}.log") if log_dir else None
@@ -179,6 +180,11 @@ class Session:
             agent.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=die_with_parent,
         )
+        try:  # the job's secret, on the session's input: never on a command line
+            self.proc.stdin.write(token + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # ssh is gone already: why() will say why
         prefix = f"{agent.host.address}: ".encode()
         self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", ConsoleStream(STDOUT), prefix,
                               paths["stdout"], console_filter)
@@ -238,6 +244,8 @@ class Head:
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
         self.view: StatusView | None = None
+        #: the job's secret: the user's --token-file, else one made for this job
+        self.token = config.token or new_token()
 
     def install_signal_handlers(self) -> None:
         self.interrupts.install()
@@ -245,7 +253,7 @@ class Head:
     def run(self) -> HeadOutcome:
         config = self.config
         if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
+            private_dirs(self.log_dir)
         log.info("starting %d agent%s over ssh; the store and the controller on %s", len(self.agents),
                  "s" if len(self.agents) != 1 else "", config.endpoint)
         hurry = False
@@ -253,7 +261,7 @@ class Head:
             # the sessions first: the hosts start their Python while this one starts the store
             # (the agents retry the store until --rdzv-timeout)
             for agent in self.agents:
-                self.sessions.append(Session(agent, self.log_dir, b"ftrun" if self.log_dir else b""))
+                self.sessions.append(Session(agent, self.log_dir, b"ftrun" if self.log_dir else b"", self.token))
             self.controller = self._start_controller()
             code, reason = self._watch()
         except KeyboardInterrupt:
@@ -274,11 +282,11 @@ class Head:
 
     def _start_controller(self) -> Controller:
         config = self.config
-        server = host_store(config.endpoint)
+        server = host_store(config.endpoint, config.store_bind)
         if server is None:
             raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
-        controller = Controller.for_config(ControlStore(server, config.endpoint, is_host=True), config, "",
-                                           config.endpoint.host)
+        store = ControlStore(server, config.endpoint, is_host=True, signer=Signer(self.token))
+        controller = Controller.for_config(store, config, "", config.endpoint.host)
         controller.start()
         self.view = status_view(controller, config.status)
         return controller

@@ -123,7 +123,7 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
     opened = time.monotonic()
     min_reached_at = None
     while True:
-        joins = store.read_from(keys.arrivals, keys.join, JoinRecord, 0)
+        joins = [j for j in store.read_from(keys.arrivals, keys.join, JoinRecord, 0) if j is not None]
         now = time.monotonic()
         if min_reached_at is None and len(joins) >= policy.min_nodes:
             min_reached_at = now
@@ -158,7 +158,7 @@ def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float,
 def _await_admission(store: ControlStore, keys: JobKeys, record: JoinRecord, stop) -> NodeSlot:
     deadline = time.monotonic() + ADMISSION_DEADLINE
     while time.monotonic() < deadline and not stop.is_set():
-        answer = store.try_text(keys.admission(record.agent_id))
+        answer = store.try_text(keys.admission(record.agent_id), signed=True)
         if answer == "spare":
             return node_slot(record, -1, -1)
         if answer:

@@ -8,6 +8,7 @@ the handshake runs under a guard thread.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import socket
 import threading
@@ -16,6 +17,7 @@ from typing import Callable, TypeVar
 
 import psutil
 
+from ftrun.auth import Forged, Signer
 from ftrun.config import Endpoint
 from ftrun.errors import RendezvousError, UsageError
 from ftrun.messages import from_json, to_json
@@ -27,6 +29,8 @@ T = TypeVar("T")
 OPERATION_TIMEOUT = datetime.timedelta(seconds=60)
 #: a listener that accepts but does not finish the store handshake within this is not a store
 HANDSHAKE_DEADLINE = 3.0
+#: connections the store's socket queues before it accepts them (every agent and rank connects at once)
+LISTEN_BACKLOG = 2048
 
 
 class StoreUnavailable(Exception):
@@ -34,12 +38,19 @@ class StoreUnavailable(Exception):
 
 
 class ControlStore:
-    """The job's store, seen through the few operations ftrun needs."""
+    """The job's store, seen through the few operations ftrun needs.
 
-    def __init__(self, store, endpoint: Endpoint, is_host: bool):
+    Messages (``set``/``get``, and texts written with ``signed=True``) are sealed by ``signer`` with the
+    job's token when it has one (``ftrun.auth``); one that does not open is ignored and logged, once
+    per key. Counters and the worker library's texts are not signed.
+    """
+
+    def __init__(self, store, endpoint: Endpoint, is_host: bool, signer: Signer | None = None):
         self.raw = store
         self.endpoint = endpoint
         self.is_host = is_host
+        self.signer = signer or Signer()
+        self._forged: set[str] = set()
 
     def counter(self, key: str) -> int:
         return self._call(self.raw.add, key, 0)
@@ -48,24 +59,46 @@ class ControlStore:
         return self._call(self.raw.add, key, amount)
 
     def set(self, key: str, message) -> None:
-        self._call(self.raw.set, key, to_json(message))
+        self._call(self.raw.set, key, self.signer.seal(key, to_json(message)))
 
     def get(self, cls: type[T], key: str) -> T:
-        return from_json(cls, self._call(self.raw.get, key))
+        """The message under ``key``; ``Forged`` when it is not one of the job's own."""
+        body = self.signer.open(key, self._call(self.raw.get, key))
+        try:
+            return from_json(cls, body)
+        except (ValueError, TypeError, KeyError) as e:
+            raise Forged(f"not a {cls.__name__} ({type(e).__name__})") from None
 
     def try_get(self, cls: type[T], key: str) -> T | None:
+        """The message, or None while the key is unset or when what it holds is ignored as forged."""
         if not self._call(self.raw.check, [key]):
             return None
-        return self.get(cls, key)
+        try:
+            return self.get(cls, key)
+        except Forged as e:
+            self._ignore(key, e)
+            return None
 
-    def set_text(self, key: str, text: str) -> None:
-        self._call(self.raw.set, key, text)
+    def set_text(self, key: str, text: str, signed: bool = False) -> None:
+        self._call(self.raw.set, key, self.signer.seal(key, text) if signed else text)
 
-    def try_text(self, key: str) -> str:
-        """The key's text, or "" while it is unset."""
+    def try_text(self, key: str, signed: bool = False) -> str:
+        """The key's text, or "" while it is unset (or, ``signed``, when it is forged)."""
         if not self._call(self.raw.check, [key]):
             return ""
-        return self._call(self.raw.get, key).decode("utf-8", "replace")
+        raw = self._call(self.raw.get, key)
+        if not signed:
+            return raw.decode("utf-8", "replace")
+        try:
+            return self.signer.open(key, raw)
+        except Forged as e:
+            self._ignore(key, e)
+            return ""
+
+    def _ignore(self, key: str, problem: Forged) -> None:
+        if key not in self._forged:
+            self._forged.add(key)
+            log.warning("ignoring a message at %s in the store: %s", key, problem)
 
     def append(self, count_key: str, item_key: Callable[[int], str], message) -> int:
         """Append to a sequence: reserve the next index, then write the item under it."""
@@ -73,14 +106,19 @@ class ControlStore:
         self.set(item_key(index), message)
         return index
 
-    def read_from(self, count_key: str, item_key: Callable[[int], str], cls: type[T], start: int) -> list[T]:
-        """Items ``start..`` of a sequence that are fully written."""
-        items = []
+    def read_from(self, count_key: str, item_key: Callable[[int], str], cls: type[T], start: int) -> list[T | None]:
+        """Items ``start..`` of a sequence that are fully written, in order; None in the place of one
+        ignored as forged (the caller counts it, and skips it)."""
+        items: list[T | None] = []
         for index in range(start, self.counter(count_key)):
-            item = self.try_get(cls, item_key(index))
-            if item is None:
+            key = item_key(index)
+            if not self._call(self.raw.check, [key]):
                 break  # reserved but not yet written; read it next time
-            items.append(item)
+            try:
+                items.append(self.get(cls, key))
+            except Forged as e:
+                self._ignore(key, e)
+                items.append(None)
         return items
 
     def _call(self, fn, *args):
@@ -104,31 +142,69 @@ def is_local_host(host: str) -> bool:
     return any(a.startswith("127.") or a == "::1" or a in local for a in addresses)
 
 
-def host_store(endpoint: Endpoint):
-    """Bind a TCPStore server on ``endpoint``'s port; ``None`` if the port is taken."""
+#: --store-bind values that mean every interface
+ALL_INTERFACES = ("0.0.0.0", "*", "all")
+
+
+def bind_address(host: str, bind: str = "", several_nodes: bool = True) -> str:
+    """The address a store hosted for ``host`` listens on: ``bind`` when given (one of
+    ALL_INTERFACES: every interface), else the address ``host`` names. A name that resolves to
+    loopback here but must be reached from other nodes (Debian maps a machine's own name to
+    127.0.1.1) gets every interface instead: binding loopback would shut the other nodes out."""
+    if bind:
+        return "0.0.0.0" if bind in ALL_INTERFACES else bind
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        raise UsageError(f"cannot resolve host name '{host}'") from None
+    named_loopback = host not in ("localhost", "127.0.0.1") and not host.startswith("127.")
+    if address.startswith("127.") and several_nodes and named_loopback:
+        log.info("%s is a loopback address here; the store listens on every interface (--store-bind to choose)", host)
+        return "0.0.0.0"
+    return address
+
+
+def host_store(endpoint: Endpoint, bind: str = "", several_nodes: bool = True):
+    """A TCPStore server on ``endpoint``'s port, listening where ``bind_address`` says; ``None`` if
+    the port is taken there."""
+    return _store_server(endpoint.host, bind_address(endpoint.host, bind, several_nodes), endpoint.port)
+
+
+def _store_server(host: str, address: str, port: int):
+    """A TCPStore server on a socket of ftrun's own, bound to ``address`` (torch alone binds every
+    interface, and lets two servers on one machine both think they bound a port)."""
     from torch.distributed import TCPStore
 
+    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return TCPStore(
-            endpoint.host, endpoint.port, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT
-        )
-    except Exception as e:
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e):
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRINUSE:
             return None
-        raise UsageError(f"cannot host the store on {endpoint}: {_first_line(e)}") from None
+        raise UsageError(f"cannot host the store on {address}:{port}: {e.strerror}") from None
+    port = listener.getsockname()[1]
+    try:  # the store owns the socket from here on
+        return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT,
+                        master_listen_fd=listener.detach())
+    except Exception as e:
+        raise UsageError(f"cannot host the store on {address}:{port}: {_first_line(e)}") from None
 
 
-def open_control_store(endpoint: Endpoint, is_host: bool | None, timeout: float) -> ControlStore:
+def open_control_store(endpoint: Endpoint, is_host: bool | None, timeout: float, signer: Signer | None = None,
+                       bind: str = "", several_nodes: bool = True) -> ControlStore:
     """Host the job's store (``is_host`` True, or None and the port is free here) or join it."""
     wants_host = is_host if is_host is not None else is_local_host(endpoint.host)
     if wants_host:
-        server = host_store(endpoint)
+        server = host_store(endpoint, bind, several_nodes)
         if server is not None:
-            return ControlStore(server, endpoint, is_host=True)
+            return ControlStore(server, endpoint, is_host=True, signer=signer)
         # taken: by the agent that bound first (join it), unless this agent had to host
         if is_host or not _is_store(endpoint):
             raise UsageError(f"port {endpoint.port} on {endpoint.host} is already in use by another program")
-    return ControlStore(connect_store(endpoint, timeout), endpoint, is_host=False)
+    return ControlStore(connect_store(endpoint, timeout), endpoint, is_host=False, signer=signer)
 
 
 def _is_store(endpoint: Endpoint) -> bool:
@@ -189,14 +265,12 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
     return result[0] if result else None
 
 
-def start_worker_store(host: str):
-    """A fresh TCPStore for one generation's workers; returns (store, port).
+def start_worker_store(host: str, bind: str):
+    """A fresh TCPStore for one generation's workers, listening on ``bind``; returns (store, port).
 
     torch's env:// rendezvous assumes a new store per attempt when it shares the
     agent's store (TORCHELASTIC_USE_AGENT_STORE): giving it one is what keeps a
     restarted group from reading the previous attempt's keys.
     """
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT)
+    store = _store_server(host, bind, 0)
     return store, store.port

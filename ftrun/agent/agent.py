@@ -22,9 +22,11 @@ import psutil
 
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
+from ftrun.agent.output import private_dirs
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
+from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError
@@ -130,8 +132,15 @@ class Agent:
         self.table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, self.table)
         preflight = self._preflight() if config.preflight else ""
-        self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout)
+        several = config.max_nodes > 1 or config.spares > 0
+        # a single node makes its own token: no other agent needs it
+        signer = Signer(config.token or (b"" if several else new_token()))
+        self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
+                                        config.store_bind, several)
         if self.store.is_host:
+            if not signer.enabled:
+                log.warning("control messages are not signed: anyone who reaches %s can steer this job "
+                            "(give every node the same --token-file)", config.endpoint)
             self._start_controller()
         log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
         ips = load_device_ips(config.device_ips) if config.device_ips else {}
@@ -199,7 +208,7 @@ class Agent:
         config = self.config
         if config.log_dir:
             path = os.path.join(config.log_dir, config.run_id, f"node{self.slot.node_rank}")
-            os.makedirs(path, exist_ok=True)
+            private_dirs(path)
             return path
         if config.redirects.default or config.redirects.per_rank or config.tee.default or config.tee.per_rank:
             path = tempfile.mkdtemp(prefix=f"ftrun-{config.run_id}-")  # kept: the user asked for these files
@@ -228,6 +237,8 @@ class Agent:
                     return next_command, (self.interrupts.exit_code, "interrupted while standing by as a spare")
                 for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
                     next_command += 1
+                    if command is None:
+                        continue  # forged: ignored (and logged)
                     if command.kind is CommandKind.EXIT:
                         return next_command, (command.exit_code, command.reason)
                     if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
@@ -284,6 +295,8 @@ class Agent:
 
                 for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
                     next_command += 1
+                    if command is None:
+                        continue  # forged: ignored (and logged)
                     if command.kind in (CommandKind.EXIT, CommandKind.STOP):
                         self._pending = None
                     if command.kind is CommandKind.EXIT:

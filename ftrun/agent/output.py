@@ -74,9 +74,22 @@ class ConsoleStream:
         (sys.stdout if self.which == STDOUT else sys.stderr).flush()
 
 
+def private_dirs(path: str) -> None:
+    """Make ``path`` and any missing folder above it, each owner-only (logs hold the job's output)."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+
+
 def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:
     folder = os.path.join(log_dir, f"attempt_{generation}", str(rank))
-    os.makedirs(folder, exist_ok=True)
+    private_dirs(folder)
     return {name: os.path.join(folder, f"{name}.log") for name in ("stdout", "stderr")} | {
         "error": os.path.join(folder, "error.json")
     }

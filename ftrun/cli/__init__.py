@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import select
 import sys
+import time
 
 import click
 
@@ -79,6 +82,8 @@ def run_launch(values: dict) -> int:
             outcome = cluster.run_cluster(values, launch_command)
         else:
             config = build_launch_config(values)
+            if config.head_managed:
+                config = dataclasses.replace(config, token=read_session_token())
             if values.get("slurm"):
                 say(f"ftrun: {values['slurm'].describe()[0]}")
             agent = Agent(config)
@@ -91,6 +96,26 @@ def run_launch(values: dict) -> int:
     except KeyboardInterrupt:
         abort("interrupted", ExitCode.INTERRUPTED)
     return report_outcome(outcome.exit_code, outcome.reason, outcome.controller)
+
+
+#: how long an agent started over ssh waits for the head node's first line (the job's token)
+SESSION_TOKEN_DEADLINE = 30.0
+
+
+def read_session_token() -> bytes:
+    """The job's secret, the first line the head node writes to this agent's ssh session. Read from
+    the bare descriptor, a byte at a time, so that nothing after it is taken from the session watch."""
+    fd = sys.stdin.fileno()
+    line = b""
+    deadline = time.monotonic() + SESSION_TOKEN_DEADLINE
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 1) if ready else b""
+        if not chunk:
+            raise FtrunError("the head node's session sent no token (started by hand with --ssh-agent?)",
+                             ExitCode.RENDEZVOUS)
+        line += chunk
+    return line.strip()
 
 
 def report_outcome(exit_code: int, reason: str, controller) -> int:

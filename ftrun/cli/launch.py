@@ -6,6 +6,7 @@ import click
 
 from ftrun import __version__
 from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
+from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
 GROUPS = ("Nodes and processes", "Cluster (SSH, Slurm)", "Rendezvous", "Recovery", "Devices and faults",
@@ -104,6 +105,13 @@ def launch_options(fn):
         option("master-addr", group=RDZV, default="127.0.0.1", show_default=True, help="Store host for the static rendezvous."),
         option("master-port", group=RDZV, type=int, default=29500, show_default=True, help="Store port for the static rendezvous."),
         option("local-addr", group=RDZV, default="", help="Address this node advertises to the others."),
+        option("store-bind", group=RDZV, default="",
+               help="Address the stores this node hosts listen on; 0.0.0.0 for every interface.  "
+                    "[default: the address the endpoint (or --local-addr) names]"),
+        option("token-file", group=RDZV, default="",
+               help="File with the job's secret (owner-only): every control message is signed with it, and "
+                    "unsigned ones are ignored. Give every node the same file. [default: a head node makes one "
+                    "for its agents; a single node makes its own]"),
         option("recovery", group=RECOVERY, default="job", show_default=True,
                help=f"Finest recovery level to try: {', '.join(RECOVERY_LEVELS)}."),
         option("max-restarts", group=RECOVERY, type=int, default=None,
@@ -178,6 +186,9 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     given = {k for k in params if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)}
     values = {k: v for k, v in params.items() if k not in ALIASES}
     for alias, target in ALIASES.items():
+        if alias in given and target in given and params[alias] != params[target]:
+            raise UsageError(f"--{alias.replace('_', '-')} {params[alias]} and --{target.replace('_', '-')} "
+                             f"{params[target]} set one option: give one of them")
         if alias in given and target not in given:
             values[target] = params[alias]
             given.add(target)
@@ -186,7 +197,12 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     if path:
         from_file = read_config_file(path)
         check_known_keys(from_file, sorted(set(params) - NOT_IN_CONFIG), f"config file {path}")
-        from_file = {ALIASES.get(k, k): _as_flag_value(ctx.command, k, v) for k, v in from_file.items()}
+        for alias, target in ALIASES.items():
+            if alias in from_file and target in from_file and from_file[alias] != from_file[target]:
+                raise UsageError(f"config file {path} sets {target} twice ({target}: {from_file[target]}, "
+                                 f"{alias}: {from_file[alias]})")
+        from_file = {ALIASES.get(k, k): _as_flag_value(ctx.command, k, v, f"config file {path}")
+                     for k, v in from_file.items()}
         if "script" in given:  # a script on the command line comes with its own arguments
             from_file.pop("script_args", None)
         values.update((k, v) for k, v in from_file.items() if k not in given)
@@ -197,15 +213,27 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     return values
 
 
-def _as_flag_value(command: click.Command, name: str, value):
+def _as_flag_value(command: click.Command, name: str, value, where: str):
     """A config file's value as the flag would have given it: ``env: A=1`` is one value, not a list of
-    letters, and ``devices: 0`` is the text "0", not a false-looking number."""
+    letters, and ``devices: 0`` is the text "0", not a false-looking number. A list, mapping or
+    true/false for an option that takes one value is refused: ``hostfile: true`` would be opened as
+    file descriptor 1."""
     param = next((p for p in command.params if p.name == name), None)
-    if param is None or isinstance(value, bool):
+    if param is None or value is None:
+        return value
+    if getattr(param, "is_flag", False):
+        if not isinstance(value, (bool, str)):  # text is checked where it is read (config.switch)
+            raise UsageError(f"{name} in {where} is a switch: true or false, got '{value}'")
         return value
     if getattr(param, "multiple", False):
         items = value if isinstance(value, list) else [value]
         return tuple(str(item) for item in items if item is not None)
+    if param.nargs == -1:  # script_args: a list, or one string (config.parse_script_args checks)
+        return value
+    if isinstance(value, (bool, list, dict)):
+        what = {"integer": "a whole number", "float": "a number"}.get(param.type.name, "text or a number")
+        how = f"as after --{name.replace('_', '-')}" if isinstance(param, click.Option) else "as on the command line"
+        raise UsageError(f"{name} in {where} must be {what} ({how}), got '{value}'")
     if param.type is click.STRING and isinstance(value, (int, float)):
         return str(value)
     return value
@@ -216,7 +244,7 @@ HEAD_ONLY = frozenset({
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
     "print_hosts", "dry_run", "ssh_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
     "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
-    "spares",
+    "spares", "store_bind", "token_file",
 })
 
 

@@ -33,7 +33,7 @@ from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
 from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
-from ftrun.store import ControlStore, StoreUnavailable, start_worker_store
+from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
 #: how often the controller reads the store: briskly while a repair or an exit is under way, gently
@@ -104,12 +104,15 @@ class Controller:
         advertised_host: str,
         policy: RecoveryPolicy,
         events: EventLog | None = None,
+        bind: str = "",
     ):
         self.store = store
         self.keys = keys
         self.rendezvous_policy = rendezvous
         self.host_agent_id = host_agent_id
         self.advertised_host = advertised_host
+        #: where each generation's worker store listens ("": the address advertised_host names)
+        self.bind = bind or bind_address(advertised_host)
         self.policy = policy
         self.view: JobView | None = None
         #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
@@ -161,6 +164,7 @@ class Controller:
                 repair_timeout=config.repair_timeout,
             ),
             events=EventLog(path),
+            bind=bind_address(advertised_host, config.store_bind, config.max_nodes > 1 or config.spares > 0),
         )
 
     def start(self) -> None:
@@ -259,7 +263,8 @@ class Controller:
                 self._refresh_status()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
-                self._on_report(report)
+                if report is not None:  # None: forged, ignored (and logged)
+                    self._on_report(report)
             self._check_repair()
             if self._restarting is not None:
                 self._check_restarted()
@@ -360,19 +365,16 @@ class Controller:
     def _admit_late_arrivals(self) -> None:
         """Agents that joined after the rendezvous: spares while the job wants more, else refused."""
         admitted = {s.agent_id for s in self.spares} | {n.agent_id for n in self.nodes.values()}
-        for index in range(self._arrivals_seen, self.store.counter(self.keys.arrivals)):
-            join = self.store.try_get(JoinRecord, self.keys.join(index))
-            if join is None:
-                break  # reserved, not yet written
-            self._arrivals_seen = index + 1
-            if join.agent_id in admitted:
+        for join in self.store.read_from(self.keys.arrivals, self.keys.join, JoinRecord, self._arrivals_seen):
+            self._arrivals_seen += 1
+            if join is None or join.agent_id in admitted:
                 continue
             if len(self.spares) < self.rendezvous_policy.spares or self._room_to_grow():
                 self.spares.append(node_slot(join, -1, -1))
-                self.store.set_text(self.keys.admission(join.agent_id), "spare")
+                self.store.set_text(self.keys.admission(join.agent_id), "spare", signed=True)
                 log.info("%s joined as a spare node", join.host)
             else:
-                self.store.set_text(self.keys.admission(join.agent_id), (
+                self.store.set_text(self.keys.admission(join.agent_id), signed=True, text=(
                     f"the job already has its {len(self.nodes)} nodes and "
                     f"{self.rendezvous_policy.spares} spare{'s' if self.rendezvous_policy.spares != 1 else ''}"))
 
@@ -530,6 +532,6 @@ class Controller:
         # Each generation gets a fresh store for the workers' env:// rendezvous; the
         # previous generation's workers are all stopped by now, so its store goes.
         self._worker_store = None
-        self._worker_store, port = start_worker_store(self.advertised_host)
+        self._worker_store, port = start_worker_store(self.advertised_host, self.bind)
         self._worker_store_address = f"{self.advertised_host}:{port}"
         return dataclasses.replace(command, worker_store=self._worker_store_address)
