@@ -125,7 +125,8 @@ def read_events(path: str) -> list[dict]:
                 if number > 1 and not line.endswith("\n"):
                     break  # the last line of a log whose writer died mid-line
                 raise ValueError(f"{path} line {number} is not JSON ({e.msg})") from None
-            if not isinstance(event, dict) or "kind" not in event:
-                raise ValueError(f"{path} line {number} is not an ftrun event")
+            missing = [name for name in REQUIRED if name not in event] if isinstance(event, dict) else REQUIRED
+            if missing:
+                raise ValueError(f"{path} line {number} is not an ftrun event (no {', '.join(missing)})")
             events.append(event)
     return events

@@ -15,6 +15,12 @@ from ftrun.errors import UsageError
 #: (ssh would read it as an option)
 _HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COUNT = re.compile(r"^[0-9]+$")
+#: a slot or node index int() reads at once (it refuses 4300 digits and more)
+_INDEX = re.compile(r"^[0-9]{1,18}$")
+#: the most slots a host may give: more is a typo, and would fill memory with slot numbers
+MAX_SLOTS = 100_000
+#: the most hosts a node list may name (Slurm's largest clusters have some tens of thousands)
+MAX_HOSTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ def parse_hostfile(text: str, where: str) -> list[Host]:
 
 def _parse_host_line(line: str) -> Host:
     words = line.split()
-    name, slots, spare = words[0], None, False
+    name, slots, spare, max_slots = words[0], None, False, None
     if ":" in name:  # Horovod: host:N
         name, _, count = name.partition(":")
         slots = _slot_count(count)
@@ -69,22 +75,36 @@ def _parse_host_line(line: str) -> Host:
         elif sep and key == "slots" and slots is None:
             slots = _slot_count(value)
         elif sep and key == "max_slots":  # Open MPI's; ftrun runs `slots` ranks
-            _slot_count(value)
+            max_slots = _slot_count(value)
         elif sep and key == "slots":
             raise UsageError(f"host '{name}' gives its slots twice")
         else:
             raise UsageError(f"unexpected '{word}' (expected slots=N or spare)")
+    if slots is not None and max_slots is not None and slots > max_slots:
+        raise UsageError(f"host '{name}' gives slots={slots} above max_slots={max_slots}")
     return Host(name, tuple(range(slots)) if slots is not None else None, spare)
 
 
 def check_host_name(name: str) -> None:
-    if not _HOST.match(name):
+    if not _HOST.match(name) or not _labels_fit(name.rpartition("@")[2]):
         raise UsageError(f"'{name}' is not a host name (letters, digits, '.', '-', '_', optionally user@)")
 
 
+def _labels_fit(host: str) -> bool:
+    """Whether the resolver takes ``host``: for an empty label ("a..b") or one over 63 characters it
+    raises UnicodeError, which callers expecting socket.gaierror would not catch."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
 def _slot_count(text: str) -> int:
-    if not _COUNT.match(text) or int(text) < 1:
+    if not _COUNT.match(text) or not text.strip("0"):
         raise UsageError(f"slots must be a whole number of at least 1, got '{text}'")
+    if not _INDEX.match(text) or int(text) > MAX_SLOTS:
+        raise UsageError(f"slots must be at most {MAX_SLOTS}, got '{text}'")
     return int(text)
 
 
@@ -102,7 +122,7 @@ def parse_host_filter(text: str, flag: str) -> dict[str, tuple[int, ...] | None]
         slots = None
         if sep:
             parts = [s.strip() for s in slot_text.split(",")]
-            if not all(_COUNT.match(p) for p in parts):
+            if not all(_INDEX.match(p) for p in parts):
                 raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{slot_text}'")
             slots = tuple(sorted({int(p) for p in parts}))
         for host in expand_nodelist(name, flag):
@@ -152,6 +172,8 @@ def expand_nodelist(text: str, where: str = "node list") -> list[str]:
     names: list[str] = []
     for part in _split_top_level(text.strip(), where):
         names.extend(_expand_one(part, where))
+        if len(names) > MAX_HOSTS:
+            raise UsageError(f"{where}: '{text}' names more than {MAX_HOSTS} hosts")
     if not names:
         raise UsageError(f"{where}: no hosts in '{text}'")
     return names
@@ -182,24 +204,34 @@ def _split_top_level(text: str, where: str) -> list[str]:
 
 
 def _expand_one(part: str, where: str) -> list[str]:
-    start = part.find("[")
-    if start < 0:
-        return [part]
-    end = part.index("]", start)
-    prefix, ranges, rest = part[:start], part[start + 1:end], part[end + 1:]
-    tails = _expand_one(rest, where)
-    names = []
+    """``r[1-2]n[01-02]``: every combination, first group outermost. A loop, not recursion, and a
+    bound on the product: ``a[1]`` 1000 times, or ``r[1-99999]n[1-99999]``, must be an error, not a crash."""
+    names, rest = [""], part
+    while "[" in rest:
+        start = rest.index("[")
+        end = rest.index("]", start)
+        values = _range_values(rest[start + 1:end], part, where)
+        if len(names) * len(values) > MAX_HOSTS:
+            raise UsageError(f"{where}: '{part}' names more than {MAX_HOSTS} hosts")
+        names = [name + rest[:start] + value for name in names for value in values]
+        rest = rest[end + 1:]
+    return [name + rest for name in names]
+
+
+def _range_values(ranges: str, part: str, where: str) -> list[str]:
+    """``01-03,07`` -> ``["01", "02", "03", "07"]``; zero padding kept."""
+    values: list[str] = []
     for item in ranges.split(","):
         low, sep, high = item.strip().partition("-")
-        if not _COUNT.match(low) or (sep and not _COUNT.match(high)):
+        if not _INDEX.match(low) or (sep and not _INDEX.match(high)):
             raise UsageError(f"{where}: bad range '{item}' in '{part}'")
         if not sep:
-            names.extend(prefix + low + tail for tail in tails)
+            values.append(low)
             continue
         if int(high) < int(low):
             raise UsageError(f"{where}: range '{item}' in '{part}' runs backwards")
-        if int(high) - int(low) > 100_000:
+        if len(values) + int(high) - int(low) >= MAX_HOSTS:
             raise UsageError(f"{where}: range '{item}' in '{part}' is too long")
         width = len(low) if low.startswith("0") else 0
-        names.extend(f"{prefix}{n:0{width}d}{tail}" for n in range(int(low), int(high) + 1) for tail in tails)
-    return names
+        values.extend(f"{n:0{width}d}" for n in range(int(low), int(high) + 1))
+    return values

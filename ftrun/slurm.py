@@ -13,7 +13,7 @@ from typing import Mapping
 
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint
 from ftrun.errors import UsageError
-from ftrun.hosts import expand_nodelist
+from ftrun.hosts import check_host_name, expand_nodelist
 
 #: options that, when given, mean the user placed the job themselves: Slurm's values are not used
 PLACEMENT_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone", "hostfile")
@@ -50,6 +50,11 @@ def slurm_plan(env: Mapping[str, str]) -> SlurmPlan | None:
     if not nodelist:
         raise UsageError("inside a Slurm allocation but SLURM_JOB_NODELIST is not set; run ftrun under srun")
     hosts = expand_nodelist(nodelist, "SLURM_JOB_NODELIST")
+    for host in hosts:
+        try:
+            check_host_name(host)
+        except UsageError as e:
+            raise UsageError(f"SLURM_JOB_NODELIST: {e.message}") from None
     count = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
     if count and _whole(count, "SLURM_NNODES") != len(hosts):
         raise UsageError(f"SLURM_NNODES is {count} but the node list '{nodelist}' names {len(hosts)} nodes")
@@ -61,6 +66,9 @@ def slurm_plan(env: Mapping[str, str]) -> SlurmPlan | None:
         raise UsageError(f"Slurm starts {tasks} tasks per node; ftrun is one agent per node that starts the "
                          "ranks itself: use srun --ntasks-per-node=1 and ftrun --nproc-per-node N")
     step = env.get("SLURM_STEP_ID", "")
+    for name, value in (("SLURM_JOB_ID", job_id), ("SLURM_STEP_ID", step)):
+        if value and not re.fullmatch(r"[A-Za-z0-9_.+-]+", value):  # ids go into store keys and the port
+            raise UsageError(f"{name} must be a Slurm job or step id, got '{value}'")
     port = env.get("MASTER_PORT", "")
     if port:
         port_number = _whole(port, "MASTER_PORT")
@@ -79,7 +87,7 @@ def derived_port(job_id: str, step: str) -> int:
 
 
 def _whole(text: str, name: str) -> int:
-    if not re.fullmatch(r"[0-9]+", text.strip()):
+    if not re.fullmatch(r"[0-9]{1,18}", text.strip()):  # int() refuses 4300 digits and more
         raise UsageError(f"{name} must be a whole number, got '{text}'")
     return int(text)
 
@@ -87,7 +95,7 @@ def _whole(text: str, name: str) -> int:
 def _most_tasks_on_a_node(text: str) -> int:
     """SLURM_TASKS_PER_NODE looks like ``2(x3),1``: the largest count on any node."""
     items = text.split(",")
-    counts = [re.fullmatch(r"\s*([0-9]+)(\(x[0-9]+\))?\s*", item) for item in items]
+    counts = [re.fullmatch(r"\s*([0-9]{1,18})(\(x[0-9]+\))?\s*", item) for item in items]
     if not all(counts):
         raise UsageError(f"SLURM_TASKS_PER_NODE must look like 1 or 2(x3),1, got '{text}'")
     return max(int(match.group(1)) for match in counts)

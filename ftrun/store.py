@@ -136,7 +136,7 @@ def is_local_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, one of its addresses or its name)."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
+    except (socket.gaierror, UnicodeError):
         raise UsageError(f"cannot resolve host name '{host}'") from None
     local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
     return any(a.startswith("127.") or a == "::1" or a in local for a in addresses)
@@ -155,7 +155,7 @@ def bind_address(host: str, bind: str = "", several_nodes: bool = True) -> str:
         return "0.0.0.0" if bind in ALL_INTERFACES else bind
     try:
         address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except (socket.gaierror, IndexError):
+    except (socket.gaierror, UnicodeError, IndexError):
         raise UsageError(f"cannot resolve host name '{host}'") from None
     named_loopback = host not in ("localhost", "127.0.0.1") and not host.startswith("127.")
     if address.startswith("127.") and several_nodes and named_loopback:
@@ -226,7 +226,7 @@ def connect_store(endpoint: Endpoint, timeout: float):
         try:
             with socket.create_connection((endpoint.host, endpoint.port), timeout=min(left, 2.0)):
                 pass
-        except socket.gaierror:
+        except (socket.gaierror, UnicodeError):
             raise UsageError(f"cannot resolve host name '{endpoint.host}'") from None
         except OSError as e:  # refused, unreachable, timed out: the host may not be up yet
             last_error = e.strerror or str(e)

@@ -193,6 +193,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     if _exit_status:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        config.get_terminal_writer().flush()
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            stream.flush()
         os._exit(_exit_status[0])

@@ -71,7 +71,7 @@ class NodeDevices:
                 log.warning("--devices: this node has no %s device %s", backend.kind, ",".join(map(str, missing)))
             devices = [d for d in devices if d in config.devices]
         elif visible and devices:
-            allowed = {int(part) for part in visible.split(",") if part.strip().isdigit()}
+            allowed = {int(part) for part in visible.split(",") if part.strip().isascii() and part.strip().isdigit()}
             devices = [d for d in devices if d in allowed]  # the user restricted the agent to these
         if config.device == "auto" and 0 < len(devices) < config.nproc_per_node:
             # more ranks than devices: a CPU job on an accelerator node, as torchrun would run it

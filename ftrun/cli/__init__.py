@@ -98,6 +98,8 @@ def run_launch(values: dict) -> int:
     return report_outcome(outcome.exit_code, outcome.reason, outcome.controller)
 
 
+#: what FTRUN_LOG_LEVEL may say
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: how long an agent started over ssh waits for the head node's first line (the job's token)
 SESSION_TOKEN_DEADLINE = 30.0
 
@@ -144,5 +146,9 @@ def _setup_logging() -> None:
     root = logging.getLogger("ftrun")
     if not any(isinstance(h, ConsoleLogHandler) for h in root.handlers):
         root.addHandler(ConsoleLogHandler())
-    root.setLevel(os.environ.get("FTRUN_LOG_LEVEL", "INFO").upper())
+    level = os.environ.get("FTRUN_LOG_LEVEL", "INFO").strip().upper()
+    if level not in LOG_LEVELS:
+        root.setLevel("INFO")
+        abort(f"FTRUN_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got '{level}'", ExitCode.USAGE)
+    root.setLevel(level)
     root.propagate = False

@@ -56,15 +56,23 @@ def dry_run(values: dict, command: click.Command) -> int:
     if values.get("hostfile"):
         plan = ClusterPlan.from_values(values, command)
         for agent in plan.agents:
-            sys.stdout.write(f"# {agent.role}: {agent.host.name}, {_ranks(agent)}\n")
-            sys.stdout.write(shlex.join(agent.argv) + "\n")
+            _write(f"# {agent.role}: {agent.host.name}, {_ranks(agent)}")
+            _write(shlex.join(agent.argv))
         return 0
     config = build_launch_config(values)
-    sys.stdout.write(f"# this node: {config.nproc_per_node} rank{'s' if config.nproc_per_node != 1 else ''}, "
-                     f"store {config.endpoint}, run id {config.run_id}; RANK and WORLD_SIZE come from the rendezvous\n")
+    _write(f"# this node: {config.nproc_per_node} rank{'s' if config.nproc_per_node != 1 else ''}, "
+           f"store {config.endpoint}, run id {config.run_id}; RANK and WORLD_SIZE come from the rendezvous")
     for local_rank in range(config.nproc_per_node):
-        sys.stdout.write(f"LOCAL_RANK={local_rank} {shlex.join([*config.entrypoint, *config.script_args])}\n")
+        _write(f"LOCAL_RANK={local_rank} {shlex.join([*config.entrypoint, *config.script_args])}")
     return 0
+
+
+def _write(line: str) -> None:
+    """A line of a command as the system would pass it: arguments that came in as bytes that are not
+    UTF-8 go out as the same bytes, whatever the terminal's encoding."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(os.fsencode(line) + b"\n")
+    sys.stdout.buffer.flush()
 
 
 def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
@@ -104,6 +112,8 @@ class ClusterPlan:
         hosts = select_hosts(parse_hostfile(text, f"hostfile {path}"), values.get("include") or "",
                              values.get("exclude") or "")
         runnable = [h for h in hosts if not h.spare]
+        if not runnable:
+            raise UsageError(f"hostfile {path} has no host to run on: every host left is a spare")
         if "nnodes" in given:
             min_nodes, max_nodes = parse_nnodes(str(values["nnodes"]))
             if max_nodes > len(runnable):

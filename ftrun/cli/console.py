@@ -20,7 +20,8 @@ def say(text: str, style: str | None = None) -> None:
 
 def abort(text: str, code: int) -> NoReturn:
     """Tell the user what went wrong in one line and leave with ``code``."""
-    console.print(f"ftrun: error: {escape(text)}", style="bold red")
+    one_line = " ".join(text.splitlines())  # a value with a newline in it still makes one line
+    console.print(f"ftrun: error: {escape(one_line)}", style="bold red")
     sys.exit(int(code))
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import click
@@ -30,15 +31,21 @@ REPORT_HELP = """Print the end-of-job summary again from an event log (--log-dir
 """
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):  # FloatRange lets nan through: every comparison with it is false
+        raise click.BadParameter(f"must be a number of seconds, got '{value}'", ctx, param)
+    return value
+
+
 @click.command(help=STATUS_HELP, context_settings={"max_content_width": 110})
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
               help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
 @click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (one object per line with --watch).")
 @click.option("--watch", is_flag=True, help="Keep showing it, redrawn in place, until the job ends or Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True,
+@click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True, callback=_finite,
               help="Seconds between reads with --watch.")
-@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True, callback=_finite,
               help="Seconds to wait for the store to answer.")
 def status_command(endpoint: str, run_id: str, as_json: bool, watch: bool, interval: float, timeout: float) -> int:
     from ftrun.config import DEFAULT_RDZV_PORT, parse_endpoint

@@ -104,8 +104,8 @@ def watched(tmp_path_factory) -> WatchedRun:
             screen = terminal.screen()
             if screen and (not run.screens or screen != run.screens[-1]):
                 run.screens.append(screen)
-            if watcher is None and (tmp / "out" / "progress-rank0").exists():
-                # training has begun: one look, and a watcher that follows the job to its end
+            if watcher is None and "generation_started" in read_text(run.events_file):
+                # the workers are starting: one look, and a watcher that follows the job to its end
                 once = status(port)
                 watcher = status(port, "--watch", "--json", "--interval", "0.2")
             time.sleep(0.1)
@@ -128,6 +128,10 @@ def watched(tmp_path_factory) -> WatchedRun:
         runner.kill_all()
     assert not marked_processes(runner.mark), "processes left behind"
     return run
+
+
+def read_text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def status(port: int, *args: str) -> subprocess.Popen:

@@ -167,7 +167,8 @@ def test_event_log_file_is_private_and_times_never_go_back(tmp_path, monkeypatch
 
 def test_reading_a_damaged_event_log(tmp_path):
     path = tmp_path / "events.jsonl"
-    good = json.dumps({"kind": "phase", "t": 1.0})
+    good = json.dumps({"t": 1.0, "elapsed": 0.5, "source": "controller", "kind": "phase", "generation": 0,
+                       "node": None, "rank": None, "host": None, "detail": ""})
     path.write_text(f"{good}\n{good}\n{{\"kind\": \"pha")  # the writer died mid-line: the last line goes
     assert len(read_events(str(path))) == 2
     path.write_text(f"{good}\nnot json\n{good}\n")
@@ -175,4 +176,7 @@ def test_reading_a_damaged_event_log(tmp_path):
         read_events(str(path))
     path.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="line 1 is not an ftrun event"):
+        read_events(str(path))
+    path.write_text('{"kind": "phase"}\n')
+    with pytest.raises(ValueError, match=r"line 1 is not an ftrun event \(no t, elapsed, source, generation"):
         read_events(str(path))

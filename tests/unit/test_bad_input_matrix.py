@@ -1,0 +1,788 @@
+"""The bad-input matrix: every flag, config key, hostfile line, environment variable and device-tool
+output ftrun reads, fed a wrong value, gets one clear line and a documented exit code, never a traceback.
+
+In-process: ``ftrun.cli.main(argv)`` with stderr captured. No case may start a job: ``Agent`` and
+``Head`` are replaced by a stand-in that fails the test, so a value that slips through shows up as
+"would have launched". The subprocess version of a few of these is tests/integration/test_bad_input.py;
+no case here repeats one of its.
+"""
+
+from __future__ import annotations
+
+import logging
+import io
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.cli import launch_command, main
+from ftrun.cli.launch import NOT_IN_CONFIG
+from ftrun.devices import DeviceToolError, npu_smi
+from ftrun.errors import ExitCode, UsageError
+from ftrun.head import forwarded_env
+from ftrun.hosts import parse_host_filter, parse_hostfile
+
+USAGE = ExitCode.USAGE
+#: text that came from bytes that are not UTF-8, as Python decodes argv and the environment
+NON_UTF8 = os.fsdecode(b"\xff\xfe")
+HUGE = str(10**30)
+#: a 10 kB word
+LONG = "x" * 10_000
+#: more digits than int() reads (4300)
+DIGITS = "9" * 5000
+#: a host name whose one label is longer than DNS allows (63): the resolver raises UnicodeError for it
+LONG_LABEL = "a" * 64
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "npu_smi"
+
+
+class WouldLaunch(AssertionError):
+    pass
+
+
+class NoLaunch:
+    """Takes the place of Agent and Head: a bad-input case must stop before either is built."""
+
+    def __init__(self, *args, **kwargs):
+        raise WouldLaunch("a bad-input case got as far as starting a job")
+
+
+@pytest.fixture(autouse=True)
+def sandbox(tmp_path, monkeypatch):
+    """A clean environment and folder, no job can start, and main()'s global settings put back."""
+    import ftrun.agent.agent
+    import ftrun.cli.cluster
+
+    monkeypatch.setattr(ftrun.agent.agent, "Agent", NoLaunch)
+    monkeypatch.setattr(ftrun.cli.cluster, "Head", NoLaunch)
+    saved_env = dict(os.environ)
+    for name in list(os.environ):
+        if name.startswith(("PET_", "SLURM_", "FTRUN_")) or name == "MASTER_PORT":
+            del os.environ[name]
+    logger = logging.getLogger("ftrun")
+    saved_logger = (list(logger.handlers), logger.level, logger.propagate)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("pass\n")
+    yield
+    os.environ.clear()
+    os.environ.update(saved_env)
+    logger.handlers[:], logger.level, logger.propagate = saved_logger
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """Exit code and stderr of ``ftrun ARGV``; any exception but SystemExit is a traceback the user would see."""
+    sys.stderr.reconfigure(errors="backslashreplace")  # as Python's own stderr: any text can be printed
+    with pytest.raises(SystemExit) as leaving:
+        main(argv)
+    code = leaving.value.code
+    return (0 if code is None else code), capsys.readouterr().err
+
+
+def assert_one_clear_line(stderr: str, words: str | tuple[str, ...]) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error: "), stderr
+    for word in (words,) if isinstance(words, str) else words:
+        assert word in lines[0], f"{word!r} not in {lines[0][:300]!r}"
+    assert "Traceback" not in stderr
+
+
+def expand(argv: list[str], tmp: Path) -> list[str]:
+    return [str(tmp / "train.py") if a == "SCRIPT" else a.replace("{tmp}", str(tmp)) for a in argv]
+
+
+# --- launch flags -------------------------------------------------------------------------------------
+
+S = "SCRIPT"  # an existing script: the error must come from the flag, not from a missing file
+FLAGS = [
+    # (id, argv, words the error line must contain); every one exits 2
+    ("nnodes-empty", ["--nnodes", "", S], "--nnodes"),
+    ("nnodes-negative", ["--nnodes", "-1", S], ("--nnodes", "-1")),
+    ("nnodes-huge", ["--nnodes", HUGE, "--rdzv-endpoint", "localhost:1", S], ("--nnodes", "at most")),
+    ("nnodes-long", ["--nnodes", LONG, S], "--nnodes"),
+    ("nnodes-digits", ["--nnodes", DIGITS, S], "--nnodes"),
+    ("nnodes-non-utf8", ["--nnodes", NON_UTF8, S], "--nnodes"),
+    ("nnodes-three-parts", ["--nnodes", "1:2:3", S], "'1:2:3'"),
+    ("nnodes-fraction", ["--nnodes", "1.5", S], "'1.5'"),
+    ("nnodes-open-min", ["--nnodes", ":2", S], "':2'"),
+    ("nnodes-open-max", ["--nnodes", "2:", S], "'2:'"),
+    ("nnodes-zero-min", ["--nnodes", "0:2", S], "'0:2'"),
+    ("nproc-empty", ["--nproc-per-node", "", S], "--nproc-per-node"),
+    ("nproc-negative", ["--nproc-per-node", "-1", S], ("--nproc-per-node", "-1")),
+    ("nproc-huge", ["--nproc-per-node", HUGE, S], ("--nproc-per-node", "at most")),
+    ("nproc-long", ["--nproc-per-node", LONG, S], "--nproc-per-node"),
+    ("nproc-non-utf8", ["--nproc_per_node", NON_UTF8, S], "--nproc-per-node"),
+    ("nproc-fraction", ["--nproc-per-node", "2.5", S], "'2.5'"),
+    ("node-rank-empty", ["--node-rank", "", S], "--node-rank"),
+    ("node-rank-word", ["--node-rank", "first", S], ("--node-rank", "first")),
+    ("node-rank-below-minus-one", ["--node-rank", "-2", S], ("--node-rank", "-2")),
+    ("node-rank-huge", ["--node-rank", HUGE, S], ("--node-rank", HUGE)),
+    ("node-rank-fraction", ["--node-rank", "0.5", S], "--node-rank"),
+    ("node-rank-non-utf8", ["--node-rank", NON_UTF8, S], "--node-rank"),
+    ("max-restarts-empty", ["--max-restarts", "", S], "--max-restarts"),
+    ("max-restarts-fraction", ["--max-restarts", "1.5", S], "--max-restarts"),
+    ("max-restarts-digits", ["--max-restarts", DIGITS, S], "--max-restarts"),
+    ("max-restarts-non-utf8", ["--max-restarts", NON_UTF8, S], "--max-restarts"),
+    ("max-restarts-and-alias-differ", ["--max-restarts", "1", "--fault-retry-times", "2", S],
+     ("--fault-retry-times 2", "--max-restarts 1")),
+    ("run-id-and-alias-differ", ["--run-id", "a", "--rdzv-id", "b", S], ("--rdzv-id b", "--run-id a")),
+    ("monitor-interval-empty", ["--monitor-interval", "", S], "--monitor-interval"),
+    ("monitor-interval-zero", ["--monitor-interval", "0", S], "--monitor-interval"),
+    ("monitor-interval-nan", ["--monitor-interval", "nan", S], ("--monitor-interval", "nan")),
+    ("monitor-interval-inf", ["--monitor-interval", "inf", S], ("--monitor-interval", "inf")),
+    ("monitor-interval-huge", ["--monitor-interval", "1e300", S], ("--monitor-interval", "at most")),
+    ("monitor-interval-word", ["--monitor-interval", "often", S], ("--monitor-interval", "often")),
+    ("monitor-interval-non-utf8", ["--monitor-interval", NON_UTF8, S], "--monitor-interval"),
+    ("node-timeout-zero", ["--node-timeout", "0", S], "--node-timeout"),
+    ("node-timeout-negative", ["--node-timeout", "-1", S], "--node-timeout"),
+    ("node-timeout-word", ["--node-timeout", "never", S], ("--node-timeout", "never")),
+    ("node-timeout-huge", ["--node-timeout", "1e10", S], ("--node-timeout", "at most")),
+    ("node-timeout-empty", ["--node-timeout", "", S], "--node-timeout"),
+    ("stop-timeout-negative", ["--stop-timeout", "-1", S], "--stop-timeout"),
+    ("stop-timeout-word", ["--stop-timeout", "soon", S], "--stop-timeout"),
+    ("stop-timeout-inf", ["--stop-timeout", "inf", S], "--stop-timeout"),
+    ("stop-timeout-huge", ["--stop-timeout", HUGE, S], ("--stop-timeout", "at most")),
+    ("repair-timeout-zero", ["--repair-timeout", "0", S], "--repair-timeout"),
+    ("repair-timeout-negative", ["--repair-timeout", "-5", S], "--repair-timeout"),
+    ("repair-timeout-nan", ["--repair-timeout", "nan", S], "--repair-timeout"),
+    ("repair-timeout-huge", ["--repair-timeout", "1e300", S], ("--repair-timeout", "at most")),
+    ("heartbeat-timeout-zero", ["--heartbeat-timeout", "0", S], "--heartbeat-timeout"),
+    ("heartbeat-timeout-negative", ["--heartbeat-timeout", "-1", S], "--heartbeat-timeout"),
+    ("heartbeat-timeout-word", ["--heartbeat-timeout", "x", S], "--heartbeat-timeout"),
+    ("heartbeat-timeout-inf", ["--heartbeat-timeout", "inf", S], "--heartbeat-timeout"),
+    ("hang-timeout-nan", ["--hang-timeout", "nan", S], "--hang-timeout"),
+    ("hang-timeout-word", ["--hang-timeout", "off", S], "--hang-timeout"),
+    ("hang-timeout-huge", ["--hang-timeout", "1e300", S], ("--hang-timeout", "at most")),
+    ("health-interval-negative", ["--health-interval", "-1", S], "--health-interval"),
+    ("health-interval-word", ["--health-interval", "x", S], "--health-interval"),
+    ("health-interval-huge", ["--health-interval", "1e300", S], ("--health-interval", "at most")),
+    ("device-timeout-zero", ["--device-timeout", "0", S], "--device-timeout"),
+    ("device-timeout-negative", ["--device-timeout", "-1", S], "--device-timeout"),
+    ("device-timeout-huge", ["--device-timeout", "1e300", S], ("--device-timeout", "at most")),
+    ("device-timeout-non-utf8", ["--device-timeout", NON_UTF8, S], "--device-timeout"),
+    ("rdzv-timeout-zero", ["--rdzv-timeout", "0", S], "--rdzv-timeout"),
+    ("rdzv-timeout-negative", ["--rdzv-timeout", "-1", S], "--rdzv-timeout"),
+    ("rdzv-timeout-nan", ["--rdzv-timeout", "nan", S], "--rdzv-timeout"),
+    ("rdzv-timeout-huge", ["--rdzv-timeout", "1e300", S], ("--rdzv-timeout", "at most")),
+    ("rdzv-timeout-word", ["--rdzv-timeout", "long", S], "--rdzv-timeout"),
+    ("warm-standby-negative", ["--warm-standby", "-1", S], "--warm-standby"),
+    ("warm-standby-huge", ["--warm-standby", HUGE, S], ("--warm-standby", "at most")),
+    ("warm-standby-word", ["--warm-standby", "one", S], "--warm-standby"),
+    ("warm-standby-empty", ["--warm-standby", "", S], "--warm-standby"),
+    ("spares-negative", ["--spares", "-1", S], "--spares"),
+    ("spares-huge", ["--spares", HUGE, S], ("--spares", "at most")),
+    ("spares-word", ["--spares", "two", S], "--spares"),
+    ("spares-fraction", ["--spares", "0.5", S], "--spares"),
+    ("endpoint-blank", ["--rdzv-endpoint", "   ", S], "--rdzv-endpoint is empty"),
+    ("endpoint-no-host", ["--rdzv-endpoint", ":29400", S], "has no host name"),
+    ("endpoint-empty-port", ["--rdzv-endpoint", "head:", S], "port ''"),
+    ("endpoint-port-zero", ["--rdzv-endpoint", "head:0", S], "port 0"),
+    ("endpoint-port-negative", ["--rdzv-endpoint", "head:-1", S], "port -1"),
+    ("endpoint-port-digits", ["--rdzv-endpoint", f"head:{DIGITS}", S], "is not a number"),
+    ("endpoint-long-host", ["--rdzv-endpoint", f"{LONG}:29400", S], "is not a host name"),
+    ("endpoint-long-label", ["--rdzv-endpoint", f"{LONG_LABEL}.example:29400", S], "is not a host name"),
+    ("endpoint-empty-label", ["--rdzv-endpoint", "head..example:29400", S], "'head..example'"),
+    ("endpoint-non-utf8", ["--rdzv-endpoint", f"{NON_UTF8}:29400", S], ("--rdzv-endpoint", "is not a host name")),
+    ("rdzv-conf-no-key", ["--rdzv-conf", "=5", S], "--rdzv-conf"),
+    ("rdzv-conf-unknown-key", ["--rdzv-conf", "join_timout=5", S], "unknown key 'join_timout'"),
+    ("rdzv-conf-key-twice", ["--rdzv-conf", "join_timeout=5,join_timeout=9", S], "'join_timeout' twice"),
+    ("rdzv-conf-join-word", ["--rdzv-conf", "join_timeout=abc", S], ("join_timeout", "'abc'")),
+    ("rdzv-conf-join-negative", ["--rdzv-conf", "join_timeout=-1", S], ("join_timeout", "'-1'")),
+    ("rdzv-conf-join-zero", ["--rdzv-conf", "join_timeout=0", S], ("join_timeout", "'0'")),
+    ("rdzv-conf-last-call-word", ["--rdzv-conf", "last_call_timeout=x", S], "last_call_timeout"),
+    ("rdzv-conf-last-call-negative", ["--rdzv-conf", "last_call_timeout=-1", S], "last_call_timeout"),
+    ("rdzv-conf-non-utf8", ["--rdzv-conf", f"{NON_UTF8}=1", S], "--rdzv-conf"),
+    ("rdzv-conf-long", ["--rdzv-conf", LONG, S], "--rdzv-conf"),
+    ("rdzv-backend-unknown", ["--rdzv-backend", "zookeeper", S], ("--rdzv-backend", "zookeeper")),
+    ("rdzv-backend-etcd-v2", ["--rdzv-backend", "etcd-v2", S], "etcd-v2 is not supported"),
+    ("rdzv-backend-non-utf8", ["--rdzv-backend", NON_UTF8, S], "--rdzv-backend"),
+    ("rdzv-backend-long", ["--rdzv-backend", LONG, S], "--rdzv-backend"),
+    ("static-min-max", ["--rdzv-backend", "static", "--nnodes", "1:2", S], "fixed --nnodes"),
+    ("recovery-unknown", ["--recovery", "none", S], ("--recovery", "'none'")),
+    ("recovery-non-utf8", ["--recovery", NON_UTF8, S], "--recovery"),
+    ("recovery-long", ["--recovery", LONG, S], "--recovery"),
+    ("device-gpu", ["--device", "gpu", S], ("--device", "'gpu'")),
+    ("device-non-utf8", ["--device", NON_UTF8, S], "--device"),
+    ("device-long", ["--device", LONG, S], "--device"),
+    ("devices-word", ["--devices", "first", S], "--devices"),
+    ("devices-negative", ["--devices", "-1", S], ("--devices", "'-1'")),
+    ("devices-empty-item", ["--devices", "0,,1", S], "--devices"),
+    ("devices-range", ["--devices", "0-3", S], "--devices"),
+    ("devices-superscript", ["--devices", "\u00b2", S], "--devices"),
+    ("devices-digits", ["--devices", DIGITS, S], "--devices"),
+    ("devices-non-utf8", ["--devices", NON_UTF8, S], "--devices"),
+    ("ranks-filter-word", ["--local-ranks-filter", "all", S], "--local-ranks-filter"),
+    ("ranks-filter-negative", ["--local-ranks-filter", "0,-1", S], ("--local-ranks-filter", ">= 0")),
+    ("ranks-filter-empty-item", ["--local-ranks-filter", "0,,1", S], "--local-ranks-filter"),
+    ("ranks-filter-digits", ["--local-ranks-filter", DIGITS, S], "--local-ranks-filter"),
+    ("ranks-filter-non-utf8", ["--local-ranks-filter", NON_UTF8, S], "--local-ranks-filter"),
+    ("redirects-four", ["-r", "4", S], ("--redirects", "'4'")),
+    ("redirects-negative", ["--redirects", "-1", S], "--redirects"),
+    ("redirects-empty", ["-r", "", S], "--redirects"),
+    ("redirects-rank-without-bits", ["-r", "0:", S], "--redirects"),
+    ("redirects-rank-twice", ["-r", "0:1,0:2", S], ("--redirects", "'0:1,0:2'")),
+    ("redirects-negative-rank", ["-r", "-1:1", S], ("--redirects", "'-1:1'")),
+    ("redirects-long", ["-r", LONG, S], "--redirects"),
+    ("tee-word", ["-t", "both", S], ("--tee", "'both'")),
+    ("tee-fraction", ["--tee", "1.5", S], "--tee"),
+    ("tee-rank-word", ["-t", "x:1", S], "--tee"),
+    ("tee-digits", ["-t", DIGITS, S], "--tee"),
+    ("tee-non-utf8", ["-t", NON_UTF8, S], "--tee"),
+    ("status-unknown", ["--status", "loud", S], ("--status", "'loud'")),
+    ("status-non-utf8", ["--status", NON_UTF8, S], "--status"),
+    ("status-long", ["--status", LONG, S], "--status"),
+    ("master-port-zero", ["--master-port", "0", S], ("--master-port", "0")),
+    ("master-port-negative", ["--master-port", "-1", S], "--master-port"),
+    ("master-port-above-range", ["--master-port", "65536", S], ("--master-port", "65536")),
+    ("master-port-huge", ["--master-port", HUGE, S], "--master-port"),
+    ("master-port-word", ["--master-port", "http", S], "--master-port"),
+    ("master-addr-empty-label", ["--master-addr", "head..example", S], ("--master-addr", "'head..example'")),
+    ("master-addr-long-label", ["--master-addr", LONG_LABEL, S], "--master-addr"),
+    ("local-addr-non-utf8", ["--local-addr", NON_UTF8, S], "--local-addr"),
+    ("local-addr-long", ["--local-addr", LONG, S], "--local-addr"),
+    ("store-bind-long-label", ["--store-bind", LONG_LABEL, S], "--store-bind"),
+    ("store-bind-non-utf8", ["--store-bind", NON_UTF8, S], "--store-bind"),
+    ("token-file-missing", ["--token-file", "no-such-token", S], ("--token-file", "no-such-token")),
+    ("token-file-group-readable", ["--token-file", "{tmp}/token-0640", S], ("--token-file", "0640")),
+    ("token-file-world-readable", ["--token-file", "{tmp}/token-0604", S], ("--token-file", "0604")),
+    ("token-file-empty", ["--token-file", "{tmp}/token-empty", S], ("--token-file", "holds 0 bytes")),
+    ("token-file-blank", ["--token-file", "{tmp}/token-blank", S], ("--token-file", "holds 0 bytes")),
+    ("token-file-short", ["--token-file", "{tmp}/token-short", S], ("--token-file", "holds 5 bytes")),
+    ("token-file-huge", ["--token-file", "{tmp}/token-huge", S], ("--token-file", "longer than")),
+    ("token-file-folder", ["--token-file", "{tmp}", S], "--token-file"),
+    ("token-file-non-utf8-name", ["--token-file", NON_UTF8, S], "--token-file"),
+    ("fault-levels-folder", ["--fault-levels", "{tmp}", S], "--fault-levels"),
+    ("fault-levels-non-utf8-name", ["--fault-levels", NON_UTF8, S], "--fault-levels"),
+    ("device-ips-missing", ["--device-ips", "no-such-ips.yaml", S], ("--device-ips", "no-such-ips.yaml")),
+    ("device-ips-folder", ["--device-ips", "{tmp}", S], "--device-ips"),
+    ("config-folder", ["--config", "{tmp}", S], "cannot read config file"),
+    ("config-non-utf8-name", ["--config", NON_UTF8, S], "cannot read config file"),
+    ("hostfile-folder", ["--hostfile", "{tmp}", S], "cannot read hostfile"),
+    ("hostfile-non-utf8-name", ["--hostfile", NON_UTF8, S], "cannot read hostfile"),
+    ("print-hosts-alone", ["--print-hosts"], "--print-hosts needs --hostfile"),
+    ("script-non-utf8-name", [NON_UTF8], "training script"),
+    ("script-is-a-folder", ["{tmp}"], "training script"),
+    ("module-empty-name", ["-m", ""], "no training script"),
+    ("no-python-missing-program", ["--no-python", "no-such-program-ftrun"], "--no-python"),
+    ("no-python-not-executable", ["--no-python", "{tmp}/train.py"], "--no-python"),
+    ("run-path-and-module", ["--run-path", "-m", "pkg"], "cannot be combined"),
+    ("flag-typo", ["--nnode", "2", S], "--nnode"),
+    ("flag-without-value", ["--nnodes"], "--nnodes"),
+    ("switch-with-value", ["--standalone=yes", S], "--standalone"),
+]
+
+
+@pytest.fixture
+def token_files(tmp_path):
+    for name, data, mode in [("token-0640", b"t" * 32, 0o640), ("token-0604", b"t" * 32, 0o604),
+                             ("token-empty", b"", 0o600), ("token-blank", b" \n\t\n", 0o600),
+                             ("token-short", b"short\n", 0o600), ("token-huge", b"t" * 5000, 0o600)]:
+        (tmp_path / name).write_bytes(data)
+        (tmp_path / name).chmod(mode)
+
+
+@pytest.mark.parametrize("argv, words", [c[1:] for c in FLAGS], ids=[c[0] for c in FLAGS])
+def test_bad_flag(argv, words, tmp_path, capsys, token_files):
+    code, stderr = run_main(expand(argv, tmp_path), capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+# --- flags of a head node (--hostfile): checked before any ssh; --dry-run so nothing would run anyway ---
+
+CLUSTER_FLAGS = [
+    ("ssh-port-negative", ["--ssh-port", "-1"], "--ssh-port"),
+    ("ssh-port-above-range", ["--ssh-port", "65536"], ("--ssh-port", "65536")),
+    ("ssh-port-huge", ["--ssh-port", HUGE], "--ssh-port"),
+    ("ssh-port-word", ["--ssh-port", "ssh"], "--ssh-port"),
+    ("ssh-option-empty", ["--ssh-option", ""], "--ssh-option"),
+    ("ssh-option-no-name", ["--ssh-option", "=yes"], "--ssh-option"),
+    ("ssh-option-non-utf8", ["--ssh-option", f"{NON_UTF8}=1"], "--ssh-option"),
+    ("env-empty", ["--env", ""], "--env"),
+    ("env-no-name", ["--env", "=1"], "--env"),
+    ("env-space-in-name", ["--env", "A B=1"], "--env"),
+    ("env-non-utf8-name", ["--env", f"{NON_UTF8}=1"], "--env"),
+    ("include-host-twice", ["--include", "n01@n01"], ("--include", "'n01' is named twice")),
+    ("include-range-names-twice", ["--include", "n01@n[01-02]"], ("--include", "named twice")),
+    ("include-slot-digits", ["--include", f"n01:{DIGITS}"], ("--include", "whole numbers")),
+    ("include-non-utf8", ["--include", NON_UTF8], "--include"),
+    ("include-empty-host", ["--include", "n01@"], ("--include", "empty host")),
+    ("exclude-range-backwards", ["--exclude", "n[02-01]"], ("--exclude", "backwards")),
+    ("exclude-range-digits", ["--exclude", f"n[1-{DIGITS}]"], ("--exclude", "bad range")),
+    ("endpoint-long-label", ["--rdzv-endpoint", f"{LONG_LABEL}:29400"], "is not a host name"),
+    ("endpoint-non-utf8", ["--rdzv-endpoint", f"{NON_UTF8}:29400"], "is not a host name"),
+    ("nnodes-word", ["--nnodes", "all"], "--nnodes"),
+    ("nnodes-zero", ["--nnodes", "0"], "--nnodes"),
+    ("nproc-zero", ["--nproc-per-node", "0"], "--nproc-per-node"),
+    ("master-port", ["--master-port", "29501"], "--master-port cannot be used with --hostfile"),
+    ("rdzv-backend", ["--rdzv-backend", "static"], "--rdzv-backend cannot be used with --hostfile"),
+    ("token-file-missing", ["--token-file", "no-such-token"], "--token-file"),
+]
+
+
+@pytest.mark.parametrize("args, words", [c[1:] for c in CLUSTER_FLAGS], ids=[c[0] for c in CLUSTER_FLAGS])
+def test_bad_flag_of_a_head_node(args, words, tmp_path, capsys):
+    (tmp_path / "hosts").write_text("n01 slots=2\nn02 slots=2\n")
+    code, stderr = run_main(["--hostfile", "hosts", "--dry-run", *args, str(tmp_path / "train.py")], capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+# --- hostfile lines (tests/unit/test_hosts.py has the first 23; these are the rest) -------------------
+
+HOSTFILE_LINES = [
+    # (id, the line, words of the error after "hostfile h, line 2: ")
+    ("slots-huge", f"n1 slots={HUGE}", ("slots", "at most")),
+    ("slots-digits", f"n1 slots={DIGITS}", ("slots", "at most")),
+    ("horovod-slots-huge", f"n1:{HUGE}", ("slots", "at most")),
+    ("slots-leading-zeros-zero", "n1 slots=000", ("slots", "'000'")),
+    ("max-slots-below-slots", "n1 slots=4 max_slots=2", "slots=4 above max_slots=2"),
+    ("max-slots-before-slots", "n1 max_slots=2 slots=4", "slots=4 above max_slots=2"),
+    ("horovod-max-slots-below", "n1:4 max_slots=2", "slots=4 above max_slots=2"),
+    ("max-slots-zero", "n1 slots=1 max_slots=0", ("slots", "'0'")),
+    ("slots-after-horovod-twice", "n1:2 slots=2", "twice"),
+    ("spare-with-value", "n1 spare=yes", "unexpected 'spare=yes'"),
+    ("empty-name-with-slots", ":2", "not a host name"),
+    ("empty-label", "n1..cluster", "'n1..cluster'"),
+    ("label-too-long", f"{LONG_LABEL}.cluster", "not a host name"),
+    ("name-10kb", LONG, "not a host name"),
+    ("name-non-ascii", "n\u00f6de1", "not a host name"),
+    ("name-non-utf8", f"n1{NON_UTF8}", "not a host name"),
+    ("name-with-bom", "\ufeffn1", "not a host name"),
+    ("user-empty", "@n1 slots=1", "not a host name"),
+    ("user-with-shell", "a$(id)@n1", "not a host name"),
+    ("quote-in-name", "n1'", "not a host name"),
+    ("backslash-in-name", "n1\\", "not a host name"),
+    ("glob-in-name", "n*", "not a host name"),
+    ("redirect-in-name", "n1>x", "not a host name"),
+    ("ampersand-in-name", "n1&", "not a host name"),
+    ("slots-with-sign", "n1 slots=+2", ("slots", "'+2'")),
+    ("slots-with-space-after-equals", "n1 slots= 2", "slots"),
+]
+
+
+@pytest.mark.parametrize("line, words", [c[1:] for c in HOSTFILE_LINES], ids=[c[0] for c in HOSTFILE_LINES])
+def test_bad_hostfile_line_names_the_line(line, words):
+    with pytest.raises(UsageError) as caught:
+        parse_hostfile(f"# the cluster\n{line}\n", "hostfile h")
+    message = caught.value.message
+    assert message.startswith("hostfile h, line 2: ") and "\n" not in message
+    for word in (words,) if isinstance(words, str) else words:
+        assert word in message
+
+
+DUPLICATE_HOSTS = [
+    ("thrice", "n1\n" * 3, "h, line 2: host 'n1' is already listed on line 1"),
+    ("two-users-apart", "bob@n1\n10.0.0.1\nalice@n1\n", "h, line 3: host 'n1' is already listed on line 1"),
+    ("user-and-horovod", "n1:2\nbob@n1 slots=2\n", "h, line 2: host 'n1' is already listed on line 1"),
+]
+
+
+@pytest.mark.parametrize("text, message", [c[1:] for c in DUPLICATE_HOSTS], ids=[c[0] for c in DUPLICATE_HOSTS])
+def test_duplicate_hosts(text, message):
+    with pytest.raises(UsageError) as caught:
+        parse_hostfile(text, "h")
+    assert caught.value.message == message
+
+
+HOSTFILE_BYTES = [
+    ("utf-16", "n1\n".encode("utf-16"), "cannot read hostfile"),
+    ("nul", b"n1\x00 slots=2\n", "not a host name"),
+    ("slots-huge", b"n1 slots=100001\n", "at most 100000"),
+    ("max-slots-below", b"n1 slots=8 max_slots=4\n", "above max_slots=4"),
+    ("long-label", LONG_LABEL.encode() + b"\n", "not a host name"),
+    ("only-spares", b"n1 spare\nn2 spare\n", "no host to run on: every host left is a spare"),
+]
+
+
+@pytest.mark.parametrize("data, words", [c[1:] for c in HOSTFILE_BYTES], ids=[c[0] for c in HOSTFILE_BYTES])
+def test_bad_hostfile_through_the_command_line(data, words, tmp_path, capsys):
+    (tmp_path / "hosts").write_bytes(data)
+    code, stderr = run_main(["--hostfile", "hosts", "--dry-run", str(tmp_path / "train.py")], capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+# --- config file: every key with a value of the wrong type ---------------------------------------------
+
+PARAMS = {p.name: p for p in launch_command.params if p.name not in NOT_IN_CONFIG}
+SWITCHES = sorted(n for n, p in PARAMS.items() if getattr(p, "is_flag", False))
+#: repeatable options take a list or one value, and the script's arguments a list or one string
+LISTS = sorted(n for n, p in PARAMS.items() if getattr(p, "multiple", False) or p.nargs == -1)
+SINGLE = sorted(set(PARAMS) - set(SWITCHES) - set(LISTS))
+#: switches read when the job is built (print_hosts and dry_run act at once; see the report)
+CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"]
+#: keys whose value is a count, a port, a duration, device ids or stream bits: 10**30 is wrong for each
+NUMBERS = ["devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout", "master_port",
+           "monitor_interval", "nnodes", "node_rank", "node_timeout", "nproc_per_node", "rdzv_timeout",
+           "redirects", "repair_timeout", "spares", "stop_timeout", "tee", "warm_standby"]
+#: keys where null is not "the default" but a missing value (null elsewhere leaves the default)
+NULL_IS_WRONG = ["device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout", "monitor_interval",
+                 "nnodes", "node_rank", "node_timeout", "nproc_per_node", "redirects", "repair_timeout",
+                 "stop_timeout", "tee"]
+
+CONFIG_VALUES = (
+    [(f"{key}-list", key, "[1, 2]") for key in SINGLE + SWITCHES if key != "max_restarts"]  # integration has it
+    + [(f"{key}-mapping", key, "{a: 1}") for key in SINGLE + SWITCHES + ["script_args"]]
+    + [(f"{key}-bool", key, "true") for key in SINGLE]
+    + [(f"{key}-word", key, "'no'") for key in CHECKED_SWITCHES]
+    + [(f"{key}-number", key, "1") for key in SWITCHES]
+    + [(f"{key}-huge", key, HUGE) for key in NUMBERS]
+    + [(f"{key}-null", key, "null") for key in NULL_IS_WRONG]
+    + [(f"{key}-nested-list", key, "[[a]]") for key in ["script_args"]]
+)
+
+
+def test_the_config_table_covers_every_key():
+    keys = {case[1] for case in CONFIG_VALUES}
+    assert keys == set(PARAMS) - {"env", "ssh_option"}  # these two take any list (they repeat on the command line)
+
+
+@pytest.mark.parametrize("key, value", [c[1:] for c in CONFIG_VALUES], ids=[c[0] for c in CONFIG_VALUES])
+def test_config_key_of_the_wrong_type(key, value, tmp_path, capsys):
+    script = f"script: {tmp_path / 'train.py'}\n" if key != "script" else ""
+    (tmp_path / "job.yaml").write_text(f"{script}{key}: {value}\n")
+    code, stderr = run_main(["--config", "job.yaml"], capsys)  # the script comes from the file
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, ())
+    flag = "--" + key.replace("_", "-")
+    assert key in stderr or flag in stderr, stderr
+
+
+CONFIG_FILES = [
+    # (id, the file's bytes or text, words of the error line)
+    ("key-twice", "nnodes: 1\nnnodes: 2\n", "line 2: key 'nnodes' is already given on line 1"),
+    ("key-thrice", "tee: 1\nrole: a\ntee: 2\ntee: 3\n", "line 3: key 'tee' is already given on line 1"),
+    ("key-twice-two-spellings", "nproc-per-node: 2\nnproc_per_node: 3\n",
+     "sets 'nproc_per_node' twice (as 'nproc-per-node' and 'nproc_per_node')"),
+    ("alias-and-key-differ", "max_restarts: 1\nfault_retry_times: 2\n", "sets max_restarts twice"),
+    ("rdzv-id-and-run-id-differ", "run_id: a\nrdzv_id: b\n", "sets run_id twice"),
+    ("nested-key-twice", "nnodes: {a: 1, a: 2}\n", "key 'a' is already given"),
+    ("scalar", "42\n", "must be a mapping"),
+    ("text", "'nnodes: 2'\n", "must be a mapping"),
+    ("near-miss-key", "nproc_per_nodes: 2\n", ("unknown key 'nproc_per_nodes'", "did you mean 'nproc_per_node'")),
+    ("number-key", "1: 2\n", "unknown key '1'"),
+    ("null-key", "~: 2\n", "unknown key 'None'"),
+    ("tab-indented", "nnodes:\n\t- 1\n", "not valid YAML at line 2"),
+    ("unclosed-quote", "run_id: 'job\n", "not valid YAML"),
+    ("python-object", "nnodes: !!python/object/apply:os.system ['true']\n", "not valid YAML"),
+    ("number-5000-digits", f"max_restarts: {DIGITS}\n", "not valid YAML"),
+    ("nested-600-deep", "a: " + "[" * 600 + "]" * 600 + "\n", "not valid YAML"),
+    ("bad-date", "run_id: 2001-13-45\n", "not valid YAML"),
+    ("tagged-junk-timestamp", "run_id: !!timestamp junk\n", "not valid YAML"),
+    ("tagged-junk-int", "max_restarts: !!int junk\n", "not valid YAML"),
+    ("latin-1", "role: n\u00f6de\n".encode("latin-1"), "not UTF-8"),
+    ("utf-16", "nnodes: 2\n".encode("utf-16"), "not UTF-8"),
+    ("byte-order-mark", "\ufeffnnodes: 0\n", "--nnodes"),
+    ("huge-file", "".join(f"key{i}: {i}\n" for i in range(3000)), "unknown key 'key0'"),
+    # a script on the command line comes with its own arguments: these name the script in the file
+    ("script-args-unclosed-quote", "script: {script}\nscript_args: \"--name 'x\"\n", "script_args"),
+    ("script-args-nested", "script: {script}\nscript_args: [--lr, [1, 2]]\n", "script_args"),
+    ("script-missing", "script: no_such_train.py\n", "no_such_train.py"),
+]
+
+
+@pytest.mark.parametrize("text, words", [c[1:] for c in CONFIG_FILES], ids=[c[0] for c in CONFIG_FILES])
+def test_bad_config_file(text, words, tmp_path, capsys):
+    script = tmp_path / "train.py"
+    data = text if isinstance(text, bytes) else text.replace("{script}", str(script)).encode()
+    (tmp_path / "job.yaml").write_bytes(data)
+    in_file = b"script:" in data
+    code, stderr = run_main(["--config", "job.yaml", *([] if in_file else [str(script)])], capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+# --- environment variables ------------------------------------------------------------------------------
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "0"}
+ENVIRONMENT = [
+    # (id, variables, arguments before the script, words of the error line)
+    ("pet-nnodes-word", {"PET_NNODES": "abc"}, [], ("--nnodes", "'abc'")),
+    ("pet-nnodes-non-utf8", {"PET_NNODES": NON_UTF8}, [], "--nnodes"),
+    ("pet-nproc-zero", {"PET_NPROC_PER_NODE": "0"}, [], "--nproc-per-node"),
+    ("pet-node-rank-word", {"PET_NODE_RANK": "x"}, [], "--node-rank"),
+    ("pet-max-restarts-negative", {"PET_MAX_RESTARTS": "-1"}, [], "--max-restarts"),
+    ("pet-fault-retry-times-word", {"PET_FAULT_RETRY_TIMES": "many"}, [], "--fault-retry-times"),
+    ("pet-max-restarts-and-flag-alias", {"PET_MAX_RESTARTS": "1"}, ["--fault-retry-times", "2"], "set one option"),
+    ("pet-monitor-interval-nan", {"PET_MONITOR_INTERVAL": "nan"}, [], "--monitor-interval"),
+    ("pet-heartbeat-timeout-zero", {"PET_HEARTBEAT_TIMEOUT": "0"}, [], "--heartbeat-timeout"),
+    ("pet-rdzv-endpoint-port-zero", {"PET_RDZV_ENDPOINT": "head:0"}, [], "--rdzv-endpoint"),
+    ("pet-rdzv-conf-no-equals", {"PET_RDZV_CONF": "join_timeout"}, [], "--rdzv-conf"),
+    ("pet-rdzv-backend-etcd", {"PET_RDZV_BACKEND": "etcd"}, [], "etcd"),
+    ("pet-recovery-unknown", {"PET_RECOVERY": "node"}, [], "--recovery"),
+    ("pet-device-unknown", {"PET_DEVICE": "tpu"}, [], "--device"),
+    ("pet-devices-word", {"PET_DEVICES": "all"}, [], "--devices"),
+    ("pet-status-unknown", {"PET_STATUS": "loud"}, [], "--status"),
+    ("pet-spares-negative", {"PET_SPARES": "-1"}, [], "--spares"),
+    ("pet-warm-standby-huge", {"PET_WARM_STANDBY": HUGE}, [], "--warm-standby"),
+    ("pet-standalone-word", {"PET_STANDALONE": "maybe"}, [], "--standalone"),
+    ("pet-redirects-nine", {"PET_REDIRECTS": "9"}, [], "--redirects"),
+    ("pet-ranks-filter-negative", {"PET_LOCAL_RANKS_FILTER": "-1"}, [], "--local-ranks-filter"),
+    ("pet-token-file-missing", {"PET_TOKEN_FILE": "no-such-token"}, [], "--token-file"),
+    ("pet-hostfile-missing", {"PET_HOSTFILE": "no-such-hosts"}, [], "cannot read hostfile no-such-hosts"),
+    ("ftrun-config-missing", {"FTRUN_CONFIG": "no-such.yaml"}, [], "cannot read config file no-such.yaml"),
+    ("ftrun-config-folder", {"FTRUN_CONFIG": "."}, [], "cannot read config file"),
+    ("slurm-nnodes-word", {**SLURM, "SLURM_NNODES": "abc"}, [], ("SLURM_NNODES", "'abc'")),
+    ("slurm-nnodes-digits", {**SLURM, "SLURM_NNODES": DIGITS}, [], "SLURM_NNODES"),
+    ("slurm-nnodes-mismatch", {**SLURM, "SLURM_NNODES": "3"}, [], ("SLURM_NNODES is 3", "names 2 nodes")),
+    ("slurm-nodeid-negative", {**SLURM, "SLURM_NODEID": "-1"}, [], ("SLURM_NODEID", "'-1'")),
+    ("slurm-nodeid-empty", {**SLURM, "SLURM_NODEID": ""}, [], "SLURM_NODEID"),
+    ("slurm-nodeid-superscript", {**SLURM, "SLURM_NODEID": "\u00b2"}, [], "SLURM_NODEID"),
+    ("slurm-nodeid-out-of-range", {**SLURM, "SLURM_NODEID": "2"}, [], ("SLURM_NODEID 2", "2 nodes")),
+    ("slurm-nodelist-backwards", {**SLURM, "SLURM_JOB_NODELIST": "n[3-1]"}, [], ("SLURM_JOB_NODELIST", "backwards")),
+    ("slurm-nodelist-unset", {"SLURM_JOB_ID": "4242"}, [], "SLURM_JOB_NODELIST is not set"),
+    ("slurm-nodelist-empty", {**SLURM, "SLURM_JOB_NODELIST": ""}, [], "SLURM_JOB_NODELIST is not set"),
+    ("slurm-nodelist-unclosed", {**SLURM, "SLURM_JOB_NODELIST": "n[1-2"}, [], "SLURM_JOB_NODELIST"),
+    ("slurm-nodelist-range-digits", {**SLURM, "SLURM_JOB_NODELIST": f"n[1-{DIGITS}]"}, [], "bad range"),
+    ("slurm-nodelist-range-huge", {**SLURM, "SLURM_JOB_NODELIST": "n[1-999999]"}, [], "too long"),
+    ("slurm-nodelist-long-label", {**SLURM, "SLURM_JOB_NODELIST": LONG_LABEL}, [], "SLURM_JOB_NODELIST"),
+    ("slurm-nodelist-non-utf8", {**SLURM, "SLURM_JOB_NODELIST": NON_UTF8}, [], "SLURM_JOB_NODELIST"),
+    ("slurm-nodelist-shell", {**SLURM, "SLURM_JOB_NODELIST": "n1;reboot"}, [], "SLURM_JOB_NODELIST"),
+    ("slurm-ntasks-per-node-two", {**SLURM, "SLURM_NTASKS_PER_NODE": "2"}, [], "--ntasks-per-node=1"),
+    ("slurm-tasks-per-node-repeat", {**SLURM, "SLURM_TASKS_PER_NODE": "1,2(x3)"}, [], "2(x3)"),
+    ("slurm-tasks-per-node-garbage", {**SLURM, "SLURM_TASKS_PER_NODE": "1(x2),,1"}, [], "SLURM_TASKS_PER_NODE"),
+    ("slurm-tasks-per-node-digits", {**SLURM, "SLURM_TASKS_PER_NODE": DIGITS}, [], "SLURM_TASKS_PER_NODE"),
+    ("slurm-job-id-non-utf8", {**SLURM, "SLURM_JOB_ID": NON_UTF8}, [], "SLURM_JOB_ID"),
+    ("slurm-job-id-space", {**SLURM, "SLURM_JOB_ID": "42 43"}, [], "SLURM_JOB_ID"),
+    ("slurm-step-id-non-utf8", {**SLURM, "SLURM_STEP_ID": NON_UTF8}, [], "SLURM_STEP_ID"),
+    ("slurm-master-port-word", {**SLURM, "MASTER_PORT": "abc"}, [], ("MASTER_PORT", "'abc'")),
+    ("slurm-master-port-zero", {**SLURM, "MASTER_PORT": "0"}, [], "MASTER_PORT"),
+    ("slurm-master-port-above-range", {**SLURM, "MASTER_PORT": "70000"}, [], ("MASTER_PORT", "70000")),
+    ("slurm-master-port-digits", {**SLURM, "MASTER_PORT": DIGITS}, [], "MASTER_PORT"),
+    ("slurm-print-hosts-bad", {**SLURM, "SLURM_NODEID": "x"}, ["--print-hosts"], "SLURM_NODEID"),
+]
+
+
+@pytest.mark.parametrize("env, args, words", [c[1:] for c in ENVIRONMENT], ids=[c[0] for c in ENVIRONMENT])
+def test_bad_environment_variable(env, args, words, tmp_path, capsys):
+    os.environ.update(env)  # the sandbox fixture puts the environment back
+    code, stderr = run_main([*args, str(tmp_path / "train.py")], capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+# --- ftrun status and ftrun report ------------------------------------------------------------------------
+
+SUBCOMMANDS = [
+    ("status-endpoint-empty", ["status", "--rdzv-endpoint", ""], "--rdzv-endpoint is empty"),
+    ("status-endpoint-blank", ["status", "--rdzv-endpoint", " "], "--rdzv-endpoint is empty"),
+    ("status-endpoint-no-host", ["status", "--rdzv-endpoint", ":29400"], "no host name"),
+    ("status-endpoint-port-word", ["status", "--rdzv-endpoint", "head:web"], "port 'web'"),
+    ("status-endpoint-port-zero", ["status", "--rdzv-endpoint", "head:0"], "port 0"),
+    ("status-endpoint-port-above-range", ["status", "--rdzv-endpoint", "head:99999"], "port 99999"),
+    ("status-endpoint-long-label", ["status", "--rdzv-endpoint", f"{LONG_LABEL}:1"], "is not a host name"),
+    ("status-endpoint-non-utf8", ["status", "--rdzv-endpoint", f"{NON_UTF8}:1"], "is not a host name"),
+    ("status-endpoint-missing", ["status"], "--rdzv-endpoint"),
+    ("status-interval-zero", ["status", "--rdzv-endpoint", "head:1", "--interval", "0"], "--interval"),
+    ("status-interval-negative", ["status", "--rdzv-endpoint", "head:1", "--interval", "-1"], "--interval"),
+    ("status-interval-inf", ["status", "--rdzv-endpoint", "head:1", "--interval", "inf"], "--interval"),
+    ("status-timeout-negative", ["status", "--rdzv-endpoint", "head:1", "--timeout", "-1"], "--timeout"),
+    ("status-timeout-word", ["status", "--rdzv-endpoint", "head:1", "--timeout", "soon"], "--timeout"),
+    ("status-unknown-flag", ["status", "--rdzv-endpoint", "head:1", "--follow"], "--follow"),
+    ("report-no-file", ["report"], "EVENTS.jsonl"),
+    ("report-missing", ["report", "no-such.jsonl"], "cannot read no-such.jsonl"),
+    ("report-folder", ["report", "."], "cannot read ."),
+    ("report-empty", ["report", "empty.jsonl"], "holds no events"),
+    ("report-blank-lines", ["report", "blank.jsonl"], "holds no events"),
+    ("report-not-json", ["report", "text.jsonl"], "line 1 is not JSON"),
+    ("report-not-utf8", ["report", "bytes.jsonl"], "line 1 is not JSON"),
+    ("report-json-list", ["report", "list.jsonl"], "line 1 is not an ftrun event"),
+    ("report-json-text", ["report", "string.jsonl"], "line 1 is not an ftrun event"),
+    ("report-object-without-kind", ["report", "nokind.jsonl"], "line 1 is not an ftrun event"),
+    ("report-garbage-second-line", ["report", "second.jsonl"], "line 2 is not JSON"),
+    ("report-non-utf8-name", ["report", NON_UTF8], "cannot read"),
+]
+EVENT_FILES = {
+    "empty.jsonl": b"", "blank.jsonl": b"\n \n\t\n", "text.jsonl": b"job started\n", "bytes.jsonl": b"\xff\xfe{}\n",
+    "list.jsonl": b"[1, 2]\n", "string.jsonl": b'"job"\n', "nokind.jsonl": b'{"t": 1}\n',
+    "second.jsonl": (b'{"t": 0, "elapsed": 0, "source": "controller", "kind": "job_started", "generation": 0, '
+                     b'"node": null, "rank": null, "host": null, "detail": ""}\n{oops\n{"kind": "job_finished"}\n'),
+}
+
+
+@pytest.mark.parametrize("argv, words", [c[1:] for c in SUBCOMMANDS], ids=[c[0] for c in SUBCOMMANDS])
+def test_bad_input_to_status_or_report(argv, words, tmp_path, capsys):
+    for name, data in EVENT_FILES.items():
+        (tmp_path / name).write_bytes(data)
+    code, stderr = run_main(argv, capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+PROBE = [
+    ("timeout-zero", ["--device-timeout", "0"], "--device-timeout"),
+    ("timeout-nan", ["--device-timeout", "nan"], "--device-timeout"),
+    ("timeout-huge", ["--device-timeout", "1e300"], ("--device-timeout", "at most")),
+    ("device-non-utf8", ["--device", NON_UTF8], "--device"),
+    ("fault-levels-folder", ["--fault-levels", "."], "--fault-levels"),
+    ("json-with-value", ["--json=yes"], "--json"),
+]
+
+
+@pytest.mark.parametrize("args, words", [c[1:] for c in PROBE], ids=[c[0] for c in PROBE])
+def test_bad_input_to_probe(args, words, capsys):
+    code, stderr = run_main(["probe", *args], capsys)
+    assert code == USAGE, stderr
+    assert_one_clear_line(stderr, words)
+
+
+def test_store_bind_to_an_address_of_another_machine():
+    from ftrun.config import Endpoint
+    from ftrun.store import host_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UsageError) as caught:
+        host_store(Endpoint("127.0.0.1", port), bind="192.0.2.1")  # TEST-NET-1: never this machine's
+    assert caught.value.message.startswith(f"cannot host the store on 192.0.2.1:{port}: ")
+
+
+DEVICE_IP_FILES = [
+    ("list", "- 10.0.0.1\n", "must be a mapping"),
+    ("host-to-list", "n1: [10.0.0.1]\n", "host 'n1'"),
+    ("device-id-word", "n1: {first: 10.0.0.1}\n", "host 'n1'"),
+    ("device-id-negative", "n1: {-1: 10.0.0.1}\n", "host 'n1'"),
+    ("address-number", "n1: {0: 42}\n", "host 'n1'"),
+    ("host-twice", "n1: {0: 10.0.0.1}\nn1: {0: 10.0.0.2}\n", "key 'n1' is already given on line 1"),
+    ("device-twice", "n1: {0: 10.0.0.1, 0: 10.0.0.2}\n", "key '0' is already given"),
+    ("not-utf8", b"n1: {0: \xff}\n", "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("text, words", [c[1:] for c in DEVICE_IP_FILES], ids=[c[0] for c in DEVICE_IP_FILES])
+def test_bad_device_ip_file(text, words, tmp_path):
+    from ftrun.ranktable import load_device_ips
+
+    path = tmp_path / "ips.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UsageError) as caught:
+        load_device_ips(str(path))
+    assert words in caught.value.message and str(path) in caught.value.message
+
+
+# --- npu-smi output: DeviceToolError (one line) or a result of the right type; nothing else ----------------
+
+PARSERS = {
+    # parser: (a fixture of real output, the type of what it returns)
+    npu_smi.parse_info_table: ("info_a3.txt", list),
+    npu_smi.parse_health: ("health_alarm_codes.txt", npu_smi.ChipHealth),
+    npu_smi.parse_npu_health: ("health_npu.txt", list),
+    npu_smi.parse_list: ("list_old.txt", list),
+    npu_smi.parse_mapping: ("mapping_a3_mcu.txt", dict),
+    npu_smi.parse_hccn_ip: ("hccn_ip.txt", str),
+}
+MUTATIONS = {
+    "empty": lambda text: "",
+    "blank": lambda text: " \n\t\n",
+    "garbage": lambda text: "lorem ipsum | dolor : sit\n" * 3,
+    "first-half": lambda text: text[: len(text) // 2],
+    "first-line": lambda text: text.splitlines()[0],
+    "last-line": lambda text: text.splitlines()[-1],
+    "one-line": lambda text: text.replace("\n", " "),
+    "cut-mid-line": lambda text: text[: text.find("\n", len(text) // 2) - 3],
+    "not-utf8": lambda text: (text.encode()[:40] + b"\xff\xfe\x80" + text.encode()[40:]).decode("utf-8", "replace"),
+    "surrogates": lambda text: os.fsdecode(text.encode() + b"\xff\xfe"),
+    "nul-bytes": lambda text: text.replace("\n", "\x00"),
+    "digits-5000": lambda text: text.replace("0", DIGITS),
+    "superscripts": lambda text: text.translate(str.maketrans("0123", "\u2070\u00b9\u00b2\u00b3")),
+    "huge": lambda text: text * 2000,
+    "one-megabyte-line": lambda text: "9" * 1_000_000,
+    "refused": lambda text: text + "Invalid card id.\n",
+}
+NPU_CASES = [(f"{parser.__name__}-{name}", parser, name) for parser in PARSERS for name in MUTATIONS]
+
+
+@pytest.mark.parametrize("parser, mutation", [c[1:] for c in NPU_CASES], ids=[c[0] for c in NPU_CASES])
+def test_npu_smi_output(parser, mutation):
+    fixture, kind = PARSERS[parser]
+    text = MUTATIONS[mutation]((FIXTURES / fixture).read_text())
+    try:
+        result = parser(text)
+    except DeviceToolError as e:
+        assert "\n" not in str(e), str(e)[:200]
+        return
+    assert isinstance(result, kind)
+    assert mutation not in ("empty", "blank", "garbage", "one-megabyte-line", "refused")
+
+
+# --- values that look wrong but have a sensible meaning: pinned, so that a change is a decision ------------
+
+def _config(**raw):
+    from ftrun.config import build_launch_config
+
+    return build_launch_config({"script": "train.py", **raw}, check_script=False)
+
+
+ACCEPTED = [
+    ("devices-repeated", lambda: _config(devices="2,0,2").devices, (0, 2)),
+    ("ranks-filter-repeated", lambda: _config(local_ranks_filter="1,1").local_ranks_filter, frozenset({1})),
+    ("max-restarts-huge", lambda: _config(max_restarts=HUGE).max_restarts, 10**30),
+    ("recovery-upper-case", lambda: _config(recovery="PROCESS").recovery, "process"),
+    ("recovery-empty-is-default", lambda: _config(recovery="").recovery, "job"),
+    ("recovery-null-is-default", lambda: _config(recovery=None).recovery, "job"),
+    ("rdzv-endpoint-empty-is-default", lambda: str(_config(rdzv_endpoint="").endpoint), "127.0.0.1:29500"),
+    ("stop-timeout-zero", lambda: _config(stop_timeout="0").stop_timeout, 0.0),
+    ("hang-timeout-zero-is-off", lambda: _config(hang_timeout=0).hang_timeout, 0.0),
+    ("endpoint-ipv6", lambda: str(_config(rdzv_endpoint="[::1]:29400").endpoint), "::1:29400"),
+    ("env-repeated-last-wins", lambda: forwarded_env({}, ["A=1", "A=2"]), (("A", "2"),)),
+    ("include-slot-repeated", lambda: parse_host_filter("n1:1,1", "--include"), {"n1": (1,)}),
+    # to DNS n1 and N1 are one host, to ssh two aliases: both kept
+    ("hosts-differing-in-case", lambda: [h.name for h in parse_hostfile("n1\nN1\n", "h")], ["n1", "N1"]),
+    ("config-null-key-is-default", lambda: _config(warm_standby=None, recovery="process").warm_standby, 1),
+]
+
+
+@pytest.mark.parametrize("value, expected", [c[1:] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_odd_but_accepted(value, expected):
+    assert value() == expected
+
+
+def test_an_empty_config_file_sets_nothing(tmp_path):
+    from ftrun.config import read_config_file
+
+    for text in ("", "\n", "# nothing yet\n", "---\n"):
+        (tmp_path / "job.yaml").write_text(text)
+        assert read_config_file(str(tmp_path / "job.yaml")) == {}
+
+
+# --- bugs this matrix found outside the parsers, fixed: a log level, nan seconds, a foreign event log, a
+# --- newline in a value, bytes that are not UTF-8 in --dry-run -------------------------------------------
+
+def test_bad_log_level(tmp_path, capsys):
+    os.environ["FTRUN_LOG_LEVEL"] = "LOUD"
+    code, stderr = run_main(["--nnodes", "0", str(tmp_path / "train.py")], capsys)
+    assert code == USAGE
+    assert_one_clear_line(stderr, "FTRUN_LOG_LEVEL")
+
+
+def test_status_timeout_nan(capsys):
+    code, stderr = run_main(["status", "--rdzv-endpoint", "127.0.0.1:1", "--timeout", "nan"], capsys)
+    assert code == USAGE
+    assert_one_clear_line(stderr, "--timeout")
+
+
+def test_report_of_an_event_without_its_fields(tmp_path, capsys):
+    (tmp_path / "events.jsonl").write_text('{"kind": "job_started"}\n')
+    code, stderr = run_main(["report", "events.jsonl"], capsys)
+    assert code == USAGE
+    assert_one_clear_line(stderr, "events.jsonl")
+
+
+def test_a_value_with_a_newline_still_gets_one_line(tmp_path, capsys):
+    code, stderr = run_main(["--recovery", "job\nprocess", str(tmp_path / "train.py")], capsys)
+    assert code == USAGE
+    assert_one_clear_line(stderr, "--recovery")
+
+
+def test_dry_run_of_a_value_that_is_not_utf8(tmp_path, capsys, monkeypatch):
+    (tmp_path / "hosts").write_text("n01\n")
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")  # any UTF-8 locale's stdout
+    monkeypatch.setattr(sys, "stdout", stdout)
+    code, _ = run_main(["--hostfile", "hosts", "--dry-run", "--env", f"A={NON_UTF8}", str(tmp_path / "train.py")],
+                       capsys)
+    assert code == 0
+    assert os.fsencode(NON_UTF8) in stdout.buffer.getvalue()  # the same bytes the ssh command would carry
