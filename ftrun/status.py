@@ -38,9 +38,9 @@ def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType
     """The whole view: the job line, one row per node, the ranks when they fit, the last events."""
     if not snapshot:
         return Text("ftrun: waiting for the nodes to gather (rendezvous)…", style="dim")
-    parts: list[RenderableType] = [job_line(snapshot)]
+    parts: list[RenderableType] = [job_line(snapshot, width)]
     if snapshot["phase"] in PHASE_TRACK:
-        parts.append(phase_track(snapshot))
+        parts.append(phase_track(snapshot, width))
     parts.append(node_table(snapshot, width))
     events = snapshot.get("events") or []
     room = height - len(snapshot["nodes"]) - len(events) - 10
@@ -51,7 +51,9 @@ def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType
     return Group(*parts)
 
 
-def job_line(s: dict) -> Text:
+def job_line(s: dict, width: int = 120) -> Text:
+    """The most telling first, so that a narrow terminal cuts the least: where the job stands, its
+    progress, its budget, then the rest."""
     phase = s["phase"]
     line = Text("ftrun ", style="bold")
     line.append(f"run {s['run_id']} · generation {s['generation']} · ")
@@ -59,18 +61,19 @@ def job_line(s: dict) -> Text:
     if phase in PHASE_TRACK:
         label = f"{s['level'].upper()}-LEVEL REPAIR: {phase.replace('_', ' ')} ({s['phase_for']:.1f}s)"
     line.append(label, style=PHASE_STYLE.get(phase, "bold yellow"))
-    left = s["max_restarts"] - s["restarts_used"]
-    line.append(f" · {s['recovery']}-level recovery · budget {left}/{s['max_restarts']} left")
-    if s["step"] is not None:
-        line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
-    line.append(f" · up {_clock(s['elapsed'])}")
     if s.get("exit_code") is not None:
         style = "bold green" if s["exit_code"] == 0 else "bold red"
-        line.append(f" · exit code {s['exit_code']}: {s['reason']}", style=style)
+        line.append(f" · exit code {s['exit_code']}", style=style)
+    if s["step"] is not None:
+        line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
+    left = s["max_restarts"] - s["restarts_used"]
+    line.append(f" · budget {left}/{s['max_restarts']} left · up {_clock(s['elapsed'])}")
+    line.append(f" · {s['recovery']}-level recovery")
+    line.truncate(width, overflow="ellipsis")
     return line
 
 
-def phase_track(s: dict) -> Text:
+def phase_track(s: dict, width: int = 120) -> Text:
     """stopping ▸ env clear ▸ repair ▸ rollback, the current phase highlighted."""
     text = Text("  ")
     current = PHASE_TRACK.index(s["phase"])
@@ -81,6 +84,7 @@ def phase_track(s: dict) -> Text:
             text.append(" ▸ ", style="dim")
     if s["reason"]:
         text.append(f"  {s['reason']}", style="yellow")
+    text.truncate(width, overflow="ellipsis")
     return text
 
 

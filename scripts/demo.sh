@@ -13,11 +13,13 @@ bash scripts/setup.sh
 work=$(mktemp -d)
 logs=${DEMO_LOG_DIR:-$work/logs}
 port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-trap 'kill $(jobs -p) 2>/dev/null; wait; rm -rf "$work"' EXIT
+# the job's secret: both agents sign their control messages with it (see "Security" in README.md)
+(umask 077 && head -c 32 /dev/urandom | base64 > "$work/token")
+trap 'kill $(jobs -p) 2>/dev/null || true; wait || true; rm -rf "$work"' EXIT
 
 node() {
     .venv/bin/ftrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint "127.0.0.1:$port" --run-id demo \
-        --max-restarts 3 --recovery process --log-dir "$logs" "$@" \
+        --max-restarts 3 --recovery process --log-dir "$logs" --token-file "$work/token" "$@" \
         scripts/examples/train_ddp_elastic.py --steps "${DEMO_STEPS:-60}" --ckpt-dir "$work/ckpt" --ckpt-every 10 \
         --kill-rank 3 --kill-at-step 25 --step-sleep "${DEMO_STEP_SLEEP:-0.1}"
 }

@@ -197,6 +197,8 @@ def test_status_json_follows_the_running_job(watched):
 def test_event_log_schema(watched):
     path = watched.events_file
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for folder in (path.parent.parent, path.parent, path.parent / "node0"):  # logs/, logs/<run id>/, its nodes
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     events = [json.loads(line) for line in path.read_text().splitlines()]  # every line parses
     for event in events:
         assert set(REQUIRED) <= set(event), event
