@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 
 import pytest
 
@@ -13,7 +14,8 @@ from ftrun.auth import Forged, Signer, read_token
 from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Layout, to_json
+from ftrun.messages import Command, CommandKind, JoinRecord, Layout, RendezvousResult, to_json
+from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, bind_address, host_store
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
@@ -125,3 +127,16 @@ def test_store_listens_only_where_it_is_told_and_a_second_host_finds_the_port_ta
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5)
     assert host_store(Endpoint("127.0.0.2", port)) is None  # taken: the agent that bound first hosts
+
+
+def test_an_agent_with_another_token_is_not_let_in(store, caplog):
+    endpoint = Endpoint("127.0.0.1", store.port)
+    controller = ControlStore(store, endpoint, True, Signer(TOKEN))
+    stranger = ControlStore(store, endpoint, False, Signer(b"another secret entirely, 987654"))
+    controller.append(KEYS.arrivals, KEYS.join, JoinRecord("a0", "h0", 1, 2))
+    stranger.append(KEYS.arrivals, KEYS.join, JoinRecord("a1", "h1", 2, 2))
+    result = gather(controller, KEYS, RendezvousPolicy(2, 2, 0.0, 0.5), "a0", threading.Event())
+    assert "1 of 2 nodes joined" in result.error  # the stranger's join does not count
+    assert any(f"{KEYS.join(1)} in the store: wrongly signed" in r.getMessage() for r in caplog.records)
+    assert controller.try_get(RendezvousResult, KEYS.rendezvous_result) == result
+    assert stranger.try_get(RendezvousResult, KEYS.rendezvous_result) is None  # nor can it read the answer
