@@ -72,3 +72,14 @@ def test_hang_timeout_off_never_judges_a_plain_script():
     watch = HangWatch(heartbeat_timeout=3, hang_timeout=0)
     watch.restart(0, beats=0, now=0)
     assert watch.observe(0, beats=0, activity=(), now=1e6) == ""
+
+
+def test_plain_script_without_py_spy_gets_no_stack_dump_and_says_how_to_get_one(monkeypatch, caplog):
+    import types
+
+    from ftrun.agent import stacks
+
+    monkeypatch.setattr(stacks.shutil, "which", lambda name: None)
+    worker = types.SimpleNamespace(pid=2**22 + 1, placement=types.SimpleNamespace(rank=1))  # no such process
+    stacks.dump_stack(worker, uses_library=False)
+    assert any("rank 1: no stack dump (install py-spy" in r.getMessage() for r in caplog.records)
