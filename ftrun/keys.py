@@ -67,6 +67,11 @@ class JobKeys:
     def spare_heartbeat(self, agent_id: str) -> str:
         return f"{self.root}/spare/{agent_id}/heartbeat"
 
+    @property
+    def spares_left(self) -> str:
+        """Counter of idle spares that read the job's EXIT: the store's host waits for them before it goes."""
+        return f"{self.root}/spare/left"
+
     def admission(self, agent_id: str) -> str:
         """The controller's answer to an agent that joined after the rendezvous: "spare", or why not."""
         return f"{self.root}/spare/{agent_id}/admission"

@@ -49,6 +49,8 @@ HEARTBEAT_INTERVAL = 0.5
 INTERRUPT_GRACE = 10.0
 #: after a failed rendezvous, how long the store's host waits for the other agents to read why
 RENDEZVOUS_LINGER = 5.0
+#: at the end of the job, how long the store's host waits for idle spares to read the EXIT
+SPARE_LINGER = 5.0
 
 
 @dataclass(frozen=True)
@@ -200,9 +202,22 @@ class Agent:
             # the store lives in this process: keep it up until every agent has left
             self.controller.stop_requested.set()
             self.controller.join(self.config.stop_timeout + 15)
+            self._wait_for_spares()
         if self._tmp_log_dir is not None:
             self._tmp_log_dir.cleanup()
         return JobOutcome(code, reason, self.controller)
+
+    def _wait_for_spares(self) -> None:
+        """Idle spares are not part of the exit's acknowledgements: keep the store up until they have
+        read the EXIT too (they poll every HEARTBEAT_INTERVAL), so that they leave with the job's status
+        rather than with "lost the controller"."""
+        idle = len(self.controller.spares)
+        deadline = time.monotonic() + SPARE_LINGER
+        try:
+            while idle and self.store.counter(self.keys.spares_left) < idle and time.monotonic() < deadline:
+                time.sleep(HEARTBEAT_INTERVAL / 5)
+        except StoreUnavailable:
+            pass
 
     def _log_dir(self) -> str:
         config = self.config
@@ -240,6 +255,7 @@ class Agent:
                     if command is None:
                         continue  # forged: ignored (and logged)
                     if command.kind is CommandKind.EXIT:
+                        self.store.add(self.keys.spares_left)  # the store's host may go now
                         return next_command, (command.exit_code, command.reason)
                     if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                         # the controller published the layout with this agent in it before the command

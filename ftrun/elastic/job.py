@@ -205,7 +205,8 @@ class ElasticJob:
         self._needs_state = self.env.replacement
         self._join(self.env.generation)
         self._repairing = self._needs_state  # a replacement is part of the repair until it has the state
-        for target, name, args in ((self._beat, "ftrun-heartbeat", ()), (self._watch, "ftrun-repair-watch", (endpoint,))):
+        for target, name, args in ((self._beat, "ftrun-heartbeat", (endpoint,)),
+                                   (self._watch, "ftrun-repair-watch", (endpoint,))):
             threading.Thread(target=target, name=name, args=args, daemon=True).start()
 
     # -- the user's side ------------------------------------------------------------------------
@@ -445,12 +446,18 @@ class ElasticJob:
 
     # -- liveness ----------------------------------------------------------------------------------
 
-    def _beat(self) -> None:
-        """Once a second: this rank's heartbeat and committed step."""
+    def _beat(self, endpoint) -> None:
+        """Once a second: this rank's heartbeat and committed step, on a connection of its own. A store
+        client runs one operation at a time: behind the main thread's wait for a slow replacement to
+        form the group, the heartbeat would stop and the agent would take this healthy rank for hung."""
+        try:
+            store = ControlStore(connect_store(endpoint, timeout=self.collective_timeout), endpoint, is_host=False)
+        except Exception:
+            return
         while not self._closed.wait(HEARTBEAT_INTERVAL):
             try:
-                self.store.add(self.keys.rank_heartbeat(self.env.rank))
-                self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
+                store.add(self.keys.rank_heartbeat(self.env.rank))
+                store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))
             except Exception:
                 return  # the controller is gone; the agent stops this process
 

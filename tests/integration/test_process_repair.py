@@ -13,9 +13,10 @@ ELASTIC = str(WORKERS / "elastic_train.py")
 STEPS = 10
 
 
-def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: int = 60, **env):
+def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: int = 60, flags=(), **env):
     env = launcher.env(STEPS=str(STEPS), **env)
-    flags = ["--recovery", "process", "--max-restarts", str(max_restarts), "--repair-timeout", str(repair_timeout)]
+    flags = ["--recovery", "process", "--max-restarts", str(max_restarts), "--repair-timeout", str(repair_timeout),
+             *flags]
     launcher.start_job(2, 2, [script], flags=flags, env=env)
     return launcher.wait()
 
@@ -101,10 +102,14 @@ def test_no_healthy_replica_left_falls_back_to_job_level(launcher, fault_free):
 
 
 def test_repair_past_its_deadline_falls_back_to_job_level(launcher, fault_free):
-    codes = run(launcher, FAULT="2:4:sigkill", HANG_REPLACEMENT="2", repair_timeout=5)
+    # the healthy ranks wait for the replacement longer than --heartbeat-timeout: their heartbeats must
+    # go on meanwhile (they have a store connection of their own), or they would be killed as hung
+    codes = run(launcher, FAULT="2:4:sigkill", HANG_REPLACEMENT="2", repair_timeout=6,
+                flags=("--heartbeat-timeout", "3"))
     assert codes == [0, 0], launcher.output()
     output = launcher.output()
-    assert "the repair did not finish within 5s" in output and "falling back to job level" in output
+    assert "is hung" not in output
+    assert "the repair did not finish within 6s" in output and "falling back to job level" in output
     results = launcher.results()
     assert {r["step"] for r in results.values()} == {STEPS}
     assert {r["checksum"] for r in results.values()} == {fault_free}

@@ -3,6 +3,8 @@
 Faults come from the environment and hit only original ranks (never a replacement):
   FAULT=rank:step:kind[,rank:step:kind...]   kind: sigkill, exit1, segv
   FAULT_GENERATIONS=0                        generations in which to inject (default 0)
+  FAULT_ONCE=1                               instead: each fault once per job, in whichever generation
+                                             its step comes (OUT_DIR/fault-fired-rank<r>-step<s>)
   FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
@@ -26,7 +28,12 @@ def inject_fault(rank: int, step: int, generation: int) -> None:
     if os.environ.get("FTRUN_REPLACEMENT") == "1":
         return
     kind = faults.due(rank, step)
-    if kind and str(generation) in os.environ.get("FAULT_GENERATIONS", "0").split(","):
+    if not kind:
+        return
+    if os.environ.get("FAULT_ONCE") == "1":
+        if faults.claim(rank, step, kind):
+            faults.trigger(kind, step)
+    elif str(generation) in os.environ.get("FAULT_GENERATIONS", "0").split(","):
         faults.trigger(kind, step)
 
 

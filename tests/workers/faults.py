@@ -16,6 +16,20 @@ def due(rank: int, step: int) -> str:
     return ""
 
 
+def claim(rank: int, step: int, kind: str) -> bool:
+    """FAULT_ONCE=1: True the first time this rank's fault at this step is due in the whole job (in
+    any generation, in any process), recorded as OUT_DIR/fault-fired-rank<r>-step<s> holding the kind;
+    a job-level restart that runs the step again does not fire it again."""
+    path = os.path.join(os.environ["OUT_DIR"], f"fault-fired-rank{rank}-step{step}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(kind)
+    return True
+
+
 def trigger(kind: str, step: int) -> None:
     """sigkill, exit1, segv, sigstop (a hang), ecc (dies printing torch_npu's HBM ECC error), or raise
     (a Python exception, recorded by torch's @record)."""
