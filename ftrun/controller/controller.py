@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable
 
+from ftrun.controller.board import StatusBoard
 from ftrun.controller.policy import (
     MILESTONE_OF,
     REPAIR_PHASES,
@@ -27,7 +28,6 @@ from ftrun.controller.policy import (
     on_stop,
     start,
 )
-from ftrun.controller.board import StatusBoard
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
