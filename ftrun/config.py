@@ -123,6 +123,11 @@ class LaunchConfig:
     def script(self) -> str:
         return self.entrypoint[-1]
 
+    @property
+    def several_nodes(self) -> bool:
+        """Other agents may join this job (more nodes, or spares)."""
+        return self.max_nodes > 1 or self.spares > 0
+
 
 class _DuplicateKey(Exception):
     """A key given twice in one YAML mapping (PyYAML would silently keep the last value)."""

@@ -96,10 +96,6 @@ class EventLog:
         return self.emit("fault", failure.generation, failure.describe(), node=failure.node_rank, rank=failure.rank,
                          host=failure.host, source=f"node{failure.node_rank}", evidence=evidence)
 
-    def since(self, count: int) -> list[dict]:
-        with self._lock:
-            return self.events[count:]
-
     def last(self, kinds: Iterable[str], count: int) -> list[dict]:
         wanted = set(kinds)
         with self._lock:

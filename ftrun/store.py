@@ -73,11 +73,7 @@ class ControlStore:
         """The message, or None while the key is unset or when what it holds is ignored as forged."""
         if not self._call(self.raw.check, [key]):
             return None
-        try:
-            return self.get(cls, key)
-        except Forged as e:
-            self._ignore(key, e)
-            return None
+        return self._get_or_ignore(cls, key)
 
     def set_text(self, key: str, text: str, signed: bool = False) -> None:
         self._call(self.raw.set, key, self.signer.seal(key, text) if signed else text)
@@ -94,6 +90,14 @@ class ControlStore:
         except Forged as e:
             self._ignore(key, e)
             return ""
+
+    def _get_or_ignore(self, cls: type[T], key: str) -> T | None:
+        """The message under ``key`` (which is set), or None when it is ignored as forged."""
+        try:
+            return self.get(cls, key)
+        except Forged as e:
+            self._ignore(key, e)
+            return None
 
     def _ignore(self, key: str, problem: Forged) -> None:
         if key not in self._forged:
@@ -114,11 +118,7 @@ class ControlStore:
             key = item_key(index)
             if not self._call(self.raw.check, [key]):
                 break  # reserved but not yet written; read it next time
-            try:
-                items.append(self.get(cls, key))
-            except Forged as e:
-                self._ignore(key, e)
-                items.append(None)
+            items.append(self._get_or_ignore(cls, key))
         return items
 
     def _call(self, fn, *args):

@@ -26,6 +26,18 @@ def find_program(name: str, who: str) -> str:
     return found
 
 
+def marked_processes(marker_variable: str, marker: str) -> list[psutil.Process]:
+    """Every process whose environment carries the marker (of any parent: launchers detach their workers)."""
+    found = []
+    for candidate in psutil.process_iter():
+        try:
+            if candidate.environ().get(marker_variable) == marker:
+                found.append(candidate)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
 def kill_everything(processes: list[subprocess.Popen], marker_variable: str, marker: str) -> None:
     """SIGKILL the launchers' process groups and every process whose environment carries the marker,
     then reap. Launchers put their workers in sessions of their own, hence the marker."""
@@ -37,13 +49,11 @@ def kill_everything(processes: list[subprocess.Popen], marker_variable: str, mar
                 os.killpg(process.pid, signal.SIGKILL)  # each launcher leads its own group (start_new_session)
             except ProcessLookupError:
                 pass
-        marked = []
-        for candidate in psutil.process_iter():
+        marked = marked_processes(marker_variable, marker)
+        for candidate in marked:
             try:
-                if candidate.environ().get(marker_variable) == marker:
-                    candidate.kill()
-                    marked.append(candidate)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                candidate.kill()
+            except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(marked, timeout=10)
         for process in processes:

@@ -65,7 +65,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,6 +76,8 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 from rich.table import Table
+
+from benchlib import free_port, marked_processes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
@@ -205,21 +206,8 @@ def spaced_steps(rng: random.Random, count: int) -> list[int]:
 # --- one round's processes ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def marked(mark: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARK_VARIABLE) == mark:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return marked_processes(MARK_VARIABLE, mark)
 
 
 def kill_marked(mark: str) -> None:

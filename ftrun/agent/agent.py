@@ -134,11 +134,10 @@ class Agent:
         self.table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, self.table)
         preflight = self._preflight() if config.preflight else ""
-        several = config.max_nodes > 1 or config.spares > 0
         # a single node makes its own token: no other agent needs it
-        signer = Signer(config.token or (b"" if several else new_token()))
+        signer = Signer(config.token or (b"" if config.several_nodes else new_token()))
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
-                                        config.store_bind, several)
+                                        config.store_bind, config.several_nodes)
         if self.store.is_host:
             if not signer.enabled:
                 log.warning("control messages are not signed: anyone who reaches %s can steer this job "

@@ -96,8 +96,10 @@ class StatusReader:
 def show(snapshot: dict, as_json: bool) -> None:
     from ftrun.status import render
 
-    if as_json:
-        out.print_json(json.dumps(snapshot)) if out.is_terminal else print(json.dumps(snapshot), flush=True)
+    if as_json and out.is_terminal:
+        out.print_json(json.dumps(snapshot))
+    elif as_json:
+        print(json.dumps(snapshot), flush=True)
     else:
         out.print(render(snapshot, out.width, out.height))
 

@@ -88,7 +88,7 @@ class StatusBoard:
             "exit_code": view.exit_code if view.phase in (Phase.EXITING, Phase.DONE) else None,
             "nodes": node_rows,
             "ranks": ranks,
-            "events": self.events.last((k for k in _SHOWN_KINDS), EVENTS_SHOWN),
+            "events": self.events.last(_SHOWN_KINDS, EVENTS_SHOWN),
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot
@@ -109,7 +109,7 @@ class StatusBoard:
     def _node_row(self, view: JobView, slot: NodeSlot, role: str) -> dict:
         status = self.store.try_get(NodeStatus, self.keys.agent_status(slot.agent_id))
         states = status.ranks if status else ()
-        row = {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
+        return {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
                "state": _node_state(view, slot.node_rank) if role == "active" else "standing by",
                "ranks_total": slot.nproc if role == "active" else 0,
                "ranks_alive": sum(1 for r in states if r.alive),
@@ -118,7 +118,6 @@ class StatusBoard:
                            for d in (status.devices if status else ())],
                "rank_states": [{"rank": r.rank, "node": slot.node_rank, "pid": r.pid, "alive": r.alive,
                                 "restarts": r.restarts} for r in states]}
-        return row
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
@@ -127,6 +126,8 @@ class StatusBoard:
     def _log_progress(self, view: JobView, now: float, step: int | None, rate: float) -> None:
         if step is None or now < self._next_progress or step == self._last_logged_step:
             return
+        if view.phase in (Phase.EXITING, Phase.DONE):
+            return  # job_finished carries the final step: nothing comes after it but the last phase
         early = now - self.started < EARLY
         self._next_progress = now + (PROGRESS_EVERY_EARLY if early else PROGRESS_EVERY)
         self._last_logged_step = step

@@ -164,7 +164,7 @@ class Controller:
                 repair_timeout=config.repair_timeout,
             ),
             events=EventLog(path),
-            bind=bind_address(advertised_host, config.store_bind, config.max_nodes > 1 or config.spares > 0),
+            bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
         )
 
     def start(self) -> None:
@@ -524,9 +524,9 @@ class Controller:
             pass
         snapshot = self.board.snapshot
         outcome = "succeeded" if view.exit_code == ExitCode.OK else f"failed (exit code {view.exit_code})"
-        self.events.emit("job_finished", view.generation, f"job {outcome}: {view.reason}", exit_code=view.exit_code, reason=view.reason,
-                         duration=round(time.monotonic() - self.board.started, 3), step=snapshot.get("step"),
-                         restarts_used=view.restarts_used, max_restarts=view.max_restarts)
+        self.events.emit("job_finished", view.generation, f"job {outcome}: {view.reason}", exit_code=view.exit_code,
+                         reason=view.reason, duration=round(time.monotonic() - self.board.started, 3),
+                         step=snapshot.get("step"), restarts_used=view.restarts_used, max_restarts=view.max_restarts)
 
     def _with_new_worker_store(self, command: Command) -> Command:
         # Each generation gets a fresh store for the workers' env:// rendezvous; the

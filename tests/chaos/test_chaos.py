@@ -20,6 +20,9 @@ ROUNDS = 3
 
 
 def load_chaos():
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:  # chaos.py imports benchlib from beside it, as a script does
+        sys.path.insert(0, scripts)
     spec = importlib.util.spec_from_file_location("ftrun_chaos", ROOT / "scripts" / "chaos.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
