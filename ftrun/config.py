@@ -22,6 +22,8 @@ import yaml
 
 from ftrun.auth import read_token
 from ftrun.errors import UsageError
+from ftrun.snapshots.format import size_text
+from ftrun.snapshots.keeper import SnapshotOptions, memory_root
 
 RECOVERY_LEVELS = ("process", "job")
 RDZV_BACKENDS = ("c10d", "static")
@@ -118,6 +120,8 @@ class LaunchConfig:
     store_bind: str = ""
     #: the job's secret for signing control messages (--token-file; b"": unsigned)
     token: bytes = field(default=b"", repr=False)
+    #: in-memory snapshots, their peer replicas and their persistence (--snapshot-every and the rest)
+    snapshots: SnapshotOptions = field(default_factory=SnapshotOptions)
 
     @property
     def script(self) -> str:
@@ -536,8 +540,61 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         status=choice(raw.get("status") or "auto", STATUS_MODES, "--status"),
         store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),
         token=read_token(str(raw["token_file"])) if raw.get("token_file") else b"",
+        snapshots=snapshot_options(raw),
         **device_options(raw),
     )
+
+
+#: --snapshot-memory's units (powers of 1024)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(value: Any, flag: str) -> int:
+    """A size in bytes: 4096, 512M, 1.5G, 2GiB, 64k (powers of 1024)."""
+    text = "" if isinstance(value, bool) else str(value).lower()
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text)
+    if match is None:
+        raise UsageError(f"{flag} must be a size such as 512M or 4G, got '{value}'")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size <= 0:
+        raise UsageError(f"{flag} must be more than 0 bytes, got '{value}'")
+    return size
+
+
+def free_memory(folder: str) -> int:
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
+    """The snapshot flags, checked against each other and against this node's shared memory."""
+    every = whole_number(raw.get("snapshot_every") or 0, "--snapshot-every", maximum=MAX_COUNT)
+    replicas = whole_number(raw.get("snapshot_replicas", 1), "--snapshot-replicas", maximum=MAX_COUNT)
+    replicate_every = whole_number(raw.get("replicate_every", 10), "--replicate-every", 1, MAX_COUNT)
+    checkpoint_every = whole_number(raw.get("checkpoint_every", 100), "--checkpoint-every", 1, MAX_COUNT)
+    keep = whole_number(raw.get("keep_checkpoints", 3), "--keep-checkpoints", 1, MAX_COUNT)
+    folder = str(raw.get("checkpoint_dir") or "")
+    save_on_failure = switch(raw, "save_on_failure")
+    if folder and not every:
+        raise UsageError("--checkpoint-dir writes ftrun's in-memory snapshots to disk: give --snapshot-every too")
+    if save_on_failure and not folder:
+        raise UsageError("--save-on-failure writes the newest snapshots to --checkpoint-dir: give it")
+    if every and replicate_every % every:
+        raise UsageError(f"--replicate-every {replicate_every} must be a multiple of --snapshot-every {every}")
+    if folder and checkpoint_every % replicate_every:
+        raise UsageError(f"--checkpoint-every {checkpoint_every} must be a multiple of --replicate-every {replicate_every}")
+    memory = 0
+    if every:
+        root = memory_root()
+        free = free_memory(root)
+        if raw.get("snapshot_memory") in (None, ""):
+            memory = free // 2
+        else:
+            memory = parse_size(raw["snapshot_memory"], "--snapshot-memory")
+            if memory > free:
+                raise UsageError(f"--snapshot-memory {size_text(memory)} is more than the {size_text(free)} free in {root}")
+    return SnapshotOptions(every, replicas, replicate_every, memory, os.path.abspath(folder) if folder else "",
+                           checkpoint_every, keep, save_on_failure)
 
 
 def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:

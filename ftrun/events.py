@@ -47,6 +47,8 @@ KINDS = (
     "takeover",  # a spare node took a lost node's place
     "resized",  # the job went on with fewer nodes, or grew back
     "progress",  # the lowest committed step across ranks, and the training rate
+    "restore",  # a job-level restart resumes from snapshots: the step, and where each rank reads it
+    "checkpoint",  # every rank's snapshot of a step is on disk, with its manifest
     "job_finished",  # exit code, reason, duration, final step, budget used
 )
 REQUIRED = ("t", "elapsed", "source", "kind", "generation", "node", "rank", "host", "detail")

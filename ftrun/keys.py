@@ -125,6 +125,14 @@ class JobKeys:
         """The rank's last committed step, as text."""
         return f"{self.root}/rank/{rank}/step"
 
+    def snapshot_inventory(self, agent_id: str) -> str:
+        """The agent's SnapshotInventory: what copies of the ranks' state its node holds, and where it serves them."""
+        return f"{self.root}/snapshots/{agent_id}"
+
+    def restore_plan(self, generation: int) -> str:
+        """The controller's RestorePlan for a generation started by a job-level restart."""
+        return f"{self.generation(generation)}/restore"
+
     def rollback_failure(self, generation: int) -> str:
         """Why the generation's rollback could not happen (no healthy replica holds the state)."""
         return f"{self.generation(generation)}/rollback_failure"

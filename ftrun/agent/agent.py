@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,8 +41,10 @@ from ftrun.messages import (
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import join, linger_for_readers
+from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
+from ftrun.snapshots.plan import SnapshotInventory
 from ftrun.status import StatusView, status_view
-from ftrun.store import ControlStore, StoreUnavailable, open_control_store
+from ftrun.store import ControlStore, StoreUnavailable, bind_address, open_control_store
 
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
@@ -100,6 +103,13 @@ class Agent:
         self.layout = Layout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
+        #: the node's snapshots (--snapshot-every), and the inventory last published
+        self.snapshots: SnapshotKeeper | None = None
+        self._inventory: SnapshotInventory | None = None
+        self._signer = Signer()
+        self._token = b""
+        #: peer agent id -> its snapshot server's address
+        self._peer_addresses: dict[str, str] = {}
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -135,7 +145,8 @@ class Agent:
         self.devices = NodeDevices.open(config, self.table)
         preflight = self._preflight() if config.preflight else ""
         # a single node makes its own token: no other agent needs it
-        signer = Signer(config.token or (b"" if config.several_nodes else new_token()))
+        self._token = config.token or (b"" if config.several_nodes else new_token())
+        signer = self._signer = Signer(self._token)
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
                                         config.store_bind, config.several_nodes)
         if self.store.is_host:
@@ -172,8 +183,11 @@ class Agent:
                 self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
+            self._start_snapshots(ops)
             code, reason = self._supervise(group, next_command)
         finally:
+            if self.snapshots is not None:
+                self.snapshots.stop()
             self.devices.stop()
             group.stop(config.stop_timeout)
             ops.close()
@@ -189,6 +203,42 @@ class Agent:
             log.error("preflight failed on %s: %s", self.host, report.problem)
             return f"{self.host}: {report.problem}"
         return ""
+
+    def _start_snapshots(self, ops: ProcessOps) -> None:
+        """The node's snapshot memory, server and persister (--snapshot-every)."""
+        options = self.config.snapshots
+        if not options.enabled:
+            return
+        bind = bind_address(self.host, self.config.store_bind, self.config.several_nodes)
+        self.snapshots = SnapshotKeeper(options, self.config.run_id, self.slot.nproc, self.host, bind, self._signer,
+                                        self._token, lambda argv: ops.spawn(argv, dict(os.environ), stdin=subprocess.PIPE))
+        ops.remove_on_exit(self.snapshots.folder)
+        self.snapshots.start()
+        self._publish_inventory()
+
+    def _publish_inventory(self, verify: bool = False) -> None:
+        """What the node's snapshot memory holds, for the controller (only when it changed)."""
+        if self.snapshots is None:
+            return
+        inventory = self.snapshots.inventory(self.agent_id, self.slot.node_rank, verify)
+        if inventory != self._inventory:
+            self.store.set(self.keys.snapshot_inventory(self.agent_id), inventory)
+            self._inventory = inventory
+
+    def _find_peers(self) -> None:
+        """Where this node sends its replicas: the next nodes in node order, at their snapshot servers."""
+        nodes = self.layout.nodes
+        peers = []
+        for node_rank in ring_peers([n.node_rank for n in nodes], self.slot.node_rank,
+                                    self.config.snapshots.replicas):
+            agent_id = next(n.agent_id for n in nodes if n.node_rank == node_rank)
+            if agent_id not in self._peer_addresses:
+                inventory = self.store.try_get(SnapshotInventory, self.keys.snapshot_inventory(agent_id))
+                if inventory is None:
+                    continue  # not up yet: looked for again at the next keepalive
+                self._peer_addresses[agent_id] = inventory.address
+            peers.append((node_rank, self._peer_addresses[agent_id]))
+        self.snapshots.set_peers(peers)
 
     def _start_controller(self) -> None:
         config = self.config
@@ -326,6 +376,7 @@ class Agent:
                     if command.kind is CommandKind.STOP:
                         log.warning("stopping generation %d: %s", command.generation, command.reason)
                         group.stop(config.stop_timeout)
+                        self._snapshots_after_stop()
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
@@ -354,6 +405,9 @@ class Agent:
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
         self.store.set(self.keys.agent_status(self.agent_id), status)
+        if self.snapshots is not None and self.slot.node_rank >= 0:
+            self._publish_inventory()
+            self._find_peers()
 
     def _started(self, worker: Worker) -> None:
         rank = worker.placement.rank
@@ -479,8 +533,18 @@ class Agent:
                     ", ".join(str(self.slot.first_rank + i) for i in mine), command.generation)
         for local_rank in mine:
             group.clear(local_rank, self.config.stop_timeout)
+        self._snapshots_after_stop()
         self._report(ReportKind.CLEARED, command.generation)
         self._respawn(group, command, tuple(mine))
+
+    def _snapshots_after_stop(self) -> None:
+        """Ranks stopped: their snapshots are final. Check each one's sum, so that the controller's
+        restore skips a damaged one, and (--save-on-failure) write the newest to disk."""
+        if self.snapshots is None:
+            return
+        self._publish_inventory(verify=True)
+        if self.config.snapshots.save_on_failure:
+            self.snapshots.save_newest()
 
     def _rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:
         """Write this generation's rank tables (from the controller's layout); their variables."""
@@ -509,6 +573,7 @@ class Agent:
             replacement=replacement,
             rank_tables=self._rank_tables(command.generation),
             previous_world_size=self.layout.previous_world_size,
+            snapshot_env=tuple(self.snapshots.worker_env().items()) if self.snapshots else (),
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:

@@ -61,6 +61,10 @@ class ProcessOps:
     def forget_group(self, pgid: int) -> None:
         self._tell_guardian(f"-{pgid}")
 
+    def remove_on_exit(self, folder: str) -> None:
+        """Have the guardian remove ``folder`` if the agent dies without doing it (its snapshot memory)."""
+        self._tell_guardian(f"d{folder}")
+
     def close(self) -> None:
         """Let the guardian go (every group is reaped by now)."""
         try:
@@ -129,6 +133,8 @@ class GenerationEnv:
     rank_tables: tuple[tuple[str, str], ...] = ()
     #: the world size of the generation before (a scale-in or grow-back changes it), 0 for the first
     previous_world_size: int = 0
+    #: where the ranks write their snapshots (FTRUN_SNAPSHOT_*), when --snapshot-every is on
+    snapshot_env: tuple[tuple[str, str], ...] = ()
 
 
 class WorkerGroup:
@@ -358,6 +364,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         FTRUN_PREVIOUS_WORLD_SIZE=str(gen.previous_world_size or gen.world_size),
     )
     env.update(gen.rank_tables)
+    env.update(gen.snapshot_env)
     env.update(placement.device_env)
     return env
 

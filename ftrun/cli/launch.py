@@ -9,8 +9,8 @@ from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_
 from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
-GROUPS = ("Nodes and processes", "Cluster (SSH, Slurm)", "Rendezvous", "Recovery", "Devices and faults",
-          "Worker command", "Logs and output", "General")
+GROUPS = ("Nodes and processes", "Cluster (SSH, Slurm)", "Rendezvous", "Recovery", "Snapshots and checkpoints",
+          "Devices and faults", "Worker command", "Logs and output", "General")
 _group_of: dict[str, str] = {}
 
 
@@ -55,6 +55,7 @@ class GroupedCommand(click.Command):
 
 
 RECOVERY = "Recovery"
+CHECKPOINTS = "Snapshots and checkpoints"
 NODES = "Nodes and processes"
 RDZV = "Rendezvous"
 WORKER = "Worker command"
@@ -134,6 +135,26 @@ def launch_options(fn):
         option("warm-standby", group=RECOVERY, type=int, default=None,
                help="Warm standby workers per node (torch already imported), taken by replacement ranks.  "
                     "[default: 1 with --recovery process, else 0]"),
+        option("snapshot-every", group=CHECKPOINTS, type=int, default=0, show_default=True,
+               help="Snapshot each rank's registered state into its node's shared memory after every K-th step "
+                    "(ftrun.elastic); a job-level restart resumes from it. 0: no snapshots."),
+        option("snapshot-replicas", group=CHECKPOINTS, type=int, default=1, show_default=True,
+               help="Peer nodes (the next in node order) that keep a copy of each rank's pinned snapshots."),
+        option("replicate-every", group=CHECKPOINTS, type=int, default=10, show_default=True,
+               help="Steps between pinned snapshots, the ones copied to peers and to disk (a multiple of "
+                    "--snapshot-every)."),
+        option("snapshot-memory", group=CHECKPOINTS, default=None,
+               help="Shared memory the node's snapshots may take (512M, 4G).  [default: half of what /dev/shm "
+                    "has free]"),
+        option("checkpoint-dir", group=CHECKPOINTS, default="",
+               help="Folder the agents write pinned snapshots to, in the background (torch.save files and a "
+                    "manifest per step)."),
+        option("checkpoint-every", group=CHECKPOINTS, type=int, default=100, show_default=True,
+               help="Steps between checkpoints on disk (a multiple of --replicate-every)."),
+        option("keep-checkpoints", group=CHECKPOINTS, type=int, default=3, show_default=True,
+               help="Checkpoints kept on disk; older ones are deleted."),
+        option("save-on-failure", group=CHECKPOINTS, is_flag=True,
+               help="When a fault is detected, write every rank's newest snapshot to --checkpoint-dir too."),
         option("device", group=DEVICES, default="auto", show_default=True,
                help="Device kind to watch and assign: auto (npu if npu-smi is on PATH, cuda if nvidia-smi is), "
                     "npu, cuda or cpu."),

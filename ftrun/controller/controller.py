@@ -33,6 +33,10 @@ from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
 from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, Report, ReportKind, RendezvousResult
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
+from ftrun.snapshots.format import size_text
+from ftrun.snapshots.keeper import SnapshotOptions
+from ftrun.snapshots.persist import step_folder
+from ftrun.snapshots.plan import DISK, HeldSnapshot, SnapshotInventory, choose_restore
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,7 @@ class Controller:
         policy: RecoveryPolicy,
         events: EventLog | None = None,
         bind: str = "",
+        snapshots: SnapshotOptions | None = None,
     ):
         self.store = store
         self.keys = keys
@@ -114,6 +119,9 @@ class Controller:
         #: where each generation's worker store listens ("": the address advertised_host names)
         self.bind = bind or bind_address(advertised_host)
         self.policy = policy
+        self.snapshots = snapshots or SnapshotOptions()
+        #: the newest step whose checkpoint is on disk for every rank
+        self._checkpointed = -1
         self.view: JobView | None = None
         #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
         self.events = events or EventLog()
@@ -165,6 +173,7 @@ class Controller:
             ),
             events=EventLog(path),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
+            snapshots=config.snapshots,
         )
 
     def start(self) -> None:
@@ -261,6 +270,8 @@ class Controller:
                 self._grow()
                 self._check_library()
                 self._refresh_status()
+                if self.snapshots.checkpoint_dir:
+                    self._note_checkpoints()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 if report is not None:  # None: forged, ignored (and logged)
@@ -419,6 +430,8 @@ class Controller:
                                  f"generation {command.generation} starts with {self.view.world_size} ranks",
                                  level=level, world_size=self.view.world_size)
                 self._publish_layout(starting=True)  # a scale-in or a grow-back renumbers the global ranks
+                if command.generation > 0 and self.snapshots.enabled:
+                    self._plan_restore(command.generation)
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
                 command = dataclasses.replace(command, worker_store=self._worker_store_address)
@@ -427,6 +440,48 @@ class Controller:
                 self._hand_over(command)
             log.debug("publishing %s", command)
             self.store.append(self.keys.command_count, self.keys.command, command)
+
+    def _inventories(self) -> list[SnapshotInventory]:
+        """What the nodes in the job hold now (a lost node's agent, and its memory, are gone)."""
+        found = []
+        for node in sorted(self.view.present & set(self.nodes)):
+            inventory = self.store.try_get(SnapshotInventory, self.keys.snapshot_inventory(self.nodes[node].agent_id))
+            if inventory is not None:
+                found.append(inventory)
+        return found
+
+    def _plan_restore(self, generation: int) -> None:
+        """Before a job-level restart: the newest step every rank's state is held at, and where each rank
+        reads it (the agents published what they hold when they stopped their ranks)."""
+        homes = {rank: n.node_rank for n in self.nodes.values() if n.node_rank in self.view.present
+                 for rank in range(n.first_rank, n.first_rank + n.nproc)}
+        plan = choose_restore(generation, self._inventories(), self.view.world_size, homes)
+        self.store.set(self.keys.restore_plan(generation), plan)
+        if plan.step < 0:
+            line = f"generation {generation} starts without a snapshot to restore: {plan.reason}"
+        else:
+            counts = plan.counts()
+            places = ", ".join(f"{counts[w]} from {w}" for w in ("memory", "pinned", "replica", "disk") if w in counts)
+            line = f"generation {generation} restores step {plan.step} ({places})"
+        log.warning(line)
+        self.events.emit("restore", generation, line, step=plan.step,
+                         sources={s.rank: {"where": s.where, "node": s.node_rank} for s in plan.sources})
+
+    def _note_checkpoints(self) -> None:
+        """An event for each checkpoint step whose every rank's file the agents have written."""
+        world = self.view.world_size
+        files: dict[int, dict[int, HeldSnapshot]] = {}
+        for inventory in self._inventories():
+            for held in inventory.held:
+                if held.where == DISK:
+                    files.setdefault(held.step, {})[held.rank] = held
+        for step in sorted(files):
+            if step > self._checkpointed and set(files[step]) >= set(range(world)):
+                self._checkpointed = step
+                nbytes = sum(files[step][rank].nbytes for rank in range(world))
+                self.events.emit("checkpoint", self.view.generation,
+                                 f"checkpoint of step {step} on disk: {world} ranks, {size_text(nbytes)}", step=step,
+                                 path=step_folder(self.snapshots.checkpoint_dir, step))
 
     def _announce(self, generation: int) -> None:
         """Tell the ranks which generation to form; ranks still forming an older one give it up."""

@@ -17,10 +17,14 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
-from ftrun.elastic.rollback import NO_STATE, choose_rollback
+from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
+from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps, snapshot_signer
 from ftrun.keys import JobKeys
+from ftrun.snapshots.format import SnapshotError
+from ftrun.snapshots.plan import RestorePlan
 from ftrun.store import ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
@@ -176,8 +180,11 @@ class ElasticJob:
     environment as usual and its steps simply run, so the same script works under both.
     """
 
-    def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0):
+    def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0,
+                 sharded: bool = False):
         self.env = WorkerEnv.from_environ()
+        #: every rank holds its own part of the state: a repair restores each rank's own snapshot
+        self.sharded = sharded
         # ftrun names the rank's device among those it sees (it differs from LOCAL_RANK after a move)
         device_index = int(os.environ.get("FTRUN_DEVICE_INDEX") or os.environ.get("LOCAL_RANK", "0"))
         self.backend: CommBackend = make_backend(backend, device_index)
@@ -192,14 +199,19 @@ class ElasticJob:
         self._repairing = False
         self._guard = StepGuard(self)
         self._closed = threading.Event()
+        #: this rank's snapshots into its agent's memory (--snapshot-every), or None
+        self.snapshots: SnapshotWriter | None = None
         if self.env is None:
             dist.init_process_group(self.backend.name)
             self.generation = 0
             return
         _dump_stack_on_signal()
         self.keys = JobKeys(self.env.run_id)
+        self.snapshots = SnapshotWriter.from_environ(self.env.rank, self.env.world_size, sharded)
+        self._signer = snapshot_signer(self.snapshots.folder) if self.snapshots else Signer()
         endpoint = parse_endpoint(self.env.control_store, 0, "FTRUN_CONTROL_STORE")
-        self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False)
+        self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False,
+                                  signer=self._signer)
         self.generation = -1
         self._spawned_for = self.env.generation if self.env.replacement else None
         self._needs_state = self.env.replacement
@@ -274,7 +286,7 @@ class ElasticJob:
         """
         if self._needs_state:
             self._recover(self.generation, joined=True)
-        elif self._step < start:
+        elif not self._restore(start) and self._step < start:
             self._step = start
         while self._step < total:
             self._guard = StepGuard(self)
@@ -289,7 +301,9 @@ class ElasticJob:
         return self._guard
 
     def close(self) -> None:
-        """Leave the job: stop the heartbeat, destroy the process group."""
+        """Leave the job: finish the snapshot under way, stop the heartbeat, destroy the process group."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
         self._closed.set()
         try:
             self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))  # the final step
@@ -311,6 +325,59 @@ class ElasticJob:
     def _commit(self) -> None:
         self._step += 1
         self._mutated = False
+        if self.snapshots is not None and self.snapshots.due(self._step):
+            self.snapshots.write(self._step, self._states())
+
+    def _states(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self._objects.items()}
+
+    def _load(self, states: dict) -> None:
+        for name, obj in self._objects.items():
+            obj.load_state_dict(states[name])
+
+    # -- restores from snapshots ---------------------------------------------------------------------
+
+    def _restore(self, start: int) -> bool:
+        """After a job-level restart: load the state the controller's restore plan names for this rank
+        (from this node's memory, a peer's replica or the checkpoint folder); True when it did."""
+        if self.snapshots is None or self.generation <= 0:
+            return False
+        plan = self.store.try_get(RestorePlan, self.keys.restore_plan(self.generation))
+        if plan is None or plan.step < 0:
+            log.warning("rank %d: nothing to restore for generation %d (%s)", self.env.rank, self.generation,
+                        plan.reason if plan else "no restore plan")
+            return False
+        if plan.step < start:
+            return False  # the script's own checkpoint is newer
+        source = plan.source_of(self.env.rank)
+        began = time.monotonic()
+        self._load(load_source(source, plan.step, self.snapshots.folder, self._signer))
+        for wrapper in self._wrappers:
+            wrapper.reset(synced=True)  # every rank loaded the same step
+        self._step = plan.step
+        self.snapshots.resume_at(plan.step)
+        log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.env.rank, plan.step, source.where,
+                    source.node_rank, time.monotonic() - began)
+        return True
+
+    def _rollback_sharded(self, device) -> int:
+        """Process level, sharded state: every rank goes back to the newest step all of them hold in
+        their agents' memory (a replacement finds its predecessor's snapshots there)."""
+        held = own_steps(self.snapshots.folder, self.env.rank) if self.snapshots else []
+        mine = torch.full((2,), NO_STATE, dtype=torch.int64, device=device)
+        mine[:len(held[:2])] = torch.tensor(held[:2], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, mine)
+        common = set.intersection(*({int(s) for s in t.tolist() if s != NO_STATE} for t in gathered))
+        if not common:
+            raise RepairError("sharded state: no step whose snapshot every rank holds in memory")
+        step = max(common)
+        if self._needs_state or self._mutated or self._step != step:
+            try:
+                self._load(load_own(self.snapshots.folder, self.env.rank, step))
+            except SnapshotError as e:
+                raise RepairError(str(e)) from None
+        return step
 
     def _repair_target(self, error: BaseException) -> int | None:
         """The generation to repair into if ``error`` comes from a fault elsewhere (a collective
@@ -402,10 +469,17 @@ class ElasticJob:
     def _rollback(self, generation: int) -> None:
         """Agree on the consistent step; its holder sends the state to the ranks that lack it."""
         device = self.backend.device()
-        mine = NO_STATE if (self._needs_state or self._mutated) else self._step
-        gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
-        dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
-        plan = choose_rollback([int(t.item()) for t in gathered])
+        if self.sharded:
+            try:
+                plan = RollbackPlan(self._rollback_sharded(device), self.env.rank, ())
+            except RepairError as e:
+                self.store.set_text(self.keys.rollback_failure(generation), str(e))
+                raise
+        else:
+            mine = NO_STATE if (self._needs_state or self._mutated) else self._step
+            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
+            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
+            plan = choose_rollback([int(t.item()) for t in gathered])
         if plan is None:
             reason = "no healthy replica holds the training state"
             self.store.set_text(self.keys.rollback_failure(generation), reason)
@@ -420,6 +494,8 @@ class ElasticJob:
         self._step = plan.step
         self._needs_state = False
         self._mutated = False
+        if self.snapshots is not None:
+            self.snapshots.resume_at(plan.step)
         self.store.add(self.keys.milestone(generation, "resumed"))
         self._repairing = False
         log.info("rank %d: generation %d resumes at step %d (state from rank %d)", self.env.rank, generation,
@@ -429,7 +505,7 @@ class ElasticJob:
         """Point to point, source to each receiver: the cost does not grow with the job's size."""
         if self.env.rank == source:
             buffer = io.BytesIO()
-            torch.save({name: obj.state_dict() for name, obj in self._objects.items()}, buffer)
+            torch.save(self._states(), buffer)
             payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
             size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
             for receiver in receivers:
@@ -440,9 +516,7 @@ class ElasticJob:
             dist.recv(size, src=source)
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
             dist.recv(payload, src=source)
-            states = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
-            for name, obj in self._objects.items():
-                obj.load_state_dict(states[name])
+            self._load(torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False))
 
     # -- liveness ----------------------------------------------------------------------------------
 

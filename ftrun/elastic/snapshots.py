@@ -1,0 +1,184 @@
+"""A rank's snapshots: written into its agent's shared memory, and read back at a restore.
+
+A rank has two files, written in turn. Writing one marks it unfinished first, then copies each
+tensor's bytes into it (one copy, straight from the tensor), and training goes on; a thread of
+the rank then sums the file and marks it complete. Until then, and forever if the rank dies in
+between, the other file holds the last good snapshot. The rank holds an exclusive lock on the file
+while it writes, and the agent a shared one while it copies, so neither reads a half-written file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import mmap
+import os
+import threading
+import time
+from typing import Mapping
+
+from ftrun.auth import Signer
+from ftrun.snapshots.format import (
+    COMPLETE, HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, checksum, lay_out, load_states, read_header,
+    read_verified, size_text, verified, write_layout,
+)
+from ftrun.snapshots.keeper import TOKEN_FILE
+from ftrun.snapshots.plan import DISK, RestoreSource
+from ftrun.snapshots.transfer import TransferError, get
+
+
+class SnapshotWriter:
+    """This rank's snapshots, every ``every`` committed steps, into ``folder`` (its agent's)."""
+
+    def __init__(self, folder: str, rank: int, world_size: int, sharded: bool, every: int, limit: int, copies: int):
+        self.folder, self.rank, self.world_size, self.sharded = folder, rank, world_size, sharded
+        self.every, self.limit, self.copies = every, limit, copies
+        self.paths = [os.path.join(folder, f"rank-{rank:05d}.{i}") for i in (0, 1)]
+        steps = [_complete_step(p) for p in self.paths]
+        #: the file to write next: the one with the older snapshot (or none)
+        self._next = 0 if steps[0] <= steps[1] else 1
+        self._pending: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        #: seconds the training loop waited for each snapshot (the copy; the sum runs behind it)
+        self.blocked: list[float] = []
+
+    @classmethod
+    def from_environ(cls, rank: int, world_size: int, sharded: bool, env: Mapping[str, str] = os.environ):
+        """The writer ftrun's agent set up for this rank; None without snapshots."""
+        folder, every = env.get("FTRUN_SNAPSHOT_DIR"), int(env.get("FTRUN_SNAPSHOT_EVERY") or 0)
+        if not folder or every <= 0:
+            return None
+        return cls(folder, rank, world_size, sharded, every, int(env.get("FTRUN_SNAPSHOT_LIMIT") or 0),
+                   int(env.get("FTRUN_SNAPSHOT_COPIES") or 1))
+
+    def resume_at(self, step: int) -> None:
+        """The rank went back to ``step`` (a restore or a rollback): its snapshots of later steps belong
+        to the run it abandoned and are marked unfinished; the next write keeps the one of ``step``."""
+        self.wait()
+        steps = [_complete_step(p) for p in self.paths]
+        for path, held in zip(self.paths, steps):
+            if held > step:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    header = read_header(path)
+                    os.pwrite(fd, dataclasses.replace(header, state=WRITING).pack(), 0)
+                finally:
+                    os.close(fd)
+        self._next = 1 if steps[0] == step else 0 if steps[1] == step else self._next
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0
+
+    def write(self, step: int, states: dict) -> None:
+        """Snapshot ``states`` as they are after ``step`` committed steps."""
+        began = time.perf_counter()
+        self.wait()
+        layout = lay_out(states)
+        header = layout.header(WRITING, step, self.rank, self.world_size, self.sharded)
+        if self.limit and header.total > self.limit:
+            raise SnapshotTooLarge(
+                f"rank {self.rank}'s snapshot takes {size_text(header.total)}, but its share of --snapshot-memory is "
+                f"{size_text(self.limit)} (the node keeps {self.copies} copies of each of its ranks' snapshots); "
+                "raise --snapshot-memory, or lower --snapshot-replicas")
+        path = self.paths[self._next]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while the agent copies this file (a memory copy)
+            os.pwrite(fd, header.pack(), 0)  # unfinished, before anything else changes
+            os.ftruncate(fd, header.total)
+            write_layout(fd, layout, header.data_offset)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._next ^= 1
+        self._pending = threading.Thread(target=self._commit, args=(fd, header), name="ftrun-snapshot-commit",
+                                         daemon=True)
+        self._pending.start()
+        self.blocked.append(time.perf_counter() - began)
+
+    def _commit(self, fd: int, header) -> None:
+        try:
+            with mmap.mmap(fd, header.total, prot=mmap.PROT_READ) as view:
+                crc = checksum(view, HEADER_SIZE, header.total)
+            done = dataclasses.replace(header, state=COMPLETE, crc=crc, written_at=time.time())
+            os.pwrite(fd, done.pack(), 0)
+        except BaseException as e:
+            self._failed = e
+        finally:
+            os.close(fd)  # releases the lock
+
+    def wait(self) -> None:
+        """Until the snapshot under way is complete."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise SnapshotError(f"rank {self.rank}'s last snapshot could not be completed: {failed}") from failed
+
+
+def _complete_step(path: str) -> int:
+    header = read_header(path)
+    return header.step if header is not None and header.complete else -1
+
+
+def own_steps(folder: str, rank: int) -> list[int]:
+    """The steps of this rank's complete snapshots in its agent's folder (a replacement finds its
+    predecessor's there), newest first."""
+    return sorted((s for s in (_complete_step(os.path.join(folder, f"rank-{rank:05d}.{i}")) for i in (0, 1)) if s >= 0),
+                  reverse=True)
+
+
+def load_own(folder: str, rank: int, step: int) -> dict:
+    """This rank's own snapshot of ``step`` from its agent's folder, checked."""
+    for i in (0, 1):
+        path = os.path.join(folder, f"rank-{rank:05d}.{i}")
+        if _complete_step(path) == step:
+            header, blob = read_verified(path)
+            if header.step == step:
+                return load_states(header, blob)
+    raise SnapshotError(f"rank {rank}'s snapshot of step {step} is gone")
+
+
+def snapshot_signer(folder: str) -> Signer:
+    """The job's token, which the agent left in its snapshot folder (for the plan and for peers)."""
+    try:
+        with open(os.path.join(folder, TOKEN_FILE), "rb") as f:
+            return Signer(f.read().strip())
+    except OSError:
+        return Signer()
+
+
+def load_source(source: RestoreSource, step: int, folder: str, signer: Signer) -> dict:
+    """The registered state a restore source holds, checked: its sum, its step and its rank."""
+    if source.where == DISK:
+        return _load_checkpoint(source, signer)
+    where = f"rank {source.rank}'s snapshot on node {source.node_rank}"
+    local = os.path.realpath(source.path).startswith(os.path.realpath(folder) + os.sep) and os.path.exists(source.path)
+    try:
+        header, blob = read_verified(source.path) if local else verified(get(source.address, signer, source.path), where)
+    except TransferError as e:
+        raise SnapshotError(f"{where}: {e}") from None
+    if header.step != step:
+        raise SnapshotError(f"{where} now holds step {header.step}, not {step}")
+    return load_states(header, blob)
+
+
+def _load_checkpoint(source: RestoreSource, signer: Signer) -> dict:
+    import io
+    import zlib
+
+    import torch
+
+    try:
+        if os.path.exists(source.path):
+            with open(source.path, "rb") as f:
+                data = f.read()
+        else:
+            data = bytes(get(source.address, signer, source.path))
+    except (OSError, TransferError) as e:
+        raise SnapshotError(f"checkpoint {source.path}: {e}") from None
+    if zlib.crc32(data) != source.crc:
+        raise SnapshotError(f"checkpoint {source.path} fails its checksum (damaged)")
+    return torch.load(io.BytesIO(data), weights_only=False)

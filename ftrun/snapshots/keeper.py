@@ -1,0 +1,426 @@
+"""The agent's side of snapshots: the node's shared memory, pinned copies, peer replicas, persistence.
+
+The agent owns a private folder in shared memory (``/dev/shm``) for the job. Its ranks write their
+snapshots there (``rank-00003.0`` and ``.1``, in turn: ``ftrun.elastic.snapshots``), so a snapshot
+outlives the process that wrote it. A thread of the agent then, for each rank:
+
+* pins every snapshot whose step is a multiple of --replicate-every: a verified copy of the agent's
+  own (``pin-00003.0``/``.1``), so the ranks' rolling snapshots can move on while it is sent;
+* sends the pinned copy to the next --snapshot-replicas nodes in the ring (by node order), whose
+  agents keep it (``replica-00003.0``/``.1``): losing a node loses no rank's state at that step;
+* has every pinned copy whose step is a multiple of --checkpoint-every written to --checkpoint-dir by
+  the persister (``ftrun.snapshots.persist``), a process of its own, so nothing waits on the disk.
+
+The agent publishes what it holds (an inventory) for the controller, which chooses the restore. Its
+snapshot server (``ftrun.snapshots.transfer``) takes peers' replicas and hands copies to ranks on
+other nodes. The folder is removed when the agent ends; if the agent is killed, its orphan guardian
+removes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from ftrun.auth import Signer
+from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, size_text, verified
+from ftrun.snapshots.persist import write_atomically
+from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory
+from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
+
+log = logging.getLogger(__name__)
+#: how often the agent's snapshot thread looks for new snapshots
+TICK = 0.05
+TOKEN_FILE = "token"
+_FILE = re.compile(r"^(rank|pin|replica)-(\d{5})\.([01])$")
+
+
+@dataclass(frozen=True)
+class SnapshotOptions:
+    """The snapshot flags, checked (``ftrun.config``)."""
+
+    #: --snapshot-every: a rank snapshots after every K-th step (0: no snapshots)
+    every: int = 0
+    #: --snapshot-replicas: how many peer nodes keep a copy of each rank's pinned snapshots
+    replicas: int = 1
+    #: --replicate-every: steps between pinned snapshots (those sent to peers and persisted)
+    replicate_every: int = 10
+    #: --snapshot-memory: bytes of shared memory the node's snapshots may take
+    memory: int = 0
+    #: --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --save-on-failure
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 100
+    keep: int = 3
+    save_on_failure: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    @property
+    def pins(self) -> bool:
+        """Pinned copies are kept when something needs them: replicas or a checkpoint folder."""
+        return self.replicas > 0 or bool(self.checkpoint_dir)
+
+    def copies(self) -> int:
+        """How many copies of one rank's snapshot a node holds at most (its own two, two pinned, and
+        two for each peer whose ranks it keeps replicas of)."""
+        return 2 + (2 if self.pins else 0) + 2 * self.replicas
+
+    def limit(self, nproc: int) -> int:
+        """The largest snapshot one rank may write (its share of --snapshot-memory)."""
+        return self.memory // (max(1, nproc) * self.copies())
+
+
+def memory_root() -> str:
+    """Shared memory where the system has it (``/dev/shm``), else the temporary folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def ring_peers(nodes: list[int], mine: int, count: int) -> list[int]:
+    """The ``count`` nodes after ``mine`` in node order, wrapping around (never ``mine`` itself)."""
+    if mine not in nodes:
+        return []
+    at = nodes.index(mine)
+    return [nodes[(at + k) % len(nodes)] for k in range(1, min(count, len(nodes) - 1) + 1)]
+
+
+def _step_of(header: Header | None) -> int:
+    return header.step if header is not None and header.complete else -1
+
+
+class SnapshotKeeper:
+    """One node's snapshots, for the agent (see the module's text)."""
+
+    def __init__(self, options: SnapshotOptions, run_id: str, nproc: int, advertise: str, bind: str,
+                 signer: Signer, token: bytes, spawn=None):
+        self.options = options
+        self.nproc = nproc
+        self.folder = os.path.join(memory_root(), f"ftrun-{re.sub(r'[^A-Za-z0-9_.-]', '_', run_id)}-{os.getpid()}")
+        self.signer = signer
+        self._token = token
+        self._advertise = advertise
+        self._bind = bind
+        self._spawn = spawn
+        self.address = ""
+        self._server: SnapshotServer | None = None
+        self._lock = threading.Lock()
+        #: rank -> its newest copies by kind (PINNED, REPLICA): at most two each
+        self._pins: dict[int, list[HeldSnapshot]] = {}
+        self._replicas: dict[int, list[HeldSnapshot]] = {}
+        #: (rank, step) -> a checkpoint file this agent wrote
+        self._disk: dict[tuple[int, int], HeldSnapshot] = {}
+        #: (path, step, crc, mtime) -> whether the rolling snapshot verified
+        self._verified: dict[tuple, bool] = {}
+        #: the peers' snapshot servers: (node rank, HOST:PORT)
+        self._peers: list[tuple[int, str]] = []
+        self._unreachable: set[str] = set()
+        #: rank -> (rank, step, crc) of the snapshot last pinned (or found damaged)
+        self._tried: dict[int, tuple[int, int, int]] = {}
+        self._persister: subprocess.Popen | None = None
+        self._persist_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-snapshots", daemon=True)
+
+    # -- life -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        os.chmod(self.folder, 0o700)
+        write_atomically(os.path.join(self.folder, TOKEN_FILE), self._token)
+        limit = max(self.options.limit(self.nproc), HEADER_SIZE)
+        self._server = SnapshotServer(self._bind, self.signer, self._read, self._receive, limit)
+        self.address = f"{self._advertise}:{self._server.port}"
+        if self.options.checkpoint_dir:
+            os.makedirs(self.options.checkpoint_dir, mode=0o700, exist_ok=True)
+            if self._spawn is not None:
+                self._persister = self._spawn([sys.executable, "-u", "-m", "ftrun.snapshots.persist"])
+                threading.Thread(target=self._persisted, name="ftrun-persist-replies", daemon=True).start()
+                threading.Thread(target=self._persister_errors, name="ftrun-persist-errors", daemon=True).start()
+        self._thread.start()
+        log.info("snapshots every %d step%s in %s (%s per rank at most), served at %s", self.options.every,
+                 "s" if self.options.every != 1 else "", self.folder, size_text(self.options.limit(self.nproc)),
+                 self.address)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        if self._server is not None:
+            self._server.close()
+        if self._persister is not None:
+            try:
+                self._persister.stdin.close()
+            except OSError:
+                pass
+            try:
+                self._persister.wait(timeout=60)  # the writes under way finish: they are fsynced renames
+            except subprocess.TimeoutExpired:
+                self._persister.kill()
+                self._persister.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def worker_env(self) -> dict[str, str]:
+        """What a rank needs to write its snapshots here."""
+        return {
+            "FTRUN_SNAPSHOT_DIR": self.folder,
+            "FTRUN_SNAPSHOT_EVERY": str(self.options.every),
+            "FTRUN_SNAPSHOT_LIMIT": str(self.options.limit(self.nproc)),
+            "FTRUN_SNAPSHOT_COPIES": str(self.options.copies()),
+        }
+
+    def set_peers(self, peers: list[tuple[int, str]]) -> None:
+        with self._lock:
+            self._peers = list(peers)
+
+    # -- what this node holds -------------------------------------------------------------------------
+
+    def inventory(self, agent_id: str, node_rank: int, verify: bool = False) -> SnapshotInventory:
+        """Every copy this node holds. ``verify``: check each rank's own snapshots' sums now (once the
+        ranks are stopped); else those not checked yet count as good, and those that failed do not."""
+        held = [h for h in self._own(verify) if h is not None]
+        with self._lock:
+            for copies in (*self._pins.values(), *self._replicas.values()):
+                held.extend(copies)
+            for key, copy in list(self._disk.items()):
+                if os.path.exists(copy.path):
+                    held.append(copy)
+                else:
+                    del self._disk[key]  # pruned (by another node's persister, on a shared folder)
+        return SnapshotInventory(agent_id, node_rank, self.address, tuple(sorted(held, key=_order)))
+
+    def _own(self, verify: bool) -> list[HeldSnapshot | None]:
+        found = []
+        for path in sorted(glob.glob(os.path.join(self.folder, "rank-*.[01]"))):
+            header = read_header(path)
+            if header is None or not header.complete:
+                continue
+            found.append(self._checked(path, header, verify))
+        return found
+
+    def _checked(self, path: str, header: Header, verify: bool) -> HeldSnapshot | None:
+        try:
+            key = (path, header.step, header.crc, os.stat(path).st_mtime_ns)
+        except OSError:
+            return None
+        good = self._verified.get(key)
+        if good is None and verify:
+            try:
+                read_verified(path)
+                good = True
+            except SnapshotError as e:
+                log.error("skipping a damaged snapshot: %s", e)
+                good = False
+            self._verified[key] = good
+        if good is False:
+            return None
+        return _held(header, MEMORY, path)
+
+    # -- the thread: pin, replicate, persist -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK):
+            try:
+                self._tick()
+            except Exception:
+                log.exception("the snapshot thread failed; snapshots are no longer pinned or replicated")
+                return
+
+    def _tick(self) -> None:
+        newest: dict[int, tuple[int, str]] = {}
+        for path in glob.glob(os.path.join(self.folder, "rank-*.[01]")):
+            match = _FILE.match(os.path.basename(path))
+            step = _step_of(read_header(path))
+            rank = int(match.group(2))
+            if step > newest.get(rank, (-1, ""))[0]:
+                newest[rank] = (step, path)
+        for rank, (step, path) in sorted(newest.items()):
+            if step <= 0 or step % self.options.replicate_every or not self.options.pins:
+                continue
+            header = read_header(path)
+            if header is None or self._tried.get(rank) == (rank, step, header.crc):
+                continue
+            self._tried[rank] = (rank, step, header.crc)  # once: a damaged one is not read again and again
+            blob = self._pin(rank, path, step)
+            if blob is None:
+                continue
+            for node, address in list(self._peers):
+                self._replicate(rank, step, node, address, blob)
+            if self.options.checkpoint_dir and step % self.options.checkpoint_every == 0:
+                self.persist(self._pins[rank][0].path, rank, step)
+
+    def _pin(self, rank: int, path: str, step: int) -> bytearray | None:
+        """A verified copy of the rank's snapshot at ``step`` (None if the rank is rewriting it)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # the rank is writing this slot: its step is gone; the next one is pinned
+            blob = bytearray(os.fstat(fd).st_size)
+            view, done = memoryview(blob), 0
+            while done < len(blob):
+                got = os.readv(fd, [view[done:]])
+                if not got:
+                    break
+                done += got
+        finally:
+            os.close(fd)
+        try:
+            header, blob = verified(blob, path)
+        except SnapshotError as e:
+            log.error("not pinning rank %d's snapshot: %s", rank, e)
+            return None
+        if header.step != step:
+            return None
+        target = self._slot(self._pins.get(rank, []), "pin", rank)
+        write_file(target, blob)
+        with self._lock:
+            self._pins[rank] = _newest_two(self._pins.get(rank, []), _held(header, PINNED, target))
+        return blob
+
+    def _slot(self, held: list[HeldSnapshot], kind: str, rank: int) -> str:
+        """The file of the older of a rank's two copies of ``kind`` (or a free one)."""
+        paths = [os.path.join(self.folder, f"{kind}-{rank:05d}.{i}") for i in (0, 1)]
+        in_use = {h.path for h in held}
+        free = [p for p in paths if p not in in_use]
+        if free:
+            return free[0]
+        return min(held, key=lambda h: h.step).path
+
+    def _replicate(self, rank: int, step: int, node: int, address: str, blob: bytearray) -> None:
+        try:
+            put(address, self.signer, str(rank), blob)
+            self._unreachable.discard(address)
+        except TransferError as e:
+            if address not in self._unreachable:
+                self._unreachable.add(address)
+                log.warning("cannot replicate rank %d's step %d to node %d: %s", rank, step, node, e)
+
+    def _receive(self, name: str, blob: bytearray) -> None:
+        """A peer's replica (on the server's thread): kept once it verifies."""
+        rank = int(name)
+        header, blob = verified(blob, f"a replica of rank {rank}")
+        if header.rank != rank:
+            raise SnapshotError(f"a replica sent as rank {rank} holds rank {header.rank}")
+        with self._lock:
+            target = self._slot(self._replicas.get(rank, []), "replica", rank)
+            self._replicas[rank] = [h for h in self._replicas.get(rank, []) if h.path != target]
+        write_file(target, blob)
+        with self._lock:
+            self._replicas[rank] = _newest_two(self._replicas[rank], _held(header, REPLICA, target))
+
+    def _read(self, path: str) -> bytes:
+        """A file a rank on another node asked for: only this node's snapshots and checkpoint files."""
+        real = os.path.realpath(path)
+        roots = [self.folder] + ([os.path.realpath(self.options.checkpoint_dir)] if self.options.checkpoint_dir else [])
+        if not any(real.startswith(root + os.sep) for root in roots) or os.path.basename(real) == TOKEN_FILE:
+            raise TransferError(f"{path} is not a snapshot this node serves")
+        try:
+            with open(real, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise TransferError(f"{path}: {e.strerror}") from None
+
+    # -- persistence ----------------------------------------------------------------------------------
+
+    def persist(self, source: str, rank: int, step: int) -> None:
+        """Ask the persister to write the snapshot in ``source`` (rank ``rank`` at ``step``) to disk."""
+        if self._persister is None:
+            return
+        request = {"source": source, "rank": rank, "step": step, "folder": self.options.checkpoint_dir,
+                   "keep": self.options.keep}
+        with self._persist_lock:
+            try:
+                self._persister.stdin.write(json.dumps(request).encode() + b"\n")
+                self._persister.stdin.flush()
+            except (OSError, ValueError):
+                log.warning("the persister is gone: step %d of rank %d is not written to disk", step, rank)
+
+    def save_newest(self) -> None:
+        """--save-on-failure: write every rank's newest snapshot to disk now (a fault was detected)."""
+        newest: dict[int, tuple[int, str]] = {}
+        for held in self._own(verify=False):
+            if held is not None and held.step > newest.get(held.rank, (-1, ""))[0]:
+                newest[held.rank] = (held.step, held.path)
+        for rank, (step, path) in sorted(newest.items()):
+            if (rank, step) not in self._disk:
+                log.info("saving rank %d's step %d to %s before the repair", rank, step, self.options.checkpoint_dir)
+                self.persist(path, rank, step)
+
+    def _persisted(self) -> None:
+        for line in self._persister.stdout:
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            if "error" in reply:
+                log.warning("not written to %s: rank %s step %s: %s", self.options.checkpoint_dir, reply.get("rank"),
+                            reply.get("step"), reply["error"])
+                continue
+            held = HeldSnapshot(reply["rank"], reply["step"], reply["world_size"], reply["sharded"], DISK,
+                                reply["path"], reply["nbytes"], reply["crc"])
+            with self._lock:
+                self._disk[(held.rank, held.step)] = held
+                steps = sorted({s for r, s in self._disk if r == held.rank}, reverse=True)
+                old = [self._disk.pop((held.rank, s)) for s in steps[self.options.keep:]]
+            for gone in old:
+                _remove_shard(gone.path)
+
+    def _persister_errors(self) -> None:
+        for line in self._persister.stderr:
+            log.warning("persister: %s", line.decode(errors="replace").rstrip())
+
+
+def write_file(path: str, blob) -> None:
+    """Write ``blob`` to ``path`` through a temporary name: the old copy stays whole until it is replaced."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view, done = memoryview(blob), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _remove_shard(path: str) -> None:
+    """A checkpoint file past --keep-checkpoints, with its record (the step's folder once empty of shards)."""
+    for name in (path, path[:-len(".pt")] + ".json"):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    folder = os.path.dirname(path)
+    if not glob.glob(os.path.join(folder, "rank-*")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _held(header: Header, where: str, path: str) -> HeldSnapshot:
+    return HeldSnapshot(header.rank, header.step, header.world_size, header.sharded, where, path, header.total,
+                        header.crc)
+
+
+def _newest_two(held: list[HeldSnapshot], new: HeldSnapshot) -> list[HeldSnapshot]:
+    """``new`` and the newest older copy: after a restore to an older step, the copies of the steps
+    beyond it (the abandoned run's) go."""
+    older = [h for h in held if h.path != new.path and h.step < new.step]
+    return [new] + sorted(older, key=lambda h: -h.step)[:1]
+
+
+def _order(held: HeldSnapshot):
+    return held.rank, -held.step, held.where

@@ -1,0 +1,135 @@
+"""The persister: writes snapshots to --checkpoint-dir as torch.save files, off the agent's threads.
+
+Runs as ``python -m ftrun.snapshots.persist`` beside each agent that has a --checkpoint-dir (it imports
+torch; the agent does not). Requests come as JSON lines on stdin::
+
+    {"source": SNAPSHOT FILE, "step": S, "rank": R, "folder": DIR, "keep": N}
+
+and each gets a JSON line back on stdout: what was written (``path``, ``nbytes``, ``crc``), or ``error``.
+
+The layout, which ``torch.load`` reads without ftrun::
+
+    DIR/step-00000120/rank-00003.pt     torch.save({name: state_dict, ...}) of rank 3 at step 120
+    DIR/step-00000120/rank-00003.json   its step, rank, world size, size and CRC-32 (written last)
+    DIR/step-00000120/manifest.json     every rank's file, written once all are there
+
+Each file is written to a temporary name, flushed to disk (fsync) and renamed into place, and the
+folder is synced after: a crash leaves the previous files, never a torn one. Whichever persister
+writes a step's last rank file writes its manifest (on a folder every node shares, that is one
+checkpoint; on node-local folders each node keeps its own ranks' files and no manifest). Then only
+the newest ``keep`` steps with a manifest are kept.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import shutil
+import sys
+import zlib
+
+from ftrun.snapshots.format import load_states, read_verified
+
+
+def step_folder(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def write_atomically(path: str, data) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
+    tmp = f"{path}.{os.getpid()}.tmp"  # several nodes' persisters may write one manifest
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    sync_folder(os.path.dirname(path))
+
+
+def sync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def persist(request: dict) -> dict:
+    import torch
+
+    header, blob = read_verified(request["source"])
+    if header.step != request["step"] or header.rank != request["rank"]:
+        raise ValueError(f"{request['source']} moved on to step {header.step} before it was written")
+    buffer = io.BytesIO()
+    torch.save(load_states(header, blob), buffer)
+    data = buffer.getbuffer()
+    folder = step_folder(request["folder"], header.step)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, shard_name(header.rank) + ".pt")
+    write_atomically(path, data)
+    record = {"step": header.step, "rank": header.rank, "world_size": header.world_size, "sharded": header.sharded,
+              "path": path, "nbytes": len(data), "crc": zlib.crc32(data)}
+    write_atomically(os.path.join(folder, shard_name(header.rank) + ".json"), json.dumps(record).encode())
+    record["manifest"] = write_manifest(folder, header.step, header.world_size)
+    if record["manifest"]:
+        prune(request["folder"], int(request.get("keep") or 0))
+    return record
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder: str, step: int, world_size: int) -> bool:
+    """The step's manifest, once every rank's file is in ``folder``; True when it is there."""
+    ranks = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(folder, shard_name(rank) + ".json")) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return False
+        ranks.append({"rank": rank, "path": os.path.join(os.path.basename(folder), shard_name(rank) + ".pt"),
+                      "nbytes": record["nbytes"], "crc32": record["crc"], "sharded": record["sharded"]})
+    manifest = {"step": step, "world_size": world_size, "format": "torch.save", "ranks": ranks}
+    write_atomically(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return True
+
+
+def prune(root: str, keep: int) -> None:
+    """Remove every step older than the newest ``keep`` steps that have a manifest."""
+    if keep <= 0:
+        return
+    complete = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, "step-*", MANIFEST)))
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep]
+    for folder in glob.glob(os.path.join(root, "step-*")):
+        if folder < oldest_kept:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    import torch  # noqa: F401  (loaded once, before the first request)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = persist(request)
+        except Exception as e:
+            reply = {**request, "error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

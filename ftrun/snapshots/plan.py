@@ -1,0 +1,104 @@
+"""What each node holds, and the restore the controller chooses from it: pure functions over messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: where a copy lives: a rank's own snapshot (its agent's memory), a pinned copy, a peer's replica, or disk
+MEMORY, PINNED, REPLICA, DISK = "memory", "pinned", "replica", "disk"
+#: which copy a rank prefers when several hold the step: on its own node first, memory before disk
+_PREFERENCE = {MEMORY: 0, PINNED: 1, REPLICA: 2, DISK: 3}
+
+
+@dataclass(frozen=True)
+class HeldSnapshot:
+    """One verified copy of one rank's state at one step, on the node that advertises it."""
+
+    rank: int
+    step: int
+    world_size: int
+    sharded: bool
+    where: str
+    #: the file on that node (a snapshot in memory, or a torch.save file on disk)
+    path: str
+    nbytes: int = 0
+    #: the snapshot's CRC-32 (memory) or the whole file's (disk)
+    crc: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotInventory:
+    """What an agent holds, published in the store for the controller."""
+
+    agent_id: str
+    node_rank: int
+    #: HOST:PORT of the agent's snapshot server (where peers send replicas and ranks fetch copies)
+    address: str
+    held: tuple[HeldSnapshot, ...] = ()
+
+
+@dataclass(frozen=True)
+class RestoreSource:
+    """Where one rank reads its state: a file on ``node`` (``address`` serves it to other nodes)."""
+
+    rank: int
+    node_rank: int
+    address: str
+    where: str
+    path: str
+    nbytes: int = 0
+    crc: int = 0
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The step every rank resumes at, and each rank's source; step -1 when nothing can be restored."""
+
+    generation: int
+    step: int = -1
+    sources: tuple[RestoreSource, ...] = ()
+    reason: str = ""
+
+    def source_of(self, rank: int) -> RestoreSource | None:
+        return next((s for s in self.sources if s.rank == rank), None)
+
+    def counts(self) -> dict[str, int]:
+        """How many ranks read from each kind of place."""
+        counts: dict[str, int] = {}
+        for source in self.sources:
+            counts[source.where] = counts.get(source.where, 0) + 1
+        return counts
+
+
+def choose_restore(generation: int, inventories: list[SnapshotInventory], world_size: int,
+                   node_of_rank: dict[int, int]) -> RestorePlan:
+    """The newest step for which every one of ``world_size`` ranks' state is held somewhere.
+
+    Sharded state needs a copy of every rank's own state at that step, taken in the same world
+    size; data-parallel replicas hold the same state, so any rank's copy serves every rank (also
+    after a resize). Each rank reads the copy nearest to it: on its own node (``node_of_rank``) and in
+    memory first, a peer's memory next, disk last.
+    """
+    copies: dict[int, list[tuple[SnapshotInventory, HeldSnapshot]]] = {}
+    for inventory in inventories:
+        for held in inventory.held:
+            copies.setdefault(held.step, []).append((inventory, held))
+    for step in sorted(copies, reverse=True):
+        held_at = copies[step]
+        sharded = any(h.sharded for _, h in held_at)
+        if sharded:
+            held_at = [(i, h) for i, h in held_at if h.sharded and h.world_size == world_size]
+        sources = []
+        for rank in range(world_size):
+            mine = [(i, h) for i, h in held_at if h.rank == rank] if sharded else held_at
+            if not mine:
+                break
+            home = node_of_rank.get(rank, -1)
+            inventory, held = min(mine, key=lambda c: (c[0].node_rank != home, _PREFERENCE[c[1].where], c[1].rank))
+            sources.append(RestoreSource(rank, inventory.node_rank, inventory.address, held.where, held.path,
+                                         held.nbytes, held.crc))
+        else:
+            return RestorePlan(generation, step, tuple(sources))
+    if not copies:
+        return RestorePlan(generation, reason="no snapshot is held anywhere")
+    return RestorePlan(generation, reason=f"no step has a snapshot of every one of the {world_size} ranks")

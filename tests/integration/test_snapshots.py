@@ -1,0 +1,112 @@
+"""In-memory snapshots on 2 simulated nodes x 2 ranks: restores after job-level restarts and node loss.
+
+The worker (tests/workers/snapshot_train.py) trains a model per rank whose fault-free parameters the
+test computes itself, so every run is checked bit for bit without a second run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, WORKERS, wait_for
+
+sys.path.insert(0, str(WORKERS))
+from snapshot_train import reference  # noqa: E402
+
+pytestmark = pytest.mark.integration
+SCRIPT = str(WORKERS / "snapshot_train.py")
+STEPS = 20
+
+
+def runs(launcher) -> dict[int, list[tuple[int, int]]]:
+    """Each rank's (generation, step) pairs, in the order it ran them."""
+    found = {}
+    for path in launcher.out_dir.glob("ran-rank*"):
+        rank = int(path.name[len("ran-rank"):])
+        found[rank] = [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+    return found
+
+
+def redone(steps: list[tuple[int, int]]) -> int:
+    """How many steps a rank ran more than once."""
+    counted = [s for _, s in steps]
+    return len(counted) - len(set(counted))
+
+
+def assert_fault_free_result(launcher, sharded: bool) -> None:
+    """Every rank ended at the last step with the parameters of a run without any fault."""
+    for rank in range(4):
+        path = launcher.out_dir / f"params-rank{rank}.pt"
+        assert path.exists(), launcher.output()
+        got = torch.load(path)
+        want = reference(rank, STEPS, sharded)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"rank {rank}'s {name} differs from the fault-free run"
+
+
+def restore_events(launcher) -> list[dict]:
+    events = launcher.tmp / "logs" / launcher.mark / "events.jsonl"
+    return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "restore"]
+
+
+def test_job_level_restart_resumes_from_memory(launcher):
+    """Rank 3 exits: every rank restarts and resumes from the snapshots in the agents' memory, not step 0."""
+    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT="3:11:exit1")
+    flags = ["--recovery", "job", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
+             "--log-dir", str(launcher.tmp / "logs")]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert_fault_free_result(launcher, sharded=False)
+    ran = runs(launcher)
+    for rank in range(4):
+        again = [s for g, s in ran[rank] if g == 1]
+        assert again and again[0] >= 10, f"rank {rank} restarted at step {again[:1]}, not from its snapshot"
+        assert redone(ran[rank]) <= 1  # K=1: at most the step in flight
+    (event,) = restore_events(launcher)
+    assert event["step"] >= 10 and {s["where"] for s in event["sources"].values()} == {"memory"}
+    assert "restored step" in launcher.output()
+
+
+def test_corrupted_snapshot_is_skipped_and_checkpoints_load_with_torch(launcher):
+    """Sharded state: rank 1's newest snapshot is damaged before rank 3 fails; the restore skips it and
+    goes one step further back. Meanwhile the agents write checkpoints that torch.load reads alone."""
+    checkpoints = launcher.tmp / "ckpt"
+    env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="3:12:exit1", CORRUPT="1:12")
+    flags = ["--recovery", "job", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
+             "--replicate-every", "4", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4",
+             "--keep-checkpoints", "2", "--log-dir", str(launcher.tmp / "logs")]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert_fault_free_result(launcher, sharded=True)
+    output = launcher.output()
+    assert re.search(r"skipping a damaged snapshot: .*rank-00001\.\d: the snapshot of step 12 fails its checksum",
+                     output), output
+    (event,) = restore_events(launcher)
+    assert event["step"] == 11, event  # rank 1's step 12 was damaged: the newest step every rank holds is 11
+    for rank in range(4):
+        assert [s for g, s in runs(launcher)[rank] if g == 1][0] == 11
+    # the newest --keep-checkpoints steps stay, each with its manifest; torch.load reads them in a fresh process
+    steps = sorted(p.name for p in checkpoints.glob("step-*"))
+    assert steps == ["step-00000016", "step-00000020"], steps
+    manifest = json.loads((checkpoints / "step-00000016" / "manifest.json").read_text())
+    assert manifest["step"] == 16 and [r["path"] for r in manifest["ranks"]] == [
+        f"step-00000016/rank-{r:05d}.pt" for r in range(4)]
+    for rank in (0, 3):
+        target = launcher.tmp / f"loaded-{rank}.pt"
+        code = ("import sys, torch; state = torch.load(sys.argv[1]); "
+                "torch.save(state['model'], sys.argv[2]); print(sorted(state))")
+        loaded = subprocess.run([sys.executable, "-c", code, str(checkpoints / "step-00000016" / f"rank-{rank:05d}.pt"),
+                                 str(target)], capture_output=True, text=True, timeout=60, cwd="/")
+        assert loaded.returncode == 0, loaded.stderr
+        assert loaded.stdout.split() == ["['model',", "'optimizer',", "'scheduler']"]
+        want = reference(rank, 16, sharded=True)
+        got = torch.load(target)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"rank {rank}'s checkpoint of step 16 differs"
