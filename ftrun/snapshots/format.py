@@ -228,10 +228,10 @@ def lay_out(states: dict) -> Layout:
         specs.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
         offsets.append(offset)
         offset = _aligned(offset + nbytes)
-    meta = pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL)
     try:
+        meta = pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL)
         plain_loads(meta)  # what cannot be read back is refused now, not at the restore
-    except SnapshotError as e:
+    except (SnapshotError, pickle.PicklingError, AttributeError, TypeError) as e:
         raise SnapshotError(f"cannot snapshot the registered state: {e}") from None
     return Layout(meta, tensors, offsets, offset)
 

@@ -125,8 +125,8 @@ class SnapshotKeeper:
         #: the peers' snapshot servers: (node rank, HOST:PORT)
         self._peers: list[tuple[int, str]] = []
         self._unreachable: set[str] = set()
-        #: rank -> (rank, step, crc) of the snapshot last pinned (or found damaged)
-        self._tried: dict[int, tuple[int, int, int]] = {}
+        #: rank -> (step, crc) of the snapshot last pinned (or found damaged)
+        self._tried: dict[int, tuple[int, int]] = {}
         self._persister: subprocess.Popen | None = None
         self._persist_lock = threading.Lock()
         self._stop = threading.Event()
@@ -237,20 +237,21 @@ class SnapshotKeeper:
                 return
 
     def _tick(self) -> None:
-        newest: dict[int, tuple[int, str]] = {}
+        """Pin (then replicate and persist) each rank's newest snapshot on the --replicate-every grid that
+        is still in memory and not pinned yet."""
+        if not self.options.pins:
+            return
+        due: dict[int, tuple[int, str, int]] = {}
         for path in glob.glob(os.path.join(self.folder, "rank-*.[01]")):
-            match = _FILE.match(os.path.basename(path))
-            step = _step_of(read_header(path))
-            rank = int(match.group(2))
-            if step > newest.get(rank, (-1, ""))[0]:
-                newest[rank] = (step, path)
-        for rank, (step, path) in sorted(newest.items()):
-            if step <= 0 or step % self.options.replicate_every or not self.options.pins:
-                continue
             header = read_header(path)
-            if header is None or self._tried.get(rank) == (rank, step, header.crc):
+            step = _step_of(header)
+            rank = int(_FILE.match(os.path.basename(path)).group(2))
+            if step > 0 and step % self.options.replicate_every == 0 and step > due.get(rank, (-1,))[0]:
+                due[rank] = (step, path, header.crc)
+        for rank, (step, path, crc) in sorted(due.items()):
+            if self._tried.get(rank) == (step, crc):
                 continue
-            self._tried[rank] = (rank, step, header.crc)  # once: a damaged one is not read again and again
+            self._tried[rank] = (step, crc)  # once: a damaged one is not read again and again
             blob = self._pin(rank, path, step)
             if blob is None:
                 continue

@@ -87,10 +87,10 @@ class SnapshotServer:
         except Forged as e:
             log.warning("refused a snapshot request: %s", e)
             _try_write(wfile, {"error": "refused: not signed with the job's token"})
-        except (TransferError, KeyError, ValueError, TypeError) as e:
-            _try_write(wfile, {"error": str(e) or type(e).__name__})
         except OSError:
             pass  # the client went away
+        except Exception as e:  # a bad request or a replica that does not verify: the answer says why
+            _try_write(wfile, {"error": str(e) or type(e).__name__})
 
 
 def _try_write(wfile, reply: dict) -> None:

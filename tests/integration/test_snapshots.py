@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, WORKERS, wait_for
+from tests.conftest import WORKERS, free_port, wait_for
 
 sys.path.insert(0, str(WORKERS))
 from snapshot_train import reference  # noqa: E402
@@ -41,13 +41,13 @@ def redone(steps: list[tuple[int, int]]) -> int:
     return len(counted) - len(set(counted))
 
 
-def assert_fault_free_result(launcher, sharded: bool) -> None:
+def assert_fault_free_result(launcher, sharded: bool, steps: int = STEPS) -> None:
     """Every rank ended at the last step with the parameters of a run without any fault."""
     for rank in range(4):
         path = launcher.out_dir / f"params-rank{rank}.pt"
         assert path.exists(), launcher.output()
         got = torch.load(path)
-        want = reference(rank, STEPS, sharded)
+        want = reference(rank, steps, sharded)
         for name in want:
             assert torch.equal(got[name], want[name]), f"rank {rank}'s {name} differs from the fault-free run"
 
@@ -110,3 +110,32 @@ def test_corrupted_snapshot_is_skipped_and_checkpoints_load_with_torch(launcher)
         want = reference(rank, 16, sharded=True)
         got = torch.load(target)
         assert all(torch.equal(got[k], want[k]) for k in want), f"rank {rank}'s checkpoint of step 16 differs"
+
+
+def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
+    """Node 1's agent is killed with its ranks and its memory: a spare takes its place, and ranks 2 and
+    3 (sharded: no other rank holds their state) restore from the replicas node 0 kept of them."""
+    steps = 30
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = ["--nnodes", "2", "--spares", "1", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--run-id",
+             launcher.mark, "--monitor-interval", "0.05", "--node-timeout", "3", "--recovery", "job",
+             "--max-restarts", "2", "--snapshot-every", "1", "--replicate-every", "4", "--snapshot-memory", "256M",
+             "--log-dir", str(launcher.tmp / "logs")]
+    env = launcher.env(STEPS=str(steps), SHARDED="1", STEP_SLEEP="0.1")
+    nodes = [launcher.start([*flags, "--local-addr", f"127.0.0.{i + 2}", SCRIPT], env=env) for i in range(3)]
+    victim = wait_for(lambda: [n for n in nodes if "node 1 of 2," in n.output], timeout=120, what="node 1")[0]
+    ran = launcher.out_dir / "ran-rank2"
+    wait_for(lambda: ran.exists() and len(ran.read_text().splitlines()) >= 14, timeout=120, what="step 14")
+    folder = re.search(r"snapshots every 1 step in (\S+)", victim.output).group(1)
+    victim.proc.send_signal(signal.SIGKILL)
+    others = [n for n in nodes if n is not victim]
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    wait_for(lambda: not Path(folder).exists(), timeout=10, what="the guardian to remove the lost agent's memory")
+    (event,) = restore_events(launcher)
+    assert event["step"] % 4 == 0 and event["step"] >= 12, event
+    sources = {int(rank): source for rank, source in event["sources"].items()}
+    assert {sources[r]["where"] for r in (2, 3)} == {"replica"} and {sources[r]["node"] for r in (2, 3)} == {0}
+    assert {sources[r]["where"] for r in (0, 1)} <= {"memory", "pinned"}
+    assert_fault_free_result(launcher, sharded=True, steps=steps)
+    for rank, history in runs(launcher).items():
+        assert redone(history) <= 4 + 2, (rank, history)  # back to the last replicated step

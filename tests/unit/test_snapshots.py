@@ -1,0 +1,344 @@
+"""Snapshots: the file format, a rank's writer, the restore plan, transfers between agents, persistence."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fractions
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ftrun.auth import Signer
+from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps
+from ftrun.snapshots.format import (
+    HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, lay_out, load_states, read_header, read_verified, verified,
+)
+from ftrun.snapshots.keeper import SnapshotKeeper, SnapshotOptions, ring_peers
+from ftrun.snapshots.persist import persist
+from ftrun.snapshots.plan import (
+    DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory, choose_restore,
+)
+from ftrun.snapshots.transfer import TransferError, get, put
+
+
+def states(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "extra": {"bf16": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "empty": torch.empty(0, 2),
+                      "scalar": torch.tensor(7, dtype=torch.int64), "flag": torch.tensor([True, False]),
+                      "strided": torch.arange(12.0).view(3, 4).t(), "nested": [(1, "a"), {2: None}], "lr": 0.5}}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def writer(folder, rank: int = 0, limit: int = 0, sharded: bool = True) -> SnapshotWriter:
+    return SnapshotWriter(str(folder), rank, 4, sharded, every=1, limit=limit, copies=6)
+
+
+# -- the format ----------------------------------------------------------------------------------------
+
+
+def test_a_snapshot_gives_back_every_tensor_and_value_exactly(tmp_path):
+    original = states()
+    write = writer(tmp_path)
+    write.write(3, original)
+    write.wait()
+    header, blob = read_verified(write.paths[0])
+    assert (header.step, header.rank, header.world_size, header.sharded) == (3, 0, 4, True)
+    loaded = load_states(header, blob)
+    assert same(loaded, original)
+    assert isinstance(loaded["model"], collections.OrderedDict)  # load_state_dict keeps working on it
+
+
+def test_a_structure_with_code_in_it_is_refused_at_the_snapshot_not_at_the_restore():
+    class Custom:
+        pass
+
+    with pytest.raises(SnapshotError, match="cannot snapshot the registered state: .*Custom"):
+        lay_out({"model": {"thing": Custom()}})
+    with pytest.raises(SnapshotError, match="not fractions.Fraction"):
+        lay_out({"sampler": {"share": fractions.Fraction(1, 3)}})
+
+
+def test_a_snapshot_file_cannot_run_code(tmp_path):
+    write = writer(tmp_path)
+    write.write(1, {"x": {"a": torch.zeros(2)}})
+    write.wait()
+    header, blob = read_verified(write.paths[0])
+    evil = pickle.dumps((os.system, ("true",)))
+    blob[HEADER_SIZE:HEADER_SIZE + len(evil)] = evil
+    with pytest.raises(SnapshotError, match="posix.system|os.system"):
+        load_states(header, blob)
+
+
+def test_damaged_cut_short_and_unfinished_snapshots_are_refused(tmp_path):
+    write = writer(tmp_path)
+    write.write(5, states())
+    write.wait()
+    path = write.paths[0]
+    blob = bytearray(open(path, "rb").read())
+    assert verified(bytearray(blob), "x")[0].step == 5
+    damaged = bytearray(blob)
+    damaged[-3] ^= 0x01
+    with pytest.raises(SnapshotError, match="step 5 fails its checksum"):
+        verified(damaged, "x")
+    with pytest.raises(SnapshotError, match="cut short"):
+        verified(blob[:-10], "x")
+    with pytest.raises(SnapshotError, match="not a snapshot"):
+        verified(bytearray(b"garbage" * 100), "x")
+    packed = dataclasses.replace(read_header(path), state=WRITING).pack()
+    unfinished = bytearray(blob)
+    unfinished[:len(packed)] = packed
+    with pytest.raises(SnapshotError, match="never finished"):
+        verified(unfinished, "x")
+
+
+def test_a_snapshot_over_the_memory_share_is_a_clear_error(tmp_path):
+    with pytest.raises(SnapshotTooLarge, match=r"rank 0's snapshot takes .* MiB, but its share of --snapshot-memory "
+                                               r"is 4.0 KiB .*6 copies.*raise --snapshot-memory"):
+        writer(tmp_path, limit=4096).write(1, {"big": {"w": torch.zeros(1 << 18)}})
+    assert not os.path.exists(writer(tmp_path).paths[0])  # nothing half-written left
+
+
+# -- a rank's two files --------------------------------------------------------------------------------
+
+
+def test_the_writer_takes_turns_and_keeps_the_snapshot_it_restored_from(tmp_path):
+    write = writer(tmp_path, rank=2)
+    for step in (1, 2, 3):
+        write.write(step, states(step))
+    write.wait()
+    assert own_steps(str(tmp_path), 2) == [3, 2]
+    assert same(load_own(str(tmp_path), 2, 2), states(2))
+    with pytest.raises(SnapshotError, match="step 1 is gone"):
+        load_own(str(tmp_path), 2, 1)
+    # a replacement rank finds its predecessor's files and writes over the older one
+    again = writer(tmp_path, rank=2)
+    again.write(4, states(4))
+    again.wait()
+    assert own_steps(str(tmp_path), 2) == [4, 3]
+    # back to step 3: step 4 belongs to the abandoned run; the next write keeps step 3
+    again.resume_at(3)
+    assert own_steps(str(tmp_path), 2) == [3]
+    again.write(4, states(40))
+    again.wait()
+    assert own_steps(str(tmp_path), 2) == [4, 3] and same(load_own(str(tmp_path), 2, 4), states(40))
+
+
+KILLED_WRITER = """
+import sys, torch
+from ftrun.elastic.snapshots import SnapshotWriter
+write = SnapshotWriter(sys.argv[1], 0, 1, True, every=1, limit=0, copies=2)
+big = {"model": {"w": torch.zeros(16 << 20)}}  # 64 MiB; after step k every element is k
+step = 0
+while True:
+    step += 1
+    big["model"]["w"].add_(1)
+    write.write(step, big)
+"""
+
+
+def test_a_rank_killed_while_writing_leaves_its_previous_snapshot_usable(tmp_path):
+    """A real process writing 64 MiB snapshots in a loop is SIGKILLed while one of its files is unfinished."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)])
+    paths = [str(tmp_path / f"rank-00000.{i}") for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            headers = [read_header(p) for p in paths]
+            if all(headers) and min(h.step for h in headers) >= 2 and any(not h.complete for h in headers):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail("never saw a snapshot being written")
+    finally:
+        proc.kill()
+        proc.wait()
+    headers = [read_header(p) for p in paths]
+    unfinished = [p for p, h in zip(paths, headers) if not h.complete]
+    assert len(unfinished) == 1  # the one being written when the rank died
+    with pytest.raises(SnapshotError):
+        read_verified(unfinished[0])
+    (good,) = own_steps(str(tmp_path), 0)
+    assert good == max(h.step for h in headers) - 1  # the step before the one being written
+    restored = load_own(str(tmp_path), 0, good)["model"]["w"]
+    assert restored.numel() == 16 << 20 and bool((restored == good).all())
+
+
+# -- the restore plan ----------------------------------------------------------------------------------
+
+
+def held(rank, step, where=MEMORY, sharded=True, world=4):
+    return HeldSnapshot(rank, step, world, sharded, where, f"/{where}/{rank}/{step}")
+
+
+def inventory(node, *copies):
+    return SnapshotInventory(f"agent{node}", node, f"h{node}:1", tuple(copies))
+
+
+HOMES = {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_the_plan_takes_the_newest_step_every_rank_has_and_the_nearest_copy():
+    plan = choose_restore(3, [
+        inventory(0, held(0, 12), held(0, 11), held(1, 12), held(1, 11), held(2, 8, REPLICA), held(3, 8, REPLICA),
+                  held(0, 8, PINNED), held(1, 8, PINNED)),
+        inventory(1, held(2, 12), held(2, 11), held(3, 11), held(0, 8, REPLICA), held(1, 8, REPLICA),
+                  held(2, 8, PINNED), held(3, 8, PINNED)),
+    ], 4, HOMES)
+    assert plan.step == 11  # rank 3 has no step 12
+    assert [(s.rank, s.node_rank, s.where) for s in plan.sources] == [(0, 0, MEMORY), (1, 0, MEMORY), (2, 1, MEMORY),
+                                                                       (3, 1, MEMORY)]
+    # node 1 lost: its ranks' replicas on node 0 decide the step
+    plan = choose_restore(3, [inventory(0, held(0, 12), held(1, 12), held(2, 8, REPLICA), held(3, 8, REPLICA),
+                                        held(0, 8, PINNED), held(1, 8, PINNED))], 4, HOMES)
+    assert plan.step == 8 and plan.counts() == {PINNED: 2, REPLICA: 2}
+    assert plan.source_of(2).address == "h0:1"
+
+
+def test_memory_wins_over_disk_and_disk_fills_what_memory_lacks():
+    plan = choose_restore(1, [inventory(0, held(0, 10), held(1, 10), held(0, 10, DISK), held(1, 10, DISK),
+                                        held(2, 10, DISK), held(3, 10, DISK))], 4, HOMES)
+    assert plan.step == 10 and plan.counts() == {MEMORY: 2, DISK: 2}
+
+
+def test_replicated_state_restores_every_rank_from_any_copy_even_after_a_resize():
+    plan = choose_restore(2, [inventory(1, held(3, 9, sharded=False, world=4))], 2, {0: 0, 1: 0})
+    assert plan.step == 9 and {s.rank for s in plan.sources} == {0, 1} and {s.path for s in plan.sources} == {"/memory/3/9"}
+
+
+def test_sharded_state_is_not_restored_into_another_world_size_and_says_why():
+    plan = choose_restore(2, [inventory(0, *(held(r, 9) for r in range(4)))], 2, {0: 0, 1: 0})
+    assert plan.step == -1 and "every one of the 2 ranks" in plan.reason
+    assert choose_restore(2, [], 4, HOMES).reason == "no snapshot is held anywhere"
+
+
+def test_ring_peers_wrap_around_and_never_include_the_node_itself():
+    assert ring_peers([0, 1, 2, 3], 2, 1) == [3]
+    assert ring_peers([0, 1, 2, 3], 3, 2) == [0, 1]
+    assert ring_peers([0, 1], 0, 5) == [1]
+    assert ring_peers([0], 0, 1) == [] and ring_peers([0, 1], 7, 1) == []
+
+
+# -- agents: pins, replicas, the server ----------------------------------------------------------------
+
+
+@pytest.fixture
+def keepers(tmp_path):
+    """Two agents' keepers (nodes 0 and 1) on loopback, signing with one token."""
+    made = []
+
+    def make(node: int, token: bytes = b"t" * 32, **options) -> SnapshotKeeper:
+        opts = SnapshotOptions(**{"every": 1, "replicas": 1, "replicate_every": 2, "memory": 1 << 30, **options})
+        keeper = SnapshotKeeper(opts, f"unit-{os.getpid()}-{node}-{len(made)}", 2, "127.0.0.1", "127.0.0.1",
+                                Signer(token), token)
+        keeper.start()
+        made.append(keeper)
+        return keeper
+
+    yield make
+    for keeper in made:
+        keeper.stop()
+        assert not os.path.exists(keeper.folder)
+
+
+def test_pinned_snapshots_go_to_the_peer_which_serves_them_back(keepers):
+    node0, node1 = keepers(0), keepers(1)
+    node0.set_peers([(1, node1.address)])
+    write = writer(node0.folder, rank=1)
+    for step in (1, 2, 3):
+        write.write(step, states(step))
+    write.wait()
+    wait = time.monotonic() + 30
+    while time.monotonic() < wait and not node1.inventory("b", 1).held:
+        time.sleep(0.05)
+    mine = node0.inventory("a", 0, verify=True)
+    assert {(h.rank, h.step, h.where) for h in mine.held} == {(1, 3, MEMORY), (1, 2, MEMORY), (1, 2, PINNED)}
+    (replica,) = node1.inventory("b", 1).held
+    assert (replica.rank, replica.step, replica.where) == (1, 2, REPLICA)
+    # a rank on another node reads it through node 1's server, checked
+    source = RestoreSource(1, 1, node1.address, REPLICA, replica.path, replica.nbytes, replica.crc)
+    assert same(load_source(source, 2, "/nonexistent", Signer(b"t" * 32)), states(2))
+
+
+def test_the_server_refuses_strangers_and_files_outside_its_folders(keepers, tmp_path):
+    node0 = keepers(0)
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    with pytest.raises(TransferError, match="refused"):
+        get(node0.address, Signer(b"w" * 32), os.path.join(node0.folder, "rank-00000.0"))
+    with pytest.raises(TransferError, match="not a snapshot this node serves"):
+        get(node0.address, Signer(b"t" * 32), str(secret))
+    with pytest.raises(TransferError, match="not a snapshot this node serves"):
+        get(node0.address, Signer(b"t" * 32), os.path.join(node0.folder, "..", os.path.basename(str(secret))))
+    with pytest.raises(TransferError, match="not a snapshot this node serves"):
+        get(node0.address, Signer(b"t" * 32), os.path.join(node0.folder, "token"))
+    with pytest.raises(TransferError, match="fails its checksum|not a snapshot"):
+        put(node0.address, Signer(b"t" * 32), "0", bytearray(b"x" * 5000))
+    assert node0.inventory("a", 0).held == ()
+    with pytest.raises(TransferError, match="cannot reach"):
+        get("127.0.0.1:1", Signer(), "/x")
+
+
+def test_a_damaged_snapshot_is_left_out_of_the_inventory_once_checked(keepers):
+    node0 = keepers(0, replicas=0)
+    write = writer(node0.folder, rank=0)
+    for step in (1, 2):
+        write.write(step, states(step))
+    write.wait()
+    assert {h.step for h in node0.inventory("a", 0).held if h.where == MEMORY} == {1, 2}
+    with open(write.paths[1], "r+b") as f:  # step 2
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff\xfe")
+    assert {h.step for h in node0.inventory("a", 0, verify=True).held if h.where == MEMORY} == {1}
+    assert {h.step for h in node0.inventory("a", 0).held if h.where == MEMORY} == {1}  # remembered
+
+
+# -- persistence ---------------------------------------------------------------------------------------
+
+
+def test_persisted_files_load_with_torch_and_get_a_manifest_once_every_rank_is_there(tmp_path):
+    root = tmp_path / "ckpt"
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    for step in (4, 8, 12):
+        for rank in (0, 1):
+            write = SnapshotWriter(str(snaps), rank, 2, True, every=1, limit=0, copies=2)
+            write.write(step, states(10 * step + rank))
+            write.wait()
+            record = persist({"source": write.paths[0] if read_header(write.paths[0]).step == step else write.paths[1],
+                              "step": step, "rank": rank, "folder": str(root), "keep": 2})
+            assert record["manifest"] == (rank == 1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000008", "step-00000012"]
+    manifest = json.loads((root / "step-00000012" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and [r["path"] for r in manifest["ranks"]] == [
+        "step-00000012/rank-00000.pt", "step-00000012/rank-00001.pt"]
+    assert same(torch.load(root / "step-00000012" / "rank-00001.pt"), states(121))
+    disk = HeldSnapshot(1, 12, 2, True, DISK, str(root / "step-00000012" / "rank-00001.pt"),
+                        manifest["ranks"][1]["nbytes"], manifest["ranks"][1]["crc32"])
+    source = choose_restore(1, [inventory(0, disk, held(0, 12, DISK, world=2))], 2, {}).source_of(1)
+    assert same(load_source(source, 12, str(snaps), Signer()), states(121))
+    (root / "step-00000012" / "rank-00001.pt").write_bytes(b"damaged")
+    with pytest.raises(SnapshotError, match="fails its checksum"):
+        load_source(source, 12, str(snaps), Signer())
