@@ -114,9 +114,14 @@ LAUNCHERS = {
         Launcher("ftrun-status-live", "ftrun --recovery process --status live --log-dir", "ftrun",
                  ("--recovery", "process", "--status", "live"), script=EXAMPLES / "train_ddp_elastic.py",
                  event_log=True),
+        # scripts/bench_checkpoint.py: a job-level restart that resumes from the in-memory snapshots
+        Launcher("ftrun-memory", "ftrun --recovery job --snapshot-every 1", "ftrun",
+                 ("--recovery", "job", "--snapshot-every", "1"), script=EXAMPLES / "train_ddp_elastic.py"),
     )
 }
 STATUS_PAIR = ("ftrun-status-off", "ftrun-status-live")
+#: launchers only the other benchmarks run
+NOT_BY_DEFAULT = (*STATUS_PAIR, "ftrun-memory")
 BASELINE = "torchrun-noshare"  # the launcher whose median step the ftrun rows are compared with
 
 
@@ -130,7 +135,8 @@ class ModeDefaults:
     deadline: float
 
 
-SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(name for name in LAUNCHERS if name not in STATUS_PAIR), steps=60, step_sleep=0.0, deadline=90.0)
+SINGLE_DEFAULTS = ModeDefaults(launchers=tuple(name for name in LAUNCHERS if name not in NOT_BY_DEFAULT), steps=60,
+                               step_sleep=0.0, deadline=90.0)
 # Up to 8 workers and 8 agents share the machine's cores: short runs, and a sleep so steps are not starved.
 SCALING_DEFAULTS = ModeDefaults(
     launchers=(BASELINE, "ftrun", "ftrun-process"), steps=40, step_sleep=0.05, deadline=180.0,

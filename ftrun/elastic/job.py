@@ -181,10 +181,13 @@ class ElasticJob:
     """
 
     def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0,
-                 sharded: bool = False):
+                 sharded: bool = False, snapshot_overlap: bool = True):
         self.env = WorkerEnv.from_environ()
         #: every rank holds its own part of the state: a repair restores each rank's own snapshot
         self.sharded = sharded
+        #: copy the parameters and the optimizer's state into a snapshot while the next step's forward
+        #: and backward run (the optimizer's step waits for the copy)
+        self.snapshot_overlap = snapshot_overlap
         # ftrun names the rank's device among those it sees (it differs from LOCAL_RANK after a move)
         device_index = int(os.environ.get("FTRUN_DEVICE_INDEX") or os.environ.get("LOCAL_RANK", "0"))
         self.backend: CommBackend = make_backend(backend, device_index)
@@ -315,6 +318,8 @@ class ElasticJob:
     # -- commits and faults -----------------------------------------------------------------------
 
     def _on_optimizer_step(self, *args) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait_copied()  # the snapshot's copy of what this step changes is done
         self._mutated = True
 
     def _begin_step(self) -> None:
@@ -326,12 +331,24 @@ class ElasticJob:
         self._step += 1
         self._mutated = False
         if self.snapshots is not None and self.snapshots.due(self._step):
-            self.snapshots.write(self._step, self._states())
+            self.snapshots.write(self._step, self._states(), self._optimized() if self.snapshot_overlap else frozenset())
+
+    def _optimized(self) -> frozenset[int]:
+        """The tensors only a registered optimizer's step changes: its parameters and its state."""
+        found = set()
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                found.update(p.data_ptr() for group in obj.param_groups for p in group["params"])
+                found.update(v.data_ptr() for state in obj.state.values() for v in state.values()
+                             if isinstance(v, torch.Tensor))
+        return frozenset(found)
 
     def _states(self) -> dict:
         return {name: obj.state_dict() for name, obj in self._objects.items()}
 
     def _load(self, states: dict) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait()  # no snapshot may still be reading what this overwrites
         for name, obj in self._objects.items():
             obj.load_state_dict(states[name])
 

@@ -20,7 +20,7 @@ from typing import Mapping
 from ftrun.auth import Signer
 from ftrun.snapshots.format import (
     COMPLETE, HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, checksum, lay_out, load_states, read_header,
-    read_verified, size_text, verified, write_layout,
+    read_verified, size_text, verified, copy_tensors,
 )
 from ftrun.snapshots.keeper import TOKEN_FILE
 from ftrun.snapshots.plan import DISK, RestoreSource
@@ -38,8 +38,11 @@ class SnapshotWriter:
         #: the file to write next: the one with the older snapshot (or none)
         self._next = 0 if steps[0] <= steps[1] else 1
         self._pending: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
         self._failed: BaseException | None = None
-        #: seconds the training loop waited for each snapshot (the copy; the sum runs behind it)
+        #: seconds the training loop waited for each snapshot: the copies made before write() returned,
+        #: and any wait of the optimizer for the ones made behind it (the checksum never holds it up)
         self.blocked: list[float] = []
 
     @classmethod
@@ -70,8 +73,14 @@ class SnapshotWriter:
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
 
-    def write(self, step: int, states: dict) -> None:
-        """Snapshot ``states`` as they are after ``step`` committed steps."""
+    def write(self, step: int, states: dict, behind: frozenset[int] = frozenset()) -> None:
+        """Snapshot ``states`` as they are after ``step`` committed steps.
+
+        Tensors whose ``data_ptr()`` is in ``behind`` are copied by a thread while training goes on: the
+        caller makes sure nothing changes them before :meth:`wait_copied` returns (the parameters and
+        the optimizer's state, which only the optimizer's next step changes). The others (buffers,
+        which the next forward changes, and everything else) are copied before this returns.
+        """
         began = time.perf_counter()
         self.wait()
         layout = lay_out(states)
@@ -86,21 +95,39 @@ class SnapshotWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while the agent copies this file (a memory copy)
             os.pwrite(fd, header.pack(), 0)  # unfinished, before anything else changes
-            os.ftruncate(fd, header.total)
-            write_layout(fd, layout, header.data_offset)
+            if os.fstat(fd).st_size != header.total:
+                os.ftruncate(fd, header.total)
+            pages = mmap.mmap(fd, header.total)
+            pages[HEADER_SIZE:HEADER_SIZE + len(layout.meta)] = layout.meta
+            later = [i for i, t in enumerate(layout.tensors) if t.data_ptr() in behind]
+            now = sorted(set(range(len(layout.tensors))) - set(later))
+            copy_tensors(pages, layout, header.data_offset, now)
         except BaseException:
             os.close(fd)
             raise
         self._next ^= 1
-        self._pending = threading.Thread(target=self._commit, args=(fd, header), name="ftrun-snapshot-commit",
-                                         daemon=True)
+        self._copied.clear()
+        self._pending = threading.Thread(target=self._commit, args=(fd, pages, header, layout, later),
+                                         name="ftrun-snapshot-commit", daemon=True)
         self._pending.start()
         self.blocked.append(time.perf_counter() - began)
 
-    def _commit(self, fd: int, header) -> None:
+    def wait_copied(self) -> None:
+        """Until the tensors copied behind the training loop are in the file (the optimizer's step waits)."""
+        if self._copied.is_set():
+            return
+        began = time.perf_counter()
+        self._copied.wait()
+        self.blocked[-1] += time.perf_counter() - began
+
+    def _commit(self, fd: int, pages: mmap.mmap, header, layout, later: list[int]) -> None:
         try:
-            with mmap.mmap(fd, header.total, prot=mmap.PROT_READ) as view:
-                crc = checksum(view, HEADER_SIZE, header.total)
+            with pages:
+                try:
+                    copy_tensors(pages, layout, header.data_offset, later)
+                finally:
+                    self._copied.set()
+                crc = checksum(pages, HEADER_SIZE, header.total)
             done = dataclasses.replace(header, state=COMPLETE, crc=crc, written_at=time.time())
             os.pwrite(fd, done.pack(), 0)
         except BaseException as e:

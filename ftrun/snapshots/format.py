@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
 import zlib
@@ -236,21 +235,20 @@ def lay_out(states: dict) -> Layout:
     return Layout(meta, tensors, offsets, offset)
 
 
-def write_layout(fd: int, layout: Layout, data_offset: int) -> None:
-    """Write the structure and every tensor's bytes (one copy each, from the tensor to the file)."""
+def copy_tensors(target, layout: Layout, data_offset: int, indices) -> None:
+    """Copy the tensors ``indices`` of the layout into ``target`` (a writable mapping of the file): one
+    copy each, straight from the tensor's memory (or its device) into the file's pages."""
     import torch
 
-    os.pwrite(fd, layout.meta, HEADER_SIZE)
-    for tensor, offset in zip(layout.tensors, layout.offsets):
+    pages = torch.frombuffer(target, dtype=torch.uint8)
+    for index in indices:
+        tensor = layout.tensors[index]
         if tensor.numel() == 0:
             continue
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy()
-        view = memoryview(raw)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], data_offset + offset + done)
+        start = data_offset + layout.offsets[index]
+        nbytes = tensor.numel() * tensor.element_size()
+        pages[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    del pages  # the mapping can close once no tensor views it
 
 
 def load_states(header: Header, blob: bytearray) -> dict:

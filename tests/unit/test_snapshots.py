@@ -145,6 +145,26 @@ def test_the_writer_takes_turns_and_keeps_the_snapshot_it_restored_from(tmp_path
     assert own_steps(str(tmp_path), 2) == [4, 3] and same(load_own(str(tmp_path), 2, 4), states(40))
 
 
+def test_tensors_copied_behind_the_loop_are_those_of_the_snapshot_s_step(tmp_path):
+    """The parameters are copied by a thread; once wait_copied() returns (the optimizer's pre-hook),
+    changing them no longer changes the snapshot, and the buffers were copied before write() returned."""
+    original = states()
+    expected = collections.OrderedDict((k, v.clone()) for k, v in original["model"].items())
+    params = frozenset(v.data_ptr() for k, v in original["model"].items() if "running" not in k)
+    write = writer(tmp_path)
+    write.write(1, original, behind=params)
+    for name, value in original["model"].items():  # the next forward changes the buffers at once
+        if "running" in name:
+            value.add_(100)
+    write.wait_copied()
+    for value in original["model"].values():  # the optimizer's step, after its pre-hook
+        value.add_(1)
+    write.wait()
+    header, blob = read_verified(write.paths[0])
+    assert same(load_states(header, blob)["model"], expected)
+    assert len(write.blocked) == 1 and write.blocked[0] > 0
+
+
 KILLED_WRITER = """
 import sys, torch
 from ftrun.elastic.snapshots import SnapshotWriter
