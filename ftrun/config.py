@@ -566,6 +566,21 @@ def free_memory(folder: str) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+def check_writable_folder(folder: str, flag: str) -> None:
+    """``folder`` is a folder this process may write in, or one it may create."""
+    if os.path.exists(folder):
+        if not os.path.isdir(folder):
+            raise UsageError(f"{flag} {folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {folder} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {folder} cannot be created ({parent} is not a writable folder)")
+
+
 def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
     """The snapshot flags, checked against each other and against this node's shared memory."""
     every = whole_number(raw.get("snapshot_every") or 0, "--snapshot-every", maximum=MAX_COUNT)
@@ -577,22 +592,23 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
     save_on_failure = switch(raw, "save_on_failure")
     if folder and not every:
         raise UsageError("--checkpoint-dir writes ftrun's in-memory snapshots to disk: give --snapshot-every too")
+    if folder:
+        check_writable_folder(folder, "--checkpoint-dir")
     if save_on_failure and not folder:
         raise UsageError("--save-on-failure writes the newest snapshots to --checkpoint-dir: give it")
     if every and replicate_every % every:
         raise UsageError(f"--replicate-every {replicate_every} must be a multiple of --snapshot-every {every}")
     if folder and checkpoint_every % replicate_every:
         raise UsageError(f"--checkpoint-every {checkpoint_every} must be a multiple of --replicate-every {replicate_every}")
-    memory = 0
+    given = raw.get("snapshot_memory") not in (None, "")
+    memory = parse_size(raw["snapshot_memory"], "--snapshot-memory") if given else 0
     if every:
         root = memory_root()
         free = free_memory(root)
-        if raw.get("snapshot_memory") in (None, ""):
+        if not given:
             memory = free // 2
-        else:
-            memory = parse_size(raw["snapshot_memory"], "--snapshot-memory")
-            if memory > free:
-                raise UsageError(f"--snapshot-memory {size_text(memory)} is more than the {size_text(free)} free in {root}")
+        elif memory > free:
+            raise UsageError(f"--snapshot-memory {size_text(memory)} is more than the {size_text(free)} free in {root}")
     return SnapshotOptions(every, replicas, replicate_every, memory, os.path.abspath(folder) if folder else "",
                            checkpoint_every, keep, save_on_failure)
 

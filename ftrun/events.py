@@ -18,7 +18,8 @@ detection time), ``level`` (decision, repair_done, generation_started), ``phase`
 level; detect, stop, restart at job level) and ``total`` (repair_done), ``step`` (progress,
 job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration``, ``restarts_used``,
 ``max_restarts`` (job_finished), ``budget_left`` and ``target_generation`` (decision), ``world_size``
-(job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started).
+(job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started),
+``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint).
 """
 
 from __future__ import annotations

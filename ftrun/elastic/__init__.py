@@ -18,7 +18,9 @@ Add a few lines to an ordinary DDP script::
 Under ``ftrun --recovery process`` a failed rank is respawned, every rank joins the
 next generation's process group, the highest step a healthy replica fully committed
 is chosen, its holder sends the registered state to the ranks that lack it, and the
-loop goes on from that step. Under plain torchrun the same script runs as usual.
+loop goes on from that step. With ``ftrun --snapshot-every K`` each rank also snapshots its
+registered state into its node's shared memory every K steps, and a job-level restart resumes
+from there. Under plain torchrun the same script runs as usual.
 """
 
 from ftrun.elastic.job import ElasticDDP, ElasticJob, RepairError, StepGuard, WorkerEnv
@@ -29,6 +31,10 @@ def init(backend: str | None = None, **options) -> ElasticJob:
 
     ``backend``: torch's name (gloo, nccl, hccl); by default nccl with CUDA, hccl with
     torch_npu, else gloo. ``collective_timeout`` (seconds) bounds every group formation.
+    ``sharded=True``: every rank holds its own part of the state, so a repair restores each
+    rank's own snapshot (``--snapshot-every``) instead of copying a healthy replica's.
+    ``snapshot_overlap=False``: copy all of a snapshot before the step commits (for scripts that
+    change parameters outside the optimizer's ``step()``).
     """
     return ElasticJob(backend, **options)
 

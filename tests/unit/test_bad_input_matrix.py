@@ -175,6 +175,29 @@ FLAGS = [
     ("spares-huge", ["--spares", HUGE, S], ("--spares", "at most")),
     ("spares-word", ["--spares", "two", S], "--spares"),
     ("spares-fraction", ["--spares", "0.5", S], "--spares"),
+    ("snapshot-every-negative", ["--snapshot-every", "-1", S], "--snapshot-every"),
+    ("snapshot-every-word", ["--snapshot-every", "often", S], "--snapshot-every"),
+    ("snapshot-every-huge", ["--snapshot-every", HUGE, S], ("--snapshot-every", "at most")),
+    ("snapshot-replicas-negative", ["--snapshot-replicas", "-1", S], "--snapshot-replicas"),
+    ("snapshot-replicas-huge", ["--snapshot-replicas", HUGE, S], ("--snapshot-replicas", "at most")),
+    ("replicate-every-zero", ["--replicate-every", "0", S], "--replicate-every"),
+    ("replicate-every-off-grid", ["--snapshot-every", "3", "--replicate-every", "10", S],
+     ("--replicate-every 10", "multiple of --snapshot-every 3")),
+    ("checkpoint-every-zero", ["--checkpoint-every", "0", S], "--checkpoint-every"),
+    ("checkpoint-every-off-grid", ["--snapshot-every", "1", "--checkpoint-dir", "ckpt", "--checkpoint-every", "15", S],
+     ("--checkpoint-every 15", "multiple of --replicate-every 10")),
+    ("keep-checkpoints-zero", ["--keep-checkpoints", "0", S], "--keep-checkpoints"),
+    ("snapshot-memory-word", ["--snapshot-every", "1", "--snapshot-memory", "lots", S], ("--snapshot-memory", "'lots'")),
+    ("snapshot-memory-zero", ["--snapshot-every", "1", "--snapshot-memory", "0", S], "more than 0 bytes"),
+    ("snapshot-memory-negative", ["--snapshot-every", "1", "--snapshot-memory", "-1G", S], "--snapshot-memory"),
+    ("snapshot-memory-unit", ["--snapshot-every", "1", "--snapshot-memory", "4X", S], "--snapshot-memory"),
+    ("snapshot-memory-over-free", ["--snapshot-every", "1", "--snapshot-memory", "900T", S],
+     ("--snapshot-memory 900.0 TiB", "free in")),
+    ("checkpoint-dir-without-snapshots", ["--checkpoint-dir", "ckpt", S], "give --snapshot-every too"),
+    ("checkpoint-dir-is-a-file", ["--snapshot-every", "1", "--checkpoint-dir", "{tmp}/train.py", S], ("--checkpoint-dir", "not a folder")),
+    ("checkpoint-dir-under-a-file", ["--snapshot-every", "1", "--checkpoint-dir", "{tmp}/train.py/ckpt", S],
+     ("--checkpoint-dir", "cannot be created")),
+    ("save-on-failure-without-dir", ["--snapshot-every", "1", "--save-on-failure", S], "--save-on-failure"),
     ("endpoint-blank", ["--rdzv-endpoint", "   ", S], "--rdzv-endpoint is empty"),
     ("endpoint-no-host", ["--rdzv-endpoint", ":29400", S], "has no host name"),
     ("endpoint-empty-port", ["--rdzv-endpoint", "head:", S], "port ''"),
@@ -415,13 +438,14 @@ SINGLE = sorted(set(PARAMS) - set(SWITCHES) - set(LISTS))
 #: switches read when the job is built (print_hosts and dry_run act at once; see the report)
 CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"]
 #: keys whose value is a count, a port, a duration, device ids or stream bits: 10**30 is wrong for each
-NUMBERS = ["devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout", "master_port",
-           "monitor_interval", "nnodes", "node_rank", "node_timeout", "nproc_per_node", "rdzv_timeout",
-           "redirects", "repair_timeout", "spares", "stop_timeout", "tee", "warm_standby"]
+NUMBERS = ["checkpoint_every", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
+           "keep_checkpoints", "master_port", "monitor_interval", "nnodes", "node_rank", "node_timeout",
+           "nproc_per_node", "rdzv_timeout", "redirects", "repair_timeout", "replicate_every", "snapshot_every",
+           "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby"]
 #: keys where null is not "the default" but a missing value (null elsewhere leaves the default)
-NULL_IS_WRONG = ["device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout", "monitor_interval",
-                 "nnodes", "node_rank", "node_timeout", "nproc_per_node", "redirects", "repair_timeout",
-                 "stop_timeout", "tee"]
+NULL_IS_WRONG = ["checkpoint_every", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
+                 "keep_checkpoints", "monitor_interval", "nnodes", "node_rank", "node_timeout", "nproc_per_node",
+                 "redirects", "repair_timeout", "replicate_every", "snapshot_replicas", "stop_timeout", "tee"]
 
 CONFIG_VALUES = (
     [(f"{key}-list", key, "[1, 2]") for key in SINGLE + SWITCHES if key != "max_restarts"]  # integration has it
@@ -733,6 +757,11 @@ ACCEPTED = [
     # to DNS n1 and N1 are one host, to ssh two aliases: both kept
     ("hosts-differing-in-case", lambda: [h.name for h in parse_hostfile("n1\nN1\n", "h")], ["n1", "N1"]),
     ("config-null-key-is-default", lambda: _config(warm_standby=None, recovery="process").warm_standby, 1),
+    ("snapshot-memory-units", lambda: [_config(snapshot_every=1, snapshot_memory=v).snapshots.memory
+                                       for v in ("1k", "1KiB", "1 kb", "1.5K", "1024")], [1024, 1024, 1024, 1536, 1024]),
+    ("snapshot-memory-default-half-free", lambda: _config(snapshot_every=1).snapshots.memory > 0, True),
+    # the free shared memory is only checked when there are snapshots to keep in it
+    ("no-snapshots-no-memory-check", lambda: _config(snapshot_memory="900T").snapshots.memory, 900 * 2**40),
 ]
 
 
