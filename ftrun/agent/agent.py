@@ -522,6 +522,7 @@ class Agent:
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
         self._refresh_layout()  # a spare may hold a node now (global ranks never move at process level)
+        self._save_on_failure()  # every node's: the healthy ranks' newest snapshots stay put until they resume
         mine = [r - self.slot.first_rank for r in command.ranks if 0 <= r - self.slot.first_rank < self.slot.nproc]
         if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
             mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
@@ -533,17 +534,18 @@ class Agent:
                     ", ".join(str(self.slot.first_rank + i) for i in mine), command.generation)
         for local_rank in mine:
             group.clear(local_rank, self.config.stop_timeout)
-        self._snapshots_after_stop()
+        self._publish_inventory(verify=True)
         self._report(ReportKind.CLEARED, command.generation)
         self._respawn(group, command, tuple(mine))
 
     def _snapshots_after_stop(self) -> None:
         """Ranks stopped: their snapshots are final. Check each one's sum, so that the controller's
         restore skips a damaged one, and (--save-on-failure) write the newest to disk."""
-        if self.snapshots is None:
-            return
         self._publish_inventory(verify=True)
-        if self.config.snapshots.save_on_failure:
+        self._save_on_failure()
+
+    def _save_on_failure(self) -> None:
+        if self.snapshots is not None and self.config.snapshots.save_on_failure:
             self.snapshots.save_newest()
 
     def _rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 #: how often the agent's snapshot thread looks for new snapshots
 TICK = 0.05
 TOKEN_FILE = "token"
-_FILE = re.compile(r"^(rank|pin|replica)-(\d{5})\.([01])$")
+_FILE = re.compile(r"^(rank|pin|replica|saved)-(\d{5})\.([01])$")
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,9 @@ class SnapshotKeeper:
         self._persister: subprocess.Popen | None = None
         self._persist_lock = threading.Lock()
         self._stop = threading.Event()
+        #: --save-on-failure: a fault was detected; the copies aside made for the persister, by rank
+        self._save_requested = threading.Event()
+        self._saved: dict[int, list[HeldSnapshot]] = {}
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshots", daemon=True)
 
     # -- life -------------------------------------------------------------------------------------
@@ -144,6 +147,8 @@ class SnapshotKeeper:
         if self.options.checkpoint_dir:
             os.makedirs(self.options.checkpoint_dir, mode=0o700, exist_ok=True)
             if self._spawn is not None:
+                # from this thread: a child dies with the thread that started it (PR_SET_PDEATHSIG), and the
+                # persister imports torch only when the first checkpoint comes
                 self._persister = self._spawn([sys.executable, "-u", "-m", "ftrun.snapshots.persist"])
                 threading.Thread(target=self._persisted, name="ftrun-persist-replies", daemon=True).start()
                 threading.Thread(target=self._persister_errors, name="ftrun-persist-errors", daemon=True).start()
@@ -156,18 +161,24 @@ class SnapshotKeeper:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        try:
+            self._tick(replicate=False)  # the last steps' pins, for the checkpoint folder (the peers are leaving)
+        except Exception:
+            log.exception("the last snapshots could not be pinned")
         if self._server is not None:
             self._server.close()
-        if self._persister is not None:
+        with self._persist_lock:
+            persister = self._persister
+        if persister is not None:
             try:
-                self._persister.stdin.close()
+                persister.stdin.close()
             except OSError:
                 pass
             try:
-                self._persister.wait(timeout=60)  # the writes under way finish: they are fsynced renames
+                persister.wait(timeout=60)  # the writes under way finish: they are fsynced renames
             except subprocess.TimeoutExpired:
-                self._persister.kill()
-                self._persister.wait()
+                persister.kill()
+                persister.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def worker_env(self) -> dict[str, str]:
@@ -236,9 +247,12 @@ class SnapshotKeeper:
                 log.exception("the snapshot thread failed; snapshots are no longer pinned or replicated")
                 return
 
-    def _tick(self) -> None:
+    def _tick(self, replicate: bool = True) -> None:
         """Pin (then replicate and persist) each rank's newest snapshot on the --replicate-every grid that
         is still in memory and not pinned yet."""
+        if self._save_requested.is_set():
+            self._save_requested.clear()
+            self._save()
         if not self.options.pins:
             return
         due: dict[int, tuple[int, str, int]] = {}
@@ -255,13 +269,24 @@ class SnapshotKeeper:
             blob = self._pin(rank, path, step)
             if blob is None:
                 continue
-            for node, address in list(self._peers):
+            for node, address in list(self._peers) if replicate else ():
                 self._replicate(rank, step, node, address, blob)
             if self.options.checkpoint_dir and step % self.options.checkpoint_every == 0:
                 self.persist(self._pins[rank][0].path, rank, step)
 
     def _pin(self, rank: int, path: str, step: int) -> bytearray | None:
-        """A verified copy of the rank's snapshot at ``step`` (None if the rank is rewriting it)."""
+        """A verified copy of the rank's snapshot at ``step`` kept aside (None if the rank is rewriting it)."""
+        copied = self._copy_aside(rank, path, step, "pin", self._pins.get(rank, []))
+        if copied is None:
+            return None
+        header, blob, target = copied
+        with self._lock:
+            self._pins[rank] = _newest_two(self._pins.get(rank, []), _held(header, PINNED, target))
+        return blob
+
+    def _copy_aside(self, rank: int, path: str, step: int, kind: str, held: list[HeldSnapshot]):
+        """Read the rank's snapshot in ``path`` (under a shared lock: not while the rank writes it), check
+        it, and write it to the older of the rank's two ``kind`` files; (header, bytes, file) or None."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -270,7 +295,7 @@ class SnapshotKeeper:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return None  # the rank is writing this slot: its step is gone; the next one is pinned
+                return None  # the rank is writing this file: that step is gone
             blob = bytearray(os.fstat(fd).st_size)
             view, done = memoryview(blob), 0
             while done < len(blob):
@@ -283,15 +308,13 @@ class SnapshotKeeper:
         try:
             header, blob = verified(blob, path)
         except SnapshotError as e:
-            log.error("not pinning rank %d's snapshot: %s", rank, e)
+            log.error("not keeping rank %d's snapshot: %s", rank, e)
             return None
         if header.step != step:
             return None
-        target = self._slot(self._pins.get(rank, []), "pin", rank)
+        target = self._slot(held, kind, rank)
         write_file(target, blob)
-        with self._lock:
-            self._pins[rank] = _newest_two(self._pins.get(rank, []), _held(header, PINNED, target))
-        return blob
+        return header, blob, target
 
     def _slot(self, held: list[HeldSnapshot], kind: str, rank: int) -> str:
         """The file of the older of a rank's two copies of ``kind`` (or a free one)."""
@@ -352,15 +375,25 @@ class SnapshotKeeper:
                 log.warning("the persister is gone: step %d of rank %d is not written to disk", step, rank)
 
     def save_newest(self) -> None:
-        """--save-on-failure: write every rank's newest snapshot to disk now (a fault was detected)."""
+        """--save-on-failure: write every rank's newest snapshot to disk (a fault was detected). The
+        snapshot thread copies them aside at once (healthy ranks go on writing theirs after the repair),
+        then the persister writes the copies."""
+        self._save_requested.set()
+
+    def _save(self) -> None:
         newest: dict[int, tuple[int, str]] = {}
         for held in self._own(verify=False):
             if held is not None and held.step > newest.get(held.rank, (-1, ""))[0]:
                 newest[held.rank] = (held.step, held.path)
         for rank, (step, path) in sorted(newest.items()):
-            if (rank, step) not in self._disk:
-                log.info("saving rank %d's step %d to %s before the repair", rank, step, self.options.checkpoint_dir)
-                self.persist(path, rank, step)
+            if (rank, step) in self._disk:
+                continue
+            copied = self._copy_aside(rank, path, step, "saved", self._saved.get(rank, []))
+            if copied is not None:
+                header, _, target = copied
+                self._saved[rank] = _newest_two(self._saved.get(rank, []), _held(header, PINNED, target))
+                log.info("saving rank %d's step %d to %s", rank, step, self.options.checkpoint_dir)
+                self.persist(target, rank, step)
 
     def _persisted(self) -> None:
         for line in self._persister.stdout:

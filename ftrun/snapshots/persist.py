@@ -1,7 +1,7 @@
 """The persister: writes snapshots to --checkpoint-dir as torch.save files, off the agent's threads.
 
-Runs as ``python -m ftrun.snapshots.persist`` beside each agent that has a --checkpoint-dir (it imports
-torch; the agent does not). Requests come as JSON lines on stdin::
+Runs as ``python -m ftrun.snapshots.persist`` beside each agent that has a --checkpoint-dir. It imports
+torch (the agent does not) at its first request, so that it costs the job nothing at its start. Requests come as JSON lines on stdin::
 
     {"source": SNAPSHOT FILE, "step": S, "rank": R, "folder": DIR, "keep": N}
 
@@ -119,9 +119,7 @@ def prune(root: str, keep: int) -> None:
 
 
 def main() -> None:
-    import torch  # noqa: F401  (loaded once, before the first request)
-
-    for line in sys.stdin:
+    for line in sys.stdin:  # torch is imported by the first request, not at the start of the job
         request = json.loads(line)
         try:
             reply = persist(request)

@@ -139,3 +139,31 @@ def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
     assert_fault_free_result(launcher, sharded=True, steps=steps)
     for rank, history in runs(launcher).items():
         assert redone(history) <= 4 + 2, (rank, history)  # back to the last replicated step
+
+
+def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
+    """Sharded state under --recovery process: rank 3 is killed and replaced while the others live on,
+    and every rank goes back to the newest step all of them hold in memory (a replacement finds its
+    predecessor's snapshot on its node). --save-on-failure writes those snapshots to disk too."""
+    checkpoints = launcher.tmp / "ckpt"
+    env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="3:9:sigkill")
+    flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
+             "--checkpoint-dir", str(checkpoints), "--save-on-failure"]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert_fault_free_result(launcher, sharded=True)
+    pids = {}
+    for path in launcher.out_dir.glob("pid-rank*"):
+        rank, pid = path.name[len("pid-rank"):].split("-")
+        pids.setdefault(int(rank), []).append(int(pid))
+    assert [len(pids[r]) for r in range(4)] == [1, 1, 1, 2], pids  # only rank 3 was replaced
+    assert "process-level repair into generation 1" in launcher.output()
+    for rank, history in runs(launcher).items():
+        assert redone(history) <= 1, (rank, history)
+    # the newest snapshots as the fault stopped rank 3: every rank's file of one step, and its manifest
+    (saved,) = [p for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()]
+    assert int(saved.name[len("step-"):]) in (8, 9), saved
+    for rank in range(4):
+        state = torch.load(saved / f"rank-{rank:05d}.pt")
+        want = reference(rank, int(saved.name[len("step-"):]), sharded=True)
+        assert all(torch.equal(state["model"][k], want[k]) for k in want)
