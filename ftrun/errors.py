@@ -23,6 +23,11 @@ class ExitCode(enum.IntEnum):
     TERMINATED = 143
 
 
+#: what a rank under ftrun.elastic exits with when a setting makes it fail whatever is retried (a snapshot
+#: larger than its share of --snapshot-memory): the controller ends the job instead of restarting it
+WORKER_SETTING_EXIT = 78
+
+
 class FtrunError(Exception):
     """A problem to tell the user in one line, with the exit code to leave with."""
 

@@ -205,7 +205,7 @@ class WorkerFailure:
     error: str = ""
     timestamp: float = 0.0
     generation: int = 0
-    #: what kind of fault it was: exit, signal, oom, exception, device, hang (ftrun.faults.process)
+    #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.faults.process)
     cause: str = ""
     #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")
     detail: str = ""

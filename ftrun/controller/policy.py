@@ -291,6 +291,9 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     first = report.failures[0].describe() if report.failures else f"a worker on node {report.node_rank}"
     if view.phase in (Phase.EXITING, Phase.DONE) or (view.phase in REPAIR_PHASES and view.level is Level.JOB):
         return view, []  # already stopping everything: recorded as a secondary failure
+    setting = next((f for f in report.failures if f.cause == "setting"), None)
+    if setting is not None:
+        return _exit(view, ExitCode.JOB_FAILED, f"{setting.describe()}; not retried: a restart would fail the same way")
     if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
         # the new group is not formed yet: replace these ranks in the same repair
         view = view.move(

@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,9 +22,16 @@ from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
 from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
-from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps, snapshot_signer
+from ftrun.elastic.snapshots import (
+    SnapshotWriter,
+    load_own,
+    load_source,
+    own_steps,
+    snapshot_signer,
+)
+from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.keys import JobKeys
-from ftrun.snapshots.format import SnapshotError
+from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan
 from ftrun.store import ControlStore, connect_store
 
@@ -331,7 +339,11 @@ class ElasticJob:
         self._step += 1
         self._mutated = False
         if self.snapshots is not None and self.snapshots.due(self._step):
-            self.snapshots.write(self._step, self._states(), self._optimized() if self.snapshot_overlap else frozenset())
+            try:
+                self.snapshots.write(self._step, self._states(), self._optimized() if self.snapshot_overlap else frozenset())
+            except SnapshotTooLarge as e:  # any restart would fail the same way: say so, and say not to retry
+                print(f"ftrun.elastic: {e}", file=sys.stderr, flush=True)
+                os._exit(WORKER_SETTING_EXIT)
 
     def _optimized(self) -> frozenset[int]:
         """The tensors only a registered optimizer's step changes: its parameters and its state."""

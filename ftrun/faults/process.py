@@ -17,11 +17,12 @@ import subprocess
 from dataclasses import dataclass
 from typing import Sequence
 
+from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.faults.levels import FaultLevel, FaultTable
 
 log = logging.getLogger(__name__)
 
-KINDS = ("exit", "signal", "oom", "exception", "device", "hang")
+KINDS = ("exit", "signal", "oom", "exception", "device", "hang", "setting")
 #: a matched error message at or above this level explains a worker's death; milder ones are notes
 DEVICE_ERROR_FLOOR = FaultLevel.RESTART_REQUEST
 #: longest exception message kept in a detail line
@@ -39,7 +40,7 @@ _BARE_EXCEPTION_LINE = re.compile(
 class ProcessFault:
     """The cause of one worker's end."""
 
-    #: one of KINDS: exit, signal, oom, exception, device, hang
+    #: one of KINDS: exit, signal, oom, exception, device, hang, setting
     kind: str
     #: one readable line of evidence
     detail: str
@@ -68,6 +69,9 @@ def classify_exit(
         return ProcessFault("hang", f"made no progress and was stopped by the agent ({ended})")
 
     lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in stderr_tail]
+    if returncode == WORKER_SETTING_EXIT:
+        said = next((line.strip() for line in reversed(lines) if line.strip()), "no message")
+        return ProcessFault("setting", f"{ended}, a setting it cannot work with: {_shorten(said)}")
     verdict = table.classify_text([*lines, *error.splitlines()])
     if verdict is not None and verdict.level.severity >= DEVICE_ERROR_FLOOR.severity:
         return ProcessFault(

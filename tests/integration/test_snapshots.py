@@ -167,3 +167,15 @@ def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
         state = torch.load(saved / f"rank-{rank:05d}.pt")
         want = reference(rank, int(saved.name[len("step-"):]), sharded=True)
         assert all(torch.equal(state["model"][k], want[k]) for k in want)
+
+
+def test_a_snapshot_over_its_memory_share_ends_the_job_at_once(launcher):
+    """A state larger than its share of --snapshot-memory: one clear line, and no restart (each would fail)."""
+    env = launcher.env(STEPS=str(STEPS), SHARDED="1")
+    flags = ["--recovery", "job", "--max-restarts", "3", "--snapshot-every", "1", "--snapshot-memory", "64K"]
+    launcher.start_job(1, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [1], launcher.output()
+    output = launcher.output()
+    assert re.search(r"rank \d's snapshot takes [0-9.]+ KiB, but its share of --snapshot-memory is 5.3 KiB", output)
+    assert "not retried: a restart would fail the same way" in output
+    assert "0 of 3 restarts used" in output and "Traceback" not in output

@@ -69,6 +69,14 @@ def test_transition_running_to_exiting_when_budget_spent():
     assert "retry budget spent" in v.reason and "rank 1" in v.reason
 
 
+def test_a_setting_fault_ends_the_job_without_spending_the_budget():
+    setting = dataclasses.replace(failure(rank=3), exit_code=78, cause="setting", detail="snapshot too large")
+    v, commands = on_report(view(max_restarts=5), report(ReportKind.WORKER_FAILED, failures=(setting,)))
+    assert v.phase is Phase.EXITING and v.exit_code == 1 and v.restarts_used == 0
+    assert [c.kind for c in commands] == [CommandKind.EXIT]
+    assert "snapshot too large" in v.reason and "not retried" in v.reason
+
+
 def test_budget_is_job_wide_whatever_node_fails():
     v = view(max_restarts=2)
     for gen, node in enumerate([0, 1]):

@@ -98,6 +98,10 @@ UCE = ("step 7", "[ERROR] UCE ERROR on device 1", "RuntimeError: ACL stream sync
     ("an informational match does not explain the death",
      dict(returncode=1, stderr_tail=("NCCL WARN socket timeout", *TRACEBACK)),
      ProcessFault("exception", "Python exception ValueError: injected failure at step 3")),
+    ("a setting the rank cannot work with (ftrun.elastic's status 78)",
+     dict(returncode=78, stderr_tail=("ftrun.elastic: rank 0's snapshot takes 1.0 MiB, but its share is 4.0 KiB", "")),
+     ProcessFault("setting", "exited with code 78, a setting it cannot work with: ftrun.elastic: rank 0's snapshot "
+                             "takes 1.0 MiB, but its share is 4.0 KiB")),
     ("hang beats everything",
      dict(returncode=SIGKILL, stderr_tail=UCE, oom=True, hung=True),
      ProcessFault("hang", "made no progress and was stopped by the agent (killed by SIGKILL)")),
