@@ -26,8 +26,10 @@ import glob
 import io
 import json
 import os
+import queue
 import shutil
 import sys
+import threading
 import zlib
 
 from ftrun.snapshots.format import load_states, read_verified
@@ -64,12 +66,13 @@ def sync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def persist(request: dict) -> dict:
+def persist(request: dict, copy=None) -> dict:
+    """Write the snapshot a request names; ``copy``: its (header, bytes), read when the request came."""
+    header, blob = copy or read_verified(request["source"])
+    if header.step != request["step"] or header.rank != request["rank"]:
+        raise ValueError(f"{request['source']} moved on to step {header.step} before it was read")
     import torch
 
-    header, blob = read_verified(request["source"])
-    if header.step != request["step"] or header.rank != request["rank"]:
-        raise ValueError(f"{request['source']} moved on to step {header.step} before it was written")
     buffer = io.BytesIO()
     torch.save(load_states(header, blob), buffer)
     data = buffer.getbuffer()
@@ -118,15 +121,39 @@ def prune(root: str, keep: int) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+#: requests read (their snapshot copied) ahead of the one being written
+BACKLOG = 8
+
+
 def main() -> None:
-    for line in sys.stdin:  # torch is imported by the first request, not at the start of the job
+    """Copy each request's snapshot as it comes (the agent may replace the file soon after), and write
+    the copies in a thread, in order. torch is imported by the first write, not at the job's start."""
+    pending: queue.Queue = queue.Queue(BACKLOG)
+    lock = threading.Lock()
+
+    def say(reply: dict) -> None:
+        with lock:
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+
+    def write() -> None:
+        while (item := pending.get()) is not None:
+            request, copy = item
+            try:
+                say(persist(request, copy))
+            except Exception as e:
+                say({**request, "error": f"{type(e).__name__}: {e}"})
+
+    writer = threading.Thread(target=write, name="ftrun-persist-writer")
+    writer.start()
+    for line in sys.stdin:
         request = json.loads(line)
         try:
-            reply = persist(request)
+            pending.put((request, read_verified(request["source"])))
         except Exception as e:
-            reply = {**request, "error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+            say({**request, "error": f"{type(e).__name__}: {e}"})
+    pending.put(None)
+    writer.join()
 
 
 if __name__ == "__main__":

@@ -57,59 +57,44 @@ def restore_events(launcher) -> list[dict]:
     return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "restore"]
 
 
-def test_job_level_restart_resumes_from_memory(launcher):
-    """Rank 3 exits: every rank restarts and resumes from the snapshots in the agents' memory, not step 0."""
-    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT="3:11:exit1")
-    flags = ["--recovery", "job", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
-             "--log-dir", str(launcher.tmp / "logs")]
-    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
-    assert launcher.wait() == [0, 0], launcher.output()
-    assert_fault_free_result(launcher, sharded=False)
-    ran = runs(launcher)
-    for rank in range(4):
-        again = [s for g, s in ran[rank] if g == 1]
-        assert again and again[0] >= 10, f"rank {rank} restarted at step {again[:1]}, not from its snapshot"
-        assert redone(ran[rank]) <= 1  # K=1: at most the step in flight
-    (event,) = restore_events(launcher)
-    assert event["step"] >= 10 and {s["where"] for s in event["sources"].values()} == {"memory"}
-    assert "restored step" in launcher.output()
-
-
-def test_corrupted_snapshot_is_skipped_and_checkpoints_load_with_torch(launcher):
-    """Sharded state: rank 1's newest snapshot is damaged before rank 3 fails; the restore skips it and
-    goes one step further back. Meanwhile the agents write checkpoints that torch.load reads alone."""
+def test_job_level_restart_resumes_from_memory_past_a_damaged_snapshot(launcher):
+    """Rank 3 exits at step 12, just after rank 1's newest snapshot (step 12) was damaged: every rank
+    restarts and resumes at step 12 from the agents' memory, rank 1 from another rank's copy (data-parallel
+    replicas hold the same state), never from its damaged one. Meanwhile the agents write checkpoints
+    that torch.load reads in a fresh process."""
     checkpoints = launcher.tmp / "ckpt"
-    env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="3:12:exit1", CORRUPT="1:12")
+    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT="3:12:exit1", CORRUPT="1:12")
     flags = ["--recovery", "job", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
              "--replicate-every", "4", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4",
              "--keep-checkpoints", "2", "--log-dir", str(launcher.tmp / "logs")]
     launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
     assert launcher.wait() == [0, 0], launcher.output()
-    assert_fault_free_result(launcher, sharded=True)
+    assert_fault_free_result(launcher, sharded=False)
     output = launcher.output()
     assert re.search(r"skipping a damaged snapshot: .*rank-00001\.\d: the snapshot of step 12 fails its checksum",
                      output), output
     (event,) = restore_events(launcher)
-    assert event["step"] == 11, event  # rank 1's step 12 was damaged: the newest step every rank holds is 11
-    for rank in range(4):
-        assert [s for g, s in runs(launcher)[rank] if g == 1][0] == 11
+    assert event["step"] == 12 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
+    assert "/rank-00001." not in event["sources"]["1"]["path"], event  # not its own, damaged one
+    for rank, history in runs(launcher).items():
+        assert [s for g, s in history if g == 1][0] == 12, (rank, history)  # not step 0: the snapshot
+        assert redone(history) <= 1  # K=1: at most the step in flight
+    assert "restored step 12 from memory" in output
     # the newest --keep-checkpoints steps stay, each with its manifest; torch.load reads them in a fresh process
     steps = sorted(p.name for p in checkpoints.glob("step-*"))
     assert steps == ["step-00000016", "step-00000020"], steps
     manifest = json.loads((checkpoints / "step-00000016" / "manifest.json").read_text())
     assert manifest["step"] == 16 and [r["path"] for r in manifest["ranks"]] == [
         f"step-00000016/rank-{r:05d}.pt" for r in range(4)]
-    for rank in (0, 3):
-        target = launcher.tmp / f"loaded-{rank}.pt"
-        code = ("import sys, torch; state = torch.load(sys.argv[1]); "
-                "torch.save(state['model'], sys.argv[2]); print(sorted(state))")
-        loaded = subprocess.run([sys.executable, "-c", code, str(checkpoints / "step-00000016" / f"rank-{rank:05d}.pt"),
-                                 str(target)], capture_output=True, text=True, timeout=60, cwd="/")
-        assert loaded.returncode == 0, loaded.stderr
-        assert loaded.stdout.split() == ["['model',", "'optimizer',", "'scheduler']"]
-        want = reference(rank, 16, sharded=True)
-        got = torch.load(target)
-        assert all(torch.equal(got[k], want[k]) for k in want), f"rank {rank}'s checkpoint of step 16 differs"
+    target = launcher.tmp / "loaded.pt"
+    code = "import sys, torch; state = torch.load(sys.argv[1]); torch.save(state['model'], sys.argv[2]); print(sorted(state))"
+    loaded = subprocess.run([sys.executable, "-c", code, str(checkpoints / "step-00000016" / "rank-00003.pt"),
+                             str(target)], capture_output=True, text=True, timeout=60, cwd="/")
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["['model',", "'optimizer',", "'scheduler']"]
+    want = reference(3, 16, sharded=False)
+    got = torch.load(target)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the checkpoint of step 16 differs from the run's"
 
 
 def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
