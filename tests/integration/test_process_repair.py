@@ -24,7 +24,8 @@ def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     runner = Launcher(tmp_path_factory.mktemp("elastic-fault-free"), "elastic-fault-free")
-    assert run(runner) == [0, 0], runner.output()
+    # no step sleep, no warm standby: the reference checksum depends on neither, and the run starts faster
+    assert run(runner, flags=("--warm-standby", "0"), STEP_SLEEP="0") == [0, 0], runner.output()
     results = runner.results()
     assert sorted(results) == [0, 1, 2, 3]
     return results[0]["checksum"]
@@ -64,8 +65,9 @@ def test_one_failed_rank_is_replaced_while_the_others_live_on(launcher, fault_fr
 
 
 def test_two_ranks_failing_at_once_cost_one_repair(launcher, fault_free):
-    # the long step leaves time for both ranks to finish step 3's all-reduce before either fails
-    assert run(launcher, FAULT="1:4:sigkill,2:4:exit1", STEP_SLEEP="0.5") == [0, 0], launcher.output()
+    # the long step 3 leaves time for both ranks to finish its all-reduce before either fails (the other
+    # steps need no such margin: SLOW_STEPS)
+    assert run(launcher, FAULT="1:4:sigkill,2:4:exit1", STEP_SLEEP="0.5", SLOW_STEPS="3") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={1, 2}, restarts=1)
 
 
@@ -90,9 +92,10 @@ def test_script_without_the_library_falls_back_to_job_level(launcher):
 
 
 def test_no_healthy_replica_left_falls_back_to_job_level(launcher, fault_free):
-    # every rank dies in the same step: the replacements have nobody to take the state from
+    # every rank dies in the same step: the replacements have nobody to take the state from (the long
+    # step 3 lets every rank finish its all-reduce before the first one dies)
     faults = ",".join(f"{rank}:4:sigkill" for rank in range(4))
-    assert run(launcher, FAULT=faults, STEP_SLEEP="0.5") == [0, 0], launcher.output()
+    assert run(launcher, FAULT=faults, STEP_SLEEP="0.5", SLOW_STEPS="3") == [0, 0], launcher.output()
     output = launcher.output()
     assert "no healthy replica holds the training state" in output
     assert "falling back to job level" in output

@@ -149,7 +149,8 @@ def test_losing_the_node_that_hosts_the_store_ends_the_job_everywhere(launcher):
 @pytest.fixture(scope="module")
 def elastic_fault_free(tmp_path_factory):
     runner = Launcher(tmp_path_factory.mktemp("spares-elastic-fault-free"), "spares-elastic-fault-free")
-    start(runner, ELASTIC, spares=0, flags=["--recovery", "process"], STEP_SLEEP="0")
+    # no warm standby: the reference checksum does not depend on it, and the run starts faster
+    start(runner, ELASTIC, spares=0, flags=["--recovery", "process", "--warm-standby", "0"], STEP_SLEEP="0")
     assert runner.wait() == [0] * NODES, runner.output()
     return {r["checksum"] for r in runner.results().values()}
 
@@ -197,7 +198,10 @@ def test_two_nodes_lost_with_one_spare_scale_in_and_finish(launcher):
 
 
 def test_scaled_in_job_grows_back_when_a_node_joins(launcher):
-    start(launcher, TRAIN, spares=0, flags=["--max-restarts", "3", "--nnodes", "2:3"], STEPS="100")
+    # generations 0 and 1 step slowly, so that the job lasts until the late node has joined; generation 2,
+    # grown back, may finish quickly (SLOW_GENERATIONS)
+    start(launcher, TRAIN, spares=0, flags=["--max-restarts", "3", "--nnodes", "2:3"], STEPS="100",
+          SLOW_GENERATIONS="0,1")
     lost = node_agent(launcher, 2)
     wait_for_step(launcher, 3)
     lost.proc.kill()
@@ -205,7 +209,7 @@ def test_scaled_in_job_grows_back_when_a_node_joins(launcher):
     wait_for(lambda: "going on with 2 nodes" in controller.output, timeout=60, what="the scale-in")
     wait_for(lambda: "generation 1 starting" in controller.output, timeout=60, what="the smaller job to start")
     args = list(lost.proc.args[3:])  # the same flags, as a node restarted by its operator would give
-    late = launcher.start(args, env=launcher.env(STEPS="100", STEP_SLEEP="0.1"))
+    late = launcher.start(args, env=launcher.env(STEPS="100", STEP_SLEEP="0.1", SLOW_GENERATIONS="0,1"))
     others = [n for n in launcher.nodes if n is not lost]
     assert launcher.wait(others) == [0, 0, 0], launcher.output()
     final = results_of_last_generation(launcher)

@@ -7,6 +7,8 @@ Faults come from the environment and hit only original ranks (never a replacemen
                                              its step comes (OUT_DIR/fault-fired-rank<r>-step<s>)
   FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
+Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
+for the steps listed only (a long one just before a fault, say), the others sleeping the default.
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
 step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, pid, generation,
 the device variables ftrun set).
@@ -55,6 +57,14 @@ def hang_replacement(rank: int) -> None:
         time.sleep(3600)
 
 
+def step_sleep(step: int) -> float:
+    """Seconds to sleep at the end of this step: STEP_SLEEP, or the default where SLOW_STEPS leaves it out."""
+    slow = os.environ.get("SLOW_STEPS")
+    if slow and str(step) not in slow.split(","):
+        return 0.05
+    return float(os.environ.get("STEP_SLEEP", "0.05"))
+
+
 def main() -> None:
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]
@@ -77,7 +87,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+            time.sleep(step_sleep(step))
         with open(os.path.join(out_dir, f"progress-rank{job.rank}"), "w") as f:
             f.write(str(job.step))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())

@@ -4,6 +4,9 @@ Resumes from its own checkpoint, so a job-level restart continues where it left 
 Faults are injected from the environment, only in the generations listed:
   FAULT=rank:step:kind   kind: sigkill, exit1, segv, raise
   FAULT_RESTARTS=0,1     restart counts in which to inject (default: 0)
+Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_GENERATIONS=0,1 keeps that sleep
+in the generations listed only (FTRUN_GENERATION), the others sleeping the default: a job that must last
+until the test has done its part, and may then finish quickly.
 Writes OUT_DIR/rank<r>.json at the end: final step, restart count, parameter checksum, environment.
 """
 
@@ -37,6 +40,14 @@ def read_json(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def step_sleep() -> float:
+    """Seconds to sleep after each step: STEP_SLEEP, or the default in a generation SLOW_GENERATIONS leaves out."""
+    slow = os.environ.get("SLOW_GENERATIONS")
+    if slow and os.environ.get("FTRUN_GENERATION") not in slow.split(","):
+        return 0.05
+    return float(os.environ.get("STEP_SLEEP", "0.05"))
 
 
 @record
@@ -73,7 +84,7 @@ def main() -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, ckpt)
         dist.barrier()
-        time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+        time.sleep(step_sleep())
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
