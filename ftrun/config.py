@@ -599,7 +599,8 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
     if every and replicate_every % every:
         raise UsageError(f"--replicate-every {replicate_every} must be a multiple of --snapshot-every {every}")
     if folder and checkpoint_every % replicate_every:
-        raise UsageError(f"--checkpoint-every {checkpoint_every} must be a multiple of --replicate-every {replicate_every}")
+        raise UsageError(f"--checkpoint-every {checkpoint_every} must be a multiple of "
+                         f"--replicate-every {replicate_every}")
     given = raw.get("snapshot_memory") not in (None, "")
     memory = parse_size(raw["snapshot_memory"], "--snapshot-memory") if given else 0
     if every:

@@ -232,8 +232,11 @@ class Agent:
         if not options.enabled:
             return
         bind = bind_address(self.host, self.config.store_bind, self.config.several_nodes)
+        def spawn(argv: list[str]) -> subprocess.Popen:
+            return ops.spawn(argv, dict(os.environ), stdin=subprocess.PIPE)
+
         self.snapshots = SnapshotKeeper(options, self.config.run_id, self.slot.nproc, self.host, bind, self._signer,
-                                        self._token, lambda argv: ops.spawn(argv, dict(os.environ), stdin=subprocess.PIPE))
+                                        self._token, spawn)
         ops.remove_on_exit(self.snapshots.folder)
         self.snapshots.start()
         self._publish_inventory()

@@ -474,7 +474,8 @@ class Controller:
             line = f"generation {generation} restores step {plan.step} ({places})"
         log.warning(line)
         self.events.emit("restore", generation, line, step=plan.step,
-                         sources={s.rank: {"where": s.where, "node": s.node_rank, "path": s.path} for s in plan.sources})
+                         sources={s.rank: {"where": s.where, "node": s.node_rank, "path": s.path}
+                                  for s in plan.sources})
 
     def _note_checkpoints(self) -> None:
         """An event for each checkpoint step whose every rank's file the agents have written."""

@@ -22,13 +22,7 @@ from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
 from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
-from ftrun.elastic.snapshots import (
-    SnapshotWriter,
-    load_own,
-    load_source,
-    own_steps,
-    snapshot_signer,
-)
+from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps, snapshot_signer
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.keys import JobKeys
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
@@ -339,8 +333,9 @@ class ElasticJob:
         self._step += 1
         self._mutated = False
         if self.snapshots is not None and self.snapshots.due(self._step):
+            behind = self._optimized() if self.snapshot_overlap else frozenset()
             try:
-                self.snapshots.write(self._step, self._states(), self._optimized() if self.snapshot_overlap else frozenset())
+                self.snapshots.write(self._step, self._states(), behind)
             except SnapshotTooLarge as e:  # any restart would fail the same way: say so, and say not to retry
                 print(f"ftrun.elastic: {e}", file=sys.stderr, flush=True)
                 os._exit(WORKER_SETTING_EXIT)
@@ -379,6 +374,10 @@ class ElasticJob:
         if plan.step < start:
             return False  # the script's own checkpoint is newer
         source = plan.source_of(self.env.rank)
+        if source is None:
+            log.warning("rank %d: the restore plan of generation %d has no source for it", self.env.rank,
+                        self.generation)
+            return False
         began = time.monotonic()
         self._load(load_source(source, plan.step, self.snapshots.folder, self._signer))
         for wrapper in self._wrappers:

@@ -195,7 +195,10 @@ def load_source(source: RestoreSource, step: int, folder: str, signer: Signer) -
     where = f"rank {source.rank}'s snapshot on node {source.node_rank}"
     local = os.path.realpath(source.path).startswith(os.path.realpath(folder) + os.sep) and os.path.exists(source.path)
     try:
-        header, blob = read_verified(source.path) if local else verified(get(source.address, signer, source.path), where)
+        if local:
+            header, blob = read_verified(source.path)
+        else:
+            header, blob = verified(get(source.address, signer, source.path), where)
     except TransferError as e:
         raise SnapshotError(f"{where}: {e}") from None
     if header.step != step:

@@ -212,12 +212,12 @@ class SnapshotKeeper:
     # -- what this node holds -------------------------------------------------------------------------
 
     def inventory(self, agent_id: str, node_rank: int, verify: bool = False) -> SnapshotInventory:
-        """Every copy this node holds. ``verify``: check each rank's own snapshots' sums now (once the
+        """Every copy this node holds. ``verify``: check the sum of each copy in memory now (once the
         ranks are stopped); else those not checked yet count as good, and those that failed do not."""
-        held = [h for h in self._own(verify) if h is not None]
         with self._lock:
-            for copies in (*self._pins.values(), *self._replicas.values()):
-                held.extend(copies)
+            copies = [h for held in (*self._pins.values(), *self._replicas.values()) for h in held]
+        held = [h for h in self._own() + copies if self._good(h, verify)]
+        with self._lock:
             for key, copy in list(self._disk.items()):
                 if os.path.exists(copy.path):
                     held.append(copy)
@@ -225,32 +225,30 @@ class SnapshotKeeper:
                     del self._disk[key]  # pruned (by another node's persister, on a shared folder)
         return SnapshotInventory(agent_id, node_rank, self.address, tuple(sorted(held, key=_order)))
 
-    def _own(self, verify: bool) -> list[HeldSnapshot | None]:
+    def _own(self) -> list[HeldSnapshot]:
+        """The ranks' own complete snapshots, by their headers."""
         found = []
         for path in sorted(glob.glob(os.path.join(self.folder, "rank-*.[01]"))):
             header = read_header(path)
-            if header is None or not header.complete:
-                continue
-            found.append(self._checked(path, header, verify))
+            if header is not None and header.complete:
+                found.append(_held(header, MEMORY, path))
         return found
 
-    def _checked(self, path: str, header: Header, verify: bool) -> HeldSnapshot | None:
+    def _good(self, held: HeldSnapshot, verify: bool) -> bool:
+        """Whether a copy passed its check (``verify``: check it now unless it was, as it is now)."""
         try:
-            key = (path, header.step, header.crc, os.stat(path).st_mtime_ns)
+            key = (held.path, held.step, held.crc, os.stat(held.path).st_mtime_ns)
         except OSError:
-            return None
+            return False
         good = self._verified.get(key)
         if good is None and verify:
             try:
-                read_verified(path)
-                good = True
+                good = read_verified(held.path)[0].step == held.step
             except SnapshotError as e:
                 log.error("skipping a damaged snapshot: %s", e)
                 good = False
             self._verified[key] = good
-        if good is False:
-            return None
-        return _held(header, MEMORY, path)
+        return good is not False
 
     # -- the thread: pin, replicate, persist -------------------------------------------------------------
 
@@ -397,8 +395,8 @@ class SnapshotKeeper:
 
     def _save(self) -> None:
         newest: dict[int, tuple[int, str]] = {}
-        for held in self._own(verify=False):
-            if held is not None and held.step > newest.get(held.rank, (-1, ""))[0]:
+        for held in self._own():
+            if self._good(held, verify=False) and held.step > newest.get(held.rank, (-1, ""))[0]:
                 newest[held.rank] = (held.step, held.path)
         for rank, (step, path) in sorted(newest.items()):
             if (rank, step) in self._disk:

@@ -1,7 +1,8 @@
 """The persister: writes snapshots to --checkpoint-dir as torch.save files, off the agent's threads.
 
 Runs as ``python -m ftrun.snapshots.persist`` beside each agent that has a --checkpoint-dir. It imports
-torch (the agent does not) at its first request, so that it costs the job nothing at its start. Requests come as JSON lines on stdin::
+torch (the agent does not) at its first request, so that it costs the job nothing at its start.
+Requests come as JSON lines on stdin::
 
     {"source": SNAPSHOT FILE, "step": S, "rank": R, "folder": DIR, "keep": N}
 

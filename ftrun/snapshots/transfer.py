@@ -39,8 +39,8 @@ class SnapshotServer:
     ``limit`` bounds what a put may send (the bytes are held in memory until verified).
     """
 
-    def __init__(self, bind: str, signer: Signer, read: Callable[[str], bytes], receive: Callable[[str, bytearray], None],
-                 limit: int):
+    def __init__(self, bind: str, signer: Signer, read: Callable[[str], bytes],
+                 receive: Callable[[str, bytearray], None], limit: int):
         owner = self
 
         class Handler(socketserver.StreamRequestHandler):

@@ -87,7 +87,8 @@ def test_job_level_restart_resumes_from_memory_past_a_damaged_snapshot(launcher)
     assert manifest["step"] == 16 and [r["path"] for r in manifest["ranks"]] == [
         f"step-00000016/rank-{r:05d}.pt" for r in range(4)]
     target = launcher.tmp / "loaded.pt"
-    code = "import sys, torch; state = torch.load(sys.argv[1]); torch.save(state['model'], sys.argv[2]); print(sorted(state))"
+    code = ("import sys, torch; state = torch.load(sys.argv[1]); torch.save(state['model'], sys.argv[2]); "
+            "print(sorted(state))")
     loaded = subprocess.run([sys.executable, "-c", code, str(checkpoints / "step-00000016" / "rank-00003.pt"),
                              str(target)], capture_output=True, text=True, timeout=60, cwd="/")
     assert loaded.returncode == 0, loaded.stderr
