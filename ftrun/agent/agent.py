@@ -26,13 +26,7 @@ from ftrun.agent.hang import HangWatch
 from ftrun.agent.output import private_dirs
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.stacks import dump_stack
-from ftrun.agent.workers import (
-    GenerationEnv,
-    ProcessOps,
-    Worker,
-    WorkerGroup,
-    WorkerPlacement,
-)
+from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller
@@ -42,26 +36,10 @@ from ftrun.faults.process import OomWatch
 from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
 from ftrun.messages import (
-    Command,
-    CommandKind,
-    JoinRecord,
-    Layout,
-    NodeSlot,
-    NodeStatus,
-    RankState,
-    RendezvousResult,
-    Report,
-    ReportKind,
+    Command, CommandKind, JoinRecord, Layout, NodeSlot, NodeStatus, RankState, RendezvousResult, Report, ReportKind,
 )
 from ftrun.probe import probe
-from ftrun.ranktable import (
-    FTRUN_TABLE,
-    HCCL_TABLE,
-    ftrun_table,
-    hccl_table,
-    load_device_ips,
-    write_table,
-)
+from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import join, linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
 from ftrun.snapshots.plan import SnapshotInventory
@@ -232,6 +210,7 @@ class Agent:
         if not options.enabled:
             return
         bind = bind_address(self.host, self.config.store_bind, self.config.several_nodes)
+
         def spawn(argv: list[str]) -> subprocess.Popen:
             return ops.spawn(argv, dict(os.environ), stdin=subprocess.PIPE)
 

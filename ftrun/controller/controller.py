@@ -16,8 +16,8 @@ from ftrun.controller.policy import (
     MILESTONE_OF,
     REPAIR_PHASES,
     JobView,
-    Level,
     Milestone,
+    Level,
     Phase,
     on_library_ranks,
     on_milestone,
@@ -31,16 +31,7 @@ from ftrun.controller.policy import (
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
-from ftrun.messages import (
-    Command,
-    CommandKind,
-    JoinRecord,
-    Layout,
-    NodeSlot,
-    RendezvousResult,
-    Report,
-    ReportKind,
-)
+from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, RendezvousResult, Report, ReportKind
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions

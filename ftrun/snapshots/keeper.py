@@ -33,24 +33,9 @@ import threading
 from dataclasses import dataclass
 
 from ftrun.auth import Signer
-from ftrun.snapshots.format import (
-    HEADER_SIZE,
-    Header,
-    SnapshotError,
-    read_header,
-    read_verified,
-    size_text,
-    verified,
-)
+from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, size_text, verified
 from ftrun.snapshots.persist import write_atomically
-from ftrun.snapshots.plan import (
-    DISK,
-    MEMORY,
-    PINNED,
-    REPLICA,
-    HeldSnapshot,
-    SnapshotInventory,
-)
+from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory
 from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
 
 log = logging.getLogger(__name__)
