@@ -588,6 +588,7 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
     replicate_every = whole_number(raw.get("replicate_every", 10), "--replicate-every", 1, MAX_COUNT)
     checkpoint_every = whole_number(raw.get("checkpoint_every", 100), "--checkpoint-every", 1, MAX_COUNT)
     keep = whole_number(raw.get("keep_checkpoints", 3), "--keep-checkpoints", 1, MAX_COUNT)
+    interval = positive_seconds(raw.get("checkpoint_interval") or 0, "--checkpoint-interval", allow_zero=True)
     folder = str(raw.get("checkpoint_dir") or "")
     save_on_failure = switch(raw, "save_on_failure")
     if folder and not every:
@@ -611,7 +612,7 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
         elif memory > free:
             raise UsageError(f"--snapshot-memory {size_text(memory)} is more than the {size_text(free)} free in {root}")
     return SnapshotOptions(every, replicas, replicate_every, memory, os.path.abspath(folder) if folder else "",
-                           checkpoint_every, keep, save_on_failure)
+                           checkpoint_every, keep, save_on_failure, interval)
 
 
 def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -151,6 +151,9 @@ def launch_options(fn):
                     "manifest per step)."),
         option("checkpoint-every", group=CHECKPOINTS, type=int, default=100, show_default=True,
                help="Steps between checkpoints on disk (a multiple of --replicate-every)."),
+        option("checkpoint-interval", group=CHECKPOINTS, type=float, default=0.0,
+               help="Also write a checkpoint once the last one is this many seconds old (at the next pinned "
+                    "snapshot); 0: only every --checkpoint-every steps.  [default: 0]"),
         option("keep-checkpoints", group=CHECKPOINTS, type=int, default=3, show_default=True,
                help="Checkpoints kept on disk; older ones are deleted."),
         option("save-on-failure", group=CHECKPOINTS, is_flag=True,

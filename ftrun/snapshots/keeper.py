@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 from ftrun.auth import Signer
@@ -62,6 +63,8 @@ class SnapshotOptions:
     checkpoint_every: int = 100
     keep: int = 3
     save_on_failure: bool = False
+    #: --checkpoint-interval: also persist the newest pinned snapshot once this many seconds passed (0: off)
+    checkpoint_interval: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -133,6 +136,8 @@ class SnapshotKeeper:
         #: --save-on-failure: a fault was detected; the copies aside made for the persister, by rank
         self._save_requested = threading.Event()
         self._saved: dict[int, list[HeldSnapshot]] = {}
+        #: rank -> when its last pinned snapshot went to the persister (monotonic)
+        self._persisted_at: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, name="ftrun-snapshots", daemon=True)
 
     # -- life -------------------------------------------------------------------------------------
@@ -269,8 +274,18 @@ class SnapshotKeeper:
                 continue
             for node, address in list(self._peers) if replicate else ():
                 self._replicate(rank, step, node, address, blob)
-            if self.options.checkpoint_dir and step % self.options.checkpoint_every == 0:
+            if self._checkpoint_due(rank, step):
+                self._persisted_at[rank] = time.monotonic()
                 self.persist(self._pins[rank][0].path, rank, step)
+
+    def _checkpoint_due(self, rank: int, step: int) -> bool:
+        """Every --checkpoint-every steps, and (--checkpoint-interval) when the rank's last one is that old."""
+        if not self.options.checkpoint_dir:
+            return False
+        if step % self.options.checkpoint_every == 0:
+            return True
+        interval = self.options.checkpoint_interval
+        return bool(interval) and time.monotonic() - self._persisted_at.setdefault(rank, time.monotonic()) >= interval
 
     def _pin(self, rank: int, path: str, step: int) -> bytearray | None:
         """A verified copy of the rank's snapshot at ``step`` kept aside (None if the rank is rewriting it)."""

@@ -187,6 +187,9 @@ FLAGS = [
     ("checkpoint-every-off-grid", ["--snapshot-every", "1", "--checkpoint-dir", "ckpt", "--checkpoint-every", "15", S],
      ("--checkpoint-every 15", "multiple of --replicate-every 10")),
     ("keep-checkpoints-zero", ["--keep-checkpoints", "0", S], "--keep-checkpoints"),
+    ("checkpoint-interval-negative", ["--checkpoint-interval", "-1", S], "--checkpoint-interval"),
+    ("checkpoint-interval-nan", ["--checkpoint-interval", "nan", S], "--checkpoint-interval"),
+    ("checkpoint-interval-huge", ["--checkpoint-interval", "1e300", S], ("--checkpoint-interval", "at most")),
     ("snapshot-memory-word", ["--snapshot-every", "1", "--snapshot-memory", "lots", S],
      ("--snapshot-memory", "'lots'")),
     ("snapshot-memory-zero", ["--snapshot-every", "1", "--snapshot-memory", "0", S], "more than 0 bytes"),
@@ -440,7 +443,7 @@ SINGLE = sorted(set(PARAMS) - set(SWITCHES) - set(LISTS))
 #: switches read when the job is built (print_hosts and dry_run act at once; see the report)
 CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"]
 #: keys whose value is a count, a port, a duration, device ids or stream bits: 10**30 is wrong for each
-NUMBERS = ["checkpoint_every", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
+NUMBERS = ["checkpoint_every", "checkpoint_interval", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
            "keep_checkpoints", "master_port", "monitor_interval", "nnodes", "node_rank", "node_timeout",
            "nproc_per_node", "rdzv_timeout", "redirects", "repair_timeout", "replicate_every", "snapshot_every",
            "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby"]

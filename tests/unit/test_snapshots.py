@@ -339,6 +339,30 @@ def test_a_damaged_snapshot_is_left_out_of_the_inventory_once_checked(keepers):
 # -- persistence ---------------------------------------------------------------------------------------
 
 
+def test_the_agent_persists_pinned_snapshots_on_the_interval_through_its_persister(tmp_path):
+    """--checkpoint-interval: the step grid alone (every 1000 steps) would write nothing here."""
+    root = tmp_path / "ckpt"
+    options = SnapshotOptions(every=1, replicas=0, replicate_every=2, memory=1 << 30, checkpoint_dir=str(root),
+                              checkpoint_every=1000, checkpoint_interval=0.2)
+
+    def spawn(argv):
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    keeper = SnapshotKeeper(options, f"unit-interval-{os.getpid()}", 1, "127.0.0.1", "127.0.0.1", Signer(), b"", spawn)
+    keeper.start()
+    try:
+        write = writer(keeper.folder, rank=0)
+        for step in range(1, 9):
+            write.write(step, states(step))
+            write.wait()
+            time.sleep(0.15)
+    finally:
+        keeper.stop()
+    written = sorted(int(p.name[len("step-"):]) for p in root.glob("step-*") if (p / "rank-00000.pt").exists())
+    assert written and all(step % 2 == 0 and step < 1000 for step in written), written
+    assert same(torch.load(root / f"step-{written[-1]:08d}" / "rank-00000.pt"), states(written[-1]))
+
+
 def test_persisted_files_load_with_torch_and_get_a_manifest_once_every_rank_is_there(tmp_path):
     root = tmp_path / "ckpt"
     snaps = tmp_path / "snaps"
