@@ -157,7 +157,8 @@ def launch_options(fn):
         option("keep-checkpoints", group=CHECKPOINTS, type=int, default=3, show_default=True,
                help="Checkpoints kept on disk; older ones are deleted."),
         option("save-on-failure", group=CHECKPOINTS, is_flag=True,
-               help="When a fault is detected, write every rank's newest snapshot to --checkpoint-dir too."),
+               help="When a fault stops ranks, write every rank's snapshots in memory (its two newest) to "
+                    "--checkpoint-dir too."),
         option("device", group=DEVICES, default="auto", show_default=True,
                help="Device kind to watch and assign: auto (npu if npu-smi is on PATH, cuda if nvidia-smi is), "
                     "npu, cuda or cpu."),

@@ -388,25 +388,23 @@ class SnapshotKeeper:
                 log.warning("the persister is gone: step %d of rank %d is not written to disk", step, rank)
 
     def save_newest(self) -> None:
-        """--save-on-failure: write every rank's newest snapshot to disk (a fault was detected). The
-        snapshot thread copies them aside at once (healthy ranks go on writing theirs after the repair),
-        then the persister writes the copies."""
+        """--save-on-failure: write both of every rank's snapshots to disk (a fault was detected). Both:
+        a rank that died while committing its newest holds a step less than the others, and only a step
+        every rank holds makes a whole checkpoint. The snapshot thread copies them aside at once (healthy
+        ranks go on writing theirs after the repair), then the persister writes the copies."""
         self._save_requested.set()
 
     def _save(self) -> None:
-        newest: dict[int, tuple[int, str]] = {}
-        for held in self._own():
-            if self._good(held, verify=False) and held.step > newest.get(held.rank, (-1, ""))[0]:
-                newest[held.rank] = (held.step, held.path)
-        for rank, (step, path) in sorted(newest.items()):
-            if (rank, step) in self._disk:
+        for held in sorted(self._own(), key=lambda h: (h.rank, h.step)):
+            if (held.rank, held.step) in self._disk or not self._good(held, verify=False):
                 continue
-            copied = self._copy_aside(rank, path, step, "saved", self._saved.get(rank, []))
+            saved = self._saved.get(held.rank, [])
+            copied = self._copy_aside(held.rank, held.path, held.step, "saved", saved)
             if copied is not None:
                 header, _, target = copied
-                self._saved[rank] = _newest_two(self._saved.get(rank, []), _held(header, PINNED, target))
-                log.info("saving rank %d's step %d to %s", rank, step, self.options.checkpoint_dir)
-                self.persist(target, rank, step)
+                self._saved[held.rank] = [_held(header, PINNED, target)] + [h for h in saved if h.path != target][:1]
+                log.info("saving rank %d's step %d to %s", held.rank, held.step, self.options.checkpoint_dir)
+                self.persist(target, held.rank, held.step)
 
     def _persisted(self) -> None:
         for line in self._persister.stdout:
