@@ -17,4 +17,6 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
         echo "could not install ${missing[*]}: those tests will skip"
 fi
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two test processes, each taking whole files (a module's reference run is made once): most of the
+# suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
