@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 #: how often the agent's snapshot thread looks for new snapshots
 TICK = 0.05
 TOKEN_FILE = "token"
+#: checks remembered before those of replaced files are forgotten
+VERIFIED_KEPT = 256
 _FILE = re.compile(r"^(rank|pin|replica|saved)-(\d{5})\.([01])$")
 
 
@@ -225,10 +227,11 @@ class SnapshotKeeper:
         return found
 
     def _good(self, held: HeldSnapshot, verify: bool) -> bool:
-        """Whether a copy passed its check (``verify``: check it now unless it was, as it is now)."""
-        try:
-            key = (held.path, held.step, held.crc, os.stat(held.path).st_mtime_ns)
-        except OSError:
+        """Whether a copy passed its check (``verify``: check it now unless it was, as it is now). Pinned
+        copies and replicas were checked as they were made; a rank's own snapshots are checked once the
+        rank stopped. A copy damaged later still fails the check of the rank that loads it."""
+        key = _identity(held.path, held.step, held.crc)
+        if key is None:
             return False
         good = self._verified.get(key)
         if good is None and verify:
@@ -239,6 +242,15 @@ class SnapshotKeeper:
                 good = False
             self._verified[key] = good
         return good is not False
+
+    def _checked(self, held: HeldSnapshot) -> HeldSnapshot:
+        """A copy this agent just wrote from bytes it verified: good as it is now."""
+        key = _identity(held.path, held.step, held.crc)
+        if key is not None:
+            self._verified[key] = True
+        if len(self._verified) > VERIFIED_KEPT:  # forget the files replaced since
+            self._verified = {k: v for k, v in self._verified.items() if _identity(*k[:3]) == k}
+        return held
 
     # -- the thread: pin, replicate, persist -------------------------------------------------------------
 
@@ -294,7 +306,7 @@ class SnapshotKeeper:
             return None
         header, blob, target = copied
         with self._lock:
-            self._pins[rank] = _newest_two(self._pins.get(rank, []), _held(header, PINNED, target))
+            self._pins[rank] = _newest_two(self._pins.get(rank, []), self._checked(_held(header, PINNED, target)))
         return blob
 
     def _copy_aside(self, rank: int, path: str, step: int, kind: str, held: list[HeldSnapshot]):
@@ -358,7 +370,7 @@ class SnapshotKeeper:
             self._replicas[rank] = [h for h in self._replicas.get(rank, []) if h.path != target]
         write_file(target, blob)
         with self._lock:
-            self._replicas[rank] = _newest_two(self._replicas[rank], _held(header, REPLICA, target))
+            self._replicas[rank] = _newest_two(self._replicas[rank], self._checked(_held(header, REPLICA, target)))
 
     def _read(self, path: str) -> bytes:
         """A file a rank on another node asked for: only this node's snapshots and checkpoint files."""
@@ -453,6 +465,14 @@ def _remove_shard(path: str) -> None:
     folder = os.path.dirname(path)
     if not glob.glob(os.path.join(folder, "rank-*")):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _identity(path: str, step: int, crc: int) -> tuple | None:
+    """What tells one state of a copy's file from another (None when the file is gone)."""
+    try:
+        return path, step, crc, os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _held(header: Header, where: str, path: str) -> HeldSnapshot:
