@@ -18,8 +18,10 @@ Part 2, a job-level restart (scripts/bench_recovery.py's reference job: 2 nodes 
 rank 3 SIGKILLed after step --kill-at-step, checkpoints on disk every --ckpt-every steps), side by side:
 
   ftrun --recovery job                        restarts every rank from the newest disk checkpoint
+                                              (train_ddp.py; the same with train_ddp_elastic.py, the
+                                              script the next rows run, is "--snapshot-every 0")
   ftrun --recovery job --snapshot-every K     restarts every rank from the snapshots in memory, for each
-                                              K in --every (default 1,5)
+                                              K in --every (default 0,1,5)
   torchrun (shared store disabled)            as the first, for reference
 
 with the time from the fault until every rank passed the pre-fault step, the steps redone, and the
@@ -155,8 +157,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-at-step", type=int, default=25, help="part 2: rank 3 dies after this step")
     parser.add_argument("--ckpt-every", type=int, default=10, help="part 2: disk checkpoint interval (default 10)")
     parser.add_argument("--steps", type=int, default=60, help="part 2: steps of the job (default 60)")
-    parser.add_argument("--every", type=lambda text: [int(k) for k in text.split(",")], default=[1, 5],
-                        help="part 2: the --snapshot-every values to run, comma-separated (default 1,5)")
+    parser.add_argument("--every", type=lambda text: [int(k) for k in text.split(",")], default=[0, 1, 5],
+                        help="part 2: the --snapshot-every values to run, comma-separated; 0 is the same script "
+                             "restarting from its own disk checkpoint (default 0,1,5)")
     parser.add_argument("--skip-restart", action="store_true", help="only part 1")
     parser.add_argument("--json", default="-", help="where the JSON goes (default: stdout)")
     return parser.parse_args()
@@ -181,7 +184,8 @@ def main() -> int:
             memory = LAUNCHERS["ftrun-memory"]
             launchers = [LAUNCHERS["torchrun-noshare"], LAUNCHERS["ftrun"]] + [
                 replace(memory, name=f"ftrun-memory-{k}", description=f"ftrun --recovery job --snapshot-every {k}",
-                        extra_args=("--recovery", "job", "--snapshot-every", str(k), "--replicate-every", str(10 * k)))
+                        extra_args=("--recovery", "job", "--snapshot-every", str(k),
+                                    "--replicate-every", str(10 * max(k, 1))))
                 for k in args.every]
             LAUNCHERS.update({launcher.name: launcher for launcher in launchers})
             results = run_scenario(scenario, launchers, work_root)
