@@ -15,6 +15,7 @@ the end, OUT_DIR/pid-rank<r>-<pid> at start.
 
 import os
 import sys
+import time
 
 import torch
 
@@ -88,10 +89,7 @@ def main() -> None:
             loss = train_step(model, optimizer, scheduler, batch(rank, step, sharded))
             torch.distributed.all_reduce(loss)
             ran.write(f"{job.generation} {step}\n")
-            if float(os.environ.get("STEP_SLEEP", "0.05")):
-                import time
-
-                time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
         if corrupt == (rank, job.step) and job.generation == 0:
             corrupt_newest(job)
     torch.save(model.state_dict(), os.path.join(out_dir, f"params-rank{rank}.pt"))
