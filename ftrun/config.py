@@ -596,7 +596,7 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
     if folder:
         check_writable_folder(folder, "--checkpoint-dir")
     if save_on_failure and not folder:
-        raise UsageError("--save-on-failure writes the newest snapshots to --checkpoint-dir: give it")
+        raise UsageError("--save-on-failure writes the ranks' snapshots to --checkpoint-dir: give it")
     if every and replicate_every % every:
         raise UsageError(f"--replicate-every {replicate_every} must be a multiple of --snapshot-every {every}")
     if folder and checkpoint_every % replicate_every:

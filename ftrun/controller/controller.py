@@ -36,7 +36,7 @@ from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.snapshots.persist import step_folder
-from ftrun.snapshots.plan import DISK, HeldSnapshot, SnapshotInventory, choose_restore
+from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory, choose_restore
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -461,7 +461,7 @@ class Controller:
             line = f"generation {generation} starts without a snapshot to restore: {plan.reason}"
         else:
             counts = plan.counts()
-            places = ", ".join(f"{counts[w]} from {w}" for w in ("memory", "pinned", "replica", "disk") if w in counts)
+            places = ", ".join(f"{counts[w]} from {w}" for w in (MEMORY, PINNED, REPLICA, DISK) if w in counts)
             line = f"generation {generation} restores step {plan.step} ({places})"
         log.warning(line)
         self.events.emit("restore", generation, line, step=plan.step,
