@@ -97,6 +97,9 @@ class SnapshotWriter:
             os.pwrite(fd, header.pack(), 0)  # unfinished, before anything else changes
             if os.fstat(fd).st_size != header.total:
                 os.ftruncate(fd, header.total)
+                # every page now (they stay the file's): shared memory running out is an error here,
+                # not a SIGBUS in the copy
+                os.posix_fallocate(fd, 0, header.total)
             pages = mmap.mmap(fd, header.total)
             pages[HEADER_SIZE:HEADER_SIZE + len(layout.meta)] = layout.meta
             later = [i for i, t in enumerate(layout.tensors) if t.data_ptr() in behind]

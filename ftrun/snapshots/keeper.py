@@ -255,9 +255,14 @@ class SnapshotKeeper:
     # -- the thread: pin, replicate, persist -------------------------------------------------------------
 
     def _run(self) -> None:
+        said = ""
         while not self._stop.wait(TICK):
             try:
                 self._tick()
+            except OSError as e:  # shared memory full, say: each time it changes, and try again
+                if str(e) != said:
+                    said = str(e)
+                    log.error("cannot keep a copy of a snapshot: %s", e)
             except Exception:
                 log.exception("the snapshot thread failed; snapshots are no longer pinned or replicated")
                 return
