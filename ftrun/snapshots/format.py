@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import struct
 import zlib
@@ -119,9 +120,21 @@ def read_verified(path: str) -> tuple[Header, bytearray]:
     """The whole file at ``path`` if it is a complete snapshot whose checksum holds."""
     try:
         with open(path, "rb") as f:
-            return verified(bytearray(f.read()), path)
+            return verified(read_whole(f), path)
     except OSError as e:
         raise SnapshotError(f"{path}: {e.strerror}") from None
+
+
+def read_whole(f) -> bytearray:
+    """An open file's bytes, read straight into one buffer (snapshots are large: no second copy)."""
+    blob = bytearray(os.fstat(f.fileno()).st_size)
+    view, done = memoryview(blob), 0
+    while done < len(blob):
+        got = f.readinto(view[done:])
+        if not got:
+            return blob[:done]  # it shrank meanwhile: what there is (the checksum says if it will do)
+        done += got
+    return blob
 
 
 def verified(blob: bytearray, where: str) -> tuple[Header, bytearray]:

@@ -34,7 +34,9 @@ import time
 from dataclasses import dataclass
 
 from ftrun.auth import Signer
-from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, size_text, verified
+from ftrun.snapshots.format import (
+    HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified,
+)
 from ftrun.snapshots.persist import write_atomically
 from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory
 from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
@@ -45,7 +47,6 @@ TICK = 0.05
 TOKEN_FILE = "token"
 #: checks remembered before those of replaced files are forgotten
 VERIFIED_KEPT = 256
-_FILE = re.compile(r"^(rank|pin|replica|saved)-(\d{5})\.([01])$")
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,6 @@ def ring_peers(nodes: list[int], mine: int, count: int) -> list[int]:
     return [nodes[(at + k) % len(nodes)] for k in range(1, min(count, len(nodes) - 1) + 1)]
 
 
-def _step_of(header: Header | None) -> int:
-    return header.step if header is not None and header.complete else -1
-
-
 class SnapshotKeeper:
     """One node's snapshots, for the agent (see the module's text)."""
 
@@ -147,7 +144,7 @@ class SnapshotKeeper:
     def start(self) -> None:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         os.chmod(self.folder, 0o700)
-        write_atomically(os.path.join(self.folder, TOKEN_FILE), self._token)
+        write_atomically(os.path.join(self.folder, TOKEN_FILE), self._token, durable=False)
         limit = max(self.options.limit(self.nproc), HEADER_SIZE)
         self._server = SnapshotServer(self._bind, self.signer, self._read, self._receive, limit)
         self.address = f"{self._advertise}:{self._server.port}"
@@ -275,14 +272,13 @@ class SnapshotKeeper:
             self._save()
         if not self.options.pins:
             return
-        due: dict[int, tuple[int, str, int]] = {}
-        for path in glob.glob(os.path.join(self.folder, "rank-*.[01]")):
-            header = read_header(path)
-            step = _step_of(header)
-            rank = int(_FILE.match(os.path.basename(path)).group(2))
-            if step > 0 and step % self.options.replicate_every == 0 and step > due.get(rank, (-1,))[0]:
-                due[rank] = (step, path, header.crc)
-        for rank, (step, path, crc) in sorted(due.items()):
+        due: dict[int, HeldSnapshot] = {}
+        for held in self._own():
+            on_grid = held.step > 0 and held.step % self.options.replicate_every == 0
+            if on_grid and held.step > getattr(due.get(held.rank), "step", -1):
+                due[held.rank] = held
+        for rank, held in sorted(due.items()):
+            step, path, crc = held.step, held.path, held.crc
             if self._tried.get(rank) == (step, crc):
                 continue
             self._tried[rank] = (step, crc)  # once: a damaged one is not read again and again
@@ -318,23 +314,14 @@ class SnapshotKeeper:
         """Read the rank's snapshot in ``path`` (under a shared lock: not while the rank writes it), check
         it, and write it to the older of the rank's two ``kind`` files; (header, bytes, file) or None."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            with open(path, "rb") as f:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return None  # the rank is writing this file: that step is gone
+                blob = read_whole(f)
         except OSError:
             return None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return None  # the rank is writing this file: that step is gone
-            blob = bytearray(os.fstat(fd).st_size)
-            view, done = memoryview(blob), 0
-            while done < len(blob):
-                got = os.readv(fd, [view[done:]])
-                if not got:
-                    break
-                done += got
-        finally:
-            os.close(fd)
         try:
             header, blob = verified(blob, path)
         except SnapshotError as e:
@@ -343,7 +330,7 @@ class SnapshotKeeper:
         if header.step != step:
             return None
         target = self._slot(held, kind, rank)
-        write_file(target, blob)
+        write_atomically(target, blob, durable=False)
         return header, blob, target
 
     def _slot(self, held: list[HeldSnapshot], kind: str, rank: int) -> str:
@@ -373,7 +360,7 @@ class SnapshotKeeper:
         with self._lock:
             target = self._slot(self._replicas.get(rank, []), "replica", rank)
             self._replicas[rank] = [h for h in self._replicas.get(rank, []) if h.path != target]
-        write_file(target, blob)
+        write_atomically(target, blob, durable=False)
         with self._lock:
             self._replicas[rank] = _newest_two(self._replicas[rank], self._checked(_held(header, REPLICA, target)))
 
@@ -445,19 +432,6 @@ class SnapshotKeeper:
     def _persister_errors(self) -> None:
         for line in self._persister.stderr:
             log.warning("persister: %s", line.decode(errors="replace").rstrip())
-
-
-def write_file(path: str, blob) -> None:
-    """Write ``blob`` to ``path`` through a temporary name: the old copy stays whole until it is replaced."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view, done = memoryview(blob), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def _remove_shard(path: str) -> None:

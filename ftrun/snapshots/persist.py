@@ -44,19 +44,22 @@ def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def write_atomically(path: str, data) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one."""
+def write_atomically(path: str, data, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the whole new one;
+    ``durable``: flushed to disk too (not for files in shared memory, which a power cut loses anyway)."""
     tmp = f"{path}.{os.getpid()}.tmp"  # several nodes' persisters may write one manifest
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         view, done = memoryview(data), 0
         while done < len(view):
             done += os.write(fd, view[done:])
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    sync_folder(os.path.dirname(path))
+    if durable:
+        sync_folder(os.path.dirname(path))
 
 
 def sync_folder(folder: str) -> None:
