@@ -64,6 +64,12 @@ class JobKeys:
         """The controller's status snapshot (JSON), rewritten while the job runs: ``ftrun status`` reads it."""
         return f"{self.root}/status"
 
+    @property
+    def status_final(self) -> str:
+        """Set once the job has decided to end, after its last status: a watcher waits on it between reads,
+        so it wakes for the end before the store goes with the job."""
+        return f"{self.root}/status/final"
+
     def spare_heartbeat(self, agent_id: str) -> str:
         return f"{self.root}/spare/{agent_id}/heartbeat"
 

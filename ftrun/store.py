@@ -75,6 +75,18 @@ class ControlStore:
             return None
         return self._get_or_ignore(cls, key)
 
+    def wait_for(self, key: str, seconds: float) -> bool:
+        """Whether ``key`` was set within ``seconds`` (True at once when it already is)."""
+        from torch.distributed import DistStoreError
+
+        try:
+            self.raw.wait([key], datetime.timedelta(seconds=seconds))
+            return True
+        except DistStoreError:  # the wait timed out; a store that went raises DistNetworkError
+            return False
+        except Exception as e:
+            raise StoreUnavailable(f"the control store at {self.endpoint} stopped answering ({_first_line(e)})") from e
+
     def set_text(self, key: str, text: str, signed: bool = False) -> None:
         self._call(self.raw.set, key, self.signer.seal(key, text) if signed else text)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import click
 
@@ -92,6 +91,11 @@ class StatusReader:
                                   "(a wrong --run-id, or its nodes are still gathering)")
         return json.loads(text)
 
+    def pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` before the next read, or less if the job ends meanwhile; whether it has ended
+        (the status then holds its last state)."""
+        return self.store.wait_for(self.keys.status_final, seconds)
+
 
 def show(snapshot: dict, as_json: bool) -> None:
     from ftrun.status import render
@@ -114,19 +118,20 @@ def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: 
     live = None if as_json else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)
     if live is not None:
         live.start()
+    ended = False
     try:
         while True:
             if as_json:
                 print(json.dumps(snapshot), flush=True)
             else:
                 live.update(render(snapshot, out.width, out.height), refresh=True)
-            if snapshot["phase"] == "done":
+            if ended or snapshot["phase"] == "done":
                 return ExitCode.OK
-            time.sleep(interval)
             try:
+                ended = reader.pause(interval)
                 snapshot = reader.read()
             except StoreUnavailable:
-                if snapshot["phase"] in ("exiting", "done"):
+                if ended or snapshot["phase"] in ("exiting", "done"):
                     return ExitCode.OK  # the job ended and its store with it
                 raise RendezvousError(f"the job's store at {reader.endpoint} went away (the job ended, or its host "
                                       f"is gone); last seen: {plain_line(snapshot)}") from None

@@ -576,6 +576,7 @@ class Controller:
     def _job_finished(self, view: JobView) -> None:
         try:
             self._refresh_status()  # the final step
+            self.store.set_text(self.keys.status_final, "1")  # wakes the watchers before the store goes
         except StoreUnavailable:
             pass
         snapshot = self.board.snapshot

@@ -6,7 +6,10 @@ import datetime
 import json
 import os
 import re
+import select
 import stat
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
@@ -145,6 +148,28 @@ def test_view_modes_off_the_terminal():
         assert view.mode == kind
         view.start()
         view.stop()
+
+
+def test_a_watcher_wakes_for_the_end_of_the_job(store):
+    """``ftrun status --watch`` waits on the store between reads, so the job's end wakes it even with a long
+    --interval, and it prints the last state before the store goes with the job."""
+    store.set_text(KEYS.status, json.dumps(example()))
+    watcher = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", f"127.0.0.1:{store.endpoint.port}",
+                                "--run-id", "job1", "--watch", "--json", "--interval", "600"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([watcher.stdout], [], [], 60)
+        assert ready, "the watcher printed nothing"
+        first = json.loads(watcher.stdout.readline())  # it has read once: it waits for its next read now
+        final = dict(example("exiting"), exit_code=0, reason="every worker finished")
+        store.set_text(KEYS.status, json.dumps(final))
+        store.set_text(KEYS.status_final, "1")
+        out, err = watcher.communicate(timeout=60)  # an --interval sleep would be 600 s
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, err
+    phases = [first["phase"]] + [json.loads(line)["phase"] for line in out.splitlines()]
+    assert phases == ["running", "exiting"], phases
 
 
 def test_event_log_file_is_private_and_times_never_go_back(tmp_path, monkeypatch):
