@@ -29,8 +29,11 @@ From it, per launcher:
 
 With --scaling 2,4,8 it runs, for each N in the list, N nodes of 1 rank each and kills the last rank,
 then adds a table of regain-progress seconds by N for each launcher, with the spread (max / min) across
-N: repairing one rank should not take longer on a bigger job. This mode has its own defaults (fewer
-steps, a step sleep so that many workers on few cores are not starved, a longer deadline):
+N: repairing one rank should not take longer on a bigger job. A second table divides each time by the
+run's own median step: where the machine has fewer cores than N ranks need, the contention that slows
+every step as N grows divides out (the flat-scaling goal itself is on seconds, on enough cores). This
+mode has its own defaults (fewer steps, a step sleep so that many workers on few cores are not starved,
+a longer deadline):
 
     .venv/bin/python scripts/bench_recovery.py --scaling 2,4,8
 
@@ -434,9 +437,17 @@ def compare_with_baseline(results: list[RunResult]) -> list[RunResult]:
     ]
 
 
-def regain_spread(results: list[RunResult]) -> float | None:
-    """Max over min of regain-progress seconds across a launcher's runs; None unless every run regained."""
-    times = [result.regain_progress_s for result in results]
+def regain_in_steps(result: RunResult) -> float | None:
+    """Regain progress in units of the run's own median step: on a machine with fewer cores than ranks,
+    every step and every repair slow down alike as N grows, and this ratio leaves that out."""
+    if result.regain_progress_s is None or not result.median_step_s:
+        return None
+    return result.regain_progress_s / result.median_step_s
+
+
+def regain_spread(results: list[RunResult], in_steps: bool = False) -> float | None:
+    """Max over min of regain progress (seconds, or steps) across a launcher's runs; None unless every run regained."""
+    times = [regain_in_steps(result) if in_steps else result.regain_progress_s for result in results]
     if len(times) < 2 or any(time is None or time <= 0 for time in times):
         return None
     return max(times) / min(times)
@@ -525,6 +536,21 @@ def print_scaling_table(results: list[RunResult], scenarios: list[Scenario], lau
         spread = regain_spread(runs)
         table.add_row(launcher.description, *cells, "-" if spread is None else f"{spread:.2f}")
     console.print(table)
+    if scenarios[0].node_loss:
+        return
+    table = Table(title="The same in median steps of each run (regain progress / median step)",
+                  caption="dividing by the step time leaves out the contention for cores")
+    table.add_column("launcher")
+    for scenario in scenarios:
+        table.add_column(f"N = {scenario.nnodes}", justify="right")
+    table.add_column("max / min", justify="right")
+    for launcher in launchers:
+        runs = [result for result in results if result.launcher == launcher.name]
+        steps = [regain_in_steps(run) for run in runs]
+        spread = regain_spread(runs, in_steps=True)
+        table.add_row(launcher.description, *("-" if n is None else f"{n:.1f}" for n in steps),
+                      "-" if spread is None else f"{spread:.2f}")
+    console.print(table)
 
 
 def write_json(
@@ -536,6 +562,10 @@ def write_json(
     if len(scenarios) > 1:
         document["regain_progress_max_over_min"] = {
             launcher.name: regain_spread([result for result in results if result.launcher == launcher.name])
+            for launcher in launchers
+        }
+        document["regain_steps_max_over_min"] = {
+            launcher.name: regain_spread([result for result in results if result.launcher == launcher.name], in_steps=True)
             for launcher in launchers
         }
     text = json.dumps(document, indent=2)
