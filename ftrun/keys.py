@@ -139,6 +139,15 @@ class JobKeys:
         """The controller's RestorePlan for a generation started by a job-level restart."""
         return f"{self.generation(generation)}/restore"
 
+    @property
+    def damaged_count(self) -> str:
+        """How many copies ranks found damaged while restoring (a sequence: ``damaged``)."""
+        return f"{self.root}/snapshots/damaged/count"
+
+    def damaged(self, index: int) -> str:
+        """A RestoreSource that failed its check when a rank read it: later plans leave it out."""
+        return f"{self.root}/snapshots/damaged/{index}"
+
     def rollback_failure(self, generation: int) -> str:
         """Why the generation's rollback could not happen (no healthy replica holds the state)."""
         return f"{self.generation(generation)}/rollback_failure"

@@ -36,7 +36,8 @@ from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.snapshots.persist import step_folder
-from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory, choose_restore
+from ftrun.snapshots.plan import (DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory,
+                                  choose_restore)
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class Controller:
         self.snapshots = snapshots or SnapshotOptions()
         #: the newest step whose checkpoint is on disk for every rank
         self._checkpointed = -1
+        #: the copies ranks found damaged while restoring (RestoreSource.identity; None for a forged report)
+        self._damaged: list[tuple | None] = []
         self.view: JobView | None = None
         #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
         self.events = events or EventLog()
@@ -455,7 +458,10 @@ class Controller:
         reads it (the agents published what they hold when they stopped their ranks)."""
         homes = {rank: n.node_rank for n in self.nodes.values() if n.node_rank in self.view.present
                  for rank in range(n.first_rank, n.first_rank + n.nproc)}
-        plan = choose_restore(generation, self._inventories(), self.view.world_size, homes)
+        reports = self.store.read_from(self.keys.damaged_count, self.keys.damaged, RestoreSource, len(self._damaged))
+        for source in reports:
+            self._damaged.append(source.identity if source is not None else None)  # None: forged, ignored
+        plan = choose_restore(generation, self._inventories(), self.view.world_size, homes, frozenset(self._damaged))
         self.store.set(self.keys.restore_plan(generation), plan)
         if plan.step < 0:
             line = f"generation {generation} starts without a snapshot to restore: {plan.reason}"

@@ -22,11 +22,11 @@ from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
 from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
-from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps, snapshot_signer
+from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.keys import JobKeys
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
-from ftrun.snapshots.plan import RestorePlan
+from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.store import ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
@@ -373,13 +373,14 @@ class ElasticJob:
             return False
         if plan.step < start:
             return False  # the script's own checkpoint is newer
-        source = plan.source_of(self.env.rank)
-        if source is None:
+        sources = plan.sources_for(self.env.rank)
+        if not sources:
             log.warning("rank %d: the restore plan of generation %d has no source for it", self.env.rank,
                         self.generation)
             return False
         began = time.monotonic()
-        self._load(load_source(source, plan.step, self.snapshots.folder, self._signer))
+        source, state = load_first_good(sources, plan.step, self.snapshots.folder, self._signer, self._report_damaged)
+        self._load(state)
         for wrapper in self._wrappers:
             wrapper.reset(synced=True)  # every rank loaded the same step
         self._step = plan.step
@@ -387,6 +388,9 @@ class ElasticJob:
         log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.env.rank, plan.step, source.where,
                     source.node_rank, time.monotonic() - began)
         return True
+
+    def _report_damaged(self, source: RestoreSource) -> None:
+        self.store.append(self.keys.damaged_count, self.keys.damaged, source)
 
     def _rollback_sharded(self, device) -> int:
         """Process level, sharded state: every rank goes back to the newest step all of them hold in

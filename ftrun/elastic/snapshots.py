@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import logging
 import mmap
 import os
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ftrun.auth import Signer
 from ftrun.snapshots.format import (
@@ -25,6 +26,8 @@ from ftrun.snapshots.format import (
 from ftrun.snapshots.keeper import TOKEN_FILE
 from ftrun.snapshots.plan import DISK, RestoreSource
 from ftrun.snapshots.transfer import TransferError, get
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotWriter:
@@ -196,6 +199,21 @@ def load_source(source: RestoreSource, step: int, folder: str, signer: Signer) -
     if header.step != step:
         raise SnapshotError(f"{where} now holds step {header.step}, not {step}")
     return load_states(header, blob)
+
+
+def load_first_good(sources: list[RestoreSource], step: int, folder: str, signer: Signer,
+                    report: Callable[[RestoreSource], None]) -> tuple[RestoreSource, dict]:
+    """The first of ``sources`` whose copy passes its checks, and the state it holds. Each copy that
+    fails is skipped and ``report``-ed (later plans leave it out); SnapshotError when none is left."""
+    for source in sources:
+        try:
+            return source, load_source(source, step, folder, signer)
+        except SnapshotError as e:
+            log.error("rank %d: skipping a damaged copy of step %d (%s on node %d): %s", source.rank, step, source.where,
+                      source.node_rank, e)
+            report(source)
+    raise SnapshotError(f"every copy of step {step} the restore plan names for rank {sources[0].rank} "
+                        f"({len(sources)}) failed its check; the next restart leaves them out")
 
 
 def _load_checkpoint(source: RestoreSource, signer: Signer) -> dict:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: where a copy lives: a rank's own snapshot (its agent's memory), a pinned copy, a peer's replica, or disk
 MEMORY, PINNED, REPLICA, DISK = "memory", "pinned", "replica", "disk"
 #: which copy a rank prefers when several hold the step: on its own node first, memory before disk
 _PREFERENCE = {MEMORY: 0, PINNED: 1, REPLICA: 2, DISK: 3}
+#: spare copies a plan names for replicated state, where any rank's copy serves every rank
+REPLICATED_SPARES = 16
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ class RestoreSource:
     nbytes: int = 0
     crc: int = 0
 
+    @property
+    def identity(self) -> tuple[str, str, int]:
+        """Which copy this is: the file, the server it lives behind (none for disk, a folder every node
+        may share), and its sum (the same file name holds a newer snapshot later)."""
+        return ("" if self.where == DISK else self.address, self.path, self.crc)
+
 
 @dataclass(frozen=True)
 class RestorePlan:
@@ -58,9 +67,23 @@ class RestorePlan:
     step: int = -1
     sources: tuple[RestoreSource, ...] = ()
     reason: str = ""
+    #: every other copy of the step (each named by the rank whose state it holds), nearest kinds first:
+    #: where a rank's source fails its check, it reads the next one that serves it
+    spares: tuple[RestoreSource, ...] = ()
+    sharded: bool = False
 
     def source_of(self, rank: int) -> RestoreSource | None:
         return next((s for s in self.sources if s.rank == rank), None)
+
+    def sources_for(self, rank: int) -> list[RestoreSource]:
+        """The rank's source, then the spare copies that hold its state (any rank's, for replicated
+        state), those on the source's node first."""
+        first = self.source_of(rank)
+        if first is None:
+            return []
+        spares = [dataclasses.replace(s, rank=rank) for s in self.spares
+                  if (not self.sharded or s.rank == rank) and s.identity != first.identity]
+        return [first, *sorted(spares, key=lambda s: s.node_rank != first.node_rank)]
 
     def counts(self) -> dict[str, int]:
         """How many ranks read from each kind of place."""
@@ -71,18 +94,20 @@ class RestorePlan:
 
 
 def choose_restore(generation: int, inventories: list[SnapshotInventory], world_size: int,
-                   node_of_rank: dict[int, int]) -> RestorePlan:
+                   node_of_rank: dict[int, int], damaged: frozenset = frozenset()) -> RestorePlan:
     """The newest step for which every one of ``world_size`` ranks' state is held somewhere.
 
     Sharded state needs a copy of every rank's own state at that step, taken in the same world
     size; data-parallel replicas hold the same state, so any rank's copy serves every rank (also
     after a resize). Each rank reads the copy nearest to it: on its own node (``node_of_rank``) and in
-    memory first, a peer's memory next, disk last.
+    memory first, a peer's memory next, disk last. The other copies of the step go with the plan as
+    spares. Copies whose ``RestoreSource.identity`` is in ``damaged`` (a rank found them so) are left out.
     """
     copies: dict[int, list[tuple[SnapshotInventory, HeldSnapshot]]] = {}
     for inventory in inventories:
         for held in inventory.held:
-            copies.setdefault(held.step, []).append((inventory, held))
+            if _source(held.rank, inventory, held).identity not in damaged:
+                copies.setdefault(held.step, []).append((inventory, held))
     for step in sorted(copies, reverse=True):
         held_at = copies[step]
         sharded = any(h.sharded for _, h in held_at)
@@ -95,10 +120,17 @@ def choose_restore(generation: int, inventories: list[SnapshotInventory], world_
                 break
             home = node_of_rank.get(rank, -1)
             inventory, held = min(mine, key=lambda c: (c[0].node_rank != home, _PREFERENCE[c[1].where], c[1].rank))
-            sources.append(RestoreSource(rank, inventory.node_rank, inventory.address, held.where, held.path,
-                                         held.nbytes, held.crc))
+            sources.append(_source(rank, inventory, held))
         else:
-            return RestorePlan(generation, step, tuple(sources))
+            spares = sorted({_source(h.rank, i, h) for i, h in held_at},
+                            key=lambda s: (_PREFERENCE[s.where], s.node_rank, s.rank))
+            if not sharded:
+                spares = spares[:REPLICATED_SPARES]
+            return RestorePlan(generation, step, tuple(sources), spares=tuple(spares), sharded=sharded)
     if not copies:
         return RestorePlan(generation, reason="no snapshot is held anywhere")
     return RestorePlan(generation, reason=f"no step has a snapshot of every one of the {world_size} ranks")
+
+
+def _source(rank: int, inventory: SnapshotInventory, held: HeldSnapshot) -> RestoreSource:
+    return RestoreSource(rank, inventory.node_rank, inventory.address, held.where, held.path, held.nbytes, held.crc)

@@ -98,6 +98,29 @@ def test_job_level_restart_resumes_from_memory_past_a_damaged_snapshot(launcher)
     assert all(torch.equal(got[k], want[k]) for k in want), "the checkpoint of step 16 differs from the run's"
 
 
+def test_copies_damaged_after_their_check_are_skipped_and_left_out_of_the_next_plan(launcher):
+    """Sharded state. Rank 1 damages both its own snapshots, and its pinned copy (node 0) and replica
+    (node 1) of step 12, then exits. The agents check the ranks' own snapshots when they stop, but the
+    pin and the replica were checked when they were made: the plan names them for step 12. Rank 1
+    finds its pinned copy damaged, skips it for the replica, finds that damaged too, reports both and
+    exits; the next plan leaves them out and every rank restores step 8."""
+    env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="1:14:exit1", CORRUPT_ALL="1:14:12")
+    flags = ["--recovery", "job", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
+             "--replicate-every", "4", "--log-dir", str(launcher.tmp / "logs")]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert_fault_free_result(launcher, sharded=True)
+    output = launcher.output()
+    first, second = restore_events(launcher)
+    assert first["step"] == 12 and first["sources"]["1"]["where"] == "pinned", first
+    skipped = re.findall(r"rank 1: skipping a damaged copy of step 12 .*", output)
+    assert len(skipped) == 2 and "(pinned on node 0)" in skipped[0] and "(replica on node 1)" in skipped[1], skipped
+    assert "every copy of step 12 the restore plan names for rank 1 (2) failed its check" in output
+    assert second["step"] == 8, second  # step 12 held no good copy of rank 1's state any more
+    for rank, history in runs(launcher).items():
+        assert [s for g, s in history if g == 2][0] == 8, (rank, history)
+
+
 def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
     """Node 1's agent is killed with its ranks and its memory: a spare takes its place, and ranks 2 and
     3 (sharded: no other rank holds their state) restore from the replicas node 0 kept of them."""

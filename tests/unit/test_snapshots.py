@@ -17,14 +17,15 @@ import pytest
 import torch
 
 from ftrun.auth import Signer
-from ftrun.elastic.snapshots import SnapshotWriter, load_own, load_source, own_steps
+from ftrun.messages import from_json, to_json
+from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, load_own, load_source, own_steps
 from ftrun.snapshots.format import (
     HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, lay_out, load_states, read_header, read_verified, verified,
 )
 from ftrun.snapshots.keeper import SnapshotKeeper, SnapshotOptions, ring_peers
 from ftrun.snapshots.persist import persist
 from ftrun.snapshots.plan import (
-    DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory, choose_restore,
+    DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestorePlan, RestoreSource, SnapshotInventory, choose_restore,
 )
 from ftrun.snapshots.transfer import TransferError, get, put
 
@@ -253,6 +254,58 @@ def test_sharded_state_is_not_restored_into_another_world_size_and_says_why():
     plan = choose_restore(2, [inventory(0, *(held(r, 9) for r in range(4)))], 2, {0: 0, 1: 0})
     assert plan.step == -1 and "every one of the 2 ranks" in plan.reason
     assert choose_restore(2, [], 4, HOMES).reason == "no snapshot is held anywhere"
+
+
+def test_the_plan_names_spare_copies_and_leaves_out_those_a_rank_found_damaged():
+    both = [inventory(0, held(0, 12), held(1, 12), held(2, 12, REPLICA), held(3, 12, REPLICA), held(0, 8, PINNED),
+                      held(1, 8, PINNED), held(2, 8, REPLICA), held(3, 8, REPLICA)),
+            inventory(1, held(2, 12), held(3, 12), held(0, 12, REPLICA), held(1, 12, REPLICA))]
+    plan = choose_restore(3, both, 4, HOMES)
+    assert plan.sharded and plan.step == 12
+    assert [(s.node_rank, s.where) for s in plan.sources_for(2)] == [(1, MEMORY), (0, REPLICA)]  # its own shard only
+    assert {s.rank for s in plan.sources_for(0)} == {0}
+    assert from_json(RestorePlan, to_json(plan)) == plan  # the spares go through the store with it
+    # rank 2 found its memory copy damaged: the next plan reads the replica instead
+    damaged = {plan.source_of(2).identity}
+    plan = choose_restore(4, both, 4, HOMES, frozenset(damaged))
+    assert plan.step == 12 and (plan.source_of(2).node_rank, plan.source_of(2).where) == (0, REPLICA)
+    damaged.add(plan.source_of(2).identity)  # and that one too: step 8 is the newest every rank still has
+    plan = choose_restore(5, both, 4, HOMES, frozenset(damaged))
+    assert plan.step == 8 and plan.counts() == {PINNED: 2, REPLICA: 2}
+
+
+def test_replicated_state_names_every_rank_s_copy_as_a_spare_nearest_first():
+    plan = choose_restore(1, [inventory(0, held(0, 9, sharded=False), held(1, 9, sharded=False)),
+                              inventory(1, held(2, 9, sharded=False), held(3, 9, sharded=False))], 4, HOMES)
+    assert not plan.sharded
+    order = plan.sources_for(3)
+    assert [s.path for s in order] == ["/memory/2/9", "/memory/3/9", "/memory/0/9", "/memory/1/9"]
+    assert {s.rank for s in order} == {3}
+
+
+def test_a_rank_skips_a_damaged_copy_for_the_next_and_reports_it(tmp_path):
+    write = writer(tmp_path, rank=0)
+    for step in (1, 2):
+        write.write(step, states(step))
+    write.wait()
+    pinned = tmp_path / "pinned-rank-00000"
+    pinned.write_bytes(open(write.paths[1], "rb").read())  # step 2, copied aside as the agent pins it
+    with open(write.paths[1], "r+b") as f:  # damaged after the agent checked it
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff\xfe")
+    sources = [RestoreSource(0, 0, "127.0.0.1:1", MEMORY, write.paths[1]),
+               RestoreSource(0, 0, "127.0.0.1:1", PINNED, str(pinned))]
+    reported = []
+    source, state = load_first_good(sources, 2, str(tmp_path), Signer(), reported.append)
+    assert source.where == PINNED and same(state, states(2))
+    assert reported == sources[:1]
+    with open(pinned, "r+b") as f:
+        f.seek(HEADER_SIZE + 10)
+        f.write(b"\xff\xfe")
+    reported.clear()
+    with pytest.raises(SnapshotError, match=r"every copy of step 2 the restore plan names for rank 0 \(2\) failed"):
+        load_first_good(sources, 2, str(tmp_path), Signer(), reported.append)
+    assert reported == sources
 
 
 def test_ring_peers_wrap_around_and_never_include_the_node_itself():

@@ -9,10 +9,14 @@ Environment:
   STEPS (default 20), STEP_SLEEP (default 0.05 s), SHARDED (default 1), OUT_DIR
   FAULT=rank:step:kind[,...] (tests/workers/faults.py), in generation 0 only
   CORRUPT=rank:step   once that rank committed that step (and its snapshot), flip a byte of it
+  CORRUPT_ALL=rank:step:held   once that rank committed that step, flip a byte of both its own snapshots
+                      and of every pinned copy and replica of its state at step ``held`` on this machine
+                      (waiting until the agents hold them), as if all had been hit after they were checked
 Writes OUT_DIR/ran-rank<r> (one line per step run: generation step), OUT_DIR/params-rank<r>.pt at
 the end, OUT_DIR/pid-rank<r>-<pid> at start.
 """
 
+import glob
 import os
 import sys
 import time
@@ -60,14 +64,42 @@ def corrupt_newest(job) -> None:
     """Flip one byte in the middle of this rank's newest snapshot (as a memory error would)."""
     job.snapshots.wait()
     newest = max(job.snapshots.paths, key=lambda p: getattr(read_header(p), "step", -1))
-    header = read_header(newest)
-    with open(newest, "r+b") as f:
+    step = flip(newest)
+    print(f"corrupted {os.path.basename(newest)} (step {step}) past its header of {HEADER_SIZE}",
+          file=sys.stderr, flush=True)
+
+
+def flip(path: str) -> int:
+    """Flip one byte in the middle of a snapshot's data, leaving its times as they were (a memory error
+    changes no file's times); the step it held."""
+    header = read_header(path)
+    times = os.stat(path)
+    with open(path, "r+b") as f:
         f.seek(header.data_offset + header.data_len // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    print(f"corrupted {os.path.basename(newest)} (step {header.step}) past its header of {HEADER_SIZE}",
-          file=sys.stderr, flush=True)
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    return header.step
+
+
+def corrupt_everywhere(job, held: int) -> None:
+    """Damage this rank's own snapshots, and its pinned copies and replicas of step ``held`` in every agent
+    of the job on this machine (the folders beside this rank's agent's)."""
+    job.snapshots.wait()
+    folder = job.snapshots.folder
+    prefix = os.path.basename(folder).rsplit("-", 1)[0]  # ftrun-<run id>-<agent pid>
+    pattern = os.path.join(os.path.dirname(folder), f"{prefix}-*", f"*-{job.rank:05d}.[01]")
+    deadline = time.monotonic() + 60
+    while True:  # the pin, then the replica, are made in the background after the step
+        copies = [p for p in glob.glob(pattern) if not os.path.basename(p).startswith("rank-")
+                  and getattr(read_header(p), "step", -1) == held]
+        if {os.path.basename(p).split("-")[0] for p in copies} >= {"pin", "replica"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for path in [*job.snapshots.paths, *copies]:
+        step = flip(path)
+        print(f"corrupted {os.path.basename(path)} (step {step})", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -75,6 +107,7 @@ def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     sharded = os.environ.get("SHARDED", "1") == "1"
     corrupt = tuple(int(x) for x in os.environ["CORRUPT"].split(":")) if os.environ.get("CORRUPT") else None
+    corrupt_all = tuple(int(x) for x in os.environ["CORRUPT_ALL"].split(":")) if os.environ.get("CORRUPT_ALL") else None
     job = ftrun.elastic.init(sharded=sharded)
     rank = job.rank
     open(os.path.join(out_dir, f"pid-rank{rank}-{os.getpid()}"), "w").close()
@@ -92,6 +125,8 @@ def main() -> None:
             time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
         if corrupt == (rank, job.step) and job.generation == 0:
             corrupt_newest(job)
+        if corrupt_all and corrupt_all[:2] == (rank, job.step) and job.generation == 0:
+            corrupt_everywhere(job, corrupt_all[2])
     torch.save(model.state_dict(), os.path.join(out_dir, f"params-rank{rank}.pt"))
     print(f"rank {rank} finished step {job.step}", flush=True)
     job.close()
