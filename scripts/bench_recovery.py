@@ -73,6 +73,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 from rich.console import Console
@@ -514,42 +515,42 @@ def print_step_time_ratios(results: list[RunResult]) -> None:
 
 
 def print_scaling_table(results: list[RunResult], scenarios: list[Scenario], launchers: list[Launcher]) -> None:
-    if scenarios[0].node_loss:
-        table = Table(
-            title=f"Regain progress (s) after losing the last node (its launcher and rank SIGKILLed after step "
-                  f"{scenarios[0].kill_at_step}), N nodes x 1 rank",
-            caption=f"ftrun: one spare node, --node-timeout {scenarios[0].node_timeout:g}; torchrun has no spares",
-        )
+    first = scenarios[0]
+    if first.node_loss:
+        title = (f"Regain progress (s) after losing the last node (its launcher and rank SIGKILLed after step "
+                 f"{first.kill_at_step}), N nodes x 1 rank")
+        caption = f"ftrun: one spare node, --node-timeout {first.node_timeout:g}; torchrun has no spares"
     else:
-        table = Table(
-            title=f"Regain progress (s), N nodes x 1 rank, last rank killed at step {scenarios[0].kill_at_step}",
-            caption="goal: process-level repair stays flat as N grows (max / min <= 1.3)",
-        )
+        title = f"Regain progress (s), N nodes x 1 rank, last rank killed at step {first.kill_at_step}"
+        caption = "goal: process-level repair stays flat as N grows (max / min <= 1.3)"
+
+    def seconds_cell(run: RunResult) -> str:
+        return (("fails" if run.outcome == "fails" else regain_text(run))
+                + ("" if run.outcome in ("ok", "fails") else f" ({run.outcome})"))
+
+    def steps_cell(run: RunResult) -> str:
+        steps = regain_in_steps(run)
+        return "-" if steps is None else f"{steps:.1f}"
+
+    print_by_n(title, caption, results, scenarios, launchers, seconds_cell)
+    if not first.node_loss:
+        print_by_n("The same in median steps of each run (regain progress / median step)",
+                   "dividing by the step time leaves out the contention for cores", results, scenarios, launchers,
+                   steps_cell, in_steps=True)
+
+
+def print_by_n(title: str, caption: str, results: list[RunResult], scenarios: list[Scenario],
+               launchers: list[Launcher], cell: Callable[[RunResult], str], in_steps: bool = False) -> None:
+    """A row per launcher, a column per node count, and the spread across them."""
+    table = Table(title=title, caption=caption)
     table.add_column("launcher")
     for scenario in scenarios:
         table.add_column(f"N = {scenario.nnodes}", justify="right")
     table.add_column("max / min", justify="right")
     for launcher in launchers:
         runs = [result for result in results if result.launcher == launcher.name]
-        cells = [("fails" if run.outcome == "fails" else regain_text(run))
-                 + ("" if run.outcome in ("ok", "fails") else f" ({run.outcome})") for run in runs]
-        spread = regain_spread(runs)
-        table.add_row(launcher.description, *cells, "-" if spread is None else f"{spread:.2f}")
-    console.print(table)
-    if scenarios[0].node_loss:
-        return
-    table = Table(title="The same in median steps of each run (regain progress / median step)",
-                  caption="dividing by the step time leaves out the contention for cores")
-    table.add_column("launcher")
-    for scenario in scenarios:
-        table.add_column(f"N = {scenario.nnodes}", justify="right")
-    table.add_column("max / min", justify="right")
-    for launcher in launchers:
-        runs = [result for result in results if result.launcher == launcher.name]
-        steps = [regain_in_steps(run) for run in runs]
-        spread = regain_spread(runs, in_steps=True)
-        table.add_row(launcher.description, *("-" if n is None else f"{n:.1f}" for n in steps),
-                      "-" if spread is None else f"{spread:.2f}")
+        spread = regain_spread(runs, in_steps)
+        table.add_row(launcher.description, *map(cell, runs), "-" if spread is None else f"{spread:.2f}")
     console.print(table)
 
 

@@ -67,8 +67,9 @@ class RestorePlan:
     step: int = -1
     sources: tuple[RestoreSource, ...] = ()
     reason: str = ""
-    #: every other copy of the step (each named by the rank whose state it holds), nearest kinds first:
-    #: where a rank's source fails its check, it reads the next one that serves it
+    #: the step's copies (each named by the rank whose state it holds; at most REPLICATED_SPARES for
+    #: replicated state), nearest kinds first: where a rank's source fails its check, it reads the next
+    #: one that serves it
     spares: tuple[RestoreSource, ...] = ()
     sharded: bool = False
 
