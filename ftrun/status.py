@@ -66,6 +66,7 @@ def job_line(s: dict, width: int = 120) -> Text:
         line.append(f" · exit code {s['exit_code']}", style=style)
     if s["step"] is not None:
         line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
+    line.append(_saved(s))
     left = s["max_restarts"] - s["restarts_used"]
     line.append(f" · budget {left}/{s['max_restarts']} left · up {_clock(s['elapsed'])}")
     line.append(f" · {s['recovery']}-level recovery")
@@ -137,9 +138,17 @@ def plain_line(s: dict) -> str:
     alive = sum(n["ranks_alive"] for n in s["nodes"] if n["role"] == "active")
     step = f", step {s['step']} ({s['steps_per_s']:.1f} steps/s)" if s["step"] is not None else ""
     spares = sum(1 for n in s["nodes"] if n["role"] == "spare")
+    step += _saved(s).replace(" · ", ", ")
     return (f"generation {s['generation']}, {s['phase'].replace('_', ' ')}{step}, {alive}/{s['world_size']} ranks "
             f"alive, {spares} spare{'s' if spares != 1 else ''}, budget {s['max_restarts'] - s['restarts_used']}/"
             f"{s['max_restarts']} left, up {_clock(s['elapsed'])}")
+
+
+def _saved(s: dict) -> str:
+    """Where a restart would resume: the step the snapshots hold for every rank, and the newest on disk."""
+    restorable, checkpoint = s.get("restorable_step"), s.get("checkpoint_step")
+    text = f" · restorable at step {restorable}" if restorable is not None else ""
+    return text + (f" · checkpoint step {checkpoint}" if checkpoint is not None else "")
 
 
 def _devices(devices: list[dict]) -> Text:

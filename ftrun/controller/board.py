@@ -57,7 +57,9 @@ class StatusBoard:
         self._next_progress = 0.0
         self._last_logged_step = None
 
-    def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float) -> dict:
+    def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float,
+                saved: dict | None = None) -> dict:
+        """``saved``: with snapshots, ``restorable_step`` and ``checkpoint_step`` (None where there is none)."""
         now = time.monotonic()
         ranks = self._ranks(view.world_size, now)
         steps = [r["step"] for r in ranks if r["step"] is not None]
@@ -84,6 +86,8 @@ class StatusBoard:
             "world_size": view.world_size,
             "step": step,
             "steps_per_s": round(rate, 3),
+            "restorable_step": (saved or {}).get("restorable_step"),
+            "checkpoint_step": (saved or {}).get("checkpoint_step"),
             "reason": view.reason,
             "exit_code": view.exit_code if view.phase in (Phase.EXITING, Phase.DONE) else None,
             "nodes": node_rows,

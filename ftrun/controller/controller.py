@@ -250,8 +250,19 @@ class Controller:
         self.store.set_text(job_entry(self.store.add(JOBS_COUNT) - 1), self.keys.run_id)
 
     def _refresh_status(self) -> None:
-        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since)
+        inventories = self._inventories() if self.snapshots.every else []
+        if self.snapshots.checkpoint_dir:
+            self._note_checkpoints(inventories)
+        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since, self._saved(inventories))
         self.store.set_text(self.keys.status, json.dumps(snapshot, separators=(",", ":")))
+
+    def _saved(self, inventories: list[SnapshotInventory]) -> dict:
+        """With snapshots: the step a job-level restart would restore now, and the newest checkpoint on disk."""
+        if not self.snapshots.every:
+            return {}
+        plan = choose_restore(self.view.generation, inventories, self.view.world_size, {}, frozenset(self._damaged))
+        return {"restorable_step": plan.step if plan.step >= 0 else None,
+                "checkpoint_step": self._checkpointed if self._checkpointed >= 0 else None}
 
     @property
     def status(self) -> dict:
@@ -273,8 +284,6 @@ class Controller:
                 self._grow()
                 self._check_library()
                 self._refresh_status()
-                if self.snapshots.checkpoint_dir:
-                    self._note_checkpoints()
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 if report is not None:  # None: forged, ignored (and logged)
@@ -474,11 +483,11 @@ class Controller:
                          sources={s.rank: {"where": s.where, "node": s.node_rank, "path": s.path}
                                   for s in plan.sources})
 
-    def _note_checkpoints(self) -> None:
+    def _note_checkpoints(self, inventories: list[SnapshotInventory]) -> None:
         """An event for each checkpoint step whose every rank's file the agents have written."""
         world = self.view.world_size
         files: dict[int, dict[int, HeldSnapshot]] = {}
-        for inventory in self._inventories():
+        for inventory in inventories:
             for held in inventory.held:
                 if held.where == DISK:
                     files.setdefault(held.step, {})[held.rank] = held

@@ -57,6 +57,23 @@ def restore_events(launcher) -> list[dict]:
     return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "restore"]
 
 
+def status(endpoint: str, *args: str, into: Path | None = None) -> subprocess.Popen:
+    """``ftrun status --json`` of the job at ``endpoint``, its output into a file or a pipe."""
+    out = open(into, "w") if into else subprocess.PIPE
+    try:
+        return subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", endpoint, "--json", *args],
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    finally:
+        if into:
+            out.close()
+
+
+def status_is_up(endpoint: str) -> bool:
+    once = status(endpoint)
+    once.communicate(timeout=60)
+    return once.returncode == 0
+
+
 def test_job_level_restart_resumes_from_memory_past_a_damaged_snapshot(launcher):
     """Rank 3 exits at step 12, just after rank 1's newest snapshot (step 12) was damaged: every rank
     restarts and resumes at step 12 from the agents' memory, rank 1 from another rank's copy (data-parallel
@@ -133,12 +150,22 @@ def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
     env = launcher.env(STEPS=str(steps), SHARDED="1", STEP_SLEEP="0.1")
     nodes = [launcher.start([*flags, "--local-addr", f"127.0.0.{i + 2}", SCRIPT], env=env) for i in range(3)]
     victim = wait_for(lambda: [n for n in nodes if "node 1 of 2," in n.output], timeout=120, what="node 1")[0]
-    ran = launcher.out_dir / "ran-rank2"
-    wait_for(lambda: ran.exists() and len(ran.read_text().splitlines()) >= 14, timeout=120, what="step 14")
-    folder = re.search(r"snapshots every 1 step in (\S+)", victim.output).group(1)
-    victim.proc.send_signal(signal.SIGKILL)
-    others = [n for n in nodes if n is not victim]
-    assert launcher.wait(others) == [0, 0], launcher.output()
+    wait_for(lambda: status_is_up(endpoint), timeout=60, what="the job's status")
+    watched = launcher.tmp / "status.jsonl"
+    watcher = status(endpoint, "--watch", "--interval", "0.2", into=watched)
+    try:
+        ran = launcher.out_dir / "ran-rank2"
+        wait_for(lambda: ran.exists() and len(ran.read_text().splitlines()) >= 14, timeout=120, what="step 14")
+        folder = re.search(r"snapshots every 1 step in (\S+)", victim.output).group(1)
+        victim.proc.send_signal(signal.SIGKILL)
+        others = [n for n in nodes if n is not victim]
+        assert launcher.wait(others) == [0, 0], launcher.output()
+        assert watcher.wait(timeout=60) == 0, watched.read_text()
+    finally:
+        watcher.kill()
+    # ftrun status said where a restart would resume: by step 14, the snapshots of step 12 were held everywhere
+    restorable = [json.loads(line)["restorable_step"] for line in watched.read_text().splitlines()]
+    assert max(r for r in restorable if r is not None) >= 12, restorable
     wait_for(lambda: not Path(folder).exists(), timeout=10, what="the guardian to remove the lost agent's memory")
     (event,) = restore_events(launcher)
     assert event["step"] % 4 == 0 and event["step"] >= 12, event

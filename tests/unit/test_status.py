@@ -41,9 +41,9 @@ def publish_node(store, agent: str, host: str, first: int, alive=(True, True), d
     store.set(KEYS.agent_status(agent), NodeStatus(agent, host, 0, ranks, 1, devices))
 
 
-def snapshot(store, view: JobView, events: EventLog | None = None) -> dict:
+def snapshot(store, view: JobView, events: EventLog | None = None, saved: dict | None = None) -> dict:
     board = StatusBoard(store, KEYS, events or EventLog(), "job1")
-    return board.refresh(view, NODES, [SPARE], board.started)
+    return board.refresh(view, NODES, [SPARE], board.started, saved)
 
 
 def test_board_joins_the_agents_and_the_ranks_words(store):
@@ -55,6 +55,9 @@ def test_board_joins_the_agents_and_the_ranks_words(store):
     view = JobView(node_count=2, max_restarts=3, world_size=4, restarts_used=1, generation=1)
     s = snapshot(store, view)
     assert (s["phase"], s["generation"], s["step"], s["world_size"]) == ("running", 1, 6, 4)
+    assert (s["restorable_step"], s["checkpoint_step"]) == (None, None)  # no snapshots
+    saved = snapshot(store, view, saved={"restorable_step": 6, "checkpoint_step": 4})
+    assert (saved["restorable_step"], saved["checkpoint_step"]) == (6, 4)
     rows = {(n["role"], n["host"]): n for n in s["nodes"]}
     assert rows["active", "host-a"]["devices"][1] == {"index": 1, "health": "isolated", "reason": "SeparateNPU"}
     assert (rows["active", "host-b"]["ranks_alive"], rows["active", "host-b"]["ranks_total"]) == (1, 2)
@@ -118,6 +121,13 @@ def test_view_shows_the_job_line_nodes_ranks_and_events():
     assert re.search(r"rank\s+node\s+pid\s+step\s+heartbeat\s+restarts", text) and " 103 " in text
     assert "fault" in text and "killed by SIGKILL" in text and "repaired" in text
     assert all(len(line) <= 120 for line in text.splitlines())  # long details are cut, not wrapped
+
+
+def test_the_view_says_where_a_restart_would_resume():
+    s = dict(example(), restorable_step=40, checkpoint_step=30)
+    assert "step 42 · 12.5 steps/s · restorable at step 40 · checkpoint step 30 · budget" in text_of(render(s, 200), 200)
+    assert ", restorable at step 40, checkpoint step 30, 2/4 ranks alive" in plain_line(s)
+    assert "restorable" not in text_of(render(example(), 200), 200) + plain_line(example())
 
 
 def test_view_adapts_to_a_narrow_short_terminal():
