@@ -10,6 +10,7 @@ while it writes, and the agent a shared one while it copies, so neither reads a 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import mmap
@@ -44,6 +45,8 @@ class SnapshotWriter:
         self._copied = threading.Event()
         self._copied.set()
         self._failed: BaseException | None = None
+        #: the step of the first snapshot skipped for want of room, while they are being skipped
+        self._no_room_since: int | None = None
         #: seconds the training loop waited for each snapshot: the copies made before write() returned,
         #: and any wait of the optimizer for the ones made behind it (the checksum never holds it up)
         self.blocked: list[float] = []
@@ -76,8 +79,9 @@ class SnapshotWriter:
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
 
-    def write(self, step: int, states: dict, behind: frozenset[int] = frozenset()) -> None:
-        """Snapshot ``states`` as they are after ``step`` committed steps.
+    def write(self, step: int, states: dict, behind: frozenset[int] = frozenset()) -> bool:
+        """Snapshot ``states`` as they are after ``step`` committed steps; False when the node's shared
+        memory had no room for it (said once, and again once snapshots resume; the last one stays).
 
         Tensors whose ``data_ptr()`` is in ``behind`` are copied by a thread while training goes on: the
         caller makes sure nothing changes them before :meth:`wait_copied` returns (the parameters and
@@ -98,11 +102,9 @@ class SnapshotWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while the agent copies this file (a memory copy)
             os.pwrite(fd, header.pack(), 0)  # unfinished, before anything else changes
-            if os.fstat(fd).st_size != header.total:
-                os.ftruncate(fd, header.total)
-                # every page now (they stay the file's): shared memory running out is an error here,
-                # not a SIGBUS in the copy
-                os.posix_fallocate(fd, 0, header.total)
+            if os.fstat(fd).st_size != header.total and not self._allocate(fd, header.total, step):
+                os.close(fd)
+                return False
             pages = mmap.mmap(fd, header.total)
             pages[HEADER_SIZE:HEADER_SIZE + len(layout.meta)] = layout.meta
             later = [i for i, t in enumerate(layout.tensors) if t.data_ptr() in behind]
@@ -117,6 +119,29 @@ class SnapshotWriter:
                                          name="ftrun-snapshot-commit", daemon=True)
         self._pending.start()
         self.blocked.append(time.perf_counter() - began)
+        if self._no_room_since is not None:
+            log.warning("rank %d: snapshots resumed at step %d (skipped since step %d for want of shared memory)",
+                        self.rank, step, self._no_room_since)
+            self._no_room_since = None
+        return True
+
+    def _allocate(self, fd: int, size: int, step: int) -> bool:
+        """Give the file ``size`` bytes with every page now (they stay the file's): shared memory running
+        out is found here, not as a SIGBUS in the copy. False, the file emptied, when there is no room."""
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM):
+                raise
+            os.ftruncate(fd, 0)  # what it got goes back to the others
+            if self._no_room_since is None:
+                self._no_room_since = step
+                log.error("rank %d: no room in %s for the snapshot of step %d (%s: %s); training goes on, and the "
+                          "last snapshot stays; free shared memory, or lower --snapshot-memory or --snapshot-replicas",
+                          self.rank, self.folder, step, size_text(size), e.strerror)
+            return False
 
     def wait_copied(self) -> None:
         """Until the tensors copied behind the training loop are in the file (the optimizer's step waits)."""

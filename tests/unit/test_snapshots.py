@@ -121,6 +121,36 @@ def test_a_snapshot_over_the_memory_share_is_a_clear_error(tmp_path):
     assert not os.path.exists(writer(tmp_path).paths[0])  # nothing half-written left
 
 
+@pytest.fixture
+def small_shared_memory(tmp_path):
+    """A 1 MiB tmpfs, as a /dev/shm that other programs have nearly filled."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_no_room_in_shared_memory_skips_the_snapshot_and_keeps_the_last(small_shared_memory, caplog):
+    write = writer(small_shared_memory, rank=1)
+    small, big = {"m": {"w": torch.full((1000,), 1.0)}}, {"m": {"w": torch.zeros(1 << 18)}}  # 1 MiB of data
+    assert write.write(1, small) and write.write(2, small)
+    write.wait()
+    assert not write.write(3, big) and not write.write(4, big)
+    assert [r.message for r in caplog.records].count(
+        "rank 1: no room in %s for the snapshot of step 3 (1.0 MiB: No space left on device); training goes on, and "
+        "the last snapshot stays; free shared memory, or lower --snapshot-memory or --snapshot-replicas"
+        % small_shared_memory) == 1, caplog.text  # once, not at every step
+    assert own_steps(str(small_shared_memory), 1) == [2]  # the one being replaced is gone, the newest stays
+    assert sum(os.path.getsize(p) for p in write.paths) < 64 << 10  # the failed file gave its pages back
+    assert write.write(5, small)
+    write.wait()
+    assert own_steps(str(small_shared_memory), 1) == [5, 2] and same(load_own(str(small_shared_memory), 1, 5), small)
+    assert "rank 1: snapshots resumed at step 5 (skipped since step 3 for want of shared memory)" in caplog.text
+
+
 # -- a rank's two files --------------------------------------------------------------------------------
 
 
