@@ -48,6 +48,9 @@ IDLE_TICK = 0.05
 HEARTBEAT_INTERVAL = 0.5
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
+#: with snapshots, how often (seconds) the controller reads what the nodes hold: for the status's restorable
+#: step and for the checkpoint events (a plan over every node's copies is not for every keepalive of a big job)
+SAVED_EVERY = 2.0
 PROCESS_PHASES = (Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
 
 
@@ -125,6 +128,9 @@ class Controller:
         self._checkpointed = -1
         #: the copies ranks found damaged while restoring (RestoreSource.identity; None for a forged report)
         self._damaged: list[tuple | None] = []
+        #: the status's restorable and checkpoint steps, and when to look at the nodes' copies again
+        self._saved: dict = {}
+        self._next_saved = 0.0
         self.view: JobView | None = None
         #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
         self.events = events or EventLog()
@@ -249,17 +255,18 @@ class Controller:
                          recovery=view.recovery.value, max_restarts=view.max_restarts)
         self.store.set_text(job_entry(self.store.add(JOBS_COUNT) - 1), self.keys.run_id)
 
-    def _refresh_status(self) -> None:
-        inventories = self._inventories() if self.snapshots.every else []
-        if self.snapshots.checkpoint_dir:
-            self._note_checkpoints(inventories)
-        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since, self._saved(inventories))
+    def _refresh_status(self, final: bool = False) -> None:
+        if self.snapshots.every and (final or time.monotonic() >= self._next_saved):
+            self._next_saved = time.monotonic() + SAVED_EVERY
+            inventories = self._inventories()
+            if self.snapshots.checkpoint_dir:
+                self._note_checkpoints(inventories)
+            self._saved = self._restorable(inventories)
+        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since, self._saved)
         self.store.set_text(self.keys.status, json.dumps(snapshot, separators=(",", ":")))
 
-    def _saved(self, inventories: list[SnapshotInventory]) -> dict:
-        """With snapshots: the step a job-level restart would restore now, and the newest checkpoint on disk."""
-        if not self.snapshots.every:
-            return {}
+    def _restorable(self, inventories: list[SnapshotInventory]) -> dict:
+        """The step a job-level restart would restore now, and the newest checkpoint on disk."""
         plan = choose_restore(self.view.generation, inventories, self.view.world_size, {}, frozenset(self._damaged))
         return {"restorable_step": plan.step if plan.step >= 0 else None,
                 "checkpoint_step": self._checkpointed if self._checkpointed >= 0 else None}
@@ -590,7 +597,7 @@ class Controller:
 
     def _job_finished(self, view: JobView) -> None:
         try:
-            self._refresh_status()  # the final step
+            self._refresh_status(final=True)  # the final step, and the last checkpoints
             self.store.set_text(self.keys.status_final, "1")  # wakes the watchers before the store goes
         except StoreUnavailable:
             pass
