@@ -31,6 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ftrun_status(endpoint: str, *args: str, into: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+    """``ftrun status`` of the job at ``endpoint``, its output in pipes; a watcher's in ``into``.out and
+    ``into``.err instead, since nobody reads a pipe while the job runs (a full one would stop it printing)."""
+    if into is None:
+        streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    else:
+        streams = {"stdout": open(f"{into}.out", "w"), "stderr": open(f"{into}.err", "w")}
+    try:
+        return subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", endpoint, *args],
+                                text=True, env=env, **streams)
+    finally:
+        if into is not None:
+            for stream in streams.values():
+                stream.close()
+
+
 def marked_processes(mark: str) -> list[psutil.Process]:
     """Processes (of any parent) whose environment carries this test's mark."""
     found = []

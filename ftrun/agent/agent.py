@@ -544,7 +544,7 @@ class Agent:
 
     def _snapshots_after_stop(self) -> None:
         """Ranks stopped: their snapshots are final. Check each one's sum, so that the controller's
-        restore skips a damaged one, and (--save-on-failure) write the newest to disk."""
+        restore skips a damaged one, and (--save-on-failure) write them to disk."""
         self._publish_inventory(verify=True)
         self._save_on_failure()
 

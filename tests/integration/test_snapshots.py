@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import WORKERS, free_port, wait_for
+from tests.conftest import WORKERS, free_port, ftrun_status, wait_for
 
 sys.path.insert(0, str(WORKERS))
 from snapshot_train import reference  # noqa: E402
@@ -57,19 +57,8 @@ def restore_events(launcher) -> list[dict]:
     return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "restore"]
 
 
-def status(endpoint: str, *args: str, into: Path | None = None) -> subprocess.Popen:
-    """``ftrun status --json`` of the job at ``endpoint``, its output into a file or a pipe."""
-    out = open(into, "w") if into else subprocess.PIPE
-    try:
-        return subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", endpoint, "--json", *args],
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
-    finally:
-        if into:
-            out.close()
-
-
 def status_is_up(endpoint: str) -> bool:
-    once = status(endpoint)
+    once = ftrun_status(endpoint)
     once.communicate(timeout=60)
     return once.returncode == 0
 
@@ -151,8 +140,8 @@ def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
     nodes = [launcher.start([*flags, "--local-addr", f"127.0.0.{i + 2}", SCRIPT], env=env) for i in range(3)]
     victim = wait_for(lambda: [n for n in nodes if "node 1 of 2," in n.output], timeout=120, what="node 1")[0]
     wait_for(lambda: status_is_up(endpoint), timeout=60, what="the job's status")
-    watched = launcher.tmp / "status.jsonl"
-    watcher = status(endpoint, "--watch", "--interval", "0.2", into=watched)
+    watched = launcher.tmp / "status"
+    watcher = ftrun_status(endpoint, "--watch", "--json", "--interval", "0.2", into=watched)
     try:
         ran = launcher.out_dir / "ran-rank2"
         wait_for(lambda: ran.exists() and len(ran.read_text().splitlines()) >= 14, timeout=120, what="step 14")
@@ -160,11 +149,11 @@ def test_lost_node_shards_come_back_from_the_peer_replica(launcher):
         victim.proc.send_signal(signal.SIGKILL)
         others = [n for n in nodes if n is not victim]
         assert launcher.wait(others) == [0, 0], launcher.output()
-        assert watcher.wait(timeout=60) == 0, watched.read_text()
+        assert watcher.wait(timeout=60) == 0, Path(f"{watched}.err").read_text()
     finally:
         watcher.kill()
     # ftrun status said where a restart would resume: by step 14, the snapshots of step 12 were held everywhere
-    restorable = [json.loads(line)["restorable_step"] for line in watched.read_text().splitlines()]
+    restorable = [json.loads(line)["restorable_step"] for line in Path(f"{watched}.out").read_text().splitlines()]
     assert max(r for r in restorable if r is not None) >= 12, restorable
     wait_for(lambda: not Path(folder).exists(), timeout=10, what="the guardian to remove the lost agent's memory")
     (event,) = restore_events(launcher)

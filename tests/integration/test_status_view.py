@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.events import KINDS, REQUIRED
-from tests.conftest import JOB_DEADLINE, WORKERS, Launcher, free_port, marked_processes
+from tests.conftest import JOB_DEADLINE, WORKERS, Launcher, free_port, ftrun_status, marked_processes
 
 pytestmark = pytest.mark.integration
 STEPS = 40
@@ -136,19 +136,7 @@ def read_text(path: Path) -> str:
 
 
 def status(port: int, *args: str, into: Path | None = None) -> subprocess.Popen:
-    """``ftrun status``; a watcher writes ``into``.out and .err, since nobody reads a pipe while the job runs
-    (a full pipe would stop it printing until the job had gone)."""
-    if into is None:
-        streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-    else:
-        streams = {"stdout": open(f"{into}.out", "w"), "stderr": open(f"{into}.err", "w")}
-    try:
-        return subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", *args],
-                                text=True, env=dict(os.environ, COLUMNS=str(COLUMNS)), **streams)
-    finally:
-        if into is not None:
-            for stream in streams.values():
-                stream.close()
+    return ftrun_status(f"127.0.0.1:{port}", *args, into=into, env=dict(os.environ, COLUMNS=str(COLUMNS)))
 
 
 def test_the_job_recovers(watched):

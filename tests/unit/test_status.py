@@ -8,8 +8,6 @@ import os
 import re
 import select
 import stat
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
@@ -22,6 +20,7 @@ from ftrun.keys import JobKeys
 from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure
 from ftrun.status import StatusView, live_wanted, plain_line, render
 from ftrun.store import ControlStore
+from tests.conftest import ftrun_status
 
 KEYS = JobKeys("job1")
 NODES = {0: NodeSlot(0, "a0", "host-a", 2, 0), 1: NodeSlot(1, "a1", "host-b", 2, 2)}
@@ -164,9 +163,7 @@ def test_a_watcher_wakes_for_the_end_of_the_job(store):
     """``ftrun status --watch`` waits on the store between reads, so the job's end wakes it even with a long
     --interval, and it prints the last state before the store goes with the job."""
     store.set_text(KEYS.status, json.dumps(example()))
-    watcher = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--rdzv-endpoint", f"127.0.0.1:{store.endpoint.port}",
-                                "--run-id", "job1", "--watch", "--json", "--interval", "600"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watcher = ftrun_status(f"127.0.0.1:{store.endpoint.port}", "--run-id", "job1", "--watch", "--json", "--interval", "600")
     try:
         ready, _, _ = select.select([watcher.stdout], [], [], 60)
         assert ready, "the watcher printed nothing"
