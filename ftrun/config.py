@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -122,6 +123,16 @@ class LaunchConfig:
     token: bytes = field(default=b"", repr=False)
     #: in-memory snapshots, their peer replicas and their persistence (--snapshot-every and the rest)
     snapshots: SnapshotOptions = field(default_factory=SnapshotOptions)
+    #: --signals-to-handle: signals that stop the job, each reaching the workers before the SIGKILL
+    signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    #: --virtual-local-rank: every worker sees LOCAL_RANK 0 and only its own device
+    virtual_local_rank: bool = False
+    #: --numa-binding: how workers are bound to the CPUs near their device ("" = not bound)
+    numa_binding: str = ""
+    #: --duplicate-stdout-filters / --duplicate-stderr-filters: lines holding any of these words are also
+    #: copied to the attempt's filtered_stdout.log / filtered_stderr.log
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
     def script(self) -> str:
@@ -403,6 +414,33 @@ def whole_number(value: Any, flag: str, minimum: int = 0, maximum: int | None = 
 
 #: --status: the controller's display (ftrun.status)
 STATUS_MODES = ("auto", "live", "plain", "off")
+#: --numa-binding: torchrun's modes (torch/numa/binding.py), ftrun.agent.numa says what each binds
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+#: torchrun's default --signals-to-handle
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def parse_signals(text: Any) -> tuple[int, ...]:
+    """``--signals-to-handle SIGTERM,SIGUSR1`` (also ``USR1`` or a number), in the order given."""
+    found: list[int] = []
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else f"SIG{item.upper()}"
+        try:
+            number = signal.Signals(int(item)) if item.isascii() and item.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise UsageError(f"--signals-to-handle: '{item}' is not a signal name (SIGUSR1, SIGTERM, ...)") from None
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle: {number.name} cannot be caught, so it cannot be forwarded")
+        if number not in found:
+            found.append(number)
+    return tuple(found)
+
+
+def parse_filters(text: Any) -> tuple[str, ...]:
+    """torchrun's ``--duplicate-*-filters a,b``: words, a doubled comma standing for a comma."""
+    placeholder = "\0"
+    items = str(text or "").replace(",,", placeholder).split(",")
+    return tuple(item.replace(placeholder, ",") for item in items if item)
 
 
 def choice(value: Any, choices: tuple[str, ...], flag: str) -> str:
@@ -498,6 +536,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     if "is_host" in rdzv_conf:
         is_host = rdzv_conf["is_host"].lower() in ("1", "true", "yes")
 
+    if raw.get("start_method"):  # accepted and unused (the CLI says so), but a typo is still one
+        choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")
     recovery = choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery")
     if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
         rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
@@ -541,6 +581,11 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),
         token=read_token(str(raw["token_file"])) if raw.get("token_file") else b"",
         snapshots=snapshot_options(raw),
+        signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
+        virtual_local_rank=switch(raw, "virtual_local_rank"),
+        numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
+        duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
+        duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),
         **device_options(raw),
     )
 

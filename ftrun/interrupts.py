@@ -1,4 +1,5 @@
-"""SIGINT and SIGTERM for a long-running ftrun process (an agent, a head node).
+"""SIGINT and SIGTERM (and --signals-to-handle's others) for a long-running ftrun process (an agent,
+a head node).
 
 The first asks for a clean stop, which the process's loop notices; a second one stops waiting for
 anyone (KeyboardInterrupt) and leaves at once.
@@ -19,8 +20,9 @@ class Interrupts:
         #: set with it, for waits that should end early
         self.event = threading.Event()
 
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+    def install(self, also: tuple[int, ...] = ()) -> None:
+        """Catch SIGINT, SIGTERM and the signals in ``also`` (--signals-to-handle)."""
+        for sig in dict.fromkeys((signal.SIGINT, signal.SIGTERM, *also)):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -41,6 +43,14 @@ class Interrupts:
     @property
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else ""
+
+    @property
+    def worker_signal(self) -> int:
+        """What the workers get first when this stop ends them: the signal itself when it is one the
+        user asked to forward (SIGUSR1 before a Slurm pre-emption), else SIGTERM as always."""
+        if self.signal is None or self.signal in (signal.SIGINT, signal.SIGTERM):
+            return signal.SIGTERM
+        return self.signal
 
     @property
     def exit_code(self) -> int:

@@ -114,7 +114,7 @@ class Agent:
     # -- signals -----------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        self.interrupts.install()
+        self.interrupts.install(self.config.signals_to_handle)
 
     def watch_session(self) -> None:
         """Started by a head node over ssh: when that session closes (end of input), stop as on SIGTERM."""
@@ -278,7 +278,8 @@ class Agent:
             path = os.path.join(config.log_dir, config.run_id, f"node{self.slot.node_rank}")
             private_dirs(path)
             return path
-        if config.redirects.default or config.redirects.per_rank or config.tee.default or config.tee.per_rank:
+        if (config.redirects.default or config.redirects.per_rank or config.tee.default or config.tee.per_rank
+                or config.duplicate_stdout_filters or config.duplicate_stderr_filters):
             path = tempfile.mkdtemp(prefix=f"ftrun-{config.run_id}-")  # kept: the user asked for these files
             log.info("worker logs in %s (set --log-dir to choose)", path)
             return path
@@ -343,6 +344,7 @@ class Agent:
                 self._retry_pending(group)
                 if self.interrupts.requested and interrupted_at is None:
                     interrupted_at = now
+                    group.stop_signal = self.interrupts.worker_signal
                     self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
                                  detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
                 if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
@@ -426,9 +428,9 @@ class Agent:
             raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} for {self.config.node_timeout:g}s")
         return last
 
-    def _placement(self, local_rank: int, device_env=()) -> WorkerPlacement:
+    def _placement(self, local_rank: int, device_env=(), cpus: tuple[int, ...] = ()) -> WorkerPlacement:
         group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.slot.node_rank)
-        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env)
+        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env, cpus)
 
     def _refresh_layout(self) -> bool:
         """Read who holds which node now (before a generation starts); False when this agent holds
@@ -451,7 +453,9 @@ class Agent:
         except NoDevice as e:
             self._wait_for_device(command, tuple(range(self.slot.nproc)), e)
             return
-        placements = [self._placement(i, self.devices.env(slots.get(i))) for i in range(self.slot.nproc)]
+        cpus = self.devices.binding()
+        placements = [self._placement(i, self.devices.env(slots.get(i)), cpus.get(i, ()))
+                      for i in range(self.slot.nproc)]
         self._pending = None
         group.start(placements, self._generation_env(command))
         for worker in group.workers:
@@ -467,7 +471,8 @@ class Agent:
             except NoDevice as e:
                 self._wait_for_device(command, local_ranks[done:], e)
                 return
-            group.respawn(self._placement(local_rank, self.devices.env(slot)), gen)
+            cpus = self.devices.binding().get(local_rank, ())
+            group.respawn(self._placement(local_rank, self.devices.env(slot), cpus), gen)
             self._started(group.workers[local_rank])
         self._pending = None
         group.fill_standbys()

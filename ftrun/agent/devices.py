@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ftrun.agent.health import ACTIONS, REPAIR_LEVELS, DeviceEvent, DeviceWatch, HealthMonitor
+from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
 from ftrun.messages import DeviceRecord, DeviceState
 from ftrun.config import LaunchConfig
@@ -54,6 +55,10 @@ class NodeDevices:
         self._resets: queue.SimpleQueue[ResetDone] = queue.SimpleQueue()
         #: devices to reset as soon as none of the node's running ranks is on them
         self._due: set[int] = set()
+        #: --numa-binding's mode ("" = off), the devices' CPU affinities and the host's CPUs
+        self.numa_mode = ""
+        self._affinity: dict[int, frozenset[int]] = {}
+        self._host: HostCpus | None = None
 
     @classmethod
     def open(cls, config: LaunchConfig, table: FaultTable) -> "NodeDevices":
@@ -81,7 +86,30 @@ class NodeDevices:
         if devices:
             log.info("%s devices %s; health polled every %gs", backend.kind, ",".join(map(str, devices)),
                      config.health_interval)
-        return cls(backend, table, devices, config.health_interval, options.reset_timeout)
+        node = cls(backend, table, devices, config.health_interval, options.reset_timeout)
+        if config.numa_binding:
+            node.read_affinity(config.numa_binding)
+        return node
+
+    def read_affinity(self, mode: str) -> None:
+        """Learn the CPUs near each device for --numa-binding ``mode``; without devices or a
+        topology, say once that the workers are not bound."""
+        cpu_affinity = getattr(self.backend, "cpu_affinity", None)
+        if self.allocator is None or cpu_affinity is None:
+            log.info("--numa-binding %s: no %s devices to bind near; workers are not bound", mode, self.backend.kind)
+            return
+        try:
+            self._affinity = cpu_affinity()
+        except DeviceToolError as e:
+            log.warning("--numa-binding %s: no CPU affinity for the devices (%s); workers are not bound", mode, e)
+            return
+        self.numa_mode, self._host = mode, HostCpus.read()
+
+    def binding(self) -> dict[int, tuple[int, ...]]:
+        """Local rank -> the CPUs it is bound to (--numa-binding), for the ranks on devices now."""
+        if not self.numa_mode or self._host is None:
+            return {}
+        return bind_ranks(self.numa_mode, self.assigned, self._affinity, self._host)
 
     def start(self) -> None:
         if self.monitor is not None:

@@ -19,8 +19,11 @@ class StreamPump:
     """Copies one worker pipe line by line, in a named thread, until the pipe closes."""
 
     def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes, file_path: str | None,
-                 console_only: bytes = b""):
+                 console_only: bytes = b"", filtered: FilteredCopy | None = None, file_prefix: bytes = b""):
         self._pipe = pipe
+        #: --duplicate-*-filters: lines holding a filter word are copied there too, prefixed
+        self._filtered = filtered
+        self._file_prefix = file_prefix
         self._console = console
         self._prefix = prefix
         #: only lines that start with this reach the console (all of them reach the file)
@@ -40,6 +43,8 @@ class StreamPump:
                 if self._file:
                     self._file.write(line)
                     self._file.flush()
+                if self._filtered is not None:
+                    self._filtered.offer(self._file_prefix + line)
                 if self._console is not None and line.startswith(self._console_only):
                     with _console_lock:
                         self._console.write(self._prefix + line)
@@ -54,6 +59,32 @@ class StreamPump:
     def drain(self, timeout: float) -> None:
         """Wait for the rest of the output after the worker exited (bounded: grandchildren may hold the pipe)."""
         self._thread.join(timeout)
+
+
+class FilteredCopy:
+    """One file that the lines of several ranks' streams holding any of ``words`` are copied to
+    (torchrun's ``--duplicate-stdout-filters``: ``attempt_<n>/filtered_stdout.log``)."""
+
+    def __init__(self, path: str, words: tuple[str, ...]):
+        self.path = path
+        self._words = tuple(word.encode() for word in words)
+        self._lock = threading.Lock()
+        self._file: IO[bytes] | None = None
+
+    def offer(self, line: bytes) -> None:
+        if not any(word in line for word in self._words):
+            return
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "ab")
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 class ConsoleStream:

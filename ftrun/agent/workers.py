@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from ftrun.agent import standby
-from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump, rank_log_paths
+from ftrun.agent.numa import bind_process
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
@@ -38,7 +39,13 @@ class ProcessOps:
             close_fds=True,
         )
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, stdin=subprocess.DEVNULL,
+              cpus: tuple[int, ...] = ()) -> subprocess.Popen:
+        def before_exec() -> None:
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # before exec: every thread the worker starts inherits it
+
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -47,7 +54,7 @@ class ProcessOps:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # own process group: a stop reaches its grandchildren too
-            preexec_fn=die_with_parent,
+            preexec_fn=before_exec,
         )
         self._tell_guardian(f"+{proc.pid}")
         return proc
@@ -95,6 +102,8 @@ class WorkerPlacement:
     host: str
     #: the device's variables for this worker (visibility, FTRUN_DEVICE, FTRUN_DEVICE_INDEX); none on CPU
     device_env: tuple[tuple[str, str], ...] = ()
+    #: the CPUs it is bound to (--numa-binding); () = not bound
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass
@@ -148,6 +157,11 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self.warm_standbys = warm_standbys if standby.can_run(config.entrypoint) else 0
         self.standbys: list[subprocess.Popen] = []
+        #: what stop() sends first: SIGTERM, or the signal that stopped the agent when the user asked
+        #: for it to be forwarded (--signals-to-handle)
+        self.stop_signal: int = signal.SIGTERM
+        #: (generation, stream name) -> the attempt's filtered copy (--duplicate-*-filters)
+        self._filtered: dict[tuple[int, str], FilteredCopy] = {}
 
     def fill_standbys(self) -> None:
         """Start standbys up to the wanted number (they import torch in the background)."""
@@ -165,11 +179,13 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
-        proc = self._take_standby(argv, env) or self.ops.spawn(argv, env)
+        proc = self._take_standby(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
         local = placement.local_rank
         redirected = self.config.redirects.for_rank(local)
         teed = self.config.tee.for_rank(local)
         shown = self.config.local_ranks_filter is None or local in self.config.local_ranks_filter
+
+        prefix = f"[rank {placement.rank}]: ".encode()
 
         def pump(pipe, which: int, name: str) -> StreamPump:
             on_console = shown and (not redirected & which or teed & which)
@@ -177,8 +193,10 @@ class WorkerGroup:
                 pipe,
                 f"ftrun-{name}-rank{placement.rank}",
                 ConsoleStream(which) if on_console else None,
-                f"[rank {placement.rank}]: ".encode() if teed & which or self.config.head_managed else b"",
+                prefix if teed & which or self.config.head_managed else b"",
                 paths[name] if (redirected | teed) & which else None,
+                filtered=self._filtered_copy(gen.generation, name),
+                file_prefix=prefix,
             )
 
         return Worker(
@@ -186,9 +204,22 @@ class WorkerGroup:
             paths["error"],
         )
 
-    def _take_standby(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+    def _filtered_copy(self, generation: int, name: str) -> FilteredCopy | None:
+        """The attempt's filtered_stdout.log or filtered_stderr.log, shared by the node's ranks."""
+        words = self.config.duplicate_stdout_filters if name == "stdout" else self.config.duplicate_stderr_filters
+        if not words:
+            return None
+        key = (generation, name)
+        if key not in self._filtered:
+            folder = os.path.join(self.log_dir, f"attempt_{generation}")
+            self._filtered[key] = FilteredCopy(os.path.join(folder, f"filtered_{name}.log"), words)
+        return self._filtered[key]
+
+    def _take_standby(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] = ()) -> subprocess.Popen | None:
         while self.standbys:
             proc = self.standbys.pop(0)
+            if cpus:
+                bind_process(proc.pid, cpus)
             try:
                 proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n")
                 proc.stdin.close()
@@ -245,11 +276,12 @@ class WorkerGroup:
         return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
 
     def stop(self, timeout: float) -> None:
-        """SIGTERM every running worker's group, SIGKILL what is left after ``timeout``, reap all."""
+        """SIGTERM (or ``stop_signal``) every running worker's group, SIGKILL what is left after
+        ``timeout``, reap all."""
         self._stop_standbys()
         alive = self.running
         for worker in alive:
-            self.ops.signal_group(worker.pid, signal.SIGTERM)
+            self.ops.signal_group(worker.pid, self.stop_signal)
         deadline = time.monotonic() + timeout
         while alive and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -260,6 +292,8 @@ class WorkerGroup:
             worker.proc.wait()
             worker.returncode = worker.proc.returncode
             self._clear_group(worker)
+        for copy in self._filtered.values():
+            copy.close()  # a line still on its way opens it again
 
     def _stop_standbys(self) -> None:
         for proc in self.standbys:
@@ -366,6 +400,19 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
     env.update(gen.rank_tables)
     env.update(gen.snapshot_env)
     env.update(placement.device_env)
+    if config.virtual_local_rank:
+        env.update(LOCAL_RANK="0", **dict(own_device_only(placement.device_env)))
     return env
+
+
+def own_device_only(device_env: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """--virtual-local-rank: the device variables narrowed to the rank's own device, which the worker
+    then sees as device 0 (torchrun's rule, for CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES
+    alike). Without a device assigned there is nothing to narrow."""
+    values = dict(device_env)
+    if "FTRUN_DEVICE" not in values:
+        return ()
+    narrowed = {name: values["FTRUN_DEVICE"] for name in values if name.endswith("_VISIBLE_DEVICES")}
+    return (*narrowed.items(), ("FTRUN_DEVICE_INDEX", "0"))
 
 

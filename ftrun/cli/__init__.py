@@ -12,7 +12,7 @@ import time
 import click
 
 from ftrun.cli.console import ConsoleLogHandler, abort, say
-from ftrun.cli.launch import GroupedCommand, launch_options, merge_config
+from ftrun.cli.launch import GroupedCommand, accepted_only_notes, launch_options, merge_config
 from ftrun.errors import ExitCode, FtrunError
 
 HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for torchrun.
@@ -72,6 +72,8 @@ def run_launch(values: dict) -> int:
     from ftrun.cli import cluster
     from ftrun.config import build_launch_config
 
+    for note in accepted_only_notes(values):
+        say(f"ftrun: {note}")
     try:
         values = cluster.apply_slurm(values)
         if values.get("print_hosts"):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from ftrun import __version__
-from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
+from ftrun.config import (
+    DEFAULT_SIGNALS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file,
+)
 from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
@@ -129,7 +131,14 @@ def launch_options(fn):
         option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
                help="Seconds without an agent's keepalive before its node counts as lost."),
         option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
-               help="Seconds between SIGTERM and SIGKILL when stopping workers."),
+               help="Seconds between SIGTERM and SIGKILL when stopping workers (alias: --shutdown-timeout)."),
+        option("shutdown-timeout", group=RECOVERY, type=float, default=None,
+               envvar=["PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
+               help="Same as --stop-timeout (torchrun's name; also TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."),
+        option("signals-to-handle", group=RECOVERY, default=DEFAULT_SIGNALS, show_default=True,
+               help="Signals that stop the job, comma-separated. SIGINT and SIGTERM always do, and the "
+                    "workers get SIGTERM; the workers get any other listed signal itself (SIGUSR1 for a Slurm "
+                    "pre-emption), then SIGKILL after --stop-timeout."),
         option("repair-timeout", group=RECOVERY, type=float, default=60.0, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
@@ -174,18 +183,36 @@ def launch_options(fn):
                     "rank table, where hccn_tool is not installed."),
         option("devices", group=DEVICES, default="",
                help="Only these device ids on this node (0,2,3), as npu-smi or nvidia-smi number them."),
+        option("numa-binding", group=DEVICES, type=click.Choice(NUMA_MODES), default=None,
+               help="Bind each worker to the CPUs near its device (npu-smi or nvidia-smi topology): node (the "
+                    "device's NUMA node), socket, exclusive (the node's CPUs shared out among its devices' "
+                    "workers) or core-complex (one L3 cache group)."),
+        option("virtual-local-rank", group=DEVICES, is_flag=True,
+               help="Every worker sees LOCAL_RANK 0 and only its own device (CUDA_VISIBLE_DEVICES or "
+                    "ASCEND_RT_VISIBLE_DEVICES narrowed to it)."),
         option("preflight", group=DEVICES, is_flag=True,
                help="Check every node's devices (as ftrun probe) before training; an unusable device stops the job."),
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),
         option("role", group=WORKER, default="default", show_default=True, help="Role name given to the workers."),
+        option("start-method", group=WORKER, type=click.Choice(("spawn", "fork", "forkserver")), default=None,
+               help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or a warm standby)."),
         option("log-dir", group=LOGS, default="", help="Folder for per-rank logs and error files."),
         option("redirects", group=LOGS, short="-r", default="0", show_default=True,
                help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),
         option("tee", group=LOGS, short="-t", default="0", show_default=True,
                help="Copy streams to log files too, lines prefixed [rank N] on the console; values as -r."),
         option("local-ranks-filter", group=LOGS, default="", help="Show only these local ranks' output on the console (0,1)."),
+        option("duplicate-stdout-filters", group=LOGS, default="",
+               help="Also copy workers' stdout lines that hold any of these words (a,b; ',,' for a comma) to "
+                    "filtered_stdout.log in the attempt's log folder."),
+        option("duplicate-stderr-filters", group=LOGS, default="",
+               help="The same for stderr, into filtered_stderr.log."),
+        option("logs-specs", group=LOGS, default="",
+               help="Accepted for torchrun's scripts: ftrun has no LogsSpecs plugins (see --log-dir, --tee)."),
+        option("event-log-handler", group=LOGS, default="",
+               help="Accepted for torchrun's scripts: ftrun writes its events to LOG_DIR/RUN_ID/events.jsonl."),
         option("status", group=LOGS, default="auto", show_default=True,
                help="The job's status where the controller runs: live (a view redrawn in place), plain (log "
                     "lines and a progress line every 30s), off, or auto (live on a terminal, else plain)."),
@@ -203,7 +230,21 @@ def launch_options(fn):
 #: options a config file may not set (they select the file or are handled by click)
 NOT_IN_CONFIG = {"config", "ssh_agent"}
 #: second names of one option: alias -> the option it sets
-ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts"}
+ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts", "shutdown_timeout": "stop_timeout"}
+#: torchrun's flags that mean nothing to ftrun: accepted, with one line saying what ftrun does instead
+ACCEPTED_ONLY = {
+    "start_method": "--start-method has no effect: ftrun starts each worker as a fresh interpreter "
+                    "(or hands it to a warm standby)",
+    "logs_specs": "--logs-specs has no effect: ftrun has no LogsSpecs plugins; its logs follow --log-dir, "
+                  "--tee and --redirects",
+    "event_log_handler": "--event-log-handler has no effect: ftrun writes its events to events.jsonl in "
+                         "the job's log folder (ftrun report reads it)",
+}
+
+
+def accepted_only_notes(values: dict) -> list[str]:
+    """One line for each torchrun flag given that ftrun accepts but does not use."""
+    return [text for name, text in ACCEPTED_ONLY.items() if values.get(name)]
 
 
 def merge_config(ctx: click.Context, params: dict) -> dict:
@@ -269,7 +310,7 @@ HEAD_ONLY = frozenset({
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
     "print_hosts", "dry_run", "ssh_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
     "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
-    "spares", "store_bind", "token_file",
+    "spares", "store_bind", "token_file", "start_method", "logs_specs", "event_log_handler",
 })
 
 

@@ -25,6 +25,7 @@ import re
 from typing import Mapping, Sequence
 
 from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
+from ftrun.devices.topology import parse_affinity_matrix
 from ftrun.devices.tool import run_tool
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,14 @@ class CudaBackend:
     def poll(self) -> list[DeviceStatus]:
         """Every GPU's health now. Raises DeviceToolError."""
         return self._statuses(polling=True)
+
+    def cpu_affinity(self) -> dict[int, frozenset[int]]:
+        """GPU index -> the CPUs near it, from ``nvidia-smi topo -m``. Raises DeviceToolError."""
+        code, out, err = self._run([self.options.nvidia_smi, "topo", "-m"])
+        if code != 0:
+            first = (err.strip() or out.strip()).splitlines()[:1]
+            raise DeviceToolError(f"nvidia-smi topo -m exited with {code}" + (f": {first[0][:200]}" if first else ""))
+        return parse_affinity_matrix(out, "GPU")
 
     # -- shared ---------------------------------------------------------------------------------------
 

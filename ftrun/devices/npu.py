@@ -13,6 +13,7 @@ import shutil
 from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
 from ftrun.devices import npu_smi
 from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
+from ftrun.devices.topology import parse_affinity_matrix
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,14 @@ class NpuBackend:
             raise DeviceToolError(f"no NPU chip with logic id {index}")
         NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(
             "set", "-t", "reset", "-i", str(key[0]), "-c", str(key[1]), "-m", "1")
+
+    def cpu_affinity(self) -> dict[int, frozenset[int]]:
+        """Logic id -> the CPUs near it, from ``npu-smi info -t topo`` (each chip of an NPU gets the
+        NPU's row). Raises DeviceToolError."""
+        if self._chips is None:
+            self.discover()
+        by_npu = parse_affinity_matrix(self._smi.run("info", "-t", "topo"), "NPU")
+        return {device.index: by_npu[npu] for (npu, _), device in self._chips.items() if npu in by_npu}
 
     def physical_id(self, index: int) -> int:
         """The physical device id of logic id ``index`` (what hccn_tool and the HCCL rank table count in)."""

@@ -60,7 +60,7 @@ def sandbox(tmp_path, monkeypatch):
     monkeypatch.setattr(ftrun.cli.cluster, "Head", NoLaunch)
     saved_env = dict(os.environ)
     for name in list(os.environ):
-        if name.startswith(("PET_", "SLURM_", "FTRUN_")) or name == "MASTER_PORT":
+        if name.startswith(("PET_", "SLURM_", "FTRUN_")) or name in ("MASTER_PORT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
             del os.environ[name]
     logger = logging.getLogger("ftrun")
     saved_logger = (list(logger.handlers), logger.level, logger.propagate)
@@ -296,6 +296,18 @@ FLAGS = [
     ("no-python-missing-program", ["--no-python", "no-such-program-ftrun"], "--no-python"),
     ("no-python-not-executable", ["--no-python", "{tmp}/train.py"], "--no-python"),
     ("run-path-and-module", ["--run-path", "-m", "pkg"], "cannot be combined"),
+    ("start-method-word", ["--start-method", "thread", S], ("--start-method", "thread")),
+    ("numa-binding-word", ["--numa-binding", "cpu", S], ("--numa-binding", "cpu")),
+    ("numa-binding-empty", ["--numa-binding", "", S], "--numa-binding"),
+    ("signals-to-handle-unknown", ["--signals-to-handle", "SIGNOPE", S], ("--signals-to-handle", "SIGNOPE")),
+    ("signals-to-handle-sigkill", ["--signals-to-handle", "SIGTERM,SIGKILL", S], ("--signals-to-handle", "SIGKILL")),
+    ("signals-to-handle-number", ["--signals-to-handle", "999", S], ("--signals-to-handle", "999")),
+    ("signals-to-handle-non-utf8", ["--signals-to-handle", NON_UTF8, S], "--signals-to-handle"),
+    ("shutdown-timeout-word", ["--shutdown-timeout", "soon", S], ("--shutdown-timeout", "soon")),
+    ("shutdown-timeout-negative", ["--shutdown-timeout", "-1", S], ("timeout", "-1")),
+    ("shutdown-timeout-and-stop-timeout-differ", ["--shutdown-timeout", "3", "--stop-timeout", "4", S],
+     ("--shutdown-timeout 3", "--stop-timeout 4")),
+    ("virtual-local-rank-with-value", ["--virtual-local-rank=yes", S], "--virtual-local-rank"),
     ("flag-typo", ["--nnode", "2", S], "--nnode"),
     ("flag-without-value", ["--nnodes"], "--nnodes"),
     ("switch-with-value", ["--standalone=yes", S], "--standalone"),
@@ -441,7 +453,7 @@ SWITCHES = sorted(n for n, p in PARAMS.items() if getattr(p, "is_flag", False))
 LISTS = sorted(n for n, p in PARAMS.items() if getattr(p, "multiple", False) or p.nargs == -1)
 SINGLE = sorted(set(PARAMS) - set(SWITCHES) - set(LISTS))
 #: switches read when the job is built (print_hosts and dry_run act at once; see the report)
-CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"]
+CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone", "virtual_local_rank"]
 #: keys whose value is a count, a port, a duration, device ids or stream bits: 10**30 is wrong for each
 NUMBERS = ["checkpoint_every", "checkpoint_interval", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
            "keep_checkpoints", "master_port", "monitor_interval", "nnodes", "node_rank", "node_timeout",
@@ -536,6 +548,12 @@ ENVIRONMENT = [
     ("pet-max-restarts-negative", {"PET_MAX_RESTARTS": "-1"}, [], "--max-restarts"),
     ("pet-fault-retry-times-word", {"PET_FAULT_RETRY_TIMES": "many"}, [], "--fault-retry-times"),
     ("pet-max-restarts-and-flag-alias", {"PET_MAX_RESTARTS": "1"}, ["--fault-retry-times", "2"], "set one option"),
+    ("torch-elastic-shutdown-timeout-word", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, [], "--shutdown-timeout"),
+    ("torch-elastic-shutdown-timeout-and-flag", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}, ["--stop-timeout", "5"],
+     "set one option"),
+    ("pet-signals-to-handle-unknown", {"PET_SIGNALS_TO_HANDLE": "SIGTERM,NOPE"}, [], ("--signals-to-handle", "NOPE")),
+    ("pet-numa-binding-word", {"PET_NUMA_BINDING": "all"}, [], "--numa-binding"),
+    ("pet-start-method-word", {"PET_START_METHOD": "thread"}, [], "--start-method"),
     ("pet-monitor-interval-nan", {"PET_MONITOR_INTERVAL": "nan"}, [], "--monitor-interval"),
     ("pet-heartbeat-timeout-zero", {"PET_HEARTBEAT_TIMEOUT": "0"}, [], "--heartbeat-timeout"),
     ("pet-rdzv-endpoint-port-zero", {"PET_RDZV_ENDPOINT": "head:0"}, [], "--rdzv-endpoint"),

@@ -1,0 +1,67 @@
+"""torchrun 2.13's flags that change what workers see, in one small job: --numa-binding (against a
+stand-in npu-smi topology), --virtual-local-rank, --duplicate-stdout-filters and --signals-to-handle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, Launcher, wait_for
+
+pytestmark = pytest.mark.integration
+FAKES = ROOT / "tests" / "fakes"
+
+#: prints what it was given, one line kept by the filter and one not, then waits for SIGUSR1
+WORKER = """\
+import json, os, signal, sys, time
+rank = os.environ["RANK"]
+seen = {"cpus": sorted(os.sched_getaffinity(0)), "local_rank": os.environ["LOCAL_RANK"],
+        "visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "index": os.environ.get("FTRUN_DEVICE_INDEX")}
+print("KEEP " + json.dumps(seen), flush=True)
+print("drop this line", flush=True)
+
+def on_usr1(signum, frame):
+    print(f"rank {rank} got SIGUSR1", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGUSR1, on_usr1)
+time.sleep(120)
+"""
+
+
+def test_numa_binding_virtual_local_rank_filters_and_a_forwarded_signal(launcher: Launcher, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to tell the devices' CPUs apart")
+    # the stand-in topology: NPU 0 near the first CPU this test may use, NPU 1 near the others
+    near = {0: cpus[:1], 1: cpus[1:]}
+    state = tmp_path / "npu-smi.json"
+    state.write_text(json.dumps({"board": "A2", "mode": "normal", "npus": [
+        {"id": i, "name": "910B2", "cpu_affinity": ",".join(map(str, near[i])),
+         "chips": [{"id": 0, "logic_id": i, "health": "OK", "codes": [], "info": []}]} for i in (0, 1)]}))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = launcher.env(NPU_SMI_STATE=str(state))
+    env["PATH"] = os.pathsep.join([str(FAKES), os.path.dirname(sys.executable), env["PATH"]])
+    logs = tmp_path / "logs"
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--run-id", "flags", "--device", "npu",
+                           "--numa-binding", "node", "--virtual-local-rank", "--warm-standby", "0",
+                           "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "--log-dir", str(logs),
+                           "--duplicate-stdout-filters", "KEEP", "--monitor-interval", "0.05", str(script)], env=env)
+    filtered = logs / "flags" / "node0" / "attempt_0" / "filtered_stdout.log"
+    wait_for(lambda: filtered.exists() and filtered.read_text().count("KEEP") == 2, timeout=120,
+             what=f"both ranks' lines in {filtered}")
+    node.proc.send_signal(signal.SIGUSR1)
+    code = launcher.wait([node])[0]
+
+    assert code == 143, node.output  # stopped by a signal other than SIGINT: TERMINATED
+    lines = filtered.read_text().splitlines()
+    assert all(line.startswith(("[rank 0]: KEEP ", "[rank 1]: KEEP ")) for line in lines), lines
+    seen = {int(line[6]): json.loads(line.split("KEEP ", 1)[1]) for line in lines}
+    for rank in (0, 1):
+        assert seen[rank] == {"cpus": near[rank], "local_rank": "0", "visible": str(rank), "index": "0"}
+        assert f"rank {rank} got SIGUSR1" in node.output
