@@ -14,7 +14,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -23,6 +22,7 @@ import yaml
 
 from ftrun.auth import read_token
 from ftrun.errors import UsageError
+from ftrun.ports import PortRange, free_port, parse_port_range
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions, memory_root
 
@@ -123,6 +123,11 @@ class LaunchConfig:
     token: bytes = field(default=b"", repr=False)
     #: in-memory snapshots, their peer replicas and their persistence (--snapshot-every and the rest)
     snapshots: SnapshotOptions = field(default_factory=SnapshotOptions)
+    #: the static rendezvous (--master-addr/--master-port): each generation's worker store listens on this
+    #: port, so that workers see MASTER_PORT == --master-port (0: a fresh port per generation)
+    worker_port: int = 0
+    #: --worker-port-range: the ports ftrun opens itself (stores, snapshot servers); None: any free one
+    worker_port_range: PortRange | None = None
     #: --signals-to-handle: signals that stop the job, each reaching the workers before the SIGKILL
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     #: --virtual-local-rank: every worker sees LOCAL_RANK 0 and only its own device
@@ -450,12 +455,6 @@ def choice(value: Any, choices: tuple[str, ...], flag: str) -> str:
     return text
 
 
-def _find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def switch(raw: Mapping[str, Any], name: str) -> bool:
     """An on/off option: a flag gives a bool, and so must a config file (bool("no") is True)."""
     value = raw.get(name)
@@ -507,11 +506,13 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     run_id = str(raw.get("run_id") or "").strip()
     node_rank = whole_number(raw.get("node_rank", -1), "--node-rank", -1)
 
+    ports = parse_port_range(raw.get("worker_port_range"))
     is_host: bool | None = None
+    worker_port = 0
     if standalone:
         if max_nodes != 1:
             raise UsageError("--standalone runs a single node; drop --nnodes or set it to 1")
-        endpoint = Endpoint("localhost", _find_free_port())
+        endpoint = Endpoint("localhost", free_port(ports))
         run_id = run_id or uuid.uuid4().hex[:12]
         is_host = True
     elif raw.get("rdzv_endpoint"):
@@ -522,6 +523,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
         endpoint = Endpoint(check_address(str(raw.get("master_addr") or "127.0.0.1"), "--master-addr"), master_port)
         backend = "static" if max_nodes > 1 or backend == "static" else backend
+        worker_port = master_port  # the workers' MASTER_PORT, as under torchrun (ftrun.store._open_static)
         if max_nodes == 1:
             is_host = True
         elif backend == "static":
@@ -580,7 +582,9 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         status=choice(raw.get("status") or "auto", STATUS_MODES, "--status"),
         store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),
         token=read_token(str(raw["token_file"])) if raw.get("token_file") else b"",
-        snapshots=snapshot_options(raw),
+        snapshots=snapshot_options(raw, ports),
+        worker_port=worker_port,
+        worker_port_range=ports,
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         virtual_local_rank=switch(raw, "virtual_local_rank"),
         numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
@@ -626,7 +630,7 @@ def check_writable_folder(folder: str, flag: str) -> None:
         raise UsageError(f"{flag} {folder} cannot be created ({parent} is not a writable folder)")
 
 
-def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
+def snapshot_options(raw: Mapping[str, Any], ports: PortRange | None = None) -> SnapshotOptions:
     """The snapshot flags, checked against each other and against this node's shared memory."""
     every = whole_number(raw.get("snapshot_every") or 0, "--snapshot-every", maximum=MAX_COUNT)
     replicas = whole_number(raw.get("snapshot_replicas", 1), "--snapshot-replicas", maximum=MAX_COUNT)
@@ -657,7 +661,7 @@ def snapshot_options(raw: Mapping[str, Any]) -> SnapshotOptions:
         elif memory > free:
             raise UsageError(f"--snapshot-memory {size_text(memory)} is more than the {size_text(free)} free in {root}")
     return SnapshotOptions(every, replicas, replicate_every, memory, os.path.abspath(folder) if folder else "",
-                           checkpoint_every, keep, save_on_failure, interval)
+                           checkpoint_every, keep, save_on_failure, interval, ports)
 
 
 def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:

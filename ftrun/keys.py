@@ -155,6 +155,8 @@ class JobKeys:
 
 #: the run ids of the jobs a store has served, as a sequence (``ftrun status`` picks from them)
 JOBS_COUNT = "ftrun/jobs/count"
+#: in a static rendezvous's worker store (on --master-port): the port of the job's control store
+CONTROL_STORE = "ftrun/control_store"
 
 
 def job_entry(index: int) -> str:

@@ -20,7 +20,9 @@ import psutil
 from ftrun.auth import Forged, Signer
 from ftrun.config import Endpoint
 from ftrun.errors import RendezvousError, UsageError
+from ftrun.keys import CONTROL_STORE
 from ftrun.messages import from_json, to_json
+from ftrun.ports import PortRange, listen_in_range
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +53,8 @@ class ControlStore:
         self.is_host = is_host
         self.signer = signer or Signer()
         self._forged: set[str] = set()
+        #: the static rendezvous's first worker store, which the controller takes over (``_open_static``)
+        self.worker_store = None
 
     def counter(self, key: str) -> int:
         return self._call(self.raw.add, key, 0)
@@ -182,21 +186,29 @@ def host_store(endpoint: Endpoint, bind: str = "", several_nodes: bool = True):
     return _store_server(endpoint.host, bind_address(endpoint.host, bind, several_nodes), endpoint.port)
 
 
-def _store_server(host: str, address: str, port: int):
+def _store_server(host: str, address: str, port: int, ports: PortRange | None = None):
     """A TCPStore server on a socket of ftrun's own, bound to ``address`` (torch alone binds every
-    interface, and lets two servers on one machine both think they bound a port)."""
+    interface, and lets two servers on one machine both think they bound a port). Port 0: a free
+    one of ``ports`` (--worker-port-range), or any."""
     from torch.distributed import TCPStore
 
-    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((address, port))
-        listener.listen(LISTEN_BACKLOG)
+        if port == 0:
+            listener = listen_in_range(address, ports, LISTEN_BACKLOG)
+        else:
+            listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((address, port))
+                listener.listen(LISTEN_BACKLOG)
+            except OSError:
+                listener.close()
+                raise
     except OSError as e:
-        listener.close()
-        if e.errno == errno.EADDRINUSE:
+        if e.errno == errno.EADDRINUSE and port:
             return None
-        raise UsageError(f"cannot host the store on {address}:{port}: {e.strerror}") from None
+        raise UsageError(f"cannot host the store on {address}:{port or ports or 'a free port'}: "
+                         f"{e.strerror or e}") from None
     port = listener.getsockname()[1]
     try:  # the store owns the socket from here on
         return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT,
@@ -206,8 +218,13 @@ def _store_server(host: str, address: str, port: int):
 
 
 def open_control_store(endpoint: Endpoint, is_host: bool | None, timeout: float, signer: Signer | None = None,
-                       bind: str = "", several_nodes: bool = True) -> ControlStore:
-    """Host the job's store (``is_host`` True, or None and the port is free here) or join it."""
+                       bind: str = "", several_nodes: bool = True, worker_port: int = 0,
+                       ports: PortRange | None = None) -> ControlStore:
+    """Host the job's store (``is_host`` True, or None and the port is free here) or join it.
+    ``worker_port``: the static rendezvous, whose port belongs to the workers (``_open_static``)."""
+    if worker_port:
+        return _open_static(endpoint, bool(is_host), timeout, signer, bind_address(endpoint.host, bind, several_nodes),
+                            ports)
     wants_host = is_host if is_host is not None else is_local_host(endpoint.host)
     if wants_host:
         server = host_store(endpoint, bind, several_nodes)
@@ -217,6 +234,52 @@ def open_control_store(endpoint: Endpoint, is_host: bool | None, timeout: float,
         if is_host or not _is_store(endpoint):
             raise UsageError(f"port {endpoint.port} on {endpoint.host} is already in use by another program")
     return ControlStore(connect_store(endpoint, timeout), endpoint, is_host=False, signer=signer)
+
+
+def _open_static(endpoint: Endpoint, is_host: bool, timeout: float, signer: Signer | None, address: str,
+                 ports: PortRange | None) -> ControlStore:
+    """The static rendezvous (--master-addr/--master-port P): the workers must see MASTER_PORT P, as
+    under torchrun, since a firewall may open only P.
+
+    Why not the control store on P with each generation's worker keys under a prefix: a plain env://
+    script's TCPStore client (TORCHELASTIC_USE_AGENT_STORE) writes its keys unprefixed, so every
+    generation would read and write the same keys, the stale-key hang ftrun exists to avoid. So P
+    serves each generation's own worker store instead: the controller closes it and opens a fresh
+    one on P for the next generation once every worker of the old one is gone
+    (``start_worker_store``), and no generation ever reads another's keys. The control store moves
+    to a port of --worker-port-range (or any free one), which each worker store names under
+    ``CONTROL_STORE``: the other agents (and ``ftrun status``) reach P first and follow it there.
+    Generation 0's worker store is opened here, so that the others find it before any generation
+    starts; the controller takes it over (``worker_store``)."""
+    if is_host:
+        workers = _store_server(endpoint.host, address, endpoint.port)
+        if workers is None:
+            raise UsageError(f"port {endpoint.port} on {endpoint.host} is already in use by another program")
+        control = _store_server(endpoint.host, address, 0, ports)
+        workers.set(CONTROL_STORE, str(control.port))
+        store = ControlStore(control, Endpoint(endpoint.host, control.port), is_host=True, signer=signer)
+        store.worker_store = workers
+        return store
+    control_endpoint = follow_to_control_store(endpoint, timeout)
+    return ControlStore(connect_store(control_endpoint, timeout), control_endpoint, is_host=False, signer=signer)
+
+
+def follow_to_control_store(endpoint: Endpoint, timeout: float) -> Endpoint:
+    """Where the control store of the static rendezvous at ``endpoint`` listens, as the worker store
+    there says (waiting for it to say so)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        first = connect_store(endpoint, max(0.1, deadline - time.monotonic()))
+        try:
+            first.wait([CONTROL_STORE], datetime.timedelta(seconds=max(0.1, min(1.0, deadline - time.monotonic()))))
+            return Endpoint(endpoint.host, int(first.get(CONTROL_STORE)))
+        except Exception as e:  # not yet written, or the store closed between generations: ask again
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"the store at {endpoint} does not say where the job's control store "
+                                      f"is ({_first_line(e)})") from None
+        finally:
+            del first
+        time.sleep(0.1)
 
 
 def _is_store(endpoint: Endpoint) -> bool:
@@ -277,12 +340,26 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
     return result[0] if result else None
 
 
-def start_worker_store(host: str, bind: str):
+#: how long the static rendezvous's port may take to come free for the next generation's worker store
+REOPEN_DEADLINE = 10.0
+
+
+def start_worker_store(host: str, bind: str, ports: PortRange | None = None, port: int = 0, control_port: int = 0):
     """A fresh TCPStore for one generation's workers, listening on ``bind``; returns (store, port).
 
     torch's env:// rendezvous assumes a new store per attempt when it shares the
     agent's store (TORCHELASTIC_USE_AGENT_STORE): giving it one is what keeps a
-    restarted group from reading the previous attempt's keys.
+    restarted group from reading the previous attempt's keys. ``port``: the static
+    rendezvous's own port, free again once the previous generation's store is closed
+    (see ``_open_static``); the store names ``control_port`` there. Else a port of ``ports``.
     """
-    store = _store_server(host, bind, 0)
-    return store, store.port
+    if not port:
+        store = _store_server(host, bind, 0, ports)
+        return store, store.port
+    deadline = time.monotonic() + REOPEN_DEADLINE
+    while (store := _store_server(host, bind, port)) is None:
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"port {port} did not come free for the next generation's worker store")
+        time.sleep(0.05)
+    store.set(CONTROL_STORE, str(control_port))
+    return store, port

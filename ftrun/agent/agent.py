@@ -148,7 +148,10 @@ class Agent:
         self._token = config.token or (b"" if config.several_nodes else new_token())
         signer = self._signer = Signer(self._token)
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
-                                        config.store_bind, config.several_nodes)
+                                        config.store_bind, config.several_nodes, config.worker_port,
+                                        config.worker_port_range)
+        if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
+            config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
         if self.store.is_host:
             if not signer.enabled:
                 log.warning("control messages are not signed: anyone who reaches %s can steer this job "

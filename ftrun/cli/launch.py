@@ -107,6 +107,10 @@ def launch_options(fn):
         option("rdzv-timeout", group=RDZV, type=float, default=None, help="Seconds to wait for every node to join.  [default: 600]"),
         option("master-addr", group=RDZV, default="127.0.0.1", show_default=True, help="Store host for the static rendezvous."),
         option("master-port", group=RDZV, type=int, default=29500, show_default=True, help="Store port for the static rendezvous."),
+        option("worker-port-range", group=RDZV, default="",
+               help="LO-HI: the ports ftrun opens itself (the control and worker stores, snapshot servers) "
+                    "are taken from this range; --master-port and --rdzv-endpoint keep their own port.  "
+                    "[default: any free port]"),
         option("local-addr", group=RDZV, default="", help="Address this node advertises to the others."),
         option("store-bind", group=RDZV, default="",
                help="Address the stores this node hosts listen on; 0.0.0.0 for every interface.  "

@@ -65,11 +65,16 @@ class StatusReader:
     """The job's status snapshot from its store: gets and checks only, never a write."""
 
     def __init__(self, endpoint, run_id: str, timeout: float):
-        from ftrun.keys import JobKeys
+        from ftrun.config import Endpoint
+        from ftrun.keys import CONTROL_STORE, JobKeys
         from ftrun.store import ControlStore, connect_store
 
+        raw = connect_store(endpoint, timeout)
+        if raw.check([CONTROL_STORE]):  # a static rendezvous's --master-port: the control store is elsewhere
+            endpoint = Endpoint(endpoint.host, int(raw.get(CONTROL_STORE)))
+            raw = connect_store(endpoint, timeout)
         self.endpoint = endpoint
-        self.store = ControlStore(connect_store(endpoint, timeout), endpoint, is_host=False)
+        self.store = ControlStore(raw, endpoint, is_host=False)
         self.keys = JobKeys(run_id or self._only_run_id())
 
     def _only_run_id(self) -> str:

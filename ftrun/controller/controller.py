@@ -32,6 +32,7 @@ from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
 from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, RendezvousResult, Report, ReportKind
+from ftrun.ports import PortRange
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions
@@ -114,6 +115,8 @@ class Controller:
         events: EventLog | None = None,
         bind: str = "",
         snapshots: SnapshotOptions | None = None,
+        worker_port: int = 0,
+        ports: PortRange | None = None,
     ):
         self.store = store
         self.keys = keys
@@ -141,6 +144,10 @@ class Controller:
         self.stop_requested = threading.Event()
         self._worker_store = None
         self._worker_store_address = ""
+        #: the static rendezvous's port, where every generation's worker store listens (0: a fresh port
+        #: each, from ``ports``); generation 0's is open already (ftrun.store._open_static)
+        self.worker_port, self.ports = worker_port, ports
+        self._first_worker_store = getattr(store, "worker_store", None)
         self._repair = RepairClock()
         #: a job-level restart waiting for its ranks to join (its generation), and whether the
         #: generation before it used ftrun.elastic (else there is nothing to wait for)
@@ -183,6 +190,8 @@ class Controller:
             events=EventLog(path),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
             snapshots=config.snapshots,
+            worker_port=config.worker_port,
+            ports=config.worker_port_range,
         )
 
     def start(self) -> None:
@@ -609,8 +618,14 @@ class Controller:
 
     def _with_new_worker_store(self, command: Command) -> Command:
         # Each generation gets a fresh store for the workers' env:// rendezvous; the
-        # previous generation's workers are all stopped by now, so its store goes.
+        # previous generation's workers are all stopped by now, so its store goes (and,
+        # under the static rendezvous, its port comes free for the next one's).
         self._worker_store = None
-        self._worker_store, port = start_worker_store(self.advertised_host, self.bind)
+        if self._first_worker_store is not None:
+            self._worker_store, port = self._first_worker_store, self.worker_port
+            self._first_worker_store = self.store.worker_store = None
+        else:
+            self._worker_store, port = start_worker_store(self.advertised_host, self.bind, self.ports,
+                                                          self.worker_port, self.store.endpoint.port)
         self._worker_store_address = f"{self.advertised_host}:{port}"
         return dataclasses.replace(command, worker_store=self._worker_store_address)

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.auth import Signer
+from ftrun.ports import PortRange
 from ftrun.snapshots.format import (
     HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified,
 )
@@ -68,6 +69,8 @@ class SnapshotOptions:
     save_on_failure: bool = False
     #: --checkpoint-interval: also persist the newest pinned snapshot once this many seconds passed (0: off)
     checkpoint_interval: float = 0.0
+    #: --worker-port-range: where the snapshot server listens (None: any free port)
+    ports: PortRange | None = None
 
     @property
     def enabled(self) -> bool:
@@ -146,7 +149,7 @@ class SnapshotKeeper:
         os.chmod(self.folder, 0o700)
         write_atomically(os.path.join(self.folder, TOKEN_FILE), self._token, durable=False)
         limit = max(self.options.limit(self.nproc), HEADER_SIZE)
-        self._server = SnapshotServer(self._bind, self.signer, self._read, self._receive, limit)
+        self._server = SnapshotServer(self._bind, self.signer, self._read, self._receive, limit, self.options.ports)
         self.address = f"{self._advertise}:{self._server.port}"
         if self.options.checkpoint_dir:
             os.makedirs(self.options.checkpoint_dir, mode=0o700, exist_ok=True)

@@ -17,6 +17,7 @@ import threading
 from typing import Callable
 
 from ftrun.auth import Forged, Signer
+from ftrun.ports import PortRange, listen_in_range
 
 log = logging.getLogger(__name__)
 #: the longest request line
@@ -40,7 +41,7 @@ class SnapshotServer:
     """
 
     def __init__(self, bind: str, signer: Signer, read: Callable[[str], bytes],
-                 receive: Callable[[str, bytearray], None], limit: int):
+                 receive: Callable[[str, bytearray], None], limit: int, ports: PortRange | None = None):
         owner = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -52,6 +53,14 @@ class SnapshotServer:
         class Server(socketserver.ThreadingTCPServer):
             address_family = socket.AF_INET6 if ":" in bind else socket.AF_INET
             daemon_threads = True
+
+            def server_bind(self):  # a port of --worker-port-range, or any
+                self.socket.close()
+                self.socket = listen_in_range(bind, ports, self.request_queue_size)
+                self.server_address = self.socket.getsockname()
+
+            def server_activate(self):
+                pass  # listening already
 
         self.signer, self.read, self.receive, self.limit = signer, read, receive, limit
         self._server = Server((bind, 0), Handler)

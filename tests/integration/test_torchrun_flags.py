@@ -65,3 +65,62 @@ def test_numa_binding_virtual_local_rank_filters_and_a_forwarded_signal(launcher
     for rank in (0, 1):
         assert seen[rank] == {"cpus": near[rank], "local_rank": "0", "visible": str(rank), "index": "0"}
         assert f"rank {rank} got SIGUSR1" in node.output
+
+
+#: prints its MASTER_PORT, then waits for the test to look at the job's sockets
+WAITER = """\
+import os, time
+print("MASTER_PORT=" + os.environ["MASTER_PORT"], flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(os.environ["GO_FILE"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def four_free_ports() -> range:
+    import random
+    import socket
+
+    for _ in range(100):
+        low = random.randrange(20000, 60000)
+        try:
+            for port in range(low, low + 4):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return range(low, low + 4)
+    pytest.skip("no four free ports in a row")
+
+
+def listening_ports(pid: int) -> set[int]:
+    import psutil
+
+    found = set()
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            found |= {c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_static_rendezvous_gives_workers_the_master_port_and_ftrun_listens_only_in_the_range(launcher, tmp_path):
+    from tests.conftest import free_port
+
+    master_port, ports = free_port(), four_free_ports()
+    script, go = tmp_path / "waiter.py", tmp_path / "go"
+    script.write_text(WAITER)
+    node = launcher.start(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+                           "--worker-port-range", f"{ports.start}-{ports.stop - 1}", "--snapshot-every", "5",
+                           "--snapshot-memory", "64M", "--warm-standby", "1", "--status", "off", str(script)],
+                          env=launcher.env(GO_FILE=str(go)))
+    wait_for(lambda: node.output.count("MASTER_PORT=") == 2, timeout=120, what="both workers' MASTER_PORT")
+    listening = listening_ports(node.proc.pid)
+    go.write_text("")
+    assert launcher.wait([node]) == [0], node.output
+
+    assert node.output.count(f"MASTER_PORT={master_port}\n") == 2, node.output
+    assert master_port in listening  # each generation's worker store
+    assert len(listening & set(ports)) == 2, listening  # the control store and the snapshot server
+    assert listening <= {master_port, *ports}, listening

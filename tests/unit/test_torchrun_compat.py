@@ -24,6 +24,7 @@ from ftrun.devices.topology import parse_affinity_matrix, parse_cpu_list
 from ftrun.errors import UsageError
 from ftrun.faults.levels import load_fault_table
 from ftrun.interrupts import Interrupts
+from ftrun.ports import PortRange, listen_in_range, parse_port_range
 from tests.conftest import ROOT
 
 
@@ -245,3 +246,38 @@ def test_the_switch_and_choices_reach_the_config(tmp_path):
                  duplicate_stdout_filters="a,,b")
     assert (cfg.numa_binding, cfg.virtual_local_rank, cfg.signals_to_handle) == ("exclusive", True, (signal.SIGUSR1,))
     assert cfg.duplicate_stdout_filters == ("a,b",)
+
+
+# -- --worker-port-range ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [("30000-30003", PortRange(30000, 30003)), ("30000", PortRange(30000, 30000)),
+                                            (" 1 - 2 ", PortRange(1, 2)), ("", None), (None, None)])
+def test_port_range(text, expected):
+    assert parse_port_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a-b", "3-1", "0-5", "1-65536", "1-2-3", "-5"])
+def test_bad_port_range(text):
+    with pytest.raises(UsageError, match="--worker-port-range"):
+        parse_port_range(text)
+
+
+def test_listening_in_a_range_takes_its_free_ports_then_says_it_is_full():
+    first = listen_in_range("127.0.0.1", None, 1)
+    port = first.getsockname()[1]
+    first.close()
+    ports = PortRange(port, port)
+    taken = listen_in_range("127.0.0.1", ports, 1)
+    try:
+        assert taken.getsockname()[1] == port
+        with pytest.raises(OSError, match="every port"):
+            listen_in_range("127.0.0.1", ports, 1)
+    finally:
+        taken.close()
+
+
+def test_the_static_rendezvous_sets_the_worker_port_and_others_do_not(tmp_path):
+    assert config(tmp_path, standalone=False, master_port=29777).worker_port == 29777
+    assert config(tmp_path).worker_port == 0
+    assert config(tmp_path, standalone=False, rdzv_endpoint="localhost:29400").worker_port == 0
