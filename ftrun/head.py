@@ -29,6 +29,7 @@ from ftrun.errors import ExitCode, FtrunError, UsageError
 from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
+from ftrun.ports import PortRange, free_port
 from ftrun.status import StatusView, status_view
 from ftrun.store import ControlStore, host_store, is_local_host
 
@@ -137,8 +138,10 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
     return agents
 
 
-def store_endpoint(hosts: list[Host], rdzv_endpoint: str, rdzv_host: str, local_addr: str) -> Endpoint:
-    """Where the head node hosts the store, as the agents reach it."""
+def store_endpoint(hosts: list[Host], rdzv_endpoint: str, rdzv_host: str, local_addr: str,
+                   ports: PortRange | None = None) -> Endpoint:
+    """Where the head node hosts the store, as the agents reach it (a port of ``ports`` when no
+    endpoint names one)."""
     if rdzv_endpoint:
         endpoint = parse_endpoint(rdzv_endpoint, DEFAULT_RDZV_PORT)
         if not is_local_host(endpoint.host):
@@ -146,10 +149,7 @@ def store_endpoint(hosts: list[Host], rdzv_endpoint: str, rdzv_host: str, local_
                              "so the endpoint must name it")
         return endpoint
     host = rdzv_host or local_addr or route_address([h.address for h in hosts])
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return Endpoint(host, port)
+    return Endpoint(host, free_port(ports, ""))
 
 
 def route_address(hosts: list[str]) -> str:

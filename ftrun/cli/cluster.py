@@ -18,6 +18,7 @@ from ftrun.config import LaunchConfig, build_launch_config, parse_nnodes, parse_
 from ftrun.errors import UsageError
 from ftrun.head import Head, HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents, store_endpoint
 from ftrun.hosts import parse_hostfile, select_hosts
+from ftrun.ports import parse_port_range
 from ftrun.slurm import PLACEMENT_OPTIONS, slurm_plan
 
 #: options that place the job themselves, which a hostfile does instead
@@ -125,7 +126,7 @@ class ClusterPlan:
         active = runnable[:max_nodes]
         spares = [h for h in hosts if h not in active]  # in file order
         endpoint = store_endpoint(active, str(values.get("rdzv_endpoint") or ""), str(values.get("rdzv_host") or ""),
-                                  str(values.get("local_addr") or ""))
+                                  str(values.get("local_addr") or ""), parse_port_range(values.get("worker_port_range")))
         run_id = str(values.get("run_id") or "").strip() or uuid.uuid4().hex[:12]
         remote_cwd = str(values.get("remote_cwd") or "")
         head_values = {**values, "nnodes": nnodes, "node_rank": -1, "rdzv_endpoint": str(endpoint), "run_id": run_id,
