@@ -44,7 +44,9 @@ def job_summary(events: list[dict]) -> list[str]:
     """The lines printed when the job ends (and by ``ftrun report``)."""
     f = figures(events)
     faults = [e for e in events if e["kind"] == "fault"]
-    at_step = f" at step {f['step']}" if f["step"] is not None else ""
+    # the events count the steps committed, which is the number of the next step to run (steps() counts
+    # from 0): the user's loop last finished the one before it
+    at_step = f" at step {f['step'] - 1}" if f["step"] else ""
     budget = ""
     if f["max_restarts"] is not None:
         plural = "s" if f["max_restarts"] != 1 else ""
