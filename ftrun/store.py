@@ -290,8 +290,10 @@ def _is_store(endpoint: Endpoint) -> bool:
         return False
 
 
-def connect_store(endpoint: Endpoint, timeout: float):
-    """A TCPStore client of ``endpoint``, retrying until ``timeout`` seconds have passed."""
+def connect_store(endpoint: Endpoint, timeout: float, refused_is_final: bool = False):
+    """A TCPStore client of ``endpoint``, retrying until ``timeout`` seconds have passed.
+    ``refused_is_final``: a refused connection (the host is up, nothing listens) ends the wait at
+    once, for a reader such as ``ftrun status``; agents wait, since the store's host may start later."""
     deadline = time.monotonic() + timeout
     last_error = "nothing listens there"
     while True:
@@ -305,6 +307,8 @@ def connect_store(endpoint: Endpoint, timeout: float):
             raise UsageError(f"cannot resolve host name '{endpoint.host}'") from None
         except OSError as e:  # refused, unreachable, timed out: the host may not be up yet
             last_error = e.strerror or str(e)
+            if refused_is_final and e.errno == errno.ECONNREFUSED:
+                raise RendezvousError(f"cannot reach the store at {endpoint}: {last_error}") from None
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
         store = _guarded(lambda: _tcp_client(endpoint), min(left, HANDSHAKE_DEADLINE))

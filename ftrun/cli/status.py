@@ -69,10 +69,10 @@ class StatusReader:
         from ftrun.keys import CONTROL_STORE, JobKeys
         from ftrun.store import ControlStore, connect_store
 
-        raw = connect_store(endpoint, timeout)
+        raw = connect_store(endpoint, timeout, refused_is_final=True)  # a host that does not answer is waited for
         if raw.check([CONTROL_STORE]):  # a static rendezvous's --master-port: the control store is elsewhere
             endpoint = Endpoint(endpoint.host, int(raw.get(CONTROL_STORE)))
-            raw = connect_store(endpoint, timeout)
+            raw = connect_store(endpoint, timeout, refused_is_final=True)
         self.endpoint = endpoint
         self.store = ControlStore(raw, endpoint, is_host=False)
         self.keys = JobKeys(run_id or self._only_run_id())

@@ -212,3 +212,19 @@ def test_reading_a_damaged_event_log(tmp_path):
     path.write_text('{"kind": "phase"}\n')
     with pytest.raises(ValueError, match=r"line 1 is not an ftrun event \(no t, elapsed, source, generation"):
         read_events(str(path))
+
+
+def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeout(monkeypatch):
+    """ftrun status --rdzv-endpoint host:PORT where nothing listens waited its whole --timeout."""
+    import ftrun.store
+    from ftrun.cli.status import StatusReader
+    from ftrun.config import Endpoint
+    from ftrun.errors import RendezvousError
+    from tests.conftest import free_port
+
+    def no_retry(seconds):
+        raise AssertionError("ftrun status retried a refused connection")
+
+    monkeypatch.setattr(ftrun.store.time, "sleep", no_retry)
+    with pytest.raises(RendezvousError, match="refused"):
+        StatusReader(Endpoint("127.0.0.1", free_port()), "", timeout=600)
