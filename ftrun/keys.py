@@ -131,6 +131,12 @@ class JobKeys:
         """The rank's last committed step, as text."""
         return f"{self.root}/rank/{rank}/step"
 
+    @property
+    def total_steps(self) -> str:
+        """The number of steps the script will run, as text, when it knows (the worker library sets it
+        from ``job.steps(total)``): the status view's progress bar and ETA."""
+        return f"{self.root}/total_steps"
+
     def snapshot_inventory(self, agent_id: str) -> str:
         """The agent's SnapshotInventory: what copies of the ranks' state its node holds, and where it serves them."""
         return f"{self.root}/snapshots/{agent_id}"

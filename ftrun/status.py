@@ -24,6 +24,8 @@ REFRESH_PER_SECOND = 2
 PLAIN_EVERY = 30.0
 #: below this width the node table drops its device column
 NARROW = 90
+#: characters of the job line's progress bar (when the script told the total)
+BAR_WIDTH = 20
 PHASE_TRACK = ("stopping", "env_clear", "repair", "rollback")
 PHASE_STYLE = {"running": "bold green", "exiting": "bold", "done": "bold"}
 HEALTH_STYLE = {"ok": "green", "resetting": "yellow", "preseparated": "yellow", "isolated": "bold red"}
@@ -64,7 +66,13 @@ def job_line(s: dict, width: int = 120) -> Text:
     if s.get("exit_code") is not None:
         style = "bold green" if s["exit_code"] == 0 else "bold red"
         line.append(f" · exit code {s['exit_code']}", style=style)
-    if s["step"] is not None:
+    if s["step"] is not None and s.get("total_steps"):
+        line.append(f" · step {s['step']}/{s['total_steps']} ")
+        line.append_text(progress_bar(s["step"], s["total_steps"]))
+        line.append(f" {s['steps_per_s']:.1f} steps/s")
+        if s.get("eta_s") is not None:
+            line.append(f" · ETA {_clock(s['eta_s'])}")
+    elif s["step"] is not None:
         line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
     line.append(_saved(s))
     left = s["max_restarts"] - s["restarts_used"]
@@ -72,6 +80,14 @@ def job_line(s: dict, width: int = 120) -> Text:
     line.append(f" · {s['recovery']}-level recovery")
     line.truncate(width, overflow="ellipsis")
     return line
+
+
+def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> Text:
+    """A bar drawn as rich's progress bar column draws one: the done part green, the rest dim."""
+    filled = min(width, max(0, round(width * done / total)))
+    bar = Text("━" * filled, style="green")
+    bar.append("━" * (width - filled), style="grey23")
+    return bar
 
 
 def phase_track(s: dict, width: int = 120) -> Text:
@@ -136,7 +152,11 @@ def event_lines(events: list[dict], width: int) -> Text:
 def plain_line(s: dict) -> str:
     """One line: for logs, and for ``--status plain``'s progress report."""
     alive = sum(n["ranks_alive"] for n in s["nodes"] if n["role"] == "active")
-    step = f", step {s['step']} ({s['steps_per_s']:.1f} steps/s)" if s["step"] is not None else ""
+    step = ""
+    if s["step"] is not None:
+        total = f"/{s['total_steps']}" if s.get("total_steps") else ""
+        eta = f", ETA {_clock(s['eta_s'])}" if s.get("eta_s") is not None else ""
+        step = f", step {s['step']}{total} ({s['steps_per_s']:.1f} steps/s{eta})"
     spares = sum(1 for n in s["nodes"] if n["role"] == "spare")
     step += _saved(s).replace(" · ", ", ")
     return (f"generation {s['generation']}, {s['phase'].replace('_', ' ')}{step}, {alive}/{s['world_size']} ranks "

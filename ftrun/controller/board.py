@@ -25,6 +25,15 @@ EVENTS_SHOWN = 8
 PROGRESS_EVERY_EARLY, PROGRESS_EVERY, EARLY = 1.0, 10.0, 60.0
 
 
+def eta(step: int | None, total: int | None, rate: float) -> float | None:
+    """Seconds until ``total`` steps are done at ``rate`` steps/s (None when either is unknown)."""
+    if step is None or total is None:
+        return None
+    if step >= total:
+        return 0.0
+    return round((total - step) / rate, 1) if rate > 0 else None
+
+
 class Rate:
     """Steps per second over the last RATE_WINDOW seconds; starts afresh when the step goes back."""
 
@@ -65,6 +74,7 @@ class StatusBoard:
         steps = [r["step"] for r in ranks if r["step"] is not None]
         step = min(steps) if steps else None
         rate = self._rate.add(now, step) if step is not None else 0.0
+        total = self._total_steps() if steps else None
         node_rows = [self._node_row(view, slot, "active") for _, slot in sorted(nodes.items())
                      if slot.node_rank in view.present]
         node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
@@ -86,6 +96,8 @@ class StatusBoard:
             "world_size": view.world_size,
             "step": step,
             "steps_per_s": round(rate, 3),
+            "total_steps": total,
+            "eta_s": eta(step, total, rate),
             "restorable_step": (saved or {}).get("restorable_step"),
             "checkpoint_step": (saved or {}).get("checkpoint_step"),
             "reason": view.reason,
@@ -96,6 +108,11 @@ class StatusBoard:
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot
+
+    def _total_steps(self) -> int | None:
+        """The script's step count, once the worker library has said it (``job.steps(total)``)."""
+        text = self.store.try_text(self.keys.total_steps)
+        return int(text) if text.strip().isdigit() and int(text) > 0 else None
 
     def _ranks(self, world_size: int, now: float) -> list[dict]:
         rows = []

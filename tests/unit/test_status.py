@@ -228,3 +228,29 @@ def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeou
     monkeypatch.setattr(ftrun.store.time, "sleep", no_retry)
     with pytest.raises(RendezvousError, match="refused"):
         StatusReader(Endpoint("127.0.0.1", free_port()), "", timeout=600)
+
+
+def test_a_known_total_gives_a_progress_bar_and_an_eta(store):
+    publish_node(store, "a0", "host-a", 0)
+    publish_node(store, "a1", "host-b", 2)
+    for rank in range(4):
+        store.add(KEYS.rank_heartbeat(rank))
+        store.set_text(KEYS.rank_progress(rank), "25")
+    view = JobView(node_count=2, max_restarts=3, world_size=4)
+    s = snapshot(store, view)
+    assert (s["total_steps"], s["eta_s"]) == (None, None)  # the script has not said its total
+    assert "step 25 · " in text_of(render(s, 200), 200)
+    store.set_text(KEYS.total_steps, "100")
+    s = dict(snapshot(store, view), steps_per_s=5.0, eta_s=15.0)  # the rate needs two refreshes apart
+    assert snapshot(store, view)["total_steps"] == 100
+    assert "step 25/100 ━━━━━━━━━━━━━━━━━━━━ 5.0 steps/s · ETA 0:00:15" in text_of(render(s, 200), 200)
+    assert "step 25/100 (5.0 steps/s, ETA 0:00:15)" in plain_line(s)
+    json.dumps(s)
+
+
+@pytest.mark.parametrize("step, total, rate, expected", [(25, 100, 5.0, 15.0), (25, 100, 0.0, None), (None, 100, 5.0, None),
+                                                         (25, None, 5.0, None), (100, 100, 0.0, 0.0)])
+def test_eta(step, total, rate, expected):
+    from ftrun.controller.board import eta
+
+    assert eta(step, total, rate) == expected
