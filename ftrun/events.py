@@ -31,7 +31,7 @@ import threading
 import time
 from typing import IO, Iterable
 
-from ftrun.agent.output import private_dirs
+from ftrun.folders import private_dirs
 from ftrun.messages import WorkerFailure
 
 log = logging.getLogger(__name__)

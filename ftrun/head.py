@@ -19,13 +19,14 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence, cast
 
-from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump, private_dirs
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, StreamPump
 from ftrun.auth import Signer, new_token
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError, UsageError
+from ftrun.folders import private_dirs
 from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
@@ -117,7 +118,7 @@ def ssh_argv(host: Host, command: str, ssh: SshOptions) -> tuple[str, ...]:
 
 
 def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: Endpoint, run_id: str,
-                nnodes: str, nproc: str | None, spares: list[Host] = ()) -> list[RemoteAgent]:
+                nnodes: str, nproc: str | None, spares: Sequence[Host] = ()) -> list[RemoteAgent]:
     """One agent per host, node ranks in hostfile order, then the spares (node rank -1: they stand by).
 
     ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's default).
@@ -127,7 +128,7 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
         node_rank = rank if rank < len(hosts) else -1
         flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
                  "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
-        count, devices = nproc or "1", ()
+        count, devices = nproc or "1", cast(tuple[int, ...], ())
         if nproc is None and host.slots is not None:
             count = str(len(host.slots))
             devices = host.slots if host.slots != tuple(range(len(host.slots))) else ()
@@ -277,7 +278,7 @@ class Head:
             if self.view is not None:
                 self.view.stop()
         if self.controller.view is None and code != ExitCode.OK:
-            raise FtrunError(reason, code)  # the job never started: one error line, as an agent would say it
+            raise FtrunError(reason, ExitCode(code))  # the job never started: one error line, as an agent would say it
         return HeadOutcome(code, reason, self.controller)
 
     def _start_controller(self) -> Controller:

@@ -152,14 +152,15 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> lis
             raise UsageError(f"{flag}: host '{name}' has no slots= in the hostfile to choose from")
     chosen = []
     for host in hosts:
-        slots = wanted.get(host.name, wanted.get(host.address, "absent"))
+        named = host.name in wanted or host.address in wanted
+        chosen_slots = wanted.get(host.name, wanted.get(host.address))
         if include:
-            if slots != "absent":
-                chosen.append(Host(host.name, host.slots if slots is None else slots, host.spare))
-        elif slots == "absent":
+            if named:
+                chosen.append(Host(host.name, host.slots if chosen_slots is None else chosen_slots, host.spare))
+        elif not named:
             chosen.append(host)
-        elif slots is not None:
-            left = tuple(s for s in host.slots if s not in slots)
+        elif chosen_slots is not None:
+            left = tuple(s for s in host.slots if s not in chosen_slots)
             if left:
                 chosen.append(Host(host.name, left, host.spare))
     if not chosen:

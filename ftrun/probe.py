@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.agent.health import ACTIONS
 from ftrun.devices import DeviceBackend, DeviceStatus, DeviceToolError
-from ftrun.faults.levels import FaultLevel, FaultTable
+from ftrun.faults.levels import ACTIONS, FaultLevel, FaultTable
 
 #: levels at which a device is not fit for new work
 UNUSABLE = frozenset({FaultLevel.SEPARATE, FaultLevel.RESTART_NPU, FaultLevel.FREE_RESTART, FaultLevel.PRE_SEPARATE})

@@ -68,14 +68,16 @@ def _rank_clash(joins: list[JoinRecord]) -> str:
         if rank < 0:
             continue
         if rank in owner:
-            return f"--node-rank {rank} was given to two agents: {owner[rank].host} (pid {owner[rank].pid}) and {join.host} (pid {join.pid})"
+            return (f"--node-rank {rank} was given to two agents: {owner[rank].host} (pid {owner[rank].pid}) and "
+                    f"{join.host} (pid {join.pid})")
         owner[rank] = join
     return ""
 
 
 def _missing_message(joins: list[JoinRecord], policy: RendezvousPolicy) -> str:
     expected = policy.min_nodes
-    joined = ", ".join(sorted(j.host if j.requested_node_rank < 0 else f"node {j.requested_node_rank} on {j.host}" for j in joins))
+    joined = ", ".join(sorted(j.host if j.requested_node_rank < 0 else f"node {j.requested_node_rank} on {j.host}"
+                              for j in joins))
     text = f"rendezvous timed out after {policy.timeout:g}s: {len(joins)} of {expected} nodes joined ({joined or 'none'})"
     requested = {j.requested_node_rank for j in joins if j.requested_node_rank >= 0}
     if requested:

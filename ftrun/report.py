@@ -11,6 +11,7 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 #: the timeline, in SVG user units (the SVG scales to the page's width)
 WIDTH, HEIGHT = 1100, 300
@@ -238,7 +239,7 @@ def _fault_marker(event: dict, x: Scale) -> str:
     """A red line under a flag; a wide transparent line under it makes the tooltip easy to hover."""
     elapsed, kind = _elapsed(event), event.get("kind")
     tip = f"{kind} at {elapsed:.3f} s: {event.get('detail') or ''}"
-    line = {"x1": x(elapsed), "y1": TOP, "x2": x(elapsed), "y2": HEIGHT - BOTTOM}
+    line: dict[str, Any] = {"x1": x(elapsed), "y1": TOP, "x2": x(elapsed), "y2": HEIGHT - BOTTOM}
     flag = f"M{x(elapsed) - MARKER_SIZE},{TOP - 2 * MARKER_SIZE} {FLAGS.get(kind, FLAGS['fault'])}"
     shapes = (_el("title", _esc(tip)) + _el("line", **line, stroke="transparent", stroke_width=10)
               + _el("line", **line, stroke=FAULT_COLOUR, stroke_width=2) + _el("path", d=flag, fill=FAULT_COLOUR))

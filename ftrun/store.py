@@ -151,7 +151,7 @@ def _first_line(e: BaseException) -> str:
 def is_local_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, one of its addresses or its name)."""
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except (socket.gaierror, UnicodeError):
         raise UsageError(f"cannot resolve host name '{host}'") from None
     local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
@@ -170,7 +170,7 @@ def bind_address(host: str, bind: str = "", several_nodes: bool = True) -> str:
     if bind:
         return "0.0.0.0" if bind in ALL_INTERFACES else bind
     try:
-        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        address = str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, UnicodeError, IndexError):
         raise UsageError(f"cannot resolve host name '{host}'") from None
     named_loopback = host not in ("localhost", "127.0.0.1") and not host.startswith("127.")

@@ -17,6 +17,12 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
         echo "could not install ${missing[*]}: those tests will skip"
 fi
 bash scripts/setup.sh
+# The lint (ruff) and the type check (mypy) of ftrun/, configured in pyproject.toml. A finding fails the
+# run, but the tests still run, so that one stray import does not hide them.
+checks=0
+.venv/bin/ruff check ftrun || checks=1
+.venv/bin/mypy || checks=1
 # Two test processes, each taking whole files (a module's reference run is made once): most of the
 # suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one.
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" || exit $?
+[ "$checks" = 0 ] || { echo "ruff or mypy found problems (above)"; exit 1; }

@@ -23,7 +23,6 @@ import psutil
 
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
-from ftrun.agent.output import private_dirs
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
@@ -31,12 +30,22 @@ from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError
-from ftrun.faults.levels import FaultLevel, load_fault_table
+from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
+from ftrun.folders import private_dirs
 from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
 from ftrun.messages import (
-    Command, CommandKind, JoinRecord, Layout, NodeSlot, NodeStatus, RankState, RendezvousResult, Report, ReportKind,
+    Command,
+    CommandKind,
+    JoinRecord,
+    Layout,
+    NodeSlot,
+    NodeStatus,
+    RankState,
+    RendezvousResult,
+    Report,
+    ReportKind,
 )
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
@@ -91,7 +100,7 @@ class Agent:
         self.slot: NodeSlot | None = None
         self.rendezvous: RendezvousResult | None = None
         self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
-        self.table = None
+        self.table: FaultTable | None = None
         self.devices: NodeDevices | None = None
         self.hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
         self.oom = OomWatch()
@@ -428,12 +437,14 @@ class Agent:
         if count != last[0]:
             return count, now
         if now - last[1] > self.config.node_timeout:
-            raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} for {self.config.node_timeout:g}s")
+            raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} "
+                                   f"for {self.config.node_timeout:g}s")
         return last
 
     def _placement(self, local_rank: int, device_env=(), cpus: tuple[int, ...] = ()) -> WorkerPlacement:
         group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.slot.node_rank)
-        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env, cpus)
+        return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env,
+                               cpus)
 
     def _refresh_layout(self) -> bool:
         """Read who holds which node now (before a generation starts); False when this agent holds

@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from ftrun.agent.health import ACTIONS, REPAIR_LEVELS, DeviceEvent, DeviceWatch, HealthMonitor
+from ftrun.agent.health import DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
-from ftrun.messages import DeviceRecord, DeviceState
 from ftrun.config import LaunchConfig
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_backend
-from ftrun.faults.levels import Escalation, FaultLevel, FaultTable
+from ftrun.faults.levels import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
+from ftrun.messages import DeviceRecord, DeviceState
 
 log = logging.getLogger(__name__)
 #: levels after which the chip is reset before it takes a rank again

@@ -19,25 +19,6 @@ from ftrun.faults.levels import Escalation, FaultLevel, FaultTable
 
 log = logging.getLogger(__name__)
 
-#: what ftrun does about a device at each level (shown by ``ftrun probe`` and in the logs)
-ACTIONS = {
-    None: "none",
-    FaultLevel.NOT_HANDLE: "log only",
-    FaultLevel.SUB_HEALTH: "log only (sub-health)",
-    FaultLevel.PRE_SEPARATE: "keep its ranks; place no new rank on it",
-    FaultLevel.RESTART_REQUEST: "process-level repair of its ranks",
-    FaultLevel.RESTART_BUSINESS: "process-level repair of its ranks",
-    FaultLevel.FREE_RESTART: "repair its ranks; reset the chip before reuse",
-    FaultLevel.RESTART_NPU: "stop its ranks, reset the chip, respawn them",
-    FaultLevel.SEPARATE: "isolate it; move its ranks to a free device, else a spare node",
-}
-#: levels at which the ranks on the device are stopped and replaced
-REPAIR_LEVELS = frozenset({
-    FaultLevel.RESTART_REQUEST, FaultLevel.RESTART_BUSINESS, FaultLevel.FREE_RESTART, FaultLevel.RESTART_NPU,
-    FaultLevel.SEPARATE,
-})
-
-
 @dataclass(frozen=True)
 class DeviceEvent:
     """A device's health changed."""

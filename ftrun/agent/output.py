@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import IO
 
+from ftrun.folders import private_dirs
+
 STDOUT, STDERR = 1, 2
 TAIL_LINES = 20
 
@@ -18,8 +20,9 @@ _console_lock = threading.Lock()
 class StreamPump:
     """Copies one worker pipe line by line, in a named thread, until the pipe closes."""
 
-    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes, file_path: str | None,
-                 console_only: bytes = b"", filtered: FilteredCopy | None = None, file_prefix: bytes = b""):
+    def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes,
+                 file_path: str | None, console_only: bytes = b"", filtered: FilteredCopy | None = None,
+                 file_prefix: bytes = b""):
         self._pipe = pipe
         #: --duplicate-*-filters: lines holding a filter word are copied there too, prefixed
         self._filtered = filtered
@@ -103,19 +106,6 @@ class ConsoleStream:
 
     def flush(self) -> None:
         (sys.stdout if self.which == STDOUT else sys.stderr).flush()
-
-
-def private_dirs(path: str) -> None:
-    """Make ``path`` and any missing folder above it, each owner-only (logs hold the job's output)."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for folder in reversed(missing):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
 
 
 def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:

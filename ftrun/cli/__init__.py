@@ -8,12 +8,17 @@ import os
 import select
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from ftrun.cli.console import ConsoleLogHandler, abort, say
 from ftrun.cli.launch import GroupedCommand, accepted_only_notes, launch_options, merge_config
 from ftrun.errors import ExitCode, FtrunError
+
+if TYPE_CHECKING:  # the launch's modules load only when a job runs
+    from ftrun.agent.agent import JobOutcome
+    from ftrun.head import HeadOutcome
 
 HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for torchrun.
 
@@ -48,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_torch_cpp_logs()
     _setup_logging()
     subcommands = _subcommands()
-    command, prog = launch_command, "ftrun"
+    command: click.Command = launch_command
+    prog = "ftrun"
     if argv and argv[0] in subcommands:
         command, prog = subcommands[argv[0]], f"ftrun {argv[0]}"
         argv = argv[1:]
@@ -80,6 +86,7 @@ def run_launch(values: dict) -> int:
             return cluster.print_hosts(values)
         if values.get("dry_run"):
             return cluster.dry_run(values, launch_command)
+        outcome: JobOutcome | HeadOutcome
         if values.get("hostfile"):
             outcome = cluster.run_cluster(values, launch_command)
         else:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import click
 
 from ftrun import __version__
-from ftrun.config import (
-    DEFAULT_SIGNALS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file,
-)
+from ftrun.config import DEFAULT_SIGNALS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
 from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
@@ -100,13 +98,17 @@ def launch_options(fn):
         option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
         option("rdzv-backend", group=RDZV, default="c10d", show_default=True,
                help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}."),
-        option("rdzv-endpoint", group=RDZV, default="", help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
+        option("rdzv-endpoint", group=RDZV, default="",
+               help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
         option("run-id", group=RDZV, default="", help="Job id shared by every node (alias: --rdzv-id)."),
         option("rdzv-id", group=RDZV, default="", help="Same as --run-id (torchrun's name)."),
         option("rdzv-conf", group=RDZV, default="", help="key=value,... (join_timeout, last_call_timeout, is_host)."),
-        option("rdzv-timeout", group=RDZV, type=float, default=None, help="Seconds to wait for every node to join.  [default: 600]"),
-        option("master-addr", group=RDZV, default="127.0.0.1", show_default=True, help="Store host for the static rendezvous."),
-        option("master-port", group=RDZV, type=int, default=29500, show_default=True, help="Store port for the static rendezvous."),
+        option("rdzv-timeout", group=RDZV, type=float, default=None,
+               help="Seconds to wait for every node to join.  [default: 600]"),
+        option("master-addr", group=RDZV, default="127.0.0.1", show_default=True,
+               help="Store host for the static rendezvous."),
+        option("master-port", group=RDZV, type=int, default=29500, show_default=True,
+               help="Port of the static rendezvous, which the workers see as MASTER_PORT."),
         option("worker-port-range", group=RDZV, default="",
                help="LO-HI: the ports ftrun opens itself (the control and worker stores, snapshot servers) "
                     "are taken from this range; --master-port and --rdzv-endpoint keep their own port.  "

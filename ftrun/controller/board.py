@@ -64,7 +64,7 @@ class StatusBoard:
         self._beats: dict[int, tuple[int, float]] = {}
         self._rate = Rate()
         self._next_progress = 0.0
-        self._last_logged_step = None
+        self._last_logged_step: int | None = None
 
     def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float,
                 saved: dict | None = None) -> dict:

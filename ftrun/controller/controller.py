@@ -16,8 +16,8 @@ from ftrun.controller.policy import (
     MILESTONE_OF,
     REPAIR_PHASES,
     JobView,
-    Milestone,
     Level,
+    Milestone,
     Phase,
     on_library_ranks,
     on_milestone,
@@ -37,8 +37,7 @@ from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.snapshots.persist import step_folder
-from ftrun.snapshots.plan import (DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory,
-                                  choose_restore)
+from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory, choose_restore
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -434,7 +433,8 @@ class Controller:
         # counted from the controller's own decision ("stop"), never from another host's clock
         if time.time() - self._repair.marks[1][1] > self.policy.repair_timeout:
             phase = view.phase.value
-            self._apply(on_repair_failed(view, f"the repair did not finish within {self.policy.repair_timeout:g}s (stuck in {phase})"))
+            self._apply(on_repair_failed(
+                view, f"the repair did not finish within {self.policy.repair_timeout:g}s (stuck in {phase})"))
             return
         if view.phase in MILESTONE_OF:
             milestone, _ = MILESTONE_OF[view.phase]

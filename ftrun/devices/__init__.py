@@ -91,7 +91,7 @@ class CpuBackend:
     """No accelerators: nothing to discover, nothing can fail."""
 
     kind = "cpu"
-    visibility_var = None
+    visibility_var: str | None = None
 
     def discover(self) -> list[Device]:
         return []

@@ -25,8 +25,8 @@ import re
 from typing import Mapping, Sequence
 
 from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
-from ftrun.devices.topology import parse_affinity_matrix
 from ftrun.devices.tool import run_tool
+from ftrun.devices.topology import parse_affinity_matrix
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 
-from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
-from ftrun.devices import npu_smi
+from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
 from ftrun.devices.topology import parse_affinity_matrix
 

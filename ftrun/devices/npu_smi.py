@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 from ftrun.devices import DeviceToolError, Health
 from ftrun.devices.tool import ToolUnavailable, run_tool
@@ -130,9 +131,9 @@ def parse_info_table(text: str) -> list[ChipRow]:
     return rows
 
 
-def _health_blocks(text: str, command: str) -> tuple[list[dict[str, object]], bool]:
+def _health_blocks(text: str, command: str) -> tuple[list[dict[str, Any]], bool]:
     """Label/value pairs grouped per chip; whether the output named its chips (``Chip ID``)."""
-    blocks: list[dict[str, object]] = [{}]
+    blocks: list[dict[str, Any]] = [{}]
     named = False
     last_label = ""
     for line in _lines(text, command):
@@ -160,7 +161,7 @@ def _health_blocks(text: str, command: str) -> tuple[list[dict[str, object]], bo
     return [b for b in blocks if "health" in b], named
 
 
-def _chip_health(block: dict[str, object]) -> ChipHealth:
+def _chip_health(block: dict[str, Any]) -> ChipHealth:
     return ChipHealth(block["health"], block.get("codes", ()), "; ".join(block.get("info", [])), block.get("chip"))
 
 
@@ -183,7 +184,7 @@ def parse_npu_health(text: str) -> list[ChipHealth]:
 
 def parse_list(text: str) -> list[ListedNpu]:
     """The NPUs of ``npu-smi info -l``, by NPU id; a board that prints no chip count has one chip per NPU."""
-    found: list[dict[str, object]] = []
+    found: list[dict[str, Any]] = []
     total = None
     for line in _lines(text, LIST):
         pair = _label_value(line)

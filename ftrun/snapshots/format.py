@@ -24,6 +24,7 @@ import pickle
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 MAGIC = b"FTRSNAP1"
 #: magic, state, step, rank, world size, flags, structure length, data length, crc32, written at (unix time)
@@ -180,7 +181,7 @@ class _PlainUnpickler(pickle.Unpickler):
         return TensorRef if name == "TensorRef" else super().find_class(module, name)
 
 
-def plain_loads(raw) -> object:
+def plain_loads(raw) -> Any:
     return _PlainUnpickler(io.BytesIO(raw)).load()
 
 

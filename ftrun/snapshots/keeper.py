@@ -35,9 +35,7 @@ from dataclasses import dataclass
 
 from ftrun.auth import Signer
 from ftrun.ports import PortRange
-from ftrun.snapshots.format import (
-    HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified,
-)
+from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified
 from ftrun.snapshots.persist import write_atomically
 from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory
 from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
