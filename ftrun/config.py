@@ -138,6 +138,10 @@ class LaunchConfig:
     #: copied to the attempt's filtered_stdout.log / filtered_stderr.log
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
+    #: --log-layout: ftrun's folders and console prefixes, or torchrun's (ftrun.agent.output)
+    log_layout: str = "ftrun"
+    #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the teed lines' prefix (${role_name}, ${rank}, ${local_rank})
+    log_line_prefix_template: str = ""
 
     @property
     def script(self) -> str:
@@ -421,6 +425,8 @@ def whole_number(value: Any, flag: str, minimum: int = 0, maximum: int | None = 
 STATUS_MODES = ("auto", "live", "plain", "off")
 #: --numa-binding: torchrun's modes (torch/numa/binding.py), ftrun.agent.numa says what each binds
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+#: --log-layout: ftrun's own (names the node), or torchrun's exact folders and prefixes
+LOG_LAYOUTS = ("ftrun", "torchrun")
 #: torchrun's default --signals-to-handle
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -590,6 +596,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
         duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),
+        log_layout=choice(raw.get("log_layout") or "ftrun", LOG_LAYOUTS, "--log-layout"),
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""),
         **device_options(raw),
     )
 

@@ -286,6 +286,9 @@ class Agent:
 
     def _log_dir(self) -> str:
         config = self.config
+        if config.log_dir and config.log_layout == "torchrun":
+            private_dirs(config.log_dir)  # torchrun's: a fresh DIR/RUN_ID_XXXXXXXX per run (owner-only)
+            return tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
         if config.log_dir:
             path = os.path.join(config.log_dir, config.run_id, f"node{self.slot.node_rank}")
             private_dirs(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import os
+import string
 import sys
 import threading
 from typing import IO
@@ -90,6 +91,17 @@ class FilteredCopy:
                 self._file = None
 
 
+def line_prefix(layout: str, template: str, role: str, rank: int, local_rank: int) -> str:
+    """What a teed line starts with: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's ``template`` when set (as torchrun:
+    ``${role_name}``, ``${rank}``, ``${local_rank}``), else the layout's own (``[rank 3]: ``, or torchrun's
+    ``[default0]:``)."""
+    if template:
+        return string.Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
+    if layout == "torchrun":
+        return f"[{role}{local_rank}]:"
+    return f"[rank {rank}]: "
+
+
 class ConsoleStream:
     """The process's stdout or stderr, looked up at each write: while the live status view runs,
     ``sys.stdout`` is its proxy, which prints each line above the view rather than through it."""
@@ -109,6 +121,8 @@ class ConsoleStream:
 
 
 def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:
+    """A rank's stdout.log, stderr.log and error.json: ``attempt_<generation>/<rank>/`` under the node's log
+    folder (``rank`` is the global rank in ftrun's layout, the local rank in torchrun's)."""
     folder = os.path.join(log_dir, f"attempt_{generation}", str(rank))
     private_dirs(folder)
     return {name: os.path.join(folder, f"{name}.log") for name in ("stdout", "stderr")} | {

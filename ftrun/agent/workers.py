@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
-from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, rank_log_paths
+from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
@@ -176,7 +176,8 @@ class WorkerGroup:
         self.workers = [self._spawn(p, gen) for p in placements]
 
     def _spawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> Worker:
-        paths = rank_log_paths(self.log_dir, gen.generation, placement.rank)
+        torchrun_layout = self.config.log_layout == "torchrun"
+        paths = rank_log_paths(self.log_dir, gen.generation, placement.local_rank if torchrun_layout else placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
         proc = self._take_standby(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
@@ -185,7 +186,8 @@ class WorkerGroup:
         teed = self.config.tee.for_rank(local)
         shown = self.config.local_ranks_filter is None or local in self.config.local_ranks_filter
 
-        prefix = f"[rank {placement.rank}]: ".encode()
+        prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
+                             placement.rank, local).encode()
 
         def pump(pipe, which: int, name: str) -> StreamPump:
             on_console = shown and (not redirected & which or teed & which)

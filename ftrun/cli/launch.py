@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from ftrun import __version__
-from ftrun.config import DEFAULT_SIGNALS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys, read_config_file
+from ftrun.config import (DEFAULT_SIGNALS, LOG_LAYOUTS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys,
+                          read_config_file)
 from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
@@ -209,6 +210,10 @@ def launch_options(fn):
                help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),
         option("tee", group=LOGS, short="-t", default="0", show_default=True,
                help="Copy streams to log files too, lines prefixed [rank N] on the console; values as -r."),
+        option("log-layout", group=LOGS, default="ftrun", show_default=True,
+               help=f"Log folders and console prefixes: {', '.join(LOG_LAYOUTS)}. ftrun: DIR/RUN_ID/nodeN/attempt_G/RANK/ "
+                    "and [rank N]; torchrun: DIR/RUN_ID_XXXXXXXX/attempt_G/LOCAL_RANK/ and [default0]:, as torchrun "
+                    "writes them."),
         option("local-ranks-filter", group=LOGS, default="", help="Show only these local ranks' output on the console (0,1)."),
         option("duplicate-stdout-filters", group=LOGS, default="",
                help="Also copy workers' stdout lines that hold any of these words (a,b; ',,' for a comma) to "

@@ -4,6 +4,7 @@ stand-in npu-smi topology), --virtual-local-rank, --duplicate-stdout-filters and
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import sys
@@ -124,3 +125,22 @@ def test_static_rendezvous_gives_workers_the_master_port_and_ftrun_listens_only_
     assert master_port in listening  # each generation's worker store
     assert len(listening & set(ports)) == 2, listening  # the control store and the snapshot server
     assert listening <= {master_port, *ports}, listening
+
+
+def test_torchrun_log_layout_writes_torchrun_s_folders_and_prefixes(launcher, tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")
+    logs = tmp_path / "logs"
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--run-id", "shapes", "--log-dir", str(logs),
+                           "--log-layout", "torchrun", "--tee", "3", "--local-ranks-filter", "1", "--role", "trainer",
+                           "--warm-standby", "0", "--status", "off", str(script)])
+    assert launcher.wait([node]) == [0], node.output
+
+    runs = [p.name for p in logs.iterdir() if p.is_dir() and p.name != "shapes"]  # shapes/: the event log
+    assert len(runs) == 1 and re.fullmatch(r"shapes_\w{8}", runs[0]), runs
+    for local_rank in (0, 1):
+        folder = logs / runs[0] / "attempt_0" / str(local_rank)
+        assert (folder / "stdout.log").read_text() == f"hello from {local_rank}\n"
+        assert (folder / "stderr.log").exists()
+    assert "[trainer1]:hello from 1\n" in node.output
+    assert "hello from 0" not in node.output  # --local-ranks-filter 1

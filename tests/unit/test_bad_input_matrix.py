@@ -315,6 +315,8 @@ FLAGS = [
     ("worker-port-range-huge", ["--worker-port-range", HUGE, S], "--worker-port-range"),
     ("worker-port-range-open", ["--worker-port-range", "30000-", S], "--worker-port-range"),
     ("worker-port-range-non-utf8", ["--worker-port-range", NON_UTF8, S], "--worker-port-range"),
+    ("log-layout-word", ["--log-layout", "deepspeed", S], ("--log-layout", "deepspeed")),
+    ("log-layout-empty-word", ["--log-layout", " ", S], "--log-layout"),
     ("flag-typo", ["--nnode", "2", S], "--nnode"),
     ("flag-without-value", ["--nnodes"], "--nnodes"),
     ("switch-with-value", ["--standalone=yes", S], "--standalone"),

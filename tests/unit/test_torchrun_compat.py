@@ -14,7 +14,7 @@ import pytest
 
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.numa import HostCpus, bind_ranks
-from ftrun.agent.output import FilteredCopy
+from ftrun.agent.output import FilteredCopy, line_prefix
 from ftrun.agent.workers import own_device_only
 from ftrun.cli import launch_command
 from ftrun.cli.launch import accepted_only_notes
@@ -281,3 +281,26 @@ def test_the_static_rendezvous_sets_the_worker_port_and_others_do_not(tmp_path):
     assert config(tmp_path, standalone=False, master_port=29777).worker_port == 29777
     assert config(tmp_path).worker_port == 0
     assert config(tmp_path, standalone=False, rdzv_endpoint="localhost:29400").worker_port == 0
+
+
+# -- torchrun's log shapes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, template, expected", [
+    ("ftrun", "", "[rank 5]: "),
+    ("torchrun", "", "[trainer1]:"),  # torchrun's TailLog header: role and local rank, no space
+    ("ftrun", "[${role_name}${local_rank}|${rank}]: ", "[trainer1|5]: "),
+    ("torchrun", "${rank}> ", "5> "),
+    ("torchrun", "[${nope}]:", "[${nope}]:"),  # safe_substitute, as torchrun: an unknown name stays
+])
+def test_line_prefix(layout, template, expected):
+    assert line_prefix(layout, template, "trainer", 5, 1) == expected
+
+
+def test_log_layout_and_the_prefix_template_reach_the_config(tmp_path, monkeypatch):
+    assert (config(tmp_path).log_layout, config(tmp_path).log_line_prefix_template) == ("ftrun", "")
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${rank}]")
+    cfg = config(tmp_path, log_layout="torchrun")
+    assert (cfg.log_layout, cfg.log_line_prefix_template) == ("torchrun", "[${rank}]")
+    with pytest.raises(UsageError, match="--log-layout"):
+        config(tmp_path, log_layout="deepspeed")
