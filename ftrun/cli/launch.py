@@ -5,8 +5,15 @@ from __future__ import annotations
 import click
 
 from ftrun import __version__
-from ftrun.config import (DEFAULT_SIGNALS, LOG_LAYOUTS, NUMA_MODES, RDZV_BACKENDS, RECOVERY_LEVELS, check_known_keys,
-                          read_config_file)
+from ftrun.config import (
+    DEFAULT_SIGNALS,
+    LOG_LAYOUTS,
+    NUMA_MODES,
+    RDZV_BACKENDS,
+    RECOVERY_LEVELS,
+    check_known_keys,
+    read_config_file,
+)
 from ftrun.errors import UsageError
 
 #: help sections, in the order --help shows them
