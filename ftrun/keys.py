@@ -108,7 +108,8 @@ class JobKeys:
         return f"{self.root}/g{generation}"
 
     def process_group(self, generation: int) -> str:
-        """PrefixStore prefix under which generation ``generation`` forms its process group."""
+        """PrefixStore prefix under which generation ``generation`` connects its process groups (each
+        group of the script under its own torch name below it)."""
         return f"{self.generation(generation)}/pg"
 
     def milestone(self, generation: int, name: str) -> str:
@@ -153,6 +154,11 @@ class JobKeys:
     def damaged(self, index: int) -> str:
         """A RestoreSource that failed its check when a rank read it: later plans leave it out."""
         return f"{self.root}/snapshots/damaged/{index}"
+
+    @property
+    def process_level_refused(self) -> str:
+        """Why the script's layout rules process-level repair out (set by rank 0 at its first steps())."""
+        return f"{self.root}/process_level_refused"
 
     def rollback_failure(self, generation: int) -> str:
         """Why the generation's rollback could not happen (no healthy replica holds the state)."""

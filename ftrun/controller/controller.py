@@ -23,6 +23,7 @@ from ftrun.controller.policy import (
     on_milestone,
     on_node_joined,
     on_node_lost,
+    on_process_level_refused,
     on_repair_failed,
     on_report,
     on_stop,
@@ -417,9 +418,16 @@ class Controller:
                     f"{self.rendezvous_policy.spares} spare{'s' if self.rendezvous_policy.spares != 1 else ''}"))
 
     def _check_library(self) -> None:
+        """Whether every rank runs ftrun.elastic, and whether its layout allows process-level repair."""
         view = self.view
-        if view.recovery is Level.PROCESS and view.phase is Phase.RUNNING and not view.process_level_ready:
+        if view.recovery is not Level.PROCESS or view.phase is not Phase.RUNNING or view.refusal:
+            return
+        if not view.process_level_ready:
             self._apply(on_library_ranks(view, self.store.counter(self.keys.milestone(view.generation, "joined"))))
+        else:
+            refusal = self.store.try_text(self.keys.process_level_refused)
+            if refusal:
+                self._apply(on_process_level_refused(view, refusal))
 
     def _check_repair(self) -> None:
         """During a process-level repair: count the ranks' milestones, watch the deadline."""
@@ -574,8 +582,11 @@ class Controller:
         self._library_seen = self.store.counter(self.keys.milestone(before.generation, "joined")) > 0
         if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
             self._said_no_library = True
-            log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
-                        after.library_ranks, after.world_size)
+            if after.refusal:
+                log.warning("process-level recovery is off: %s: using job-level recovery", after.refusal)
+            else:
+                log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
+                            after.library_ranks, after.world_size)
         target = after.generation if after.level is Level.PROCESS else after.generation + 1
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"

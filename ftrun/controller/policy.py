@@ -95,6 +95,8 @@ class JobView:
     recovery: Level = Level.JOB
     #: ranks of the current generation that run under ftrun.elastic (process level needs all)
     library_ranks: int = 0
+    #: why the script's layout rules process level out (its ranks said so), or ""
+    refusal: str = ""
     phase: Phase = Phase.RUNNING
     #: the level of the repair under way (meaningful outside RUNNING)
     level: Level = Level.JOB
@@ -137,7 +139,8 @@ class JobView:
 
     @property
     def process_level_ready(self) -> bool:
-        return self.recovery is Level.PROCESS and self.world_size > 0 and self.library_ranks >= self.world_size
+        return (self.recovery is Level.PROCESS and self.world_size > 0 and self.library_ranks >= self.world_size
+                and not self.refusal)
 
 
 Decision = tuple[JobView, list[Command]]
@@ -181,6 +184,12 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
 def on_library_ranks(view: JobView, count: int) -> Decision:
     """How many ranks of the current generation said hello from ftrun.elastic."""
     return dataclasses.replace(view, library_ranks=max(view.library_ranks, count)), []
+
+
+def on_process_level_refused(view: JobView, reason: str) -> Decision:
+    """The script's ranks say its layout rules process-level repair out (groups ftrun cannot re-form,
+    state it cannot tell the replicas of): every later fault goes to job level at once."""
+    return dataclasses.replace(view, refusal=reason), []
 
 
 def on_milestone(view: JobView, milestone: Milestone) -> Decision:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import gc
-import io
 import logging
 import os
 import signal
@@ -13,7 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -21,17 +19,19 @@ import torch.distributed as dist
 from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
-from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
-from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer
+from ftrun.elastic.ddp import ElasticDDP, pin_buckets
+from ftrun.elastic.groups import GroupFailed, GroupSet, install
+from ftrun.elastic.layout import Layout
+from ftrun.elastic.repair import Repair, first_line
+from ftrun.elastic.shards import is_dtensor, load_local, local_tensor, to_local
+from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, snapshot_signer
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.keys import JobKeys
-from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
+from ftrun.snapshots.format import SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.store import ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
-#: what a generation's group_ready key says once every rank arrived (else: superseded)
-GROUP_READY = "ready"
 #: how often a rank writes its heartbeat and its committed step
 HEARTBEAT_INTERVAL = 1.0
 #: the deadline of each of the repair watcher's waits (it waits again after each)
@@ -40,10 +40,6 @@ WATCH_TIMEOUT = 3600.0
 INTERRUPT_AFTER = 0.05
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
 EXIT_STUCK = 75
-
-
-class RepairError(RuntimeError):
-    """The repair could not finish on this rank; ftrun falls back to job level."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ class WorkerEnv:
 
 class StepGuard:
     """``with job.guard():`` around a step's body: commits the step when the body finishes, and
-    catches a fault elsewhere (a collective that raises because a peer died) so that
+    catches a fault elsewhere (a collective that failed because a peer died) so that
     ``job.steps()`` can repair and go on from the consistent step."""
 
     def __init__(self, job: "ElasticJob"):
@@ -93,86 +89,21 @@ class StepGuard:
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if kind is None:
-            self.job._commit()
+        job = self.job
+        failure = job._end_step()
+        if kind is None and failure is None:
+            job._commit()
             return False
-        self.repair_target = self.job._repair_target(error)
+        if kind is None:  # a collective failed, yet the body finished: what it changed is unknown
+            job._mutated = True
+            error = failure
+        self.repair_target = job._repair_target(error)
         if self.repair_target is None:
+            if kind is None:
+                raise failure
             return False
-        for wrapper in self.job._wrappers:
-            wrapper.restore_buffers()  # the forward of the lost step moved running statistics
+        job._restore_buffers()  # the forward of the lost step moved running statistics
         return True  # swallowed: steps() repairs and goes on from the consistent step
-
-
-class ElasticDDP(torch.nn.Module):
-    """Data parallelism that survives a repair: gradients averaged over the current process group.
-
-    Like DistributedDataParallel, the parameters are broadcast from rank 0 before the first
-    forward and every gradient is averaged over the ranks before backward returns. Unlike it:
-
-    * it holds no process group between steps, so the next generation's group takes over after
-      a repair (gloo only closes a dead group's sockets, which releases peers blocked on this
-      rank, once nothing refers to it any more: queued asynchronous work does);
-    * the gradients go in one flat buffer, always in parameter order, and one synchronous
-      all-reduce, so the summation order never changes and a repaired run stays bit-identical
-      to a fault-free one (DDP lays its buckets out anew with each wrapper).
-
-    Buffers (BatchNorm's running statistics) are broadcast from rank 0 before every forward, as
-    DDP does by default, and put back as they were when a step is interrupted by a fault.
-    Every parameter that requires a gradient must get one in every step.
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-        self._synced = False
-        self._queued = False
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._flat: torch.Tensor | None = None
-        for param in self._params:
-            param.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def forward(self, *args, **kwargs):
-        if not self._synced:
-            for param in self.module.parameters():
-                dist.broadcast(param.data, src=0)
-            self._synced = True
-        for buffer in self.module.buffers():  # as DDP's broadcast_buffers: rank 0's running statistics
-            dist.broadcast(buffer.data, src=0)
-        return self.module(*args, **kwargs)
-
-    def save_buffers(self) -> None:
-        """Keep the buffers as the step begins (cheap: running statistics are small)."""
-        self._saved_buffers = [b.detach().clone() for b in self.module.buffers()]
-
-    def restore_buffers(self) -> None:
-        """Undo what the forward of an interrupted step did to the buffers."""
-        for buffer, saved in zip(self.module.buffers(), getattr(self, "_saved_buffers", ())):
-            buffer.data.copy_(saved)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
-
-    def _average_gradients(self) -> None:
-        self._queued = False
-        grads = [p.grad for p in self._params]
-        if self._flat is None:  # allocated once: a fresh buffer per step costs page faults
-            self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
-        flat = self._flat
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        dist.all_reduce(flat)
-        flat.div_(dist.get_world_size())
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-    def reset(self, synced: bool) -> None:
-        """After a repair; ``synced``: every rank already holds the same parameters."""
-        self._queued = False
-        self._synced = synced
 
 
 class ElasticJob:
@@ -196,14 +127,20 @@ class ElasticJob:
         self.collective_timeout = collective_timeout
         #: after a collective raises, how long to wait for the controller to announce a repair
         self.fault_wait = fault_wait
-        self._objects: dict[str, object] = {}
+        self._objects: dict[str, Any] = {}
         self._wrappers: list[ElasticDDP] = []
+        self._after_repair: list[Callable[[], None]] = []
         self._step = 0
         self._mutated = False
         self._needs_state = False
         self._repairing = False
         self._guard = StepGuard(self)
         self._closed = threading.Event()
+        #: which ranks hold copies of each other's state: job.mesh() declares it; else pure data
+        #: parallelism (or every rank alone, with sharded=True), checked at the first steps()
+        self._layout: Layout | None = None
+        self.layout = Layout.sharded(1) if sharded else Layout.data_parallel(1)
+        self._started = False
         #: this rank's snapshots into its agent's memory (--snapshot-every), or None
         self.snapshots: SnapshotWriter | None = None
         if self.env is None:
@@ -217,10 +154,17 @@ class ElasticJob:
         endpoint = parse_endpoint(self.env.control_store, 0, "FTRUN_CONTROL_STORE")
         self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False,
                                   signer=self._signer)
+        self.layout = Layout.sharded(self.env.world_size) if sharded else Layout.data_parallel(self.env.world_size)
         self.generation = -1
         self._spawned_for = self.env.generation if self.env.replacement else None
         self._needs_state = self.env.replacement
-        self._join(self.env.generation)
+        #: every process group the script makes, the same objects in every generation
+        self.groups = GroupSet(self.backend, self.store.raw, self.keys.process_group, collective_timeout)
+        install(self.groups, self.backend.devices())
+        # a replacement's peers are mid-training: its setup's collectives are answered locally
+        self.groups.local = self.env.replacement
+        self.repair = Repair(self)
+        self.repair.join(self.env.generation)
         self._repairing = self._needs_state  # a replacement is part of the repair until it has the state
         for target, name, args in ((self._beat, "ftrun-heartbeat", (endpoint,)),
                                    (self._watch, "ftrun-repair-watch", (endpoint,))):
@@ -275,12 +219,43 @@ class ElasticJob:
             self._objects[name] = obj
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._on_optimizer_step)
+            if self.env is not None and pin_buckets(obj):
+                log.info("%s: torch DDP's bucket layout pinned (a replacement rank lays its buckets out the same)", name)
 
-    def ddp(self, module: torch.nn.Module) -> ElasticDDP:
-        """Wrap ``module`` for data parallelism, as DistributedDataParallel does, repair-proof."""
-        wrapper = ElasticDDP(module)
+    def after_repair(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on every rank at the end of each process-level repair, once the state is
+        back and before the loop goes on: the place to remake what a library set up once with its
+        peers at its first use (a pipeline schedule's warm-up, say), since the replacement rank sets
+        it up anew and the healthy ranks must do so with it."""
+        self._after_repair.append(callback)
+
+    def ddp(self, module: torch.nn.Module, group=None) -> ElasticDDP:
+        """Wrap ``module`` for data parallelism, as DistributedDataParallel does, repair-proof.
+
+        ``group``: the data-parallel group (a ProcessGroup or a 1-D DeviceMesh, e.g. ``mesh["dp"]``);
+        the default group if None.
+        """
+        wrapper = ElasticDDP(module, group)
         self._wrappers.append(wrapper)
         return wrapper
+
+    def mesh(self, dims: Mapping[str, int], replicate: tuple[str, ...] | None = None, device_type: str | None = None):
+        """A torch ``DeviceMesh`` over every rank, e.g. ``job.mesh({"dp": 2, "tp": 2})``, that tells ftrun
+        which ranks hold copies of each other's state.
+
+        Along a replica dimension (by default those named dp, ddp, data, replicate or dp_replicate;
+        ``replicate=`` names them otherwise) ranks hold the same state, and a replacement receives
+        its state from a healthy peer there. Along the others (tp, pp, FSDP's shard) each rank holds
+        its own part; with no healthy replica left a repair restores the snapshots. A dimension that
+        the model's DTensors are sharded over is no replica dimension, whatever its name.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout = Layout.declared(dict(dims), replicate)
+        if layout.size != self.world_size:
+            raise ValueError(f"the mesh {layout.describe()} holds {layout.size} ranks; the job has {self.world_size}")
+        self._layout = self.layout = layout
+        return init_device_mesh(device_type or self.backend.device_type, layout.shape, mesh_dim_names=layout.names)
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Step numbers ``start..total-1``; after a repair, the loop goes on from the consistent step.
@@ -289,15 +264,16 @@ class ElasticJob:
         step's body in ``with job.guard():``. ``start`` is where a fresh job begins (e.g. the step
         after the one in your own checkpoint); a replacement rank resumes where the others are.
         """
+        self._start()
         if self._needs_state:
-            self._recover(self.generation, joined=True)
+            self.repair.recover(self.generation, joined=True)
         elif not self._restore(start) and self._step < start:
             self._step = start
         while self._step < total:
             self._guard = StepGuard(self)
             yield self._step
             if self._guard.repair_target is not None:
-                self._recover(self._guard.repair_target)
+                self.repair.recover(self._guard.repair_target)
             elif not self._guard.entered:
                 self._commit()  # a loop without guard(): the body finished, so the step did
 
@@ -314,20 +290,75 @@ class ElasticJob:
             self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))  # the final step
         except Exception:
             pass  # the controller is gone already
+        if self.env is not None:
+            self.groups.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- the layout ----------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """At the first steps(): the setup is over; settle the layout, or say why a fault will restart the job."""
+        if self.env is None or self._started:
+            return
+        self._started = True
+        self.groups.local = False
+        self.layout, refusal = self._settle_layout()
+        if self.snapshots is not None:
+            self.snapshots.sharded = len(self.layout.replica_sets()) > 1
+        if refusal:
+            if self.env.rank == 0 and not self.env.replacement:
+                print(f"ftrun.elastic: {refusal}; a fault will restart the job", file=sys.stderr, flush=True)
+            self.store.set_text(self.keys.process_level_refused, refusal)
+
+    def _settle_layout(self) -> tuple[Layout, str]:
+        """The layout a repair goes by, and why process-level repair cannot work ("" when it can)."""
+        world = self.env.world_size
+        foreign = self.groups.foreign_groups()
+        if foreign:
+            return Layout.sharded(world), (f"group {foreign[0]} was made with another backend than ftrun's, and a "
+                                           "repair cannot re-form it (leave backend= out of new_group)")
+        sharded_over = {name for obj in self._objects.values() for name in _sharded_dims(obj)}
+        if self._layout is not None:
+            return self._layout.without(sharded_over), ""
+        if self.sharded:
+            return Layout.sharded(world), ""
+        made = len(self.groups.groups) - 1  # besides the default group
+        if made or sharded_over:
+            what = f"{made} process group{'s' if made != 1 else ''} of its own" if made else "sharded DTensors"
+            return Layout.sharded(world), (f"this script makes {what} without job.mesh(): ftrun cannot tell which "
+                                           "ranks hold copies of each other's state (declare the mesh with "
+                                           "job.mesh({...}), or pass init(sharded=True) with --snapshot-every)")
+        return Layout.data_parallel(world), ""
 
     # -- commits and faults -----------------------------------------------------------------------
 
     def _on_optimizer_step(self, *args) -> None:
+        if self.env is not None and self.groups.failure is not None:  # its gradients are not averaged
+            raise GroupFailed(f"rank {self.env.rank}: step {self._step} lost a collective ({first_line(self.groups.failure)})")
         if self.snapshots is not None:
             self.snapshots.wait_copied()  # the snapshot's copy of what this step changes is done
         self._mutated = True
 
     def _begin_step(self) -> None:
         self._mutated = False
-        for wrapper in self._wrappers:
-            wrapper.save_buffers()
+        # buffers as the step begins (cheap: running statistics are small), put back if it is lost
+        modules = {id(m): m for m in (*self._objects.values(), *self._wrappers) if isinstance(m, torch.nn.Module)}
+        self._saved_buffers = [(b, b.detach().clone()) for m in modules.values() for b in m.buffers()]
+        if self.env is not None:
+            self.groups.in_step = True
+
+    def _end_step(self) -> BaseException | None:
+        """The step's body is over: the failure of one of its collectives, if one failed."""
+        if self.env is None:
+            return None
+        self.groups.in_step = False
+        return self.groups.failure
+
+    def _restore_buffers(self) -> None:
+        """Undo what the forward of an interrupted step did to the buffers."""
+        for buffer, saved in getattr(self, "_saved_buffers", ()):
+            buffer.data.copy_(saved)
 
     def _commit(self) -> None:
         self._step += 1
@@ -342,22 +373,23 @@ class ElasticJob:
 
     def _optimized(self) -> frozenset[int]:
         """The tensors only a registered optimizer's step changes: its parameters and its state."""
-        found = set()
+        found: set[int] = set()
         for obj in self._objects.values():
             if isinstance(obj, torch.optim.Optimizer):
-                found.update(p.data_ptr() for group in obj.param_groups for p in group["params"])
-                found.update(v.data_ptr() for state in obj.state.values() for v in state.values()
+                found.update(local_tensor(p).data_ptr() for group in obj.param_groups for p in group["params"])
+                found.update(local_tensor(v).data_ptr() for state in obj.state.values() for v in state.values()
                              if isinstance(v, torch.Tensor))
         return frozenset(found)
 
     def _states(self) -> dict:
-        return {name: obj.state_dict() for name, obj in self._objects.items()}
+        """Every registered object's state, each DTensor as this rank's local shard (shards.py)."""
+        return to_local({name: obj.state_dict() for name, obj in self._objects.items()})
 
     def _load(self, states: dict) -> None:
         if self.snapshots is not None:
             self.snapshots.wait()  # no snapshot may still be reading what this overwrites
         for name, obj in self._objects.items():
-            obj.load_state_dict(states[name])
+            load_local(obj, states[name])
 
     # -- restores from snapshots ---------------------------------------------------------------------
 
@@ -392,25 +424,6 @@ class ElasticJob:
     def _report_damaged(self, source: RestoreSource) -> None:
         self.store.append(self.keys.damaged_count, self.keys.damaged, source)
 
-    def _rollback_sharded(self, device) -> int:
-        """Process level, sharded state: every rank goes back to the newest step all of them hold in
-        their agents' memory (a replacement finds its predecessor's snapshots there)."""
-        held = own_steps(self.snapshots.folder, self.env.rank) if self.snapshots else []
-        mine = torch.full((2,), NO_STATE, dtype=torch.int64, device=device)
-        mine[:len(held[:2])] = torch.tensor(held[:2], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
-        dist.all_gather(gathered, mine)
-        common = set.intersection(*({int(s) for s in t.tolist() if s != NO_STATE} for t in gathered))
-        if not common:
-            raise RepairError("sharded state: no step whose snapshot every rank holds in memory")
-        step = max(common)
-        if self._needs_state or self._mutated or self._step != step:
-            try:
-                self._load(load_own(self.snapshots.folder, self.env.rank, step))
-            except SnapshotError as e:
-                raise RepairError(str(e)) from None
-        return step
-
     def _repair_target(self, error: BaseException) -> int | None:
         """The generation to repair into if ``error`` comes from a fault elsewhere (a collective
         failed and the controller announces a repair); None when it is this rank's own error,
@@ -420,7 +433,7 @@ class ElasticJob:
         target = self._await_target(above=self.generation, timeout=self.fault_wait)
         if target is not None:
             log.warning("rank %d: step %d interrupted (%s); repairing into generation %d",
-                        self.env.rank, self._step, _first_line(error), target)
+                        self.env.rank, self._step, first_line(error), target)
         return target
 
     def _target(self) -> int:
@@ -436,119 +449,6 @@ class ElasticJob:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
-
-    # -- the repair: join the next generation's group, roll back ------------------------------------
-
-    def _recover(self, target: int, joined: bool = False) -> None:
-        while True:
-            if not joined:
-                target = self._join(target)
-            joined = False
-            try:
-                self._rollback(target)
-                return
-            except RepairError:
-                raise
-            except Exception as e:
-                newer = self._await_target(above=target, timeout=self.fault_wait)
-                if newer is None:
-                    raise
-                log.warning("rank %d: rollback of generation %d interrupted (%s)", self.env.rank, target, _first_line(e))
-                target = newer
-
-    def _join(self, target: int) -> int:
-        """Leave the current group and form generation ``target``'s (or a newer one's); returns it."""
-        while True:
-            self._repairing = True
-            if target != self._spawned_for:
-                self.store.add(self.keys.milestone(target, "stopped"))
-            self._leave_group()
-            if self._form_group(target):
-                return target
-            target = self._target()
-
-    def _leave_group(self) -> None:
-        # gloo closes this rank's sockets (releasing peers blocked on it) only when the last
-        # reference to the group goes
-        for wrapper in self._wrappers:
-            wrapper.reset(synced=True)
-        self.backend.release()
-        gc.collect()
-
-    def _form_group(self, generation: int) -> bool:
-        """Form the group once every rank arrived; False if a newer generation was announced meanwhile.
-
-        No polling: the last rank to arrive marks the group ready, and the controller marks it
-        superseded when it announces a newer generation; the others wait on the store for either.
-        """
-        ready = self.keys.group_ready(generation)
-        if self.store.add(self.keys.milestone(generation, "arrived")) >= self.env.world_size:
-            self.store.set_text(ready, GROUP_READY)
-        try:
-            self.store.raw.wait([ready], datetime.timedelta(seconds=self.collective_timeout))
-        except Exception:
-            raise RepairError(f"generation {generation}: not every rank arrived within {self.collective_timeout:g}s") from None
-        if self.store.try_text(ready) != GROUP_READY:
-            return False
-        from torch.distributed import PrefixStore
-
-        store = PrefixStore(self.keys.process_group(generation), self.store.raw)
-        self.backend.form_group(store, self.env.rank, self.env.world_size, self.collective_timeout)
-        self.generation = generation
-        self.store.add(self.keys.milestone(generation, "joined"))
-        return True
-
-    def _rollback(self, generation: int) -> None:
-        """Agree on the consistent step; its holder sends the state to the ranks that lack it."""
-        device = self.backend.device()
-        if self.sharded:
-            try:
-                plan = RollbackPlan(self._rollback_sharded(device), self.env.rank, ())
-            except RepairError as e:
-                self.store.set_text(self.keys.rollback_failure(generation), str(e))
-                raise
-        else:
-            mine = NO_STATE if (self._needs_state or self._mutated) else self._step
-            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.env.world_size)]
-            dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
-            plan = choose_rollback([int(t.item()) for t in gathered])
-        if plan is None:
-            reason = "no healthy replica holds the training state"
-            self.store.set_text(self.keys.rollback_failure(generation), reason)
-            raise RepairError(reason)
-        if plan.receivers:
-            self._send_state(plan.source, plan.receivers, device)
-        for obj in self._objects.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                obj.zero_grad(set_to_none=True)
-        for wrapper in self._wrappers:
-            wrapper.reset(synced=True)  # every rank now holds the same parameters
-        self._step = plan.step
-        self._needs_state = False
-        self._mutated = False
-        if self.snapshots is not None:
-            self.snapshots.resume_at(plan.step)
-        self.store.add(self.keys.milestone(generation, "resumed"))
-        self._repairing = False
-        log.info("rank %d: generation %d resumes at step %d (state from rank %d)", self.env.rank, generation,
-                 plan.step, plan.source)
-
-    def _send_state(self, source: int, receivers: tuple[int, ...], device) -> None:
-        """Point to point, source to each receiver: the cost does not grow with the job's size."""
-        if self.env.rank == source:
-            buffer = io.BytesIO()
-            torch.save(self._states(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-            for receiver in receivers:
-                dist.send(size, dst=receiver)
-                dist.send(payload, dst=receiver)
-        elif self.env.rank in receivers:
-            size = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.recv(size, src=source)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-            dist.recv(payload, src=source)
-            self._load(torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False))
 
     # -- liveness ----------------------------------------------------------------------------------
 
@@ -594,7 +494,7 @@ class ElasticJob:
             waited = time.monotonic() - announced_at
             if waited > INTERRUPT_AFTER and not interrupted:
                 interrupted = True
-                self.backend.interrupt()
+                self.groups.interrupt()
             if waited > self.fault_wait:
                 log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced",
                           self.env.rank, self.fault_wait)
@@ -611,5 +511,14 @@ def _dump_stack_on_signal() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+def _sharded_dims(obj) -> set[str]:
+    """The mesh dimensions a registered module's DTensor parameters are sharded over."""
+    if not isinstance(obj, torch.nn.Module):
+        return set()
+    found: set[str] = set()
+    for param in obj.parameters():
+        if is_dtensor(param):
+            spec: Any = param  # a DTensor
+            names = spec.device_mesh.mesh_dim_names or ()
+            found.update(name for name, placement in zip(names, spec.placements) if placement.is_shard())
+    return found

@@ -21,8 +21,19 @@ from typing import Callable, Mapping
 
 from ftrun.auth import Signer
 from ftrun.snapshots.format import (
-    COMPLETE, HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, checksum, copy_tensors, lay_out, load_states,
-    read_header, read_verified, size_text, verified,
+    COMPLETE,
+    HEADER_SIZE,
+    WRITING,
+    SnapshotError,
+    SnapshotTooLarge,
+    checksum,
+    copy_tensors,
+    lay_out,
+    load_states,
+    read_header,
+    read_verified,
+    size_text,
+    verified,
 )
 from ftrun.snapshots.keeper import TOKEN_FILE
 from ftrun.snapshots.plan import DISK, RestoreSource

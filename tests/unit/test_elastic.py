@@ -1,4 +1,4 @@
-"""The worker library's pure parts: rollback choice, backend seams (with fakes), environment."""
+"""The worker library's pure parts: rollback choice, replica sets, backend seams (with fakes), environment."""
 
 from __future__ import annotations
 
@@ -10,66 +10,136 @@ import pytest
 from ftrun.agent import standby
 from ftrun.elastic.backends import CommBackend, HcclBackend, NcclBackend, make_backend
 from ftrun.elastic.job import WorkerEnv
-from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
+from ftrun.elastic.layout import Layout
+from ftrun.elastic.rollback import NO_STATE, RollbackPlan, Transfer, choose_rollback
+
+
+def plan(step, *transfers):
+    return RollbackPlan(step, tuple(Transfer(source, receivers) for source, receivers in transfers))
 
 
 @pytest.mark.parametrize(
-    "committed, plan",
+    "committed, replica_sets, expected",
     [
-        ([5, NO_STATE, 5, 5], RollbackPlan(5, 0, (1,))),  # one replacement
-        ([NO_STATE, 7, 7, NO_STATE], RollbackPlan(7, 1, (0, 3))),  # rank 0 replaced: rank 1 sends
-        ([4, 5, 5, NO_STATE], RollbackPlan(5, 1, (0, 3))),  # one rank finished a step more
-        ([3, 3, 3, 3], RollbackPlan(3, 0, ())),  # nothing to send
-        ([NO_STATE, NO_STATE], None),  # nobody holds the state: job level must take over
+        ([5, NO_STATE, 5, 5], None, plan(5, (0, (1,)))),  # pure DP, one replacement
+        ([NO_STATE, 7, 7, NO_STATE], None, plan(7, (1, (0, 3)))),  # rank 0 replaced: rank 1 sends
+        ([4, 5, 5, NO_STATE], None, plan(5, (1, (0, 3)))),  # one rank finished a step more
+        ([3, 3, 3, 3], None, plan(3)),  # nothing to send
+        ([NO_STATE, NO_STATE], None, None),  # nobody holds the state: snapshots or job level
+        # DP 2 x TP 2 (sets: ranks with the same TP coordinate): rank 1's DP peer 3 sends, rank 2 keeps its own
+        ([6, NO_STATE, 6, 6], [(0, 2), (1, 3)], plan(6, (3, (1,)))),
+        ([6, NO_STATE, 6, NO_STATE], [(0, 2), (1, 3)], None),  # a whole replica set lost
+        ([NO_STATE, 6, 6, NO_STATE], [(0, 2), (1, 3)], plan(6, (2, (0,)), (1, (3,)))),  # one lost in each
+        ([6, 6, 5, 6], [(0, 2), (1, 3)], plan(6, (0, (2,)))),
+        ([6, NO_STATE, 6, 6], [(0,), (1,), (2,), (3,)], None),  # FSDP full shard: no replica
+        ([6, 5, 6, 6], [(0, 1), (2, 3)], plan(6, (0, (1,)))),
+        ([5, 5, 6, 6], [(0, 1), (2, 3)], None),  # a set holds only the older step: snapshots
     ],
 )
-def test_choose_rollback(committed, plan):
-    assert choose_rollback(committed) == plan
+def test_choose_rollback(committed, replica_sets, expected):
+    assert choose_rollback(committed, replica_sets) == expected
 
 
-class FakeDist:
-    """Records what a backend does to torch.distributed."""
-
-    def __init__(self):
-        self.calls = []
-        self.initialized = True
-        outer = self
-
-        class World:
-            def abort(self):
-                outer.calls.append("abort")
-
-        self.group = types.SimpleNamespace(WORLD=World())
-
-    def is_initialized(self):
-        return self.initialized
-
-    def destroy_process_group(self):
-        self.calls.append("destroy")
-        self.initialized = False
-
-    def init_process_group(self, name, **kwargs):
-        self.calls.append(("init", name, kwargs["rank"], kwargs["world_size"]))
-        self.initialized = True
+def test_rollback_plan_names_each_receiver_s_source():
+    chosen = plan(6, (2, (0,)), (1, (3,)))
+    assert chosen.receivers == (0, 3)
+    assert [chosen.source_for(rank) for rank in range(4)] == [2, None, None, 1]
 
 
-def test_gloo_release_destroys_the_group():
-    fake = FakeDist()
-    CommBackend(dist=fake).release()
-    assert fake.calls == ["destroy"]
+@pytest.mark.parametrize(
+    "dims, replicate, sets",
+    [
+        ({"dp": 4}, None, [(0, 1, 2, 3)]),  # pure DP
+        ({"shard": 4}, None, [(0,), (1,), (2,), (3,)]),  # FSDP2 full shard
+        ({"replicate": 2, "shard": 2}, None, [(0, 2), (1, 3)]),  # HSDP: the replicate dimension
+        ({"dp": 2, "tp": 2}, None, [(0, 2), (1, 3)]),  # DP x TP: DP peers with the same TP coordinate
+        ({"pp": 2, "dp": 2}, None, [(0, 1), (2, 3)]),  # DP x PP: the DP peers of a stage
+        ({"pp": 2, "dp": 2, "tp": 2}, None, [(0, 2), (1, 3), (4, 6), (5, 7)]),
+        ({"outer": 2, "inner": 2}, ("outer",), [(0, 2), (1, 3)]),  # named by the script
+    ],
+)
+def test_replica_sets_from_the_declared_mesh(dims, replicate, sets):
+    assert Layout.declared(dims, replicate).replica_sets() == sets
 
 
-def test_nccl_release_aborts_the_communicator_first():
-    fake = FakeDist()
-    backend = NcclBackend(dist=fake)
-    backend.release()
-    assert fake.calls == ["abort", "destroy"]
+def test_a_dimension_the_model_is_sharded_over_is_no_replica_dimension():
+    # FSDP2 over a mesh its script called "dp": the parameters say Shard on it
+    assert Layout.declared({"dp": 4}).without({"dp"}).replica_sets() == [(0,), (1,), (2,), (3,)]
 
 
-def test_nccl_interrupt_aborts_from_another_thread():
-    fake = FakeDist()
-    NcclBackend(dist=fake).interrupt()
-    assert fake.calls == ["abort"]
+@pytest.mark.parametrize(
+    "dims, replicate, message",
+    [
+        ({}, None, "at least one dimension"),
+        ({"dp": 0}, None, "not a positive integer"),
+        ({"dp": 2, "tp": 2}, ("pp",), "replicate names pp, which the mesh"),
+    ],
+)
+def test_bad_meshes_are_refused_in_one_line(dims, replicate, message):
+    with pytest.raises(ValueError, match=message):
+        Layout.declared(dims, replicate)
+
+
+class FakeGroup:
+    """A real group as the backends see it: it can be aborted."""
+
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def abort(self):
+        self.calls.append(("abort", self.name))
+
+
+def test_gloo_release_drops_the_recorded_connections():
+    backend = CommBackend(dist=types.SimpleNamespace())
+    backend._group_fds, backend._live = {1000}, [object()]
+    backend.release([object()])
+    assert backend._group_fds == set() and backend._live == []
+
+
+def test_nccl_release_aborts_every_communicator():
+    calls = []
+    NcclBackend(dist=types.SimpleNamespace()).release([FakeGroup(calls, "world"), FakeGroup(calls, "tp")])
+    assert calls == [("abort", "world"), ("abort", "tp")]
+
+
+def test_nccl_interrupt_aborts_the_live_communicators_from_another_thread():
+    calls = []
+    backend = NcclBackend(dist=types.SimpleNamespace())
+    backend._live = [FakeGroup(calls, "world"), FakeGroup(calls, "dp")]
+    backend.interrupt()
+    assert calls == [("abort", "world"), ("abort", "dp")]
+
+
+def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch):
+    made = []
+
+    class Options:
+        pass
+
+    class ProcessGroup:
+        class BackendType:
+            NCCL = "NCCL"
+
+        def __init__(self, store, rank, size):
+            made.append(("group", store, rank, size))
+
+        def _set_default_backend(self, kind):
+            made.append(("default", kind))
+
+        def _register_backend(self, device, kind, backend):
+            made.append(("register", str(device), kind, backend))
+
+    def nccl(store, rank, size, options):
+        return ("nccl", rank, size, options._timeout.total_seconds())
+
+    fake = types.SimpleNamespace(ProcessGroup=ProcessGroup, ProcessGroupNCCL=nccl)
+    nccl.Options = Options
+    backend = NcclBackend(dist=fake, local_rank=1)
+    monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
+    backend.connect("store", 2, 4, timeout=30)
+    assert made == [("group", "store", 2, 4), ("default", "NCCL"), ("register", "cuda", "NCCL", ("nccl", 2, 4, 30.0))]
+    assert backend.devices() == ("cuda", "cpu") and len(backend._live) == 1
 
 
 @pytest.fixture
@@ -83,30 +153,21 @@ def fake_torch_npu(monkeypatch):
     return calls
 
 
-def test_hccl_release_stops_and_restarts_the_device_then_destroys(fake_torch_npu):
-    fake = FakeDist()
-    HcclBackend(dist=fake, local_rank=3).release()
+def test_hccl_release_stops_and_restarts_the_device_once_for_every_group(fake_torch_npu):
+    HcclBackend(dist=types.SimpleNamespace(), local_rank=3).release([object(), object()])
     assert fake_torch_npu == [("stop_device", 3), ("restart_device", 3, False)]
-    assert fake.calls == ["destroy"]
 
 
 def test_hccl_interrupt_stops_the_device(fake_torch_npu):
-    HcclBackend(dist=FakeDist(), local_rank=1).interrupt()
+    HcclBackend(dist=types.SimpleNamespace(), local_rank=1).interrupt()
     assert fake_torch_npu == [("stop_device", 1)]
 
 
-def test_gloo_forms_its_group_through_torch():
-    fake = FakeDist()
-    fake.initialized = False
-    CommBackend(dist=fake).form_group(store=object(), rank=2, world_size=4, timeout=30)
-    assert fake.calls == [("init", "gloo", 2, 4)]
-
-
 def test_backend_names():
-    assert isinstance(make_backend("nccl", dist=FakeDist()), NcclBackend)
-    assert make_backend("gloo", dist=FakeDist()).name == "gloo"
+    assert isinstance(make_backend("nccl", dist=types.SimpleNamespace()), NcclBackend)
+    assert make_backend("gloo", dist=types.SimpleNamespace()).name == "gloo"
     with pytest.raises(ValueError, match="unknown backend"):
-        make_backend("mpi", dist=FakeDist())
+        make_backend("mpi", dist=types.SimpleNamespace())
 
 
 def test_worker_env_outside_ftrun_is_none():
@@ -161,31 +222,37 @@ def one_rank_group():
 def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
     import torch
 
-    from ftrun.elastic.job import ElasticDDP
+    from ftrun.elastic.ddp import ElasticDDP
 
     torch.manual_seed(0)
-    plain = torch.nn.Linear(4, 2)
-    wrapped = ElasticDDP(torch.nn.Linear(4, 2))
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    wrapped = ElasticDDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_mb=100 / 2**20)
     wrapped.module.load_state_dict(plain.state_dict())
+    assert [len(bucket) for bucket in wrapped._buckets] == [2, 1, 1]  # 100-byte buckets, last layer first
     batch = torch.randn(3, 4)
     plain(batch).pow(2).sum().backward()
     wrapped(batch).pow(2).sum().backward()
     for a, b in zip(plain.parameters(), wrapped.module.parameters()):
         assert torch.equal(a.grad, b.grad)
+    with wrapped.no_sync():  # accumulated locally, averaged once
+        wrapped(batch).pow(2).sum().backward()
+    wrapped.sync_gradients()
+    for a, b in zip(plain.parameters(), wrapped.module.parameters()):
+        assert torch.equal(2 * a.grad, b.grad)
 
 
-def test_interrupted_step_puts_running_statistics_back(one_rank_group):
+def test_interrupted_step_puts_running_statistics_back():
     import torch
 
-    from ftrun.elastic.job import ElasticDDP
+    from ftrun.elastic import ElasticJob
 
-    wrapped = ElasticDDP(torch.nn.BatchNorm1d(3))
-    before = wrapped.module.running_mean.clone()
-    wrapped.save_buffers()
-    wrapped(torch.randn(8, 3) + 5)  # the forward of a step that a fault then interrupts
-    assert not torch.equal(wrapped.module.running_mean, before)
-    wrapped.restore_buffers()
-    assert torch.equal(wrapped.module.running_mean, before)
+    job = types.SimpleNamespace(env=None, _objects={"model": torch.nn.BatchNorm1d(3)}, _wrappers=[])
+    before = job._objects["model"].running_mean.clone()
+    ElasticJob._begin_step(job)
+    job._objects["model"](torch.randn(8, 3) + 5)  # the forward of a step that a fault then interrupts
+    assert not torch.equal(job._objects["model"].running_mean, before)
+    ElasticJob._restore_buffers(job)
+    assert torch.equal(job._objects["model"].running_mean, before)
 
 
 @pytest.mark.parametrize("previous, now, calls", [("3", 2, [(3, 2)]), ("2", 3, [(2, 3)]), ("2", 2, []), ("", 2, [])])

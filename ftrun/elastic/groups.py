@@ -1,0 +1,318 @@
+"""Process groups that outlive a repair.
+
+Every group a script makes through torch (the default group, each ``new_group``, each
+``DeviceMesh`` dimension) is an :class:`ElasticGroup`: a ``torch.distributed.ProcessGroup``
+written in Python that hands each collective to the real group of the current generation
+(gloo, nccl or hccl, made by the backend seam). A repair drops every real group and names the next
+generation; each ``ElasticGroup`` connects its new real group at its first collective after that,
+under a store prefix of the new generation and of the group's own name. So the objects that
+torch and the script hold (DDP's reducer, FSDP2's mesh, DTensor placements, the script's own
+groups) stay the same and keep working, and no generation ever reads another's keys.
+
+The same design as TorchFT's reconfigurable process groups (a Python ``ProcessGroup`` whose
+collectives go to a real group that a reconfiguration replaces), with two differences: ftrun
+plugs in as a torch backend (``init_process_group("ftrun")``), so every group torch makes on
+top of the default one is reconfigurable too, and it connects lazily. The ranks of a group make
+its collectives in the same order, so they connect it at the same point, and a group that a
+replacement rank makes only later in its script is connected only once it is used.
+
+A replacement rank answers the collectives of its script's setup (before its first
+``job.steps()``) locally: its peers are in the middle of training, not in a constructor, and
+everything those collectives would fill is replaced by the state the rollback brings.
+
+Inside a step (``job.guard()``), a collective that fails (a peer died, or the repair watcher
+released it) does not raise into the library that called it. As in TorchFT, the group records
+the failure and answers that collective and every later one of the step locally, so that FSDP2's
+and DDP's hooks finish their bookkeeping instead of being cut off half way (an FSDP2 root
+interrupted in its final backward callback never queues it again). The step then stops at the
+optimizer's step (``GroupFailed``), its state untouched, and the repair takes over.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ftrun.elastic.backends import CommBackend
+
+log = logging.getLogger(__name__)
+
+#: the torch backend name under which ftrun's groups are made
+BACKEND = "ftrun"
+
+#: every collective of torch's ProcessGroup, each handed to the current generation's real group
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall", "alltoall_base",
+    "all_to_all_single", "send", "recv", "recv_anysource", "barrier", "monitored_barrier",
+)
+
+
+class GroupError(RuntimeError):
+    """A group that cannot be (re)connected in this generation."""
+
+
+class GroupFailed(RuntimeError):
+    """A collective of this step failed: the step's results are not to be used."""
+
+
+class ElasticGroup(dist.ProcessGroup):
+    """One process group of the script, the same object in every generation (see the module's text)."""
+
+    def __init__(self, owner: "GroupSet", name: str, rank: int, size: int, ranks: tuple[int, ...]):
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload of Python groups
+        self._owner = owner
+        #: torch's name for the group: the same on every rank, since every rank makes every group
+        self._name = name
+        #: the group's members, by global rank
+        self.global_ranks = ranks
+        self._real: dist.ProcessGroup | None = None
+        self._real_generation = -1
+
+    # torch reads the name through these (functional collectives and DeviceMesh resolve groups by name)
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def real(self) -> dist.ProcessGroup:
+        """The current generation's real group, connected at its first use."""
+        if self._real is None or self._real_generation != self._owner.generation:
+            self._owner.connect(self)
+        return self._real
+
+    def drop(self) -> dist.ProcessGroup | None:
+        """Forget the real group (the repair aborts and releases it); returns it."""
+        real, self._real = self._real, None
+        return real
+
+    def _attach(self, real: dist.ProcessGroup, generation: int) -> None:
+        self._real, self._real_generation = real, generation
+
+
+def _collective(op: str) -> Callable:
+    def run(self: ElasticGroup, *args):
+        owner = self._owner
+        if owner.local or owner.failure is not None:
+            return answer_locally(op, self.rank(), self.size(), args)
+        if not owner.in_step:
+            return getattr(self.real(), op)(*args)
+        try:
+            return _Guarded(getattr(self.real(), op)(*args), owner, op, self.rank(), self.size(), args)
+        except Exception as e:
+            owner.fail(e)
+            return answer_locally(op, self.rank(), self.size(), args)
+
+    run.__name__ = op
+    run.__doc__ = f"``{op}`` on the current generation's real group."
+    return run
+
+
+for _op in COLLECTIVES:
+    setattr(ElasticGroup, _op, _collective(_op))
+
+
+class GroupSet:
+    """Every ElasticGroup of this process, the generation they connect in, and the repair's hooks."""
+
+    def __init__(self, backend: CommBackend, store: dist.Store, prefix: Callable[[int], str], timeout: float):
+        self.backend = backend
+        self.store = store
+        #: the store prefix of a generation's groups (JobKeys.process_group)
+        self.prefix = prefix
+        self.timeout = timeout
+        self.groups: list[ElasticGroup] = []
+        self.generation = -1
+        #: a replacement's setup: collectives are answered locally until its first job.steps()
+        self.local = False
+        #: inside a step's guard: a failed collective is recorded, not raised (see the module's text)
+        self.in_step = False
+        #: the first failure of this generation's collectives in a step, until the repair
+        self.failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def create(self, options, backend_options=None) -> ElasticGroup:
+        """torch's creator for the ``ftrun`` backend (``Backend.register_backend(..., extended_api=True)``)."""
+        ranks = tuple(options.global_ranks_in_group or range(options.group_size))
+        group = ElasticGroup(self, str(options.group_id), options.group_rank, options.group_size, ranks)
+        with self._lock:
+            self.groups.append(group)
+        return group
+
+    def connect(self, group: ElasticGroup) -> None:
+        generation = self.generation
+        if generation < 0:
+            raise GroupError(f"group {group.group_name}: used before the job's first generation formed")
+        store = dist.PrefixStore(f"{self.prefix(generation)}/{group.group_name}", self.store)
+        try:
+            real = self.backend.connect(store, group.rank(), group.size(), self.timeout)
+        except Exception as e:
+            raise GroupError(f"group {group.group_name} ({len(group.global_ranks)} ranks) could not connect in "
+                             f"generation {generation}: {e}") from None
+        group._attach(real, generation)
+
+    def reconfigure(self, generation: int) -> None:
+        """The next generation's groups: each connects at its next collective."""
+        self.generation = generation
+        self.failure = None
+
+    def fail(self, error: BaseException) -> None:
+        """A collective of the step failed: the rest of the step is answered locally."""
+        if self.failure is None:
+            log.info("a collective failed (%s); the step goes on without communication until the repair",
+                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
+            self.failure = error
+
+    def interrupt(self) -> None:
+        """Release a collective blocked on a healthy peer (from another thread, once a repair is announced)."""
+        self.backend.interrupt()
+
+    def release(self) -> None:
+        """Abort and drop every real group: their peers blocked on this rank are released."""
+        dropped = [real for real in (group.drop() for group in list(self.groups)) if real is not None]
+        self.backend.release(dropped)
+
+    def foreign_groups(self) -> list[str]:
+        """Groups of this process that are not ftrun's (made with an explicit other backend): a repair
+        cannot re-form them. Read from torch's group map, which has no public accessor."""
+        found = []
+        for group, (backend, _) in getattr(dist.distributed_c10d._world, "pg_map", {}).items():
+            if not isinstance(group, ElasticGroup):
+                found.append(f"{getattr(group, 'group_name', '?')} ({backend})")
+        return found
+
+
+_registered: GroupSet | None = None
+
+
+def install(groups: GroupSet, devices: tuple[str, ...]) -> None:
+    """Make ``groups`` torch's ``ftrun`` backend for ``devices`` (once per process)."""
+    global _registered
+    if _registered is None:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(devices))
+    _registered = groups
+
+
+def _create(options, backend_options=None) -> ElasticGroup:
+    if _registered is None:
+        raise GroupError("the ftrun backend is used outside ftrun.elastic.init()")
+    return _registered.create(options, backend_options)
+
+
+def init_default_group(groups: GroupSet, rank: int, world_size: int, timeout: float) -> None:
+    """torch's default group, an ElasticGroup (its store is only torch's: ftrun's groups use their own)."""
+    store = dist.PrefixStore("torch", groups.store)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+class _Done(dist._Work):
+    """A collective answered without communication."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _Guarded(dist._Work):
+    """A real collective's work whose failure is recorded on the group set instead of raised."""
+
+    def __init__(self, real, owner: GroupSet, op: str, rank: int, size: int, args: tuple):
+        super().__init__()
+        self._real, self._owner = real, owner
+        self._op, self._rank, self._size, self._args = op, rank, size, args
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            return self._real.wait() if timeout is None else self._real.wait(timeout)
+        except Exception as e:
+            self._owner.fail(e)
+            return True
+
+    def is_completed(self) -> bool:
+        try:
+            return self._real.is_completed()
+        except Exception:
+            return True
+
+    def is_success(self) -> bool:
+        return self._owner.failure is None
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+
+        def settle(done: torch.futures.Future) -> None:
+            try:
+                future.set_result(done.value())
+            except Exception as e:
+                self._owner.fail(e)
+                future.set_result(answer_locally(self._op, self._rank, self._size, self._args).get_future().value())
+
+        self._real.get_future().add_done_callback(settle)
+        return future
+
+
+def answer_locally(op: str, rank: int, size: int, args: tuple) -> dist._Work:
+    """A collective as if every rank held what this one holds: gathers repeat its input, a
+    reduce-scatter keeps its own part, reductions and broadcasts leave its tensors as they are,
+    point-to-point and barriers return at once. What the script's setup checks (DDP compares every
+    rank's parameter shapes) passes, and what it fills is replaced by the rollback's state."""
+    if op in ("allgather", "allgather_coalesced"):  # (lists of outputs, inputs)
+        for outputs, tensor in zip(args[0], args[1]):
+            for output in outputs:
+                output.copy_(tensor)
+    elif op in ("_allgather_base", "all_gather_single"):  # (output, input): the inputs end to end
+        _repeat(args[0], args[1], size)
+    elif op in ("allgather_into_tensor_coalesced", "all_gather_single_coalesced"):
+        for output, tensor in zip(args[0], args[1]):
+            _repeat(output, tensor, size)
+    elif op == "reduce_scatter":  # (outputs, lists of inputs)
+        for output, inputs in zip(args[0], args[1]):
+            output.copy_(inputs[rank])
+    elif op in ("_reduce_scatter_base", "reduce_scatter_single"):  # (output, input): this rank's part
+        args[0].view(-1).copy_(args[1].reshape(size, -1)[rank])
+    elif op in ("reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced"):
+        for output, tensor in zip(args[0], args[1]):
+            output.view(-1).copy_(tensor.reshape(size, -1)[rank])
+    # reductions, broadcasts, all-to-all, scatter/gather, send/recv, barriers: as they are
+    return _Done(_outputs(op, args))
+
+
+def _repeat(output: torch.Tensor, tensor: torch.Tensor, size: int) -> None:
+    output.view(size, -1).copy_(tensor.reshape(1, -1).expand(size, -1))
+
+
+def _outputs(op: str, args: tuple) -> list:
+    """What the collective's future holds when it is done: its output tensors (DDP's reducer reads them)."""
+    if op in ("barrier", "monitored_barrier") or not args:
+        return []
+    first = args[0]
+    return [first] if isinstance(first, torch.Tensor) else list(first)

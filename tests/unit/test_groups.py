@@ -1,0 +1,146 @@
+"""ftrun's reconfigurable process groups and sharded state, in one process over a real gloo group."""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftrun.elastic.backends import CommBackend
+from ftrun.elastic.groups import ElasticGroup, GroupSet, answer_locally, init_default_group, install
+from ftrun.elastic.shards import SHARD, from_local, load_local, to_local
+
+
+@pytest.fixture
+def groups():
+    """A one-rank job whose default group is ftrun's, in generation 0."""
+    owned = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}/pg", timeout=30)
+    install(owned, ("cpu",))
+    owned.reconfigure(0)
+    init_default_group(owned, rank=0, world_size=1, timeout=30)
+    yield owned
+    owned.release()
+    dist.destroy_process_group()
+
+
+def test_the_script_s_groups_stay_the_same_objects_and_reconnect_in_the_next_generation(groups):
+    world = dist.group.WORLD
+    sub = dist.new_group([0])
+    assert isinstance(world, ElasticGroup) and isinstance(sub, ElasticGroup) and groups.groups == [world, sub]
+    assert dist.get_backend(world) == "ftrun" and sub.global_ranks == (0,)
+    tensor = torch.ones(3)
+    dist.all_reduce(tensor, group=sub)
+    first = sub.real()
+    groups.release()  # the repair drops every real group
+    groups.reconfigure(1)
+    dist.all_reduce(tensor, group=sub)  # connects again, under generation 1's keys
+    assert sub.real() is not first and dist.group.WORLD is world
+    assert torch.equal(tensor, torch.ones(3))
+
+
+def test_groups_of_another_backend_are_named_as_foreign(groups):
+    other = dist.new_group([0], backend="gloo")
+    assert groups.foreign_groups() == [f"{other.group_name} (gloo)"]
+
+
+class Failing(dist._Work):
+    def wait(self, timeout=None):
+        raise RuntimeError("Connection closed by peer")
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_exception(RuntimeError("Connection closed by peer"))
+        return future
+
+
+def test_a_failed_collective_in_a_step_is_recorded_and_the_rest_of_the_step_is_answered_locally(groups):
+    world = dist.group.WORLD
+    world.real()
+    groups.in_step = True
+    world._real = types.SimpleNamespace(allreduce=lambda *args: Failing())
+    tensor = torch.full((2,), 3.0)
+    work = dist.all_reduce(tensor, async_op=True)
+    assert work.wait() and groups.failure is not None  # recorded, not raised
+    work = world.allreduce([tensor])  # answered locally from now on
+    assert work.get_future().value() == [tensor]
+    groups.reconfigure(1)
+    assert groups.failure is None
+
+
+def test_a_failed_future_settles_with_the_collective_s_outputs(groups):
+    world = dist.group.WORLD
+    world.real()
+    groups.in_step = True
+    world._real = types.SimpleNamespace(allreduce=lambda *args: Failing())
+    tensor = torch.ones(2)
+    future = world.allreduce([tensor], dist.AllreduceOptions()).get_future()
+    assert future.value() == [tensor] and groups.failure is not None
+
+
+def test_outside_a_step_a_failed_collective_raises(groups):
+    world = dist.group.WORLD
+    world.real()
+    world._real = types.SimpleNamespace(allreduce=lambda *args: (_ for _ in ()).throw(RuntimeError("peer died")))
+    with pytest.raises(RuntimeError, match="peer died"):
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    "op, make, expect",
+    [
+        ("allgather", lambda: ([[torch.zeros(2), torch.zeros(2)]], [torch.tensor([1.0, 2.0])]),
+         lambda a: all(torch.equal(t, torch.tensor([1.0, 2.0])) for t in a[0][0])),
+        ("_allgather_base", lambda: (torch.zeros(4), torch.tensor([1.0, 2.0])),
+         lambda a: torch.equal(a[0], torch.tensor([1.0, 2.0, 1.0, 2.0]))),
+        ("_reduce_scatter_base", lambda: (torch.zeros(2), torch.arange(4.0)),
+         lambda a: torch.equal(a[0], torch.tensor([2.0, 3.0]))),  # rank 1's part
+        ("reduce_scatter", lambda: ([torch.zeros(1)], [[torch.tensor([5.0]), torch.tensor([7.0])]]),
+         lambda a: torch.equal(a[0][0], torch.tensor([7.0]))),
+        ("broadcast", lambda: ([torch.tensor([9.0])],), lambda a: torch.equal(a[0][0], torch.tensor([9.0]))),
+    ],
+)
+def test_a_replacement_s_setup_collectives_are_answered_as_if_every_rank_held_its_tensors(op, make, expect):
+    args = make()
+    work = answer_locally(op, rank=1, size=2, args=args)
+    assert work.wait() and expect(args)
+
+
+@pytest.fixture
+def mesh(groups):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+
+
+def test_sharded_state_travels_as_local_shards_and_comes_back_on_the_receiver_s_own_mesh(mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 2), mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = to_local({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    shard = state["model"]["weight"]
+    assert SHARD in shard and shard["placements"] == ["S(0)"] and shard["shape"] == [2, 4]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # readable without unpickling code
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+    torch.manual_seed(1)
+    other = fully_shard(torch.nn.Linear(4, 2), mesh=mesh)
+    fresh = torch.optim.Adam(other.parameters())  # has not stepped: no state of its own yet
+    load_local(other, loaded["model"])
+    load_local(fresh, loaded["optimizer"])
+    assert isinstance(other.weight, DTensor) and torch.equal(other.weight.to_local(), model.weight.to_local())
+    moment = fresh.state[other.weight]["exp_avg"]
+    assert isinstance(moment, DTensor) and torch.equal(moment.to_local(), optimizer.state[model.weight]["exp_avg"].to_local())
+
+
+def test_a_shard_without_a_dtensor_to_land_in_is_an_error():
+    with pytest.raises(ValueError, match="no DTensor"):
+        from_local({SHARD: torch.zeros(1), "shape": [1], "stride": [1], "placements": ["S(0)"]}, torch.zeros(1))

@@ -1,0 +1,169 @@
+"""One small model trained the way large ones are, under ftrun.elastic: LAYOUT picks how (4 ranks).
+
+  ddp      torch's DistributedDataParallel (with a BatchNorm: its buffers travel too)
+  fsdp     FSDP2 ``fully_shard`` over a 1-D mesh: every rank holds its own shard (snapshots restore it)
+  hsdp     FSDP2 over a 2-D mesh (replicate 2 x shard 2): HSDP
+  tp       DTensor tensor parallel (tp 2) x ``job.ddp`` data parallel (dp 2)
+  pp       a 2-stage ``torch.distributed.pipelining`` GPipe schedule x ``job.ddp`` data parallel (dp 2),
+           the gradients of both microbatches averaged once after the schedule
+  unknown  tensor parallel over a mesh made with torch directly, not job.mesh(): ftrun cannot tell the
+           replicas and says so
+
+Faults as in elastic_train.py (FAULT=rank:step:kind, original ranks only). Each step sleeps
+STEP_SLEEP (default 0.05). Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each committed
+step to OUT_DIR/commits-rank<r>, and writes OUT_DIR/rank<r>.json at the end: the final step, the
+pid, whether it is a replacement, and a digest of every local tensor of the model's parameters and
+buffers and of the optimizer's state (bit for bit).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import faults
+import torch
+
+import ftrun.elastic
+from ftrun.elastic.shards import to_local
+
+DIM = 8
+
+
+def mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, DIM))
+
+
+def batch(step: int, seed: int) -> torch.Tensor:
+    return torch.randn(8, DIM, generator=torch.Generator().manual_seed(1000 * step + seed))
+
+
+def digest(*states) -> str:
+    """A hash of every tensor's bytes in the states, local shards for DTensors, in key order."""
+    h = hashlib.sha256()
+
+    def walk(value, where):
+        if isinstance(value, torch.Tensor):
+            h.update(where.encode())
+            h.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(value[key], f"{where}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}/{i}")
+
+    for state in states:
+        walk(to_local(state), "")
+    return h.hexdigest()
+
+
+def build(job, layout: str):
+    """(the module to train, a function running one step's forward and backward on it)"""
+    rank = job.rank
+    if layout == "ddp":
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, DIM))
+        model = torch.nn.parallel.DistributedDataParallel(inner)
+        return model, lambda step: model(batch(step, rank)).pow(2).mean().backward()
+    if layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = job.mesh({"shard": 4})
+        model = mlp()
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, lambda step: model(batch(step, rank)).pow(2).mean().backward()
+    if layout == "hsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = job.mesh({"replicate": 2, "shard": 2})
+        model = mlp()
+        fully_shard(model, mesh=mesh)
+        return model, lambda step: model(batch(step, mesh["replicate"].get_local_rank())).pow(2).mean().backward()
+    if layout in ("tp", "unknown"):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if layout == "tp":
+            mesh = job.mesh({"dp": 2, "tp": 2})
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        wrapped = job.ddp(model, mesh["dp"])
+        seed = mesh["dp"].get_local_rank()  # the TP peers of a DP rank see the same batch
+        return model, lambda step: wrapped(batch(step, seed)).pow(2).mean().backward()
+    if layout == "pp":
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        mesh = job.mesh({"pp": 2, "dp": 2})
+        stage_index = mesh["pp"].get_local_rank()
+        full = mlp()
+        part = torch.nn.Sequential(full[0], full[1]) if stage_index == 0 else torch.nn.Sequential(full[2])
+        model = job.ddp(part, mesh["dp"])
+        # example inputs and (first stage) outputs: no shape inference at the first step, which a
+        # replacement would run alone (8 rows in 2 microbatches)
+        shapes = {"input_args": (torch.zeros(4, DIM),), "output_args": (torch.zeros(4, 16),)} if stage_index == 0 \
+            else {"input_args": (torch.zeros(4, 16),)}
+        stage = PipelineStage(model, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group(), **shapes)
+        loss = lambda out, target: out.pow(2).mean()  # noqa: E731
+        schedules = [ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss)]
+        # the schedule warms its peers up at its first step: after a repair, every rank makes a new one
+        # (the replacement's is new anyway), so that they warm up together
+        job.after_repair(lambda: schedules.append(ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss)))
+        seed = mesh["dp"].get_local_rank()
+
+        def run(step):
+            data = batch(step, seed)
+            with model.no_sync():
+                if stage_index == 0:
+                    schedules[-1].step(data)
+                else:
+                    schedules[-1].step(target=torch.zeros_like(data))
+            model.sync_gradients()
+
+        return model, run
+    raise SystemExit(f"unknown LAYOUT {layout!r}")
+
+
+def main() -> None:
+    layout = os.environ["LAYOUT"]
+    steps = int(os.environ.get("STEPS", "12"))
+    out_dir = os.environ["OUT_DIR"]
+    sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
+    job = ftrun.elastic.init(sharded=layout == "fsdp")
+    rank = job.rank
+    with open(os.path.join(out_dir, f"pid-start-rank{rank}-{os.getpid()}"), "w"):
+        pass
+    model, forward_backward = build(job, layout)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    job.register(model=model, optimizer=optimizer)
+    for step in job.steps(steps):
+        with job.guard():
+            if os.environ.get("FTRUN_REPLACEMENT") != "1" and faults.due(rank, step) and job.generation == 0:
+                faults.trigger(faults.due(rank, step), step)
+            optimizer.zero_grad()
+            forward_backward(step)
+            optimizer.step()
+            time.sleep(sleep)
+        if job.step == step + 1:  # committed (a step a fault interrupted is run again)
+            with open(os.path.join(out_dir, f"commits-rank{rank}"), "a") as f:
+                f.write(f"{step}\n")
+    result = {"step": job.step, "rank": rank, "pid": os.getpid(), "generation": job.generation,
+              "replacement": os.environ.get("FTRUN_REPLACEMENT"), "layout": job.layout.describe(),
+              "digest": digest(model.state_dict(), optimizer.state_dict())}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    print(f"rank {rank} finished step {job.step}", flush=True)
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as elastic_train.py: torch's interpreter teardown is not what the tests check
