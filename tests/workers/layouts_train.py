@@ -16,7 +16,6 @@ pid, whether it is a replacement, and a digest of every local tensor of the mode
 buffers and of the optimizer's state (bit for bit).
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -24,9 +23,9 @@ import time
 
 import faults
 import torch
+from digests import digest
 
 import ftrun.elastic
-from ftrun.elastic.shards import to_local
 
 DIM = 8
 
@@ -38,26 +37,6 @@ def mlp() -> torch.nn.Sequential:
 
 def batch(step: int, seed: int) -> torch.Tensor:
     return torch.randn(8, DIM, generator=torch.Generator().manual_seed(1000 * step + seed))
-
-
-def digest(*states) -> str:
-    """A hash of every tensor's bytes in the states, local shards for DTensors, in key order."""
-    h = hashlib.sha256()
-
-    def walk(value, where):
-        if isinstance(value, torch.Tensor):
-            h.update(where.encode())
-            h.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                walk(value[key], f"{where}/{key}")
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{where}/{i}")
-
-    for state in states:
-        walk(to_local(state), "")
-    return h.hexdigest()
 
 
 def build(job, layout: str):
