@@ -9,9 +9,10 @@ Faults come from the environment and hit only original ranks (never a replacemen
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
+BATCHNORM=1 puts a BatchNorm1d (running statistics: buffers that ElasticDDP broadcasts) in the model.
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
-step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, pid, generation,
-the device variables ftrun set).
+step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, a digest of the
+parameters, buffers and optimizer state bit for bit, pid, generation, the device variables ftrun set).
 """
 
 import json
@@ -20,9 +21,10 @@ import signal
 import sys
 import time
 
-import torch
-
 import faults
+import torch
+from digests import digest
+
 import ftrun.elastic
 
 
@@ -65,6 +67,12 @@ def step_sleep(step: int) -> float:
     return float(os.environ.get("STEP_SLEEP", "0.05"))
 
 
+def model_layers() -> list[torch.nn.Module]:
+    if os.environ.get("BATCHNORM") == "1":
+        return [torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+    return [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+
+
 def main() -> None:
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]
@@ -74,7 +82,7 @@ def main() -> None:
         pass
     fail_replacement(job.rank, out_dir)
     torch.manual_seed(0)
-    model = job.ddp(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    model = job.ddp(torch.nn.Sequential(*model_layers()))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     job.register(model=model, optimizer=optimizer, scheduler=scheduler)
@@ -91,7 +99,8 @@ def main() -> None:
         with open(os.path.join(out_dir, f"progress-rank{job.rank}"), "w") as f:
             f.write(str(job.step))
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    result = {"step": job.step, "rank": job.rank, "checksum": checksum, "pid": os.getpid(),
+    result = {"step": job.step, "rank": job.rank, "checksum": checksum,
+              "digest": digest(model.state_dict(), optimizer.state_dict()), "pid": os.getpid(),
               "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT"),
               "device": os.environ.get("FTRUN_DEVICE"), "device_index": os.environ.get("FTRUN_DEVICE_INDEX"),
               "visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "job_device": str(job.device)}
