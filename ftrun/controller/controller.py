@@ -536,8 +536,9 @@ class Controller:
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:
         """Log and record where the job moved: a decision, the repair's phases, its end."""
-        if before is None or before.phase is after.phase and before.generation == after.generation:
-            return
+        if before is None or (before.phase, before.generation, before.level) == (after.phase, after.generation,
+                                                                                 after.level):
+            return  # nothing moved (a process-level repair that goes to job level may stay STOPPING)
         now = time.time()
         self._phase_since = time.monotonic()
         if before.phase is not after.phase:
@@ -547,6 +548,8 @@ class Controller:
             self._job_finished(after)
         elif before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
             self._decided(before, after, now)
+        elif before.level is Level.PROCESS and after.level is Level.JOB and after.no_replica:
+            self._decision(after)  # the process-level repair under way is given up: every rank failed
         elif before.level is Level.PROCESS and after.level is Level.JOB and after.phase is Phase.STOPPING:
             self.events.emit("repair_failed", after.generation, f"{after.reason}; falling back to job level",
                              level=Level.JOB.value)
@@ -580,13 +583,19 @@ class Controller:
         self._repair.mark("detect", min((f.timestamp for f in new_failures), default=now))
         self._repair.mark("stop", now)
         self._library_seen = self.store.counter(self.keys.milestone(before.generation, "joined")) > 0
-        if after.level is Level.JOB and after.recovery is Level.PROCESS and not self._said_no_library:
+        if (after.level is Level.JOB and after.recovery is Level.PROCESS and not after.no_replica
+                and not self._said_no_library):
             self._said_no_library = True
             if after.refusal:
                 log.warning("process-level recovery is off: %s: using job-level recovery", after.refusal)
             else:
                 log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
                             after.library_ranks, after.world_size)
+        self._decision(after)
+
+    def _decision(self, after: JobView) -> None:
+        """Log and record the level the job's recovery takes (the first decision, or the move to job
+        level once every rank has failed)."""
         target = after.generation if after.level is Level.PROCESS else after.generation + 1
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"

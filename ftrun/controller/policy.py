@@ -10,6 +10,13 @@ STOPPING and names the ranks to replace; the phases then follow the milestones
 the ranks and agents reach (healthy ranks left the old group, failed processes
 reaped, the new group formed, state rolled back) until RUNNING again. Job level:
 STOPPING until every agent stopped its workers, then every worker starts anew.
+
+When every rank of a generation has failed, no healthy replica can hand the training state on, and
+a process-level repair would replace every rank only to find that out at the rollback: the job goes
+to job level at once (restoring the snapshots, with --snapshot-every). The failures of several nodes
+arrive as separate reports, so the first may have started a process-level repair already: the
+report that completes the set of failed ranks turns that repair into the job-level restart
+(:func:`_no_replica_left`), with no second unit of budget.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ REPAIR_PHASES = (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
 TRANSITIONS = {
     Phase.RUNNING: {Phase.STOPPING, Phase.EXITING},
     # job level: all stopped -> the next generation runs; process level: healthy ranks out -> clear
+    # process level -> STOPPING at job level (here and from the next two): the repair failed, or every
+    # rank has failed and no healthy replica is left
     Phase.STOPPING: {Phase.RUNNING, Phase.ENV_CLEAR, Phase.STOPPING, Phase.EXITING},
     Phase.ENV_CLEAR: {Phase.REPAIR, Phase.STOPPING, Phase.EXITING},
     Phase.REPAIR: {Phase.ROLLBACK, Phase.STOPPING, Phase.EXITING},
@@ -121,6 +130,9 @@ class JobView:
     resized: tuple[str, ...] = ()
     #: the restart under way changes the job's size by choice (a node joined): it spends no budget
     free_restart: bool = False
+    #: the job-level restart under way was decided because every rank of the generation failed (no
+    #: healthy replica left), not because a process-level repair failed
+    no_replica: bool = False
     exit_code: int = 0
     reason: str = ""
 
@@ -136,6 +148,10 @@ class JobView:
     @property
     def budget_left(self) -> int:
         return self.max_restarts - self.restarts_used
+
+    @property
+    def every_rank(self) -> frozenset[int]:
+        return frozenset(range(self.world_size))
 
     @property
     def process_level_ready(self) -> bool:
@@ -237,7 +253,7 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
-    if view.phase is Phase.RUNNING and view.process_level_ready and ranks:
+    if view.phase is Phase.RUNNING and view.process_level_ready and ranks and not set(ranks) >= view.every_rank:
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
@@ -249,7 +265,8 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
             reason=detail,
         )
         return view, [takeover, _replace_command(view, frozenset(ranks))]
-    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail)
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail,
+                     no_replica=bool(ranks) and set(ranks) >= view.every_rank)
     return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
 
 
@@ -304,6 +321,8 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     if setting is not None:
         return _exit(view, ExitCode.JOB_FAILED, f"{setting.describe()}; not retried: a restart would fail the same way")
     if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
+        if view.replacing | ranks >= view.every_rank:
+            return _no_replica_left(view, first)
         # the new group is not formed yet: replace these ranks in the same repair
         view = view.move(
             Phase.STOPPING,
@@ -313,6 +332,8 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         )
         return view, [_replace_command(view, ranks)]
     if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
+        if ranks >= view.every_rank:
+            return _no_replica_left(view, first)
         # the repair's group broke before it resumed: the same repair goes on in a new generation
         # (no second unit of budget; the repair deadline bounds how long this may go on)
         view = view.move(
@@ -326,6 +347,8 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(view, ExitCode.JOB_FAILED, f"{first}; {spent}")
+    if view.process_level_ready and ranks >= view.every_rank:
+        return _no_replica_left(view, first)
     if view.process_level_ready:
         view = view.move(
             Phase.STOPPING,
@@ -340,6 +363,25 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         return view, [_replace_command(view, ranks)]
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=first)
     return view, [Command(CommandKind.STOP, view.generation, reason=first)]
+
+
+def _no_replica_left(view: JobView, first: str) -> Decision:
+    """Every rank of the generation failed: no healthy replica can hand the training state on, so the
+    job restarts at job level now (restoring the snapshots, with --snapshot-every) instead of
+    replacing every rank at process level and finding that out at the rollback.
+
+    From RUNNING (one report named every rank) this is the decision itself. During a process-level
+    repair (an earlier report started it, this one completes the set) the repair is given up: its
+    generation stays spent (its replacements may have written keys there), the restart goes to the
+    one after, and its unit of budget comes back, since the restart spends one for the same fault.
+    """
+    starting = view.phase is Phase.RUNNING
+    cause = first if starting else view.reason  # the repair's reason names the root cause
+    reason = f"{cause}; every rank failed, no healthy replica holds the training state"
+    refund = 0 if starting else 1
+    view = view.move(Phase.STOPPING, level=Level.JOB, restarts_used=view.restarts_used - refund,
+                     acknowledged=frozenset(), no_replica=True, reason=reason)
+    return view, [Command(CommandKind.STOP, view.generation, reason=f"{reason}; restarting at job level")]
 
 
 def _on_success(view: JobView, node_rank: int) -> Decision:
@@ -364,6 +406,7 @@ def _restart_when_stopped(view: JobView) -> Decision:
         generation=view.generation + 1,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
+        no_replica=False,
         library_ranks=0,
         replacing=frozenset(),
         clearing=frozenset(),

@@ -91,16 +91,23 @@ def test_script_without_the_library_falls_back_to_job_level(launcher):
     assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in launcher.results().values()} == {"1"}
 
 
-def test_no_healthy_replica_left_falls_back_to_job_level(launcher, fault_free):
-    # every rank dies in the same step: the replacements have nobody to take the state from (the long
-    # step 3 lets every rank finish its all-reduce before the first one dies)
+def test_every_rank_lost_goes_to_job_level_without_a_process_level_repair(launcher, fault_free):
+    # every rank dies in the same step (the long step 3 lets every rank finish its all-reduce before the
+    # first one dies): no healthy replica can hand the state on, so once the failures of every rank are
+    # in, the controller restarts at job level (it used to replace every rank at process level first and
+    # fall back only when their rollback found nobody to take the state from)
     faults = ",".join(f"{rank}:4:sigkill" for rank in range(4))
     assert run(launcher, FAULT=faults, STEP_SLEEP="0.5", SLOW_STEPS="3") == [0, 0], launcher.output()
     output = launcher.output()
-    assert "no healthy replica holds the training state" in output
-    assert "falling back to job level" in output
+    assert re.search(r"job-level repair into generation [12]: rank \d .*; every rank failed, no healthy replica "
+                     r"holds the training state", output), output
+    assert "falling back to job level" not in output  # no process-level repair got as far as its rollback
+    assert "resumed training" not in output
+    assert re.search(r"generation [12] back in training [0-9.]+s after the fault", output), output
+    assert "1 of 3 restarts used" in output  # one recovery, one unit of budget
     results = launcher.results()
     assert {r["step"] for r in results.values()} == {STEPS}
+    assert {r["replacement"] for r in results.values()} == {"0"}  # every rank started anew
     assert {r["checksum"] for r in results.values()} == {fault_free}  # a job-level restart from step 0
 
 

@@ -196,6 +196,26 @@ def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
             assert all(torch.equal(state["model"][k], want[k]) for k in want)
 
 
+def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_snapshots(launcher):
+    """Every rank is killed as step 13 begins: with no healthy replica left, --recovery process goes to
+    job level at once, and the restart restores step 10 (--snapshot-every 5) from the agents' memory."""
+    faults = ",".join(f"{rank}:13:sigkill" for rank in range(4))
+    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT=faults)
+    flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "5", "--snapshot-memory", "256M",
+             "--log-dir", str(launcher.tmp / "logs")]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert_fault_free_result(launcher, sharded=False)
+    output = launcher.output()
+    assert "every rank failed, no healthy replica holds the training state" in output, output
+    assert "falling back to job level" not in output and "1 of 2 restarts used" in output
+    (event,) = restore_events(launcher)
+    assert event["step"] == 10 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
+    for rank, history in runs(launcher).items():
+        assert [s for g, s in history if g > 0][0] == 10, (rank, history)
+        assert redone(history) <= 5, (rank, history)
+
+
 def test_a_snapshot_over_its_memory_share_ends_the_job_at_once(launcher):
     """A state larger than its share of --snapshot-memory: one clear line, and no restart (each would fail)."""
     env = launcher.env(STEPS=str(STEPS), SHARDED="1")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import dataclasses
+
+import pytest
 
 from ftrun.controller.policy import (
     IllegalTransition,
@@ -213,8 +213,8 @@ def test_illegal_transition_raises():
 
 
 def process_view(**fields):
-    fields = {"library_ranks": 4, **fields}
-    return JobView(node_count=2, max_restarts=3, world_size=4, recovery=Level.PROCESS, **fields)
+    fields = {"library_ranks": 4, "max_restarts": 3, **fields}
+    return JobView(node_count=2, world_size=4, recovery=Level.PROCESS, **fields)
 
 
 def test_transition_running_to_stopping_at_process_level_replaces_only_the_failed_rank():
@@ -290,3 +290,78 @@ def test_transition_running_to_exiting_when_a_node_has_no_usable_device_left():
 def test_worker_failure_names_its_cause_and_evidence():
     hung = dataclasses.replace(failure(rank=3), cause="hang", detail="no heartbeat for 3.4s")
     assert hung.describe().endswith("exit code 1 (hang: no heartbeat for 3.4s)")
+
+
+def reports_of(*failed_sets, gen=0):
+    """One WORKER_FAILED report per set of ranks, each from the node holding them (2 ranks a node)."""
+    return [report(ReportKind.WORKER_FAILED, ranks[0] // 2, gen,
+                   failures=tuple(failure(rank, ranks[0] // 2, gen) for rank in ranks)) for ranks in failed_sets]
+
+
+@pytest.mark.parametrize("arrivals", [
+    [(0, 1, 2, 3)],  # one report names every rank: the decision itself is job level
+    [(0, 1), (2, 3)],  # a node at a time: the second report turns the process-level repair into job level
+    [(2,), (0,), (3,), (1,)],  # one rank at a time
+], ids=["one-report", "node-by-node", "rank-by-rank"])
+def test_transition_to_stopping_at_job_level_when_every_rank_failed(arrivals):
+    v = process_view()
+    for failures in reports_of(*arrivals)[:-1]:
+        v, _ = on_report(v, failures)
+        assert (v.phase, v.level, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, 1)
+    v, commands = on_report(v, reports_of(*arrivals)[-1])
+    assert (v.phase, v.level, v.no_replica, v.restarts_used) == (Phase.STOPPING, Level.JOB, True, 0)
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+    assert "every rank failed, no healthy replica holds the training state" in v.reason
+    assert f"rank {arrivals[0][0]}" in v.reason  # the root cause, whichever report completed the set
+    gen = v.generation  # a process-level repair's generation stays spent: the restart goes past it
+    for node in (0, 1):
+        v, commands = on_report(v, report(ReportKind.STOPPED, node=node, gen=gen))
+    assert (v.phase, v.generation, v.restarts_used, v.no_replica) == (Phase.RUNNING, gen + 1, 1, False)
+    assert [c.kind for c in commands] == [CommandKind.START]  # the controller plans the restore with it
+
+
+@pytest.mark.parametrize("phase", [Phase.ENV_CLEAR, Phase.REPAIR])
+def test_transition_to_stopping_at_job_level_when_the_last_healthy_rank_fails_later_in_the_repair(phase):
+    v, _ = on_report(process_view(), reports_of((0, 1, 2))[0])
+    v = dataclasses.replace(v, phase=phase)
+    v, commands = on_report(v, reports_of((3,), gen=0)[0])
+    assert (v.phase, v.level, v.restarts_used) == (Phase.STOPPING, Level.JOB, 0)
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+
+
+def test_transition_rollback_to_stopping_at_job_level_when_every_rank_of_the_new_group_failed():
+    v, _ = on_report(process_view(), failed(rank=1, node=0))
+    v = dataclasses.replace(v, phase=Phase.ROLLBACK)
+    v, commands = on_report(v, reports_of((0, 1, 2, 3), gen=1)[0])
+    assert (v.phase, v.level, v.restarts_used) == (Phase.STOPPING, Level.JOB, 0)
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+
+
+def test_one_healthy_rank_left_is_still_a_process_level_repair():
+    v, commands = on_report(process_view(), reports_of((0, 1, 3))[0])
+    assert (v.phase, v.level, v.replacing) == (Phase.STOPPING, Level.PROCESS, frozenset({0, 1, 3}))
+    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (0, 1, 3))]
+
+
+def test_every_rank_failed_with_the_last_unit_of_budget_restarts_once():
+    v = process_view(max_restarts=1)
+    v, _ = on_report(v, reports_of((0, 1))[0])
+    assert v.budget_left == 0  # spent by the process-level repair...
+    v, commands = on_report(v, reports_of((2, 3))[0])
+    assert v.phase is Phase.STOPPING and v.budget_left == 1  # ...and given back: the restart spends it
+    for node in (0, 1):
+        v, commands = on_report(v, report(ReportKind.STOPPED, node=node, gen=v.generation))
+    assert (v.phase, v.restarts_used) == (Phase.RUNNING, 1) and commands[0].kind is CommandKind.START
+
+
+def test_every_rank_failed_without_budget_exits():
+    v, commands = on_report(process_view(max_restarts=0), reports_of((0, 1, 2, 3))[0])
+    assert v.phase is Phase.EXITING and "retry budget spent" in v.reason
+    assert [c.kind for c in commands] == [CommandKind.EXIT]
+
+
+def test_lost_node_holding_every_rank_restarts_at_job_level_on_the_spare():
+    one_node = JobView(node_count=1, max_restarts=2, world_size=2, recovery=Level.PROCESS, library_ranks=2)
+    v, commands = on_node_lost(one_node, 0, "node 0 lost", spare="spare:9", ranks=(0, 1))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.STOP]
+    assert (v.phase, v.level, v.no_replica) == (Phase.STOPPING, Level.JOB, True)
