@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -75,6 +76,7 @@ class ElasticGroup(dist.ProcessGroup):
         self.global_ranks = ranks
         self._real: dist.ProcessGroup | None = None
         self._real_generation = -1
+        self._connecting_store: dist.Store | None = None
 
     # torch reads the name through these (functional collectives and DeviceMesh resolve groups by name)
     @property
@@ -144,6 +146,8 @@ class GroupSet:
         self.in_step = False
         #: the first failure of this generation's collectives in a step, until the repair
         self.failure: BaseException | None = None
+        #: the newest generation a newer one superseded: its groups' connections give up
+        self.abandoned = -1
         self._lock = threading.Lock()
 
     def create(self, options, backend_options=None) -> ElasticGroup:
@@ -158,7 +162,11 @@ class GroupSet:
         generation = self.generation
         if generation < 0:
             raise GroupError(f"group {group.group_name}: used before the job's first generation formed")
-        store = dist.PrefixStore(f"{self.prefix(generation)}/{group.group_name}", self.store)
+        if generation <= self.abandoned:
+            raise GroupError(f"group {group.group_name}: generation {generation} was superseded")
+        # the real group keeps the store, but only a Python reference keeps the Python half of it alive
+        group._connecting_store = _Abandonable(self, generation)
+        store = dist.PrefixStore(f"{self.prefix(generation)}/{group.group_name}", group._connecting_store)
         try:
             real = self.backend.connect(store, group.rank(), group.size(), self.timeout)
         except Exception as e:
@@ -181,6 +189,11 @@ class GroupSet:
     def interrupt(self) -> None:
         """Release a collective blocked on a healthy peer (from another thread, once a repair is announced)."""
         self.backend.interrupt()
+
+    def abandon(self, generation: int) -> None:
+        """A newer generation was announced (from another thread): a group of ``generation`` or
+        older that is still connecting gives up, since a peer it waits for may be dead."""
+        self.abandoned = max(self.abandoned, generation)
 
     def release(self) -> None:
         """Abort and drop every real group: their peers blocked on this rank are released."""
@@ -240,6 +253,65 @@ class _Done(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+
+class _Abandonable(dist.Store):
+    """The store a real group connects through: its waits give up once the generation is superseded.
+
+    A real group's constructor waits on the store for every peer's address. A peer that died after
+    arriving in the generation never writes it, and the wait would last the whole timeout; so the
+    waits go in short slices, between which the generation is checked.
+    """
+
+    SLICE = datetime.timedelta(seconds=0.2)
+
+    def __init__(self, owner: GroupSet, generation: int):
+        super().__init__()
+        self._owner, self._generation, self._store = owner, generation, owner.store
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or datetime.timedelta(seconds=self._owner.timeout)).total_seconds()
+        while True:
+            if self._owner.abandoned >= self._generation:
+                raise GroupError(f"generation {self._generation} was superseded while its groups connected")
+            try:
+                self._store.wait(keys, self.SLICE)
+                return
+            except dist.DistStoreError:  # this slice's deadline
+                if time.monotonic() >= deadline:
+                    raise
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def get(self, key):
+        self._wait([key])
+        return self._store.get(key)
+
+    def add(self, key, value):
+        return self._store.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._store.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self._store.check(keys)
+
+    def delete_key(self, key):
+        return self._store.delete_key(key)
+
+    def num_keys(self):
+        return self._store.num_keys()
+
+    def wait(self, keys, timeout=None):
+        self._wait(keys, timeout)
+
+    def multi_get(self, keys):
+        self._wait(keys)
+        return self._store.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        self._store.multi_set(keys, values)
 
 
 class _Guarded(dist._Work):

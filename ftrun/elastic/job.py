@@ -264,7 +264,7 @@ class ElasticJob:
         step's body in ``with job.guard():``. ``start`` is where a fresh job begins (e.g. the step
         after the one in your own checkpoint); a replacement rank resumes where the others are.
         """
-        self._start()
+        self._start(total)
         if self._needs_state:
             self.repair.recover(self.generation, joined=True)
         elif not self._restore(start) and self._step < start:
@@ -297,11 +297,13 @@ class ElasticJob:
 
     # -- the layout ----------------------------------------------------------------------------------
 
-    def _start(self) -> None:
+    def _start(self, total: int) -> None:
         """At the first steps(): the setup is over; settle the layout, or say why a fault will restart the job."""
         if self.env is None or self._started:
             return
         self._started = True
+        if self.env.rank == 0:
+            self.store.set_text(self.keys.total_steps, str(total))  # the status view's progress and ETA
         self.groups.local = False
         self.layout, refusal = self._settle_layout()
         if self.snapshots is not None:
@@ -320,6 +322,8 @@ class ElasticJob:
                                            "repair cannot re-form it (leave backend= out of new_group)")
         sharded_over = {name for obj in self._objects.values() for name in _sharded_dims(obj)}
         if self._layout is not None:
+            if sharded_over - set(self._layout.names):  # over a mesh of its own: no rank can vouch for a copy
+                return self._layout.without(set(self._layout.replicate)), ""
             return self._layout.without(sharded_over), ""
         if self.sharded:
             return Layout.sharded(world), ""
@@ -488,6 +492,7 @@ class ElasticJob:
             self._see_through_repair(generation)
 
     def _see_through_repair(self, generation: int) -> None:
+        self.groups.abandon(generation)  # a group still connecting may wait for a peer that died
         announced_at = time.monotonic()
         interrupted = False
         while not self._closed.is_set() and not self._repairing and self.generation <= generation:
@@ -512,13 +517,14 @@ def _dump_stack_on_signal() -> None:
 
 
 def _sharded_dims(obj) -> set[str]:
-    """The mesh dimensions a registered module's DTensor parameters are sharded over."""
+    """The mesh dimensions a registered module's DTensor parameters are sharded over (``#i`` for a
+    mesh without names, as FSDP2 makes when it is given none)."""
     if not isinstance(obj, torch.nn.Module):
         return set()
     found: set[str] = set()
     for param in obj.parameters():
         if is_dtensor(param):
             spec: Any = param  # a DTensor
-            names = spec.device_mesh.mesh_dim_names or ()
+            names = spec.device_mesh.mesh_dim_names or tuple(f"#{i}" for i in range(spec.device_mesh.ndim))
             found.update(name for name, placement in zip(names, spec.placements) if placement.is_shard())
     return found

@@ -144,3 +144,47 @@ def test_sharded_state_travels_as_local_shards_and_comes_back_on_the_receiver_s_
 def test_a_shard_without_a_dtensor_to_land_in_is_an_error():
     with pytest.raises(ValueError, match="no DTensor"):
         from_local({SHARD: torch.zeros(1), "shape": [1], "stride": [1], "placements": ["S(0)"]}, torch.zeros(1))
+
+
+def test_the_dimensions_a_model_is_sharded_over_are_read_from_its_dtensors(mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ftrun.elastic.job import _sharded_dims
+
+    assert _sharded_dims(fully_shard(torch.nn.Linear(4, 2), mesh=mesh)) == {"shard"}
+    assert _sharded_dims(fully_shard(torch.nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1,)))) == {"#0"}
+    assert _sharded_dims(torch.nn.Linear(4, 2)) == set() and _sharded_dims(object()) == set()
+
+
+def settle(monkeypatch, *, made=0, foreign=(), sharded_over=(), declared=None, sharded=False):
+    from ftrun.elastic import job as job_module
+    from ftrun.elastic.layout import Layout
+
+    monkeypatch.setattr(job_module, "_sharded_dims", lambda obj: set(sharded_over))
+    job = types.SimpleNamespace(
+        env=types.SimpleNamespace(world_size=4), sharded=sharded, _objects={"model": object()},
+        _layout=Layout.declared(declared) if declared else None,
+        groups=types.SimpleNamespace(foreign_groups=lambda: list(foreign), groups=[object()] * (1 + made)))
+    layout, refusal = job_module.ElasticJob._settle_layout(job)
+    return layout.replica_sets(), refusal
+
+
+@pytest.mark.parametrize(
+    "case, sets, refusal",
+    [
+        ({}, [(0, 1, 2, 3)], ""),  # pure data parallelism
+        ({"sharded": True}, [(0,), (1,), (2,), (3,)], ""),
+        ({"declared": {"dp": 2, "tp": 2}, "made": 2}, [(0, 2), (1, 3)], ""),
+        ({"declared": {"dp": 2, "tp": 2}, "made": 2, "sharded_over": {"tp"}}, [(0, 2), (1, 3)], ""),
+        ({"declared": {"dp": 4}, "sharded_over": {"dp"}}, [(0,), (1,), (2,), (3,)], ""),  # FSDP2 over "dp"
+        ({"declared": {"dp": 4}, "sharded_over": {"#0"}}, [(0,), (1,), (2,), (3,)], ""),  # over a mesh of its own
+        ({"made": 2}, [(0,), (1,), (2,), (3,)], "this script makes 2 process groups of its own without job.mesh()"),
+        ({"sharded_over": {"#0"}}, [(0,), (1,), (2,), (3,)], "this script makes sharded DTensors without job.mesh()"),
+        ({"foreign": ["3 (gloo)"]}, [(0,), (1,), (2,), (3,)], "group 3 (gloo) was made with another backend"),
+    ],
+)
+def test_the_layout_a_repair_goes_by_or_why_it_cannot(monkeypatch, case, sets, refusal):
+    got_sets, got_refusal = settle(monkeypatch, **case)
+    assert got_sets == sets
+    assert got_refusal.startswith(refusal) and bool(got_refusal) == bool(refusal)

@@ -9,7 +9,8 @@
   unknown  tensor parallel over a mesh made with torch directly, not job.mesh(): ftrun cannot tell the
            replicas and says so
 
-Faults as in elastic_train.py (FAULT=rank:step:kind, original ranks only). Each step sleeps
+Faults as in elastic_train.py (FAULT=rank:step:kind, original ranks only; FAULT_REPLACEMENT=rank: that
+rank's first replacement dies during the repair, once it has made its groups). Each step sleeps
 STEP_SLEEP (default 0.05). Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each committed
 step to OUT_DIR/commits-rank<r>, and writes OUT_DIR/rank<r>.json at the end: the final step, the
 pid, whether it is a replacement, and a digest of every local tensor of the model's parameters and
@@ -119,6 +120,9 @@ def main() -> None:
     with open(os.path.join(out_dir, f"pid-start-rank{rank}-{os.getpid()}"), "w"):
         pass
     model, forward_backward = build(job, layout)
+    if os.environ.get("FTRUN_REPLACEMENT") == "1" and os.environ.get("FAULT_REPLACEMENT") == str(rank):
+        if faults.claim(rank, -1, "sigkill"):  # the first replacement only
+            faults.trigger("sigkill", -1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     job.register(model=model, optimizer=optimizer)
     for step in job.steps(steps):

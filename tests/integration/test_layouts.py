@@ -1,0 +1,115 @@
+"""Process-level repair of the ways large models are trained, on 2 simulated nodes x 2 ranks.
+
+Each layout of tests/workers/layouts_train.py runs once without a fault and once with rank 1
+SIGKILLed at step 5: the job ends at its final step, only rank 1 was started again, every rank's
+parameters, buffers and optimizer state (its local shards) equal the fault-free run's bit for bit,
+and no step is redone where a replica holds the lost state (at most K with snapshots every K).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import WORKERS, Launcher
+
+pytestmark = pytest.mark.integration
+SCRIPT = str(WORKERS / "layouts_train.py")
+STEPS = 10
+SNAPSHOT_EVERY = 2
+#: the layouts, with ftrun's flags for each (FSDP2's full shard has no replica: snapshots restore it)
+FLAGS = {
+    "ddp": (),
+    "fsdp": ("--snapshot-every", str(SNAPSHOT_EVERY)),
+    "hsdp": (),
+    "tp": (),
+    "pp": (),
+}
+
+
+def run(launcher: Launcher, layout: str, **env) -> list[int]:
+    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60", "--warm-standby", "0",
+             *FLAGS.get(layout, ())]
+    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))
+    return launcher.wait()
+
+
+def commits(launcher: Launcher, rank: int) -> list[int]:
+    return [int(line) for line in (launcher.out_dir / f"commits-rank{rank}").read_text().split()]
+
+
+def start_pids(launcher: Launcher) -> dict[int, list[int]]:
+    pids: dict[int, list[int]] = {}
+    for path in launcher.out_dir.glob("pid-start-rank*"):
+        rank, pid = path.name[len("pid-start-rank"):].split("-")
+        pids.setdefault(int(rank), []).append(int(pid))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """Each layout's fault-free digests, run once for the module, when a test first asks."""
+    digests: dict[str, dict[int, str]] = {}
+
+    def get(layout: str) -> dict[int, str]:
+        if layout not in digests:
+            runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), f"{layout}-fault-free")
+            try:
+                assert run(runner, layout) == [0, 0], runner.output()
+                digests[layout] = {rank: r["digest"] for rank, r in runner.results().items()}
+            finally:
+                runner.kill_all()
+            assert sorted(digests[layout]) == [0, 1, 2, 3]
+        return digests[layout]
+
+    return get
+
+
+def assert_repaired(launcher: Launcher, reference: dict[int, str], generations: int = 1, redone: int = 0):
+    output = launcher.output()
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3], output
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == reference  # bit for bit, every rank's own state
+    pids = start_pids(launcher)
+    for rank, result in results.items():
+        if rank == 1:
+            assert result["replacement"] == "1" and len(pids[1]) == 1 + generations and result["pid"] in pids[1]
+        else:  # the healthy ranks lived through the repair in one process
+            assert pids[rank] == [result["pid"]] and result["replacement"] == "0", (rank, pids)
+    for rank in results:
+        done = commits(launcher, rank)
+        assert sorted(set(done)) == list(range(STEPS))
+        assert len(done) - STEPS <= redone, (rank, done)
+    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    assert "1 of 3 restarts used" in output  # a fault during the repair costs no second unit
+    assert f"generation {generations} resumed training" in output
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp", "tp", "pp"])
+def test_a_lost_rank_gets_its_state_from_its_replica_set(launcher, fault_free, layout):
+    assert run(launcher, layout, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free(layout))
+    if layout == "ddp":  # torch's own DDP: its buckets were pinned on every rank, the replacement's too
+        assert "DDP expects same model" not in launcher.output()
+
+
+def test_full_shard_without_a_replica_rolls_every_rank_back_to_the_snapshot(launcher, fault_free):
+    assert run(launcher, "fsdp", FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free("fsdp"), redone=SNAPSHOT_EVERY)
+    assert any(len(commits(launcher, rank)) > STEPS for rank in range(4))  # the snapshot's step and after, again
+
+
+def test_a_rank_lost_during_the_repair_carries_it_into_the_next_generation(launcher, fault_free):
+    # rank 1's first replacement dies once it made its groups, in the middle of the repair
+    assert run(launcher, "tp", FAULT="1:5:sigkill", FAULT_REPLACEMENT="1") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free("tp"), generations=2)
+
+
+def test_a_layout_the_library_cannot_read_says_so_and_restarts_the_job(launcher):
+    # a DeviceMesh made with torch directly: ftrun cannot tell which ranks hold copies of which state
+    assert run(launcher, "unknown", FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    output = launcher.output()
+    assert "ftrun.elastic: this script makes 2 process groups of its own without job.mesh()" in output
+    assert "process-level recovery is off" in output and "using job-level recovery" in output
+    assert "process-level repair" not in output
+    assert {r["step"] for r in launcher.results().values()} == {STEPS}
