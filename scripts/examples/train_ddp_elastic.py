@@ -15,9 +15,16 @@ crash never leaves half a checkpoint), and every rank loads the newest checkpoin
 restarted job therefore redoes the steps since the last checkpoint: killed after step 25 with
 checkpoints every 10, it resumes after step 20 and redoes 5.
 
+With --torch-ddp the model is wrapped in torch's own DistributedDataParallel instead of job.ddp()
+(job.register pins DDP's bucket layout, so a replacement rank's buckets are the healthy ranks').
+The sharded examples (train_fsdp_elastic.py, train_tp_elastic.py) reuse this file's model, data,
+options and per-step bookkeeping.
+
 For demos and benchmarks:
-  --kill-rank R --kill-at-step S   rank R SIGKILLs itself after finishing step S, only in the first
-                                   attempt (TORCHELASTIC_RESTART_COUNT=0), so the restarted job runs on
+  --kill-rank R --kill-at-step S   rank R (every rank with --kill-rank all) SIGKILLs itself after
+                                   finishing step S, only in the first attempt
+                                   (TORCHELASTIC_RESTART_COUNT=0, and not in a replacement rank), so
+                                   the restarted job runs on
   --step-sleep SECONDS             sleep after every step, to slow the job down
   --progress FILE                  every rank appends "<unix time> <rank> <step> <pid> <restart count>"
                                    for every finished step
@@ -43,16 +50,28 @@ CHECKPOINT_NAME = "checkpoint.pt"
 CLUSTER_CENTERS = torch.randn(CLASSES, WIDTH, generator=torch.Generator().manual_seed(1))  # one per class
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rank_or_all(text: str) -> int | str:
+    return "all" if text == "all" else int(text)
+
+
+def make_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The options every example of this job takes (the sharded ones add --layout)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--ckpt-dir", type=Path, help="folder for the checkpoint (none saved if not given)")
     parser.add_argument("--ckpt-every", type=int, default=10, help="save every K steps (default 10)")
     parser.add_argument("--progress", type=Path, help="append one line per finished step to this file")
-    parser.add_argument("--kill-rank", type=int, help="rank that SIGKILLs itself (with --kill-at-step)")
+    parser.add_argument("--kill-rank", type=rank_or_all,
+                        help="rank that SIGKILLs itself, or all (with --kill-at-step)")
     parser.add_argument("--kill-at-step", type=int, help="step after which --kill-rank SIGKILLs itself")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every step")
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    parser = make_parser()
+    parser.add_argument("--torch-ddp", action="store_true", help="torch's DistributedDataParallel, not job.ddp()")
     return parser.parse_args()
 
 
@@ -90,6 +109,27 @@ def save_checkpoint(ckpt_dir: Path, model: torch.nn.Module, optimizer: torch.opt
     os.replace(tmp, ckpt_dir / CHECKPOINT_NAME)  # atomic: readers see the old file or the new one
 
 
+def after_step(progress, args: argparse.Namespace, rank: int, step: int) -> None:
+    """Append the step's progress line; then the fault, if this is its rank and step; then the sleep."""
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    progress.write(f"{time.time():.6f} {rank} {step} {os.getpid()} {restart_count}\n")
+    progress.flush()  # the line is out before a kill below, and readable while the job runs
+    first_attempt = restart_count == 0 and os.environ.get("FTRUN_REPLACEMENT") != "1"
+    if args.kill_rank in (rank, "all") and step == args.kill_at_step and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+
+
+def finish(job: ftrun.elastic.ElasticJob, args: argparse.Namespace) -> None:
+    """Leave the job once every rank is done."""
+    rank = dist.get_rank()
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    job.close()
+    if rank == 0:
+        print(f"done: {args.steps} steps", flush=True)
+
+
 @record  # on a crash, torchrun and ftrun report this rank's traceback as the root cause
 def main() -> None:
     args = parse_args()
@@ -102,8 +142,12 @@ def main() -> None:
     # Every rank loads before wrapping in DDP; rank 0 only overwrites the checkpoint after a step, which
     # needs every rank, so no rank can read a checkpoint newer than the others'.
     start_step = 0 if job.receives_state else load_checkpoint(args.ckpt_dir, model, optimizer)
-    ddp_model = job.ddp(model)
-    job.register(model=model, optimizer=optimizer)  # what a replacement rank receives
+    if args.torch_ddp:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+        job.register(model=ddp_model, optimizer=optimizer)  # registering the DDP pins its buckets
+    else:
+        ddp_model = job.ddp(model)
+        job.register(model=model, optimizer=optimizer)  # what a replacement rank receives
     if rank == 0:
         print(f"rank 0 of {world_size}: starting after step {start_step} (restart {restart_count})", flush=True)
 
@@ -120,17 +164,9 @@ def main() -> None:
                     save_checkpoint(args.ckpt_dir, model, optimizer, step)
                 if rank == 0 and step % 10 == 0:
                     print(f"step {step} loss {loss.item():.4f}", flush=True)
-                progress.write(f"{time.time():.6f} {rank} {step} {os.getpid()} {restart_count}\n")
-                progress.flush()  # the line is out before a kill below, and readable while the job runs
-                if rank == args.kill_rank and step == args.kill_at_step and restart_count == 0:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if args.step_sleep:
-                    time.sleep(args.step_sleep)
+                after_step(progress, args, rank, step)
 
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    job.close()
-    if rank == 0:
-        print(f"done: {args.steps} steps", flush=True)
+    finish(job, args)
 
 
 if __name__ == "__main__":
