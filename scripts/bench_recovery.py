@@ -47,6 +47,21 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all) it gives a row per way of laying a model
+out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
+--torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp) runs under
+torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
+shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
+--kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
+(goal 0; <= K from snapshots), and the median step of each before the fault and ftrun's over torchrun's (goal
+<= 1.03x); for pure DP also job.ddp() under ftrun over torch DDP (train_ddp.py) under torchrun. The
+all-lost row has every rank SIGKILL itself at once (goal: regain <= 0.7x torchrun's, steps redone <= K).
+ftrun's phase breakdown of each repair (its "... s after the fault (detect .., stop .., ...)" line) follows
+the table. --repeat N alternates N runs of each and reports medians: the step-time goal is finer than the
+noise of one run on a busy machine.
+
+    .venv/bin/python scripts/bench_recovery.py --layouts all --repeat 2 --json layouts.json
+
 With --status-overhead N it measures what the status view and the event log cost the training loop:
 N runs each, alternating, of ftrun --recovery process with --status off (no view, no event log) and with
 --status live (the view drawn twice a second into the log, as on a terminal) and --log-dir (events.jsonl),
@@ -95,6 +110,8 @@ class Launcher:
     extra_args: tuple[str, ...]
     extra_env: tuple[tuple[str, str], ...] = ()
     script: Path = EXAMPLES / "train_ddp.py"
+    #: the script's own options before the benchmark's (--layout fsdp, say)
+    script_args: tuple[str, ...] = ()
     #: ftrun: write the event log (--log-dir in the run's folder)
     event_log: bool = False
 
@@ -127,6 +144,8 @@ STATUS_PAIR = ("ftrun-status-off", "ftrun-status-live")
 #: launchers only the other benchmarks run
 NOT_BY_DEFAULT = (*STATUS_PAIR, "ftrun-memory")
 BASELINE = "torchrun-noshare"  # the launcher whose median step the ftrun rows are compared with
+#: what ftrun's controller logs once training goes on after a fault, with the repair's phases
+REPAIR_LINE = "s after the fault ("
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,8 @@ class Scenario:
     max_restarts: int = 3
     #: lose the last node (its launcher and everything under it) instead of one rank
     node_loss: bool = False
+    #: every rank SIGKILLs itself after kill_at_step (kill_rank, the last, is the one whose line times the fault)
+    kill_all: bool = False
     #: --node-loss: ftrun's --node-timeout, and how long after the loss a run may take to train on
     node_timeout: float = 3.0
     regain_deadline: float = 45.0
@@ -206,6 +227,8 @@ class RunResult:
     launch_to_first_step_s: float | None
     wall_s: float
     median_step_vs_baseline: float | None = None  # median_step_s over BASELINE's in the same scenario
+    #: ftrun's lines that end a repair, with its phases ("resumed training 0.61s after the fault (detect ...)")
+    repair_lines: tuple[str, ...] = ()
 
     def outcome_text(self) -> str:
         if self.outcome == "ok":
@@ -230,7 +253,7 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         if launcher.program in SPARE_CAPABLE:
             placement += ["--spares", "1", "--node-timeout", f"{scenario.node_timeout:g}"]
             placement += ["--node-rank", str(node)] if node < scenario.nnodes else []
-    fault = [] if scenario.node_loss else ["--kill-rank", str(scenario.kill_rank),
+    fault = [] if scenario.node_loss else ["--kill-rank", "all" if scenario.kill_all else str(scenario.kill_rank),
                                            "--kill-at-step", str(scenario.kill_at_step)]
     return [
         find_program(launcher.program, "bench_recovery"),
@@ -243,6 +266,7 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
         *launcher.extra_args,
         *(["--log-dir", str(workdir / "logs")] if launcher.event_log else []),
         str(launcher.script),
+        *launcher.script_args,
         "--steps", str(scenario.steps),
         "--ckpt-dir", str(workdir / "checkpoints"),
         "--ckpt-every", str(scenario.ckpt_every),
@@ -354,7 +378,10 @@ def resumed_after_step(lines: list[ProgressLine], first_attempt_pids: set[int]) 
 
 
 def healthy_pids_kept(lines: list[ProgressLine], scenario: Scenario) -> bool | None:
-    """Whether every rank but the killed one finished all its steps in the process it started in."""
+    """Whether every rank but the killed one finished all its steps in the process it started in (None
+    when every rank was killed)."""
+    if scenario.kill_all:
+        return None
     pids_by_rank: dict[int, set[int]] = {}
     for line in lines:
         pids_by_rank.setdefault(line.rank, set()).add(line.pid)
@@ -459,7 +486,18 @@ def benchmark(launcher: Launcher, scenario: Scenario, workdir: Path) -> RunResul
     started = time.monotonic()
     launch_time, exit_codes, loss = run_launcher(launcher, scenario, workdir)
     wall_s = time.monotonic() - started
-    return analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s, loss)
+    result = analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s, loss)
+    return replace(result, repair_lines=repair_lines(sorted(workdir.glob("node*.log"))))
+
+
+def repair_lines(logs: list[Path]) -> tuple[str, ...]:
+    """The lines in which ftrun's controller says training goes on after a fault, and in how long each phase."""
+    found = []
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if REPAIR_LINE in line:
+                found.append(line[line.index("generation"):] if "generation" in line else line.strip())
+    return tuple(found)
 
 
 # --- reporting ------------------------------------------------------------------------------------
@@ -560,7 +598,7 @@ def write_json(
 ) -> None:
     document = {"scenarios": [asdict(scenario) for scenario in scenarios],
                 "runs": [asdict(result) for result in results], **(extra or {})}
-    if len(scenarios) > 1:
+    if len(scenarios) > 1 and launchers:
         document["regain_progress_max_over_min"] = {
             launcher.name: regain_spread([result for result in results if result.launcher == launcher.name])
             for launcher in launchers
@@ -577,6 +615,174 @@ def write_json(
         console.print(f"JSON written to {destination}")
 
 
+# --- --layouts: a row per parallel layout ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutCase:
+    """One row of --layouts: a script (with its options) under ftrun --recovery process, and under
+    torchrun with the shared store disabled, which restarts it from its disk checkpoint."""
+
+    name: str
+    description: str
+    script: Path
+    script_args: tuple[str, ...] = ()
+    #: ftrun's options besides --recovery process (FSDP's full shard: --snapshot-every)
+    ftrun_args: tuple[str, ...] = ()
+    #: every rank SIGKILLed at once (issue 17), not the last one alone
+    kill_all: bool = False
+    #: the goal for ftrun's regain progress over torchrun's, and for the steps ftrun redoes
+    regain_goal: float = 0.1
+    redone_goal: int = 0
+    #: pure DP: also torch DDP (train_ddp.py) under torchrun, to hold job.ddp()'s step time against
+    torch_ddp_reference: bool = False
+
+
+STEP_TIME_GOAL = 1.03
+
+
+def layout_cases(snapshot_every: int) -> dict[str, LayoutCase]:
+    snapshots = ("--snapshot-every", str(snapshot_every))
+    elastic_ddp, fsdp, tp = (EXAMPLES / f"train_{name}_elastic.py" for name in ("ddp", "fsdp", "tp"))
+    cases = (
+        LayoutCase("ddp", "pure DP, job.ddp()", elastic_ddp, torch_ddp_reference=True),
+        LayoutCase("torch-ddp", "pure DP, torch DDP", elastic_ddp, ("--torch-ddp",)),
+        LayoutCase("fsdp", f"FSDP2 full shard, --snapshot-every {snapshot_every}", fsdp, ("--layout", "fsdp"),
+                   snapshots, redone_goal=snapshot_every),
+        LayoutCase("hsdp", "HSDP, replicate 2 x shard 2", fsdp, ("--layout", "hsdp")),
+        LayoutCase("tp", "TP 2 x DP 2", tp, ("--layout", "tp")),
+        LayoutCase("pp", "2 pipeline stages x DP 2", tp, ("--layout", "pp")),
+        LayoutCase("all-lost", f"every rank lost, job.ddp(), --snapshot-every {snapshot_every}", elastic_ddp, (),
+                   snapshots, kill_all=True, regain_goal=0.7, redone_goal=snapshot_every),
+    )
+    return {case.name: case for case in cases}
+
+
+LAYOUT_NAMES = tuple(layout_cases(5))
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """A layout's runs (one each per repeat) and how ftrun's compare with torchrun's."""
+
+    case: LayoutCase
+    ftrun: list[RunResult]
+    torchrun: list[RunResult]
+    torch_ddp: list[RunResult]  # pure DP only: torch DDP under torchrun
+
+    @property
+    def regain_ratio(self) -> float | None:
+        return ratio(median_of(self.ftrun, "regain_progress_s"), median_of(self.torchrun, "regain_progress_s"))
+
+    @property
+    def step_ratio(self) -> float | None:
+        return ratio(median_of(self.ftrun, "median_step_s"), median_of(self.torchrun, "median_step_s"))
+
+    @property
+    def step_ratio_vs_torch_ddp(self) -> float | None:
+        return ratio(median_of(self.ftrun, "median_step_s"), median_of(self.torch_ddp, "median_step_s"))
+
+    def most_redone(self, runs: list[RunResult]) -> int | None:
+        redone = [run.steps_redone for run in runs if run.steps_redone is not None]
+        return max(redone) if len(redone) == len(runs) else None
+
+    def to_json(self) -> dict:
+        return {"layout": self.case.name, "description": self.case.description,
+                "goals": {"regain_ratio": self.case.regain_goal, "steps_redone": self.case.redone_goal,
+                          "step_ratio": STEP_TIME_GOAL},
+                "regain_ratio": self.regain_ratio, "step_ratio": self.step_ratio,
+                "step_ratio_vs_torch_ddp": self.step_ratio_vs_torch_ddp,
+                "steps_redone": {"ftrun": self.most_redone(self.ftrun), "torchrun": self.most_redone(self.torchrun)},
+                "runs": {role: [asdict(run) for run in runs] for role, runs in
+                         (("ftrun", self.ftrun), ("torchrun", self.torchrun), ("torch_ddp", self.torch_ddp)) if runs}}
+
+
+def median_of(runs: list[RunResult], field: str) -> float | None:
+    """The median of a field over a layout's repeats; None unless every run has it."""
+    values = [getattr(run, field) for run in runs]
+    return statistics.median(values) if values and None not in values else None
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    return value / baseline if value is not None and baseline else None
+
+
+def layout_launchers(case: LayoutCase) -> tuple[Launcher, Launcher, Launcher | None]:
+    """torchrun-noshare and ftrun --recovery process running the case's script; torch DDP's reference."""
+    torchrun = replace(LAUNCHERS[BASELINE], name=f"{case.name}-{BASELINE}", script=case.script,
+                       script_args=case.script_args)
+    process = LAUNCHERS["ftrun-process"]
+    ftrun = replace(process, name=f"{case.name}-ftrun-process", script=case.script, script_args=case.script_args,
+                    description=" ".join((process.description, *case.ftrun_args)),
+                    extra_args=(*process.extra_args, *case.ftrun_args))
+    reference = replace(LAUNCHERS[BASELINE], name=f"{case.name}-torch-ddp-{BASELINE}",
+                        description="torchrun, shared store disabled, torch DDP (train_ddp.py)")
+    return torchrun, ftrun, reference if case.torch_ddp_reference else None
+
+
+def run_layouts(cases: list[LayoutCase], scenario: Scenario, work_root: Path, repeats: int) -> list[LayoutRow]:
+    """Each case's runs, torchrun's and ftrun's alternating, ``repeats`` times each."""
+    rows = []
+    for case in cases:
+        torchrun, ftrun, reference = layout_launchers(case)
+        launchers = [torchrun, ftrun, *([reference] if reference else [])]
+        case_scenario = replace(scenario, kill_all=case.kill_all)
+        console.print(f"[bold]layout {case.name}[/bold]: {case.description}")
+        runs = [run_scenario(case_scenario, launchers, work_root, repeat) for repeat in range(repeats)]
+        by_launcher = [[repeat[i] for repeat in runs] for i in range(len(launchers))]
+        rows.append(LayoutRow(case, ftrun=by_launcher[1], torchrun=by_launcher[0],
+                              torch_ddp=by_launcher[2] if reference else []))
+    return rows
+
+
+def goal_text(value: float | None, goal: float, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}x ({'met' if value <= goal else 'missed'})"
+
+
+def print_layouts_table(rows: list[LayoutRow], scenario: Scenario, repeats: int) -> None:
+    title = (f"Process-level recovery by layout: {scenario.shape}, rank {scenario.kill_rank} SIGKILLed after step "
+             f"{scenario.kill_at_step} (all-lost: every rank), disk checkpoint every {scenario.ckpt_every} steps"
+             + (f", medians of {repeats} runs each" if repeats > 1 else ""))
+    table = Table(title=title, caption=f"goals: regain <= 0.1x torchrun's (all-lost 0.7x); steps redone 0 "
+                                        f"(snapshots: <= K); median step <= {STEP_TIME_GOAL}x")
+    for header in ("layout", "regain ftrun / torchrun (s)", "regain ratio", "steps redone ftrun / torchrun",
+                   "healthy pids kept", "median step ftrun / torchrun (ms)", "step ratio", "outcome"):
+        table.add_column(header, justify="left" if header in ("layout", "outcome") else "right")
+    for row in rows:
+        redone = row.most_redone(row.ftrun)
+        redone_cell = "-" if redone is None else f"{redone}{'' if redone <= row.case.redone_goal else ' (missed)'}"
+        torchrun_redone = row.most_redone(row.torchrun)
+        ftrun_step, torchrun_step = (median_of(runs, "median_step_s") for runs in (row.ftrun, row.torchrun))
+        outcomes = sorted({run.outcome_text() for run in (*row.ftrun, *row.torchrun, *row.torch_ddp)})
+        table.add_row(
+            f"{row.case.name}: {row.case.description}",
+            f"{seconds(median_of(row.ftrun, 'regain_progress_s'))} / {seconds(median_of(row.torchrun, 'regain_progress_s'))}",
+            goal_text(row.regain_ratio, row.case.regain_goal, 3),
+            f"{redone_cell} / {'-' if torchrun_redone is None else torchrun_redone}",
+            ", ".join(yes_no(run.healthy_pids_kept) for run in row.ftrun),
+            f"{milliseconds(ftrun_step)} / {milliseconds(torchrun_step)}",
+            goal_text(row.step_ratio, STEP_TIME_GOAL, 3),
+            ", ".join(outcomes),
+        )
+    console.print(table)
+    for row in rows:
+        if row.torch_ddp:
+            console.print(f"{row.case.name}: job.ddp() under ftrun against torch DDP (train_ddp.py) under torchrun: "
+                          f"median step {milliseconds(median_of(row.ftrun, 'median_step_s'))} / "
+                          f"{milliseconds(median_of(row.torch_ddp, 'median_step_s'))} ms = "
+                          f"{goal_text(row.step_ratio_vs_torch_ddp, STEP_TIME_GOAL, 3)}")
+    for row in rows:
+        for run in row.ftrun:
+            for line in run.repair_lines:
+                console.print(f"{row.case.name}: {line}")
+
+
+def milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 
@@ -585,6 +791,14 @@ def node_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError("expected node counts like 2,4,8")
     return counts
+
+
+def layout_names(text: str) -> list[str]:
+    names = list(LAYOUT_NAMES) if text == "all" else [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in LAYOUT_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from all, {', '.join(LAYOUT_NAMES)}")
+    return names
 
 
 def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
@@ -618,6 +832,13 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--status-overhead", type=int, default=0, metavar="N",
                         help="instead: N runs each of ftrun --recovery process with --status off and with --status "
                              "live and the event log, alternating; compares their median step")
+    parser.add_argument("--layouts", type=layout_names, metavar="A,B",
+                        help=f"instead: a row per layout ({','.join(LAYOUT_NAMES)}, or all), each script under "
+                             "ftrun --recovery process and torchrun-noshare")
+    parser.add_argument("--snapshot-every", type=int, default=5, metavar="K",
+                        help="--layouts: ftrun's --snapshot-every for FSDP's full shard and all-lost (default 5)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="--layouts: N runs of each launcher per layout, alternating; medians reported (default 1)")
     parser.add_argument("--json", default="-", metavar="FILE", help="where the JSON results go; - for stdout (default)")
     parser.add_argument("--work-dir", type=Path, metavar="DIR",
                         help="a new folder to keep logs, progress files and checkpoints in (default: a temporary one)")
@@ -626,6 +847,9 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     if args.status_overhead and (args.scaling or args.node_loss or args.launchers):
         parser.error("--status-overhead runs its own pair of launchers, on one job shape: drop --scaling, "
                      "--node-loss and --launchers")
+    if args.layouts and (args.scaling or args.node_loss or args.launchers or args.status_overhead):
+        parser.error("--layouts runs its own launchers per layout: drop --scaling, --node-loss, --launchers and "
+                     "--status-overhead")
     if args.scaling and args.node_loss:
         parser.error("--scaling and --node-loss are two sweeps: give one")
     sweep = args.scaling or args.node_loss
@@ -714,6 +938,12 @@ def main() -> int:
             overhead = status_overhead(results)
             print_status_overhead(overhead)
             write_json(results, scenarios, [], args.json, {"status_overhead": overhead})
+            return 0
+        if args.layouts:
+            cases = layout_cases(args.snapshot_every)
+            rows = run_layouts([cases[name] for name in args.layouts], scenarios[0], work_root, args.repeat)
+            print_layouts_table(rows, scenarios[0], args.repeat)
+            write_json([], scenarios, [], args.json, {"layouts": [row.to_json() for row in rows]})
             return 0
         for scenario in scenarios:
             results_by_scenario.append(run_scenario(scenario, launchers, work_root))

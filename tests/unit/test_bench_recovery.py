@@ -1,0 +1,92 @@
+"""scripts/bench_recovery.py --layouts: what it reads from the runs and how it compares them (no runs)."""
+
+import argparse
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield importlib.import_module("bench_recovery")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def run(bench, name: str, regain: float | None, median_step: float | None, redone: int | None = 0):
+    return bench.RunResult(
+        launcher=name, description=name, nnodes=2, nproc_per_node=2, kill_rank=3, outcome="ok", exit_codes=[0, 0],
+        last_step=60, resumed_after_step=None if redone is None else 25 - redone, steps_redone=redone,
+        healthy_pids_kept=True, regain_progress_s=regain, median_step_s=median_step, launch_to_first_step_s=5.0,
+        wall_s=30.0,
+    )
+
+
+def test_repair_lines_are_the_controllers_lines_after_a_fault(bench, tmp_path):
+    log = tmp_path / "node0.log"
+    log.write_text(
+        "ftrun: node 0 of 2, ranks 0-1 of 4\n"
+        "ftrun: generation 1 resumed training 0.61s after the fault (detect 20 ms, stop 56 ms, env clear 45 ms, "
+        "repair 300 ms, rollback 190 ms)\n"
+        "rank 0 of 4: starting after step 0 (restart 0)\n"
+        "ftrun: generation 3 back in training 6.40s after the fault (detect 43 ms, restart 6282 ms)\n"
+    )
+    assert bench.repair_lines([log]) == (
+        "generation 1 resumed training 0.61s after the fault (detect 20 ms, stop 56 ms, env clear 45 ms, "
+        "repair 300 ms, rollback 190 ms)",
+        "generation 3 back in training 6.40s after the fault (detect 43 ms, restart 6282 ms)",
+    )
+
+
+def test_layout_row_ratios_are_medians_over_repeats(bench):
+    case = bench.layout_cases(5)["ddp"]
+    row = bench.LayoutRow(
+        case,
+        ftrun=[run(bench, "f", 0.5, 0.102), run(bench, "f", 0.7, 0.104)],
+        torchrun=[run(bench, "t", 6.0, 0.100), run(bench, "t", 6.0, 0.100)],
+        torch_ddp=[run(bench, "d", 6.0, 0.103)],
+    )
+    assert row.regain_ratio == pytest.approx(0.1)
+    assert row.step_ratio == pytest.approx(1.03)
+    assert row.step_ratio_vs_torch_ddp == pytest.approx(1.0)
+    assert row.to_json()["steps_redone"] == {"ftrun": 0, "torchrun": 0}
+
+
+def test_layout_row_without_a_measurement_has_no_ratio(bench):
+    row = bench.LayoutRow(bench.layout_cases(5)["fsdp"], ftrun=[run(bench, "f", None, 0.1, redone=None)],
+                          torchrun=[run(bench, "t", 6.0, 0.1)], torch_ddp=[])
+    assert row.regain_ratio is None
+    assert row.most_redone(row.ftrun) is None
+    assert row.step_ratio_vs_torch_ddp is None
+
+
+def test_layout_names(bench):
+    assert bench.layout_names("all") == list(bench.LAYOUT_NAMES)
+    assert bench.layout_names("fsdp, pp") == ["fsdp", "pp"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.layout_names("fsdp,zero3")
+
+
+def test_layout_launchers_run_the_cases_script_with_its_options(bench, tmp_path):
+    case = bench.layout_cases(5)["all-lost"]
+    torchrun, ftrun, reference = bench.layout_launchers(case)
+    assert reference is None
+    scenario = bench.Scenario(nnodes=2, nproc_per_node=2, steps=60, ckpt_every=10, kill_rank=3, kill_at_step=25,
+                              step_sleep=0.0, deadline=90.0, kill_all=True)
+    command = bench.launcher_command(ftrun, scenario, 29400, "run", tmp_path, 0)
+    assert command[command.index("--recovery") + 1:command.index("--recovery") + 4] == [
+        "process", "--snapshot-every", "5"]
+    assert command[command.index("--kill-rank") + 1] == "all"
+    fsdp = bench.layout_cases(5)["fsdp"]
+    command = bench.launcher_command(bench.layout_launchers(fsdp)[0], replace(scenario, kill_all=False), 29400, "run",
+                                     tmp_path, 0)
+    script = command.index(str(fsdp.script))
+    assert command[script + 1:script + 3] == ["--layout", "fsdp"]
+    assert command[command.index("--kill-rank") + 1] == "3"
