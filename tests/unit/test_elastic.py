@@ -158,6 +158,40 @@ def test_hccl_release_stops_and_restarts_the_device_once_for_every_group(fake_to
     assert fake_torch_npu == [("stop_device", 3), ("restart_device", 3, False)]
 
 
+def test_hccl_makes_a_real_group_through_torch_npu_on_the_npu_device(fake_torch_npu, monkeypatch):
+    made = []
+
+    class ProcessGroupHCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options):
+            made.append(("hccl", rank, size, options._timeout.total_seconds()))
+
+    class ProcessGroup:
+        class BackendType:
+            CUSTOM = "CUSTOM"
+
+        def __init__(self, store, rank, size):
+            pass
+
+        def _set_default_backend(self, kind):
+            made.append(("default", kind))
+
+        def _register_backend(self, device, kind, backend):
+            made.append(("register", device.type, kind))
+
+    c10d = types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL)
+    monkeypatch.setitem(sys.modules, "torch_npu._C", types.SimpleNamespace(_distributed_c10d=c10d))
+    monkeypatch.setitem(sys.modules, "torch_npu._C._distributed_c10d", c10d)
+    monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
+    monkeypatch.setattr("torch.device", lambda kind: types.SimpleNamespace(type=kind))
+    backend = HcclBackend(dist=types.SimpleNamespace(ProcessGroup=ProcessGroup), local_rank=2)
+    backend.connect("store", 1, 8, timeout=45)
+    assert made == [("default", "CUSTOM"), ("hccl", 1, 8, 45.0), ("register", "npu", "CUSTOM")]
+    assert backend.devices() == ("npu", "cpu")
+
+
 def test_hccl_interrupt_stops_the_device(fake_torch_npu):
     HcclBackend(dist=types.SimpleNamespace(), local_rank=1).interrupt()
     assert fake_torch_npu == [("stop_device", 1)]
