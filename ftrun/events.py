@@ -19,7 +19,7 @@ level; detect, stop, restart at job level) and ``total`` (repair_done), ``step``
 job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration``, ``restarts_used``,
 ``max_restarts`` (job_finished), ``budget_left`` and ``target_generation`` (decision), ``world_size``
 (job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started),
-``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint).
+``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint), ``action``, ``who`` and ``accepted`` (operator).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ KINDS = (
     "restore",  # a job-level restart resumes from snapshots: the step, and where each rank reads it
     "checkpoint",  # every rank's snapshot of a step is on disk, with its manifest
     "job_finished",  # exit code, reason, duration, final step, budget used
+    "operator",  # a person's action from ftrun top (restart drill, drain, stop): who asked, and the answer
 )
 REQUIRED = ("t", "elapsed", "source", "kind", "generation", "node", "rank", "host", "detail")
 EVENTS_FILE = "events.jsonl"

@@ -164,6 +164,41 @@ class JobKeys:
         """Why the generation's rollback could not happen (no healthy replica holds the state)."""
         return f"{self.generation(generation)}/rollback_failure"
 
+    # ftrun top: what an operator asks of the job, and what the view reads beyond the status
+    @property
+    def operator_count(self) -> str:
+        return f"{self.root}/operator/count"
+
+    def operator_request(self, seq: int) -> str:
+        """An OperatorRequest (restart a rank, drain a node, stop the job), signed with the job's token:
+        an append-only sequence that the controller reads."""
+        return f"{self.root}/operator/{seq}"
+
+    def stack_request(self, agent_id: str) -> str:
+        """A StackRequest for one of the agent's ranks (signed like a command); the agent looks at each keepalive."""
+        return f"{self.root}/agent/{agent_id}/stack_request"
+
+    def rank_stack(self, rank: int) -> str:
+        """The rank's Python stack as the agent dumped it on request (JSON: nonce, text)."""
+        return f"{self.root}/rank/{rank}/stack"
+
+    def agent_output(self, agent_id: str) -> str:
+        """The last output lines of each of the agent's ranks (JSON), rewritten only when they changed."""
+        return f"{self.root}/agent/{agent_id}/output"
+
+    @property
+    def rank_history(self) -> str:
+        """The controller's short per-rank history of steps and heartbeat ages (JSON), every few seconds."""
+        return f"{self.root}/status/history"
+
+    @property
+    def event_count(self) -> str:
+        return f"{self.root}/events/count"
+
+    def event_batch(self, index: int) -> str:
+        """The events the controller logged since the previous batch (a JSON list): ``ftrun top``'s event log."""
+        return f"{self.root}/events/{index}"
+
 
 #: the run ids of the jobs a store has served, as a sequence (``ftrun status`` picks from them)
 JOBS_COUNT = "ftrun/jobs/count"

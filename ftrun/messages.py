@@ -178,6 +178,31 @@ class Command:
     agent_id: str = ""
 
 
+class OperatorAction(str, enum.Enum):
+    RESTART = "restart"  # replace one rank through the process-level path, as a drill
+    DRAIN = "drain"  # move a node's ranks to a spare; the node then leaves
+    STOP = "stop"  # stop the job
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    """What a person asked of the job from ``ftrun top`` (signed with the job's token)."""
+
+    action: OperatorAction
+    #: user@host of whoever asked, for the event log
+    who: str
+    rank: int = -1
+    node_rank: int = -1
+
+
+@dataclass(frozen=True)
+class StackRequest:
+    """``ftrun top`` asks a rank's agent for its Python stack; ``nonce`` tells one request from the next."""
+
+    rank: int
+    nonce: str
+
+
 class ReportKind(str, enum.Enum):
     WORKER_FAILED = "worker_failed"  # one or more local workers ended badly
     SUCCEEDED = "succeeded"  # every local worker of the generation exited 0

@@ -8,6 +8,7 @@ the controller's liveness), reports, and executes commands. The policy lives in
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import psutil
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
-from ftrun.agent.stacks import dump_stack
+from ftrun.agent.stacks import dump_stack, stack_lines
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
@@ -46,6 +47,7 @@ from ftrun.messages import (
     RendezvousResult,
     Report,
     ReportKind,
+    StackRequest,
 )
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
@@ -59,6 +61,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
+#: ``ftrun top``: a node's output lines are published at most this often (seconds), and only when they changed;
+#: a stack request is looked for this often
+OUTPUT_EVERY, STACK_POLL_EVERY = 2.0, 1.0
+#: lines of a rank's stack published at most
+STACK_LINES = 200
 #: after a failed rendezvous, how long the store's host waits for the other agents to read why
 RENDEZVOUS_LINGER = 5.0
 #: at the end of the job, how long the store's host waits for idle spares to read the EXIT
@@ -112,6 +119,10 @@ class Agent:
         self.layout = Layout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
+        #: ftrun top: what the output was last published for, when, and the last stack request served
+        self._output_seen: tuple = ()
+        self._next_output = self._next_stack_poll = 0.0
+        self._stack_served = ""
         #: the node's snapshots (--snapshot-every), and the inventory last published
         self.snapshots: SnapshotKeeper | None = None
         self._inventory: SnapshotInventory | None = None
@@ -426,9 +437,50 @@ class Agent:
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
         self.store.set(self.keys.agent_status(self.agent_id), status)
+        self._publish_output(group)
+        self._serve_stack(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:
             self._publish_inventory()
             self._find_peers()
+
+    def _publish_output(self, group: WorkerGroup) -> None:
+        """Each rank's last lines, for ``ftrun top``: written only when some rank printed since the last time."""
+        now = time.monotonic()
+        seen = tuple((w.placement.rank, w.pid, w.out.lines + w.err.lines) for w in group.workers)
+        if seen == self._output_seen or now < self._next_output:
+            return
+        self._output_seen, self._next_output = seen, now + OUTPUT_EVERY
+        lines = {str(w.placement.rank): list(w.out.recent or ()) for w in group.workers}
+        self.store.set_text(self.keys.agent_output(self.agent_id), json.dumps(lines, separators=(",", ":")))
+
+    def _serve_stack(self, group: WorkerGroup) -> None:
+        """``ftrun top`` asked for a rank's stack: dump it in a thread of its own (it may take seconds) and
+        publish the text."""
+        if time.monotonic() < self._next_stack_poll:
+            return
+        self._next_stack_poll = time.monotonic() + STACK_POLL_EVERY
+        request = self.store.try_get(StackRequest, self.keys.stack_request(self.agent_id))
+        if request is None or request.nonce == self._stack_served:
+            return
+        self._stack_served = request.nonce
+        worker = next((w for w in group.running if w.placement.rank == request.rank), None)
+        if worker is None:
+            self._publish_stack(request, "", [f"rank {request.rank} has no running process on this node"])
+            return
+        beats = self.store.counter(self.keys.rank_heartbeat(request.rank))
+
+        def dump():
+            how, lines = stack_lines(worker, uses_library=beats > 0)
+            self._publish_stack(request, how, lines)
+
+        threading.Thread(target=dump, name=f"ftrun-stack-rank{request.rank}", daemon=True).start()
+
+    def _publish_stack(self, request: StackRequest, how: str, lines: list[str]) -> None:
+        text = json.dumps({"nonce": request.nonce, "how": how, "lines": lines[-STACK_LINES:]})
+        try:
+            self.store.set_text(self.keys.rank_stack(request.rank), text)
+        except StoreUnavailable:
+            pass  # the job is ending
 
     def _started(self, worker: Worker) -> None:
         rank = worker.placement.rank

@@ -14,6 +14,10 @@ from ftrun.folders import private_dirs
 
 STDOUT, STDERR = 1, 2
 TAIL_LINES = 20
+#: a rank's last lines, stdout and stderr together, that ``ftrun top`` shows (and that its agent publishes)
+RECENT_LINES = 50
+#: characters kept of each of those lines
+RECENT_WIDTH = 240
 
 _console_lock = threading.Lock()
 
@@ -23,8 +27,10 @@ class StreamPump:
 
     def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes,
                  file_path: str | None, console_only: bytes = b"", filtered: FilteredCopy | None = None,
-                 file_prefix: bytes = b""):
+                 file_prefix: bytes = b"", recent: collections.deque[str] | None = None):
         self._pipe = pipe
+        #: shared by the rank's two pumps: its last lines of both streams, in the order they came
+        self.recent = recent
         #: --duplicate-*-filters: lines holding a filter word are copied there too, prefixed
         self._filtered = filtered
         self._file_prefix = file_prefix
@@ -42,7 +48,10 @@ class StreamPump:
     def _run(self) -> None:
         try:
             for line in iter(self._pipe.readline, b""):
-                self.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+                text = line.decode("utf-8", "replace").rstrip("\n")
+                self.tail.append(text)
+                if self.recent is not None:
+                    self.recent.append(text[:RECENT_WIDTH])
                 self.lines += 1
                 if self._file:
                     self._file.write(line)

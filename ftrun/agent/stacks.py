@@ -26,6 +26,17 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 def dump_stack(worker, uses_library: bool) -> None:
     """Dump the worker's Python stack into its log (best effort, bounded by DUMP_TIMEOUT)."""
+    how, lines = stack_lines(worker, uses_library)
+    if how == "py-spy":
+        log.warning("rank %d stack (py-spy):\n%s", worker.placement.rank, "\n".join(lines))
+    elif lines:
+        log.warning("rank %d: %s", worker.placement.rank, lines[0])
+
+
+def stack_lines(worker, uses_library: bool) -> tuple[str, list[str]]:
+    """The worker's Python stack: (how it was taken, its lines). With faulthandler the stack also goes
+    to the rank's stderr (and so its log); the lines are read back from the rank's recent output.
+    Without a way to dump, one line that says so."""
     pid = worker.pid
     py_spy = shutil.which("py-spy")
     if py_spy:
@@ -33,21 +44,17 @@ def dump_stack(worker, uses_library: bool) -> None:
             # --nonblocking: reads the memory without ptrace-stopping the process, which fails on a stopped one
             done = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
                                   timeout=DUMP_TIMEOUT, errors="replace")
-            lines = (done.stdout or done.stderr).splitlines()
+            return "py-spy", (done.stdout or done.stderr).splitlines()
         except (OSError, subprocess.TimeoutExpired) as e:
-            lines = [f"py-spy failed: {e}"]
-        log.warning("rank %d stack (py-spy):\n%s", worker.placement.rank, "\n".join(lines))
-        return
+            return "py-spy", [f"py-spy failed: {e}"]
     if not uses_library:
-        log.warning("rank %d: no stack dump (install py-spy to get one from scripts without ftrun.elastic)",
-                    worker.placement.rank)
-        return
+        return "", ["no stack dump (install py-spy to get one from scripts without ftrun.elastic)"]
     before = worker.err.lines
     try:
         os.kill(pid, DUMP_SIGNAL)
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
-        return
+        return "", ["the process is gone"]
     deadline = time.monotonic() + DUMP_TIMEOUT
     seen, quiet_since = before, time.monotonic()
     while time.monotonic() < deadline:
@@ -55,5 +62,6 @@ def dump_stack(worker, uses_library: bool) -> None:
         if worker.err.lines != seen:
             seen, quiet_since = worker.err.lines, time.monotonic()
         elif seen != before and time.monotonic() - quiet_since > QUIET:
-            return
-    log.warning("rank %d did not dump its stack within %gs", worker.placement.rank, DUMP_TIMEOUT)
+            tail = list(worker.err.recent if worker.err.recent is not None else worker.err.tail)
+            return "faulthandler", tail[-min(len(tail), seen - before):]
+    return "", [f"did not dump its stack within {DUMP_TIMEOUT:g}s"]

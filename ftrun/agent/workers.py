@@ -5,6 +5,7 @@ Every OS call goes through :class:`ProcessOps`, one small object.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
-from ftrun.agent.output import STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
+from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
@@ -189,6 +190,8 @@ class WorkerGroup:
         prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
                              placement.rank, local).encode()
 
+        recent: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
+
         def pump(pipe, which: int, name: str) -> StreamPump:
             on_console = shown and (not redirected & which or teed & which)
             return StreamPump(
@@ -199,6 +202,7 @@ class WorkerGroup:
                 paths[name] if (redirected | teed) & which else None,
                 filtered=self._filtered_copy(gen.generation, name),
                 file_prefix=prefix,
+                recent=recent,
             )
 
         return Worker(

@@ -9,6 +9,7 @@ Plain data only (dicts, lists, numbers, strings), so both read the same thing.
 from __future__ import annotations
 
 import collections
+import json
 import time
 
 from ftrun.controller.policy import REPAIR_PHASES, JobView, Phase
@@ -23,6 +24,8 @@ RATE_WINDOW = 5.0
 EVENTS_SHOWN = 8
 #: the event log gets a progress line this often (seconds): densely at first, for a short job's timeline
 PROGRESS_EVERY_EARLY, PROGRESS_EVERY, EARLY = 1.0, 10.0, 60.0
+#: ftrun top's per-rank history: a sample this often (seconds), this many kept
+HISTORY_EVERY, HISTORY_LENGTH = 2.0, 15
 
 
 def eta(step: int | None, total: int | None, rate: float) -> float | None:
@@ -65,6 +68,10 @@ class StatusBoard:
         self._rate = Rate()
         self._next_progress = 0.0
         self._last_logged_step: int | None = None
+        #: rank -> its last samples [elapsed s, step, heartbeat age s]; the events published so far
+        self._history: dict[int, collections.deque[list]] = {}
+        self._next_history = 0.0
+        self._events_published = 0
 
     def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float,
                 saved: dict | None = None) -> dict:
@@ -108,6 +115,25 @@ class StatusBoard:
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot
+
+    def publish_for_top(self) -> None:
+        """What ``ftrun top`` reads beyond the snapshot: the events logged since the last call (one batch;
+        nothing when there are none), and every HISTORY_EVERY seconds each rank's short history."""
+        events = self.events.events[self._events_published:]
+        if events:
+            self._events_published += len(events)
+            self.store.set_text(self.keys.event_batch(self.store.counter(self.keys.event_count)),
+                                json.dumps(events, separators=(",", ":")))
+            self.store.add(self.keys.event_count)
+        now = time.monotonic()
+        if now < self._next_history or not self.snapshot:
+            return
+        self._next_history = now + HISTORY_EVERY
+        for rank in self.snapshot["ranks"]:
+            samples = self._history.setdefault(rank["rank"], collections.deque(maxlen=HISTORY_LENGTH))
+            samples.append([round(self.snapshot["elapsed"]), rank["step"], rank["heartbeat_age"]])
+        self.store.set_text(self.keys.rank_history, json.dumps({str(r): list(h) for r, h in self._history.items()},
+                                                               separators=(",", ":")))
 
     def _total_steps(self) -> int | None:
         """The script's step count, once the worker library has said it (``job.steps(total)``)."""

@@ -23,16 +23,29 @@ from ftrun.controller.policy import (
     on_milestone,
     on_node_joined,
     on_node_lost,
+    on_operator,
     on_process_level_refused,
     on_repair_failed,
     on_report,
     on_stop,
+    operator_refusal,
     start,
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
-from ftrun.messages import Command, CommandKind, JoinRecord, Layout, NodeSlot, RendezvousResult, Report, ReportKind
+from ftrun.messages import (
+    Command,
+    CommandKind,
+    JoinRecord,
+    Layout,
+    NodeSlot,
+    OperatorAction,
+    OperatorRequest,
+    RendezvousResult,
+    Report,
+    ReportKind,
+)
 from ftrun.ports import PortRange
 from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
@@ -273,6 +286,7 @@ class Controller:
             self._saved = self._restorable(inventories)
         snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since, self._saved)
         self.store.set_text(self.keys.status, json.dumps(snapshot, separators=(",", ":")))
+        self.board.publish_for_top()
 
     def _restorable(self, inventories: list[SnapshotInventory]) -> dict:
         """The step a job-level restart would restore now, and the newest checkpoint on disk."""
@@ -286,7 +300,7 @@ class Controller:
         return self.board.snapshot
 
     def _loop(self) -> None:
-        next_report = 0
+        next_report = next_operator = 0
         next_beat = 0.0
         exit_deadline = None
         while self.view.phase is not Phase.DONE:
@@ -300,6 +314,11 @@ class Controller:
                 self._grow()
                 self._check_library()
                 self._refresh_status()
+                for request in self.store.read_from(self.keys.operator_count, self.keys.operator_request,
+                                                    OperatorRequest, next_operator):
+                    next_operator += 1  # ftrun top's requests: once a keepalive is soon enough
+                    if request is not None:  # None: forged, ignored (and logged)
+                        self._on_operator(request)
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 if report is not None:  # None: forged, ignored (and logged)
@@ -345,6 +364,37 @@ class Controller:
             self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
             return
         self._apply(on_report(self.view, report))
+
+    def _on_operator(self, request: OperatorRequest) -> None:
+        """A person's request from ``ftrun top``: logged with who asked and the answer, then applied."""
+        slot = next((n for n in self.nodes.values() if n.first_rank <= request.rank < n.first_rank + n.nproc), None)
+        if request.action is OperatorAction.DRAIN:
+            slot = self.nodes.get(request.node_rank)
+        spare = next((s for s in self.spares if slot is not None and s.nproc == slot.nproc), None)
+        refusal = operator_refusal(self.view, request, self.store.signer.enabled, spare.agent_id if spare else "")
+        if slot is None and not refusal and request.action is not OperatorAction.STOP:
+            refusal = "no node holds it"
+        what = {OperatorAction.RESTART: f"a restart drill of rank {request.rank}",
+                OperatorAction.DRAIN: f"to drain node {request.node_rank}",
+                OperatorAction.STOP: "to stop the job"}[request.action]
+        detail = f"{request.who} asked for {what}" + (f"; refused: {refusal}" if refusal else "")
+        (log.warning if refusal else log.info)("ftrun top: %s", detail)
+        node = slot.node_rank if slot is not None else None
+        self.events.emit("operator", self.view.generation, detail, node=node, rank=request.rank if request.rank >= 0 else None,
+                         host=slot.host if slot is not None else None, action=request.action.value, who=request.who,
+                         accepted=not refusal)
+        if refusal:
+            return
+        if request.action is OperatorAction.STOP:
+            self._apply(on_operator(self.view, request))
+        elif request.action is OperatorAction.DRAIN:
+            self.events.emit("node_lost", self.view.generation, f"node {node} drained by {request.who}", node=node,
+                             host=slot.host)
+            ranks = tuple(range(slot.first_rank, slot.first_rank + slot.nproc))
+            self._apply(on_operator(self.view, request, spare=spare.agent_id, ranks=ranks))
+        else:
+            pid = next((r.get("pid", 0) for r in self.board.snapshot.get("ranks", ()) if r["rank"] == request.rank), 0)
+            self._apply(on_operator(self.view, request, slot.node_rank, request.rank - slot.first_rank, slot.host, pid))
 
     def _take_places(self, result: RendezvousResult) -> None:
         self.nodes = {slot.node_rank: slot for slot in result.nodes}

@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass
 
 from ftrun.errors import ExitCode
-from ftrun.messages import Command, CommandKind, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 
 
 class Phase(enum.Enum):
@@ -303,6 +303,44 @@ def on_node_joined(view: JobView, node_rank: int, agent_id: str, nproc: int, hos
 def on_stop(view: JobView, exit_code: int, reason: str) -> Decision:
     """The user stopped the job where the controller runs (a head node's Ctrl-C)."""
     return _exit(view, exit_code, reason)
+
+
+def operator_refusal(view: JobView, request: OperatorRequest, signed: bool, spare: str = "") -> str:
+    """Why a person's request from ``ftrun top`` is refused, or "" (then :func:`on_operator` applies it).
+    ``signed``: the request verified against the job's token (a job without a token takes none)."""
+    if not signed:
+        return "the job has no token (--token-file): it takes no actions from ftrun top"
+    if view.phase in (Phase.EXITING, Phase.DONE):
+        return "the job is ending"
+    if request.action is OperatorAction.STOP:
+        return ""
+    if view.phase is not Phase.RUNNING:
+        return f"a repair is under way ({view.phase.value}); try again once the job runs"
+    if view.budget_left <= 0:
+        return "the retry budget is spent: a drill would end the job"
+    if request.action is OperatorAction.RESTART and request.rank not in view.every_rank:
+        return f"there is no rank {request.rank}"
+    if request.action is OperatorAction.DRAIN:
+        if request.node_rank not in view.present:
+            return f"there is no node {request.node_rank}"
+        if not spare:
+            return f"no idle spare node to take node {request.node_rank}'s ranks"
+    return ""
+
+
+def on_operator(view: JobView, request: OperatorRequest, node_rank: int = -1, local_rank: int = -1, host: str = "",
+                pid: int = 0, spare: str = "", ranks: tuple[int, ...] = ()) -> Decision:
+    """A request :func:`operator_refusal` let through. A restart drill is the rank's failure as the
+    normal path sees one (its process is killed and replaced at process level where the job allows
+    it, with one unit of budget); a drain is the node's loss with a spare ready; a stop ends the job."""
+    why = f"asked by {request.who} from ftrun top"
+    if request.action is OperatorAction.STOP:
+        return _exit(view, ExitCode.INTERRUPTED, f"stopped by {request.who} from ftrun top")
+    if request.action is OperatorAction.DRAIN:
+        return on_node_lost(view, request.node_rank, f"node {request.node_rank} drained ({why})", spare, ranks)
+    failure = WorkerFailure(rank=request.rank, local_rank=local_rank, node_rank=node_rank, host=host, pid=pid,
+                            exit_code=None, generation=view.generation, cause="drill", detail=f"restart drill {why}")
+    return _on_failure(view, Report(ReportKind.WORKER_FAILED, node_rank, view.generation, (failure,)))
 
 
 def on_node_unusable(view: JobView, node_rank: int, detail: str) -> Decision:
