@@ -33,7 +33,8 @@ HEALTH_STYLE = {"ok": "green", "resetting": "yellow", "preseparated": "yellow", 
 EVENT_LABEL = {"generation_started": "generation", "node_lost": "node lost", "repair_done": "repaired",
                "repair_failed": "repair failed", "job_finished": "finished", "job_started": "started"}
 EVENT_STYLE = {"fault": "red", "node_lost": "red", "repair_failed": "bold red", "repair_done": "green",
-               "decision": "yellow", "takeover": "cyan", "resized": "cyan", "job_finished": "bold"}
+               "decision": "yellow", "takeover": "cyan", "resized": "cyan", "job_finished": "bold",
+               "operator": "magenta"}
 
 
 def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType:

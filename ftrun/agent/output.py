@@ -42,6 +42,8 @@ class StreamPump:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         #: lines seen so far: output is a sign of life for the hang check
         self.lines = 0
+        #: while a list, every line is also appended to it (a stack dump being read back)
+        self.capture: list[str] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -52,6 +54,8 @@ class StreamPump:
                 self.tail.append(text)
                 if self.recent is not None:
                     self.recent.append(text[:RECENT_WIDTH])
+                if self.capture is not None:
+                    self.capture.append(text)
                 self.lines += 1
                 if self._file:
                     self._file.write(line)

@@ -50,10 +50,13 @@ def stack_lines(worker, uses_library: bool) -> tuple[str, list[str]]:
     if not uses_library:
         return "", ["no stack dump (install py-spy to get one from scripts without ftrun.elastic)"]
     before = worker.err.lines
+    captured: list[str] = []
+    worker.err.capture = captured
     try:
         os.kill(pid, DUMP_SIGNAL)
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
+        worker.err.capture = None
         return "", ["the process is gone"]
     deadline = time.monotonic() + DUMP_TIMEOUT
     seen, quiet_since = before, time.monotonic()
@@ -62,6 +65,18 @@ def stack_lines(worker, uses_library: bool) -> tuple[str, list[str]]:
         if worker.err.lines != seen:
             seen, quiet_since = worker.err.lines, time.monotonic()
         elif seen != before and time.monotonic() - quiet_since > QUIET:
-            tail = list(worker.err.recent if worker.err.recent is not None else worker.err.tail)
-            return "faulthandler", tail[-min(len(tail), seen - before):]
+            worker.err.capture = None
+            return "faulthandler", current_thread_first(captured)
+    worker.err.capture = None
     return "", [f"did not dump its stack within {DUMP_TIMEOUT:g}s"]
+
+
+def current_thread_first(lines: list[str]) -> list[str]:
+    """faulthandler's dump with the thread it interrupted (the training loop) first, as py-spy shows it."""
+    blocks: list[list[str]] = []
+    for line in lines:
+        if line.startswith(("Thread 0x", "Current thread 0x")) or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    blocks.sort(key=lambda block: not block[0].startswith("Current thread"))
+    return [line for block in blocks for line in block]

@@ -29,6 +29,7 @@ HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for t
   srun --ntasks-per-node=1 ftrun --nproc-per-node 8 train.py  # in a Slurm allocation
   ftrun probe          # this node's devices and their health (ftrun probe --help)
   ftrun status --rdzv-endpoint head:29400 --watch   # a running job's nodes, ranks and repairs
+  ftrun top --rdzv-endpoint head:29400     # the same, interactive: a rank's output and stack, drills
   ftrun report logs/RUN_ID/events.jsonl --html job.html   # a finished job's summary and timeline
 """
 
@@ -44,8 +45,10 @@ def _subcommands() -> dict[str, click.Command]:
     """Words that name a command rather than a script (run a script named so as ./probe)."""
     from ftrun.cli.probe import probe_command
     from ftrun.cli.status import report_command, status_command
+    from ftrun.cli.top import top_command
 
-    return {"probe": probe_command, "doctor": probe_command, "status": status_command, "report": report_command}
+    return {"probe": probe_command, "doctor": probe_command, "status": status_command, "report": report_command,
+            "top": top_command}
 
 
 def main(argv: list[str] | None = None) -> None:

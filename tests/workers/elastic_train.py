@@ -9,6 +9,7 @@ Faults come from the environment and hit only original ranks (never a replacemen
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
+PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
 BATCHNORM=1 puts a BatchNorm1d (running statistics: buffers that ElasticDDP broadcasts) in the model.
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
 step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, a digest of the
@@ -98,6 +99,8 @@ def main() -> None:
             time.sleep(step_sleep(step))
         with open(os.path.join(out_dir, f"progress-rank{job.rank}"), "w") as f:
             f.write(str(job.step))
+        if os.environ.get("PRINT_STEPS") == "1":
+            print(f"rank {job.rank} step {step} loss {float(loss):.4f}", flush=True)
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {"step": job.step, "rank": job.rank, "checksum": checksum,
               "digest": digest(model.state_dict(), optimizer.state_dict()), "pid": os.getpid(),

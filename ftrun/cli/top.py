@@ -1,0 +1,57 @@
+"""``ftrun top``: the interactive view of a running job (textual, an optional extra)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ftrun.cli.status import _finite
+from ftrun.errors import ExitCode, RendezvousError, UsageError
+
+TOP_HELP = """Watch a running job and act on it: select a rank, read its output and stack, restart it as a drill.
+
+\b
+  ftrun top --rdzv-endpoint head:29400
+  ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun/token
+
+Keys: j/k or arrows move, Enter opens a rank, s its stack, e the event log (/ filters), ? help, q leaves
+(the job goes on). r (restart the rank, a drill), d (drain its node) and x (stop the job) need the job's
+token and ask first. Needs textual: pip install 'ftrun[top]'. Exits 0, 2 on bad input, 3 when the store
+cannot be reached or holds no ftrun job.
+"""
+INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip install textual)"
+
+
+@click.command(help=TOP_HELP, context_settings={"max_content_width": 110})
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
+              help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
+@click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
+@click.option("--token-file", default="", metavar="FILE",
+              help="The job's token: needed for r, d and x, and for stacks when the job has a token.")
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True, callback=_finite,
+              help="Seconds to wait for the store to answer.")
+def top_command(endpoint: str, run_id: str, token_file: str, timeout: float) -> int:
+    from ftrun.auth import Signer, read_token
+    from ftrun.cli.status import StatusReader
+    from ftrun.config import DEFAULT_RDZV_PORT, parse_endpoint
+    from ftrun.store import StoreUnavailable
+
+    address = parse_endpoint(endpoint, DEFAULT_RDZV_PORT)
+    token = read_token(token_file) if token_file else b""
+    try:
+        from ftrun.top.app import TopApp
+    except ImportError:
+        raise UsageError(INSTALL) from None
+    try:
+        reader = StatusReader(address, run_id, timeout)
+        reader.read()  # the job is there and has a status
+    except StoreUnavailable as e:
+        raise RendezvousError(str(e)) from None
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("ftrun top needs a terminal; in a pipe use ftrun status --watch --json")
+    from ftrun.top.source import JobSource
+
+    reader.store.signer = Signer(token)
+    TopApp(JobSource(reader.store, reader.keys)).run()
+    return ExitCode.OK

@@ -1,0 +1,253 @@
+"""``ftrun top``'s terminal application (textual): a rank table over a pane that shows the opened rank,
+its stack, the event log or the help, and one line for answers.
+
+Every store read happens in the refresh timer (once a second, twice while a stack is awaited); keys only
+change what is shown, or send one request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Input, Static
+
+from ftrun.messages import OperatorAction
+from ftrun.status import job_line
+from ftrun.store import StoreUnavailable
+from ftrun.top import panes
+from ftrun.top.source import JobSource, NoToken
+
+#: seconds between reads of the store
+REFRESH_EVERY = 1.0
+#: how long to wait for an agent's stack before saying it did not come
+STACK_DEADLINE = 15.0
+ACTIONS = {"r": OperatorAction.RESTART, "d": OperatorAction.DRAIN, "x": OperatorAction.STOP}
+
+
+class Confirm(ModalScreen[bool]):
+    """y or n to an action that changes the job."""
+
+    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
+    DEFAULT_CSS = """
+    Confirm { align: center middle; }
+    Confirm > Static { width: auto; max-width: 90%; border: heavy $warning; padding: 1 2; background: $panel; }
+    """
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"{self.question}?  [b]y[/b]es / [b]n[/b]o")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class TopApp(App):
+    """The view of one job; ``source`` is its store."""
+
+    TITLE = "ftrun top"
+    CSS = """
+    #job { height: auto; }
+    #ranks { height: auto; max-height: 45%; }
+    #pane { height: 1fr; border-top: solid $primary; }
+    #filter { display: none; }
+    #message { height: 1; color: $warning; }
+    """
+    BINDINGS = [
+        Binding("j,down", "move(1)", "down", show=False), Binding("k,up", "move(-1)", "up", show=False),
+        Binding("enter", "show('detail')", "open"), Binding("s", "stack", "stack"),
+        Binding("e", "show('events')", "events"), Binding("slash", "filter", "filter"),
+        Binding("question_mark", "show('help')", "help"), Binding("escape", "clear_filter", show=False),
+        Binding("q", "quit", "quit"), Binding("r", "act('r')", "restart"), Binding("d", "act('d')", "drain"),
+        Binding("x", "act('x')", "stop"),
+    ]
+
+    def __init__(self, source: JobSource):
+        super().__init__()
+        self.source = source
+        self.snapshot: dict = {}
+        self.mode = "detail"
+        self.wanted = ""
+        self.rank_order: list[int] = []
+        #: (rank, nonce, when asked) of the stack awaited, and the answer once it came
+        self.stack_asked: tuple[int, str, float] | None = None
+        self.stack_answer: dict | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="job")
+        yield DataTable(id="ranks", cursor_type="row", zebra_stripes=False)
+        with VerticalScroll(id="pane"):
+            yield Static(id="body")
+        yield Input(placeholder="filter the events (Enter keeps it, Escape clears it)", id="filter")
+        yield Static(id="message")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns(*panes.RANK_COLUMNS)
+        table.focus()
+        self.refresh_data()
+        self.set_interval(REFRESH_EVERY / 2, self._tick)
+
+    def _tick(self) -> None:
+        if self.stack_asked is not None and self.stack_answer is None or int(time.monotonic() * 2) % 2 == 0:
+            self.refresh_data()
+
+    # --- reading -------------------------------------------------------------------------------------------
+
+    def refresh_data(self) -> None:
+        try:
+            snapshot = self.source.snapshot()
+            events = self.source.read_events()
+            if self.stack_asked is not None and self.stack_answer is None:
+                rank, nonce, asked = self.stack_asked
+                self.stack_answer = self.source.stack(rank, nonce)
+                if self.stack_answer is None and time.monotonic() - asked > STACK_DEADLINE:
+                    self.stack_answer = {"lines": [f"no stack came from rank {rank}'s agent in {STACK_DEADLINE:g}s"]}
+            detail = self._detail(events) if self.mode == "detail" else None
+        except StoreUnavailable:
+            self.say("the job's store does not answer (the job ended, or its host is gone); q leaves")
+            return
+        if snapshot:
+            self.snapshot = snapshot
+            self._fill_table()
+            self.query_one("#job", Static).update(job_line(snapshot, self.size.width or 120))
+            if snapshot["phase"] == "done":
+                self.say("the job has ended; q leaves")
+        self._draw(events, detail)
+
+    def _fill_table(self) -> None:
+        table = self.query_one(DataTable)
+        rows = panes.rank_rows(self.snapshot)
+        selected = self.selected_rank()
+        order = [rank for rank, _ in rows]
+        if order != self.rank_order:
+            table.clear()
+            for rank, cells in rows:
+                table.add_row(*cells, key=str(rank))
+            self.rank_order = order
+            if selected in order:
+                table.move_cursor(row=order.index(selected))
+        else:
+            for rank, cells in rows:
+                for column, cell in zip(table.columns, cells):
+                    table.update_cell(str(rank), column, cell)
+
+    def _detail(self, events: list[dict]) -> Text:
+        rank = self.selected_rank()
+        if rank is None:
+            return Text("waiting for the job's ranks…", style="dim")
+        node = panes.node_of(self.snapshot, rank) or {}
+        output = self.source.output(node.get("agent", "")).get(str(rank), [])
+        history = self.source.history().get(str(rank), [])
+        return panes.rank_detail(self.snapshot, rank, output, history, events)
+
+    def _draw(self, events: list[dict], detail: Text | None = None) -> None:
+        body = self.query_one("#body", Static)
+        if self.mode == "detail" and detail is not None:
+            body.update(detail)
+        elif self.mode == "stack" and self.stack_asked is not None:
+            body.update(panes.stack_pane(self.stack_asked[0], self.stack_answer))
+        elif self.mode == "events":
+            body.update(panes.event_pane(events, self.wanted))
+            self.query_one("#pane", VerticalScroll).scroll_end(animate=False)
+        elif self.mode == "help":
+            body.update(Text(panes.HELP))
+
+    def selected_rank(self) -> int | None:
+        table = self.query_one(DataTable)
+        if not self.rank_order or table.cursor_row < 0 or table.cursor_row >= len(self.rank_order):
+            return None
+        return self.rank_order[table.cursor_row]
+
+    def say(self, line: str) -> None:
+        self.query_one("#message", Static).update(Text(line))
+
+    # --- keys ----------------------------------------------------------------------------------------------
+
+    def action_move(self, by: int) -> None:
+        table = self.query_one(DataTable)
+        if by > 0:
+            table.action_cursor_down()
+        else:
+            table.action_cursor_up()
+        if self.mode == "detail":
+            self.refresh_data()
+
+    def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_show("detail")  # Enter on the table
+
+    def action_show(self, mode: str) -> None:
+        self.mode = mode
+        self.say("")
+        self.refresh_data()
+
+    def action_stack(self) -> None:
+        rank = self.selected_rank()
+        node = panes.node_of(self.snapshot, rank) if rank is not None else None
+        if node is None:
+            self.say("no rank selected")
+            return
+        try:
+            nonce = self.source.ask_for_stack(node["agent"], rank)
+        except StoreUnavailable:
+            self.say("the job's store does not answer")
+            return
+        self.stack_asked, self.stack_answer = (rank, nonce, time.monotonic()), None
+        self.action_show("stack")
+
+    def action_filter(self) -> None:
+        if self.mode != "events":
+            self.action_show("events")
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.value = self.wanted
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.wanted = event.value
+        self._draw(self.source.events)
+
+    def on_input_submitted(self, _event: Input.Submitted) -> None:
+        self._close_filter()
+
+    def action_clear_filter(self) -> None:
+        self.wanted = ""
+        self._close_filter()
+        self._draw(self.source.events)
+
+    def _close_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = False
+        self.query_one(DataTable).focus()
+
+    def action_act(self, key: str) -> None:
+        if not self.source.has_token:
+            self.say(panes.refusal(key))
+            return
+        rank = self.selected_rank()
+        node = panes.node_of(self.snapshot, rank) if rank is not None else None
+        if key != "x" and node is None:
+            self.say("no rank selected")
+            return
+        node_rank = node["node"] if node else -1
+        question = panes.ACTION_WORDS[key].format(rank=rank, node=node_rank)
+
+        def answered(yes: bool | None) -> None:
+            if not yes:
+                self.say(f"not done: {question}")
+                return
+            try:
+                self.source.ask(ACTIONS[key], rank if rank is not None else -1, node_rank)
+            except (NoToken, StoreUnavailable) as e:
+                self.say(f"not sent: {e}")
+                return
+            self.say(f"asked the controller to {question}; its answer goes to the event log (e)")
+
+        self.push_screen(Confirm(question[0].upper() + question[1:]), answered)
