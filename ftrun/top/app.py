@@ -14,7 +14,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import DataTable, Footer, Input, Static
 
 from ftrun.messages import OperatorAction
 from ftrun.status import job_line
@@ -87,6 +87,7 @@ class TopApp(App):
             yield Static(id="body")
         yield Input(placeholder="filter the events (Enter keeps it, Escape clears it)", id="filter")
         yield Static(id="message")
+        yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)

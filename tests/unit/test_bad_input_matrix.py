@@ -639,6 +639,13 @@ SUBCOMMANDS = [
     ("status-timeout-negative", ["status", "--rdzv-endpoint", "head:1", "--timeout", "-1"], "--timeout"),
     ("status-timeout-word", ["status", "--rdzv-endpoint", "head:1", "--timeout", "soon"], "--timeout"),
     ("status-unknown-flag", ["status", "--rdzv-endpoint", "head:1", "--follow"], "--follow"),
+    ("top-endpoint-empty", ["top", "--rdzv-endpoint", ""], "--rdzv-endpoint is empty"),
+    ("top-endpoint-port-word", ["top", "--rdzv-endpoint", "head:web"], "port 'web'"),
+    ("top-endpoint-missing", ["top"], "--rdzv-endpoint"),
+    ("top-token-file-missing", ["top", "--rdzv-endpoint", "head:1", "--token-file", "no-such-token"], "--token-file"),
+    ("top-token-file-shared", ["top", "--rdzv-endpoint", "head:1", "--token-file", "shared.token"], "chmod 600"),
+    ("top-timeout-word", ["top", "--rdzv-endpoint", "head:1", "--timeout", "soon"], "--timeout"),
+    ("top-unknown-flag", ["top", "--rdzv-endpoint", "head:1", "--watch"], "--watch"),
     ("report-no-file", ["report"], "EVENTS.jsonl"),
     ("report-missing", ["report", "no-such.jsonl"], "cannot read no-such.jsonl"),
     ("report-folder", ["report", "."], "cannot read ."),
@@ -664,9 +671,38 @@ EVENT_FILES = {
 def test_bad_input_to_status_or_report(argv, words, tmp_path, capsys):
     for name, data in EVENT_FILES.items():
         (tmp_path / name).write_bytes(data)
+    (tmp_path / "shared.token").write_text("a-token-that-others-can-read\n")
+    (tmp_path / "shared.token").chmod(0o644)
     code, stderr = run_main(argv, capsys)
     assert code == USAGE, stderr
     assert_one_clear_line(stderr, words)
+
+
+def test_top_without_textual_says_how_to_install_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "textual", None)  # import textual raises ImportError
+    monkeypatch.delitem(sys.modules, "ftrun.top.app", raising=False)
+    code, stderr = run_main(["top", "--rdzv-endpoint", "127.0.0.1:1"], capsys)
+    assert code == USAGE
+    assert_one_clear_line(stderr, "pip install 'ftrun[top]'")
+
+
+def test_top_of_a_refused_port_or_a_store_without_a_job(capsys):
+    from ftrun.config import Endpoint
+    from ftrun.store import host_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, stderr = run_main(["top", "--rdzv-endpoint", f"127.0.0.1:{port}"], capsys)
+    assert code == ExitCode.RENDEZVOUS
+    assert_one_clear_line(stderr, ("cannot reach the store", "Connection refused"))
+    store = host_store(Endpoint("127.0.0.1", port))  # a store, but no job on it
+    try:
+        code, stderr = run_main(["top", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "5"], capsys)
+    finally:
+        del store
+    assert code == ExitCode.RENDEZVOUS
+    assert_one_clear_line(stderr, "no ftrun job has started")
 
 
 PROBE = [
