@@ -679,7 +679,8 @@ def test_bad_input_to_status_or_report(argv, words, tmp_path, capsys):
 
 
 def test_top_without_textual_says_how_to_install_it(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "textual", None)  # import textual raises ImportError
+    for name in [m for m in sys.modules if m == "textual" or m.startswith("textual.")] + ["textual"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
     monkeypatch.delitem(sys.modules, "ftrun.top.app", raising=False)
     code, stderr = run_main(["top", "--rdzv-endpoint", "127.0.0.1:1"], capsys)
     assert code == USAGE
