@@ -124,8 +124,12 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
     """The controller's side: wait for the agents, decide, publish the result."""
     opened = time.monotonic()
     min_reached_at = None
+    joins: list[JoinRecord] = []
+    read = 0  # join records read so far: each is read once, so N agents cost O(N), not O(N) per poll
     while True:
-        joins = [j for j in store.read_from(keys.arrivals, keys.join, JoinRecord, 0) if j is not None]
+        new = store.read_from(keys.arrivals, keys.join, JoinRecord, read)
+        read += len(new)
+        joins += [j for j in new if j is not None]
         now = time.monotonic()
         if min_reached_at is None and len(joins) >= policy.min_nodes:
             min_reached_at = now

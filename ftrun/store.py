@@ -53,6 +53,8 @@ class ControlStore:
         self.is_host = is_host
         self.signer = signer or Signer()
         self._forged: set[str] = set()
+        #: counters known to exist (``counters`` creates the others first)
+        self._counters: set[str] = set()
         #: the static rendezvous's first worker store, which the controller takes over (``_open_static``)
         self.worker_store = None
 
@@ -78,6 +80,46 @@ class ControlStore:
         if not self._call(self.raw.check, [key]):
             return None
         return self._get_or_ignore(cls, key)
+
+    def counters(self, keys: list[str]) -> list[int]:
+        """Many counters in one round trip (``multi_get``): the keepalives of every node, the
+        heartbeats of a node's ranks. A counter not yet created is created at 0 first, once, since
+        ``multi_get`` waits for a missing key."""
+        if not keys:
+            return []
+        fresh = [key for key in keys if key not in self._counters]
+        for key in fresh:
+            self.counter(key)
+        self._counters.update(fresh)
+        return [int(value) for value in self._call(self.raw.multi_get, keys)]
+
+    def texts(self, keys: list[str]) -> list[str]:
+        """Many unsigned texts, "" for a key not yet set: two round trips (``check``, ``multi_get``)
+        when every key is set, one per key otherwise."""
+        if not keys:
+            return []
+        if self._call(self.raw.check, keys):
+            return [value.decode("utf-8", "replace") for value in self._call(self.raw.multi_get, keys)]
+        return [self.try_text(key) for key in keys]
+
+    def messages(self, cls: type[T], keys: list[str]) -> list[T | None]:
+        """Many messages, None for a key not yet set (or forged): as ``texts``, in two round trips
+        when every key is set."""
+        if not keys:
+            return []
+        if not self._call(self.raw.check, keys):
+            return [self.try_get(cls, key) for key in keys]
+        found: list[T | None] = []
+        for key, raw in zip(keys, self._call(self.raw.multi_get, keys)):
+            try:
+                found.append(from_json(cls, self.signer.open(key, raw)))
+            except Forged as e:
+                self._ignore(key, e)
+                found.append(None)
+            except (ValueError, TypeError, KeyError) as e:
+                self._ignore(key, Forged(f"not a {cls.__name__} ({type(e).__name__})"))
+                found.append(None)
+        return found
 
     def wait_for(self, key: str, seconds: float) -> bool:
         """Whether ``key`` was set within ``seconds`` (True at once when it already is)."""

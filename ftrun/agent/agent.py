@@ -25,6 +25,7 @@ import psutil
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
+from ftrun.agent.protocol import NodeProtocol
 from ftrun.agent.stacks import dump_stack, stack_lines
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
@@ -45,13 +46,12 @@ from ftrun.messages import (
     NodeStatus,
     RankState,
     RendezvousResult,
-    Report,
     ReportKind,
     StackRequest,
 )
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
-from ftrun.rendezvous import join, linger_for_readers
+from ftrun.rendezvous import linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
 from ftrun.snapshots.plan import SnapshotInventory
 from ftrun.status import StatusView, status_view
@@ -130,6 +130,8 @@ class Agent:
         self._token = b""
         #: peer agent id -> its snapshot server's address
         self._peer_addresses: dict[str, str] = {}
+        #: every message this agent sends or reads (built once the store is open)
+        self.protocol: NodeProtocol | None = None
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class Agent:
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
                                         config.store_bind, config.several_nodes, config.worker_port,
                                         config.worker_port_range)
+        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout)
         if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
             config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
         if self.store.is_host:
@@ -183,7 +186,7 @@ class Agent:
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
                             host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
-            self.rendezvous, self.slot = join(self.store, self.keys, record, config.rdzv_timeout, self.interrupts.event)
+            self.rendezvous, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
             self.layout = Layout(self.rendezvous.nodes)
         except FtrunError:
             if self.interrupts.requested:
@@ -195,9 +198,8 @@ class Agent:
         group = WorkerGroup(ops, config, "", config.warm_standby)
         self.devices.start()
         try:
-            next_command = 0
             if self.slot.node_rank < 0:
-                next_command, ended = self._stand_by(group)
+                ended = self._stand_by(group)
                 if ended is not None:
                     return self._finish(*ended)
             log.info(
@@ -207,7 +209,7 @@ class Agent:
             )
             group.log_dir = self._table_dir = self._log_dir()
             self._start_snapshots(ops)
-            code, reason = self._supervise(group, next_command)
+            code, reason = self._supervise(group)
         finally:
             if self.snapshots is not None:
                 self.snapshots.stop()
@@ -315,53 +317,46 @@ class Agent:
 
     # -- the supervision loop: observe, report, execute ----------------------------------------
 
-    def _stand_by(self, group: WorkerGroup) -> tuple[int, tuple[int, str] | None]:
+    def _stand_by(self, group: WorkerGroup) -> tuple[int, str] | None:
         """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
-        Returns the next command to read and, when the job ended first, how it ended."""
+        Returns how the job ended, when it ended first."""
         log.info("standing by as a spare node (the job has %d nodes)", len(self.rendezvous.nodes))
         group.fill_standbys()
-        next_command = 0
-        controller_beat = (-1, time.monotonic())
         try:
             while True:
                 now = time.monotonic()
-                self.store.add(self.keys.spare_heartbeat(self.agent_id))
-                self._publish_status(group)
-                controller_beat = self._check_controller(controller_beat, now)
+                self._publish_status(group)  # the spare's keepalive
+                self.protocol.check_controller(now)
                 if self.interrupts.requested:
-                    return next_command, (self.interrupts.exit_code, "interrupted while standing by as a spare")
-                for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
-                    next_command += 1
-                    if command is None:
-                        continue  # forged: ignored (and logged)
+                    return self.interrupts.exit_code, "interrupted while standing by as a spare"
+                for command in self.protocol.commands():
                     if command.kind is CommandKind.EXIT:
                         self.store.add(self.keys.spares_left)  # the store's host may go now
-                        return next_command, (command.exit_code, command.reason)
+                        return command.exit_code, command.reason
                     if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                         # the controller published the layout with this agent in it before the command
                         lost = next((n.host for n in self.layout.nodes if n.node_rank == command.node_rank), "new")
                         self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
+                        self.protocol.node_rank = command.node_rank
                         self._refresh_layout()
                         log.warning("taking the place of node %d (%s): %s", command.node_rank, lost, command.reason)
-                        return next_command, None
+                        return None
                 time.sleep(HEARTBEAT_INTERVAL)
         except StoreUnavailable as e:
-            return next_command, (ExitCode.JOB_FAILED, f"lost the controller: {e}")
+            return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
-    def _supervise(self, group: WorkerGroup, next_command: int = 0) -> tuple[int, str]:
+    def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
         config = self.config
         next_beat = 0.0
-        controller_beat = (-1, time.monotonic())
         interrupted_at = None
         reported_success = False
         try:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self.store.add(self.keys.node_heartbeat(self.slot.node_rank))
-                    self._publish_status(group)
+                    self._publish_status(group)  # the node's keepalive
                     next_beat = now + HEARTBEAT_INTERVAL
-                    controller_beat = self._check_controller(controller_beat, now)
+                    self.protocol.check_controller(now)
                     if interrupted_at is None:
                         self._check_hangs(group, now)
                 for event in self.devices.tick(w.placement.local_rank for w in group.running):
@@ -390,10 +385,7 @@ class Agent:
                     reported_success = True
                     self._report(ReportKind.SUCCEEDED, group.generation)
 
-                for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, next_command):
-                    next_command += 1
-                    if command is None:
-                        continue  # forged: ignored (and logged)
+                for command in self.protocol.commands():
                     if command.kind in (CommandKind.EXIT, CommandKind.STOP):
                         self._pending = None
                     if command.kind is CommandKind.EXIT:
@@ -436,7 +428,7 @@ class Agent:
         )
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
-        self.store.set(self.keys.agent_status(self.agent_id), status)
+        self.protocol.keepalive(status)
         self._publish_output(group)
         self._serve_stack(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:
@@ -486,15 +478,6 @@ class Agent:
         rank = worker.placement.rank
         self._starts[rank] = self._starts.get(rank, 0) + 1
         self._watch_from_now(worker)
-
-    def _check_controller(self, last: tuple[int, float], now: float) -> tuple[int, float]:
-        count = self.store.counter(self.keys.controller_heartbeat)
-        if count != last[0]:
-            return count, now
-        if now - last[1] > self.config.node_timeout:
-            raise StoreUnavailable(f"no keepalive from the controller at {self.config.endpoint} "
-                                   f"for {self.config.node_timeout:g}s")
-        return last
 
     def _placement(self, local_rank: int, device_env=(), cpus: tuple[int, ...] = ()) -> WorkerPlacement:
         group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.slot.node_rank)
@@ -573,9 +556,10 @@ class Agent:
 
     def _check_hangs(self, group: WorkerGroup, now: float) -> None:
         """A rank that stopped showing signs of life: its stack is dumped, then it is killed and reported."""
-        for worker in group.running:
+        running = list(group.running)
+        all_beats = self.protocol.rank_beats([w.placement.rank for w in running])  # one round trip
+        for worker, beats in zip(running, all_beats):
             rank = worker.placement.rank
-            beats = self.store.counter(self.keys.rank_heartbeat(rank))
             activity, stopped = self._activity(worker)
             reason = self.hangs.observe(rank, beats, activity, now, stopped)
             if reason:
@@ -657,8 +641,7 @@ class Agent:
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:
-        report = Report(kind, self.slot.node_rank, generation, agent_id=self.agent_id, **fields)
-        self.store.append(self.keys.report_count, self.keys.report, report)
+        self.protocol.report(kind, generation, **fields)
 
 
 def host_address(host: str) -> str:

@@ -82,10 +82,11 @@ class StatusBoard:
         step = min(steps) if steps else None
         rate = self._rate.add(now, step) if step is not None else 0.0
         total = self._total_steps() if steps else None
-        node_rows = [self._node_row(view, slot, "active") for _, slot in sorted(nodes.items())
-                     if slot.node_rank in view.present]
+        active = [slot for _, slot in sorted(nodes.items()) if slot.node_rank in view.present]
+        statuses = self.store.messages(NodeStatus, [self.keys.agent_status(s.agent_id) for s in active + spares])
+        node_rows = [self._node_row(view, slot, "active", status) for slot, status in zip(active, statuses)]
         node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
-        node_rows += [self._node_row(view, slot, "spare") for slot in spares]
+        node_rows += [self._node_row(view, slot, "spare", status) for slot, status in zip(spares, statuses[len(active):])]
         by_rank = {r["rank"]: r for row in node_rows for r in row.pop("rank_states")}
         for rank in ranks:
             rank.update(by_rank.get(rank["rank"], {}))
@@ -142,19 +143,21 @@ class StatusBoard:
 
     def _ranks(self, world_size: int, now: float) -> list[dict]:
         rows = []
-        for rank in range(world_size):
-            beats = self.store.counter(self.keys.rank_heartbeat(rank))
+        # every rank's counter and step in a few round trips, not three per rank
+        all_beats = self.store.counters([self.keys.rank_heartbeat(rank) for rank in range(world_size)])
+        steps = self.store.texts([self.keys.rank_progress(rank) for rank, beats in enumerate(all_beats) if beats])
+        step_of = dict(zip((rank for rank, beats in enumerate(all_beats) if beats), steps))
+        for rank, beats in enumerate(all_beats):
             seen, since = self._beats.get(rank, (None, now))
             if beats != seen:
                 self._beats[rank] = (beats, now)
                 since = now
-            text = self.store.try_text(self.keys.rank_progress(rank)) if beats else ""
+            text = step_of.get(rank, "")
             rows.append({"rank": rank, "step": int(text) if text.lstrip("-").isdigit() else None,
                          "heartbeat_age": round(now - since, 1) if beats else None})
         return rows
 
-    def _node_row(self, view: JobView, slot: NodeSlot, role: str) -> dict:
-        status = self.store.try_get(NodeStatus, self.keys.agent_status(slot.agent_id))
+    def _node_row(self, view: JobView, slot: NodeSlot, role: str, status: NodeStatus | None) -> dict:
         states = status.ranks if status else ()
         return {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
                "state": _node_state(view, slot.node_rank) if role == "active" else "standing by",

@@ -337,9 +337,10 @@ class Controller:
             time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
 
     def _check_nodes(self, now: float) -> None:
-        for node in self.view.present:
-            key = self.keys.node_heartbeat(node)
-            if self._keepalives.quiet_for(key, self.store.counter(key), now) > self.policy.node_timeout:
+        nodes = sorted(self.view.present)
+        keys = [self.keys.node_heartbeat(node) for node in nodes]
+        for node, key, count in zip(nodes, keys, self.store.counters(keys)):  # one round trip for every node
+            if self._keepalives.quiet_for(key, count, now) > self.policy.node_timeout:
                 host = self.nodes[node].host
                 detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.policy.node_timeout:g}s"
                 log.error(detail)

@@ -114,9 +114,12 @@ def choose_restore(generation: int, inventories: list[SnapshotInventory], world_
         sharded = any(h.sharded for _, h in held_at)
         if sharded:
             held_at = [(i, h) for i, h in held_at if h.sharded and h.world_size == world_size]
+        by_rank: dict[int, list[tuple[SnapshotInventory, HeldSnapshot]]] = {}
+        for inventory, held in held_at:  # each rank's copies found at once, not by a scan per rank
+            by_rank.setdefault(held.rank, []).append((inventory, held))
         sources = []
         for rank in range(world_size):
-            mine = [(i, h) for i, h in held_at if h.rank == rank] if sharded else held_at
+            mine = by_rank.get(rank, []) if sharded else held_at
             if not mine:
                 break
             home = node_of_rank.get(rank, -1)
