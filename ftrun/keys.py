@@ -7,6 +7,26 @@ and are never reused: the worker library forms each generation's process group
 there, and scripts that use plain env:// get a fresh worker store per generation
 (``ftrun.store.start_worker_store``). torchrun's restarted workers hang on
 stale keys (pytorch issues 135712 and 167288); ftrun's cannot see any.
+
+What each message path costs, for N nodes of P ranks (W = N x P), in store round trips (scripts/
+bench_control_plane.py measures them; README "Scale"):
+
+* rendezvous: each agent appends one ``join`` record and polls ``rendezvous_result`` (O(1) per agent);
+  the controller reads each record once (O(N) in all) and writes one result of O(N) bytes.
+* keepalives: each agent adds to its ``node_heartbeat`` and writes its ``agent_status`` (O(P) bytes)
+  every 0.5 s; the controller reads all N counters in one ``multi_get`` per tick.
+* rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` every second (the
+  worker library: O(W) writes/s job-wide, all on the store); its agent reads its P counters in one
+  ``multi_get`` (the hang check).
+* status board: the controller reads the W counters, W steps and N statuses in a few ``multi_get``s
+  and writes ``status``: O(W) bytes per keepalive, O(1) round trips.
+* reports: an agent appends one (O(1)); the controller polls ``report_count`` (O(1) per tick).
+* commands: the controller appends one, whatever N (a broadcast, never one per node); each agent polls
+  ``command_count`` every --monitor-interval, so a decision reaches every node within one interval.
+* layout and rank tables: one ``layout`` of O(N) bytes per generation; each agent writes a rank table
+  of O(W) entries locally.
+* restore plan: one ``restore`` of O(W x (1 + R)) entries for sharded state (R replicas), O(W) for
+  replicated state; chosen in O(W x (1 + R)) time.
 """
 
 from __future__ import annotations

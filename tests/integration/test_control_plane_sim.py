@@ -1,0 +1,26 @@
+"""The control-plane simulator's smallest size as a smoke test: 8 simulated agents and a spare speak the
+agents' real protocol (ftrun.agent.protocol) to the real controller and store. Counts and message flow
+only: the timings are the benchmark's (scripts/bench_control_plane.py), never asserted here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from bench_control_plane import simulate  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def test_simulated_agents_join_hold_every_decision_and_a_spare_takes_a_lost_node():
+    figures = simulate(8, 2, agent_processes=1, steady=1.0, node_timeout=2.0)
+    assert figures["joined"] == 9  # 8 nodes and the spare all hold a place
+    assert figures["holders"] == 8  # every node but the lost one read the STOP after the failure report
+    assert figures["events"] == ["generation_started", "decision", "generation_started", "node_lost", "decision",
+                                 "takeover", "generation_started"]
+    assert figures["steady_step"] is not None  # the status board saw the simulated ranks' steps
+    assert figures["board_bytes"] > 0 and figures["plan_bytes"] > 0
