@@ -10,6 +10,7 @@ the job's size (``ftrun/keys.py`` states each message path's cost).
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, JoinRecord, NodeSlot, NodeStatus, RendezvousResult, Report, ReportKind
@@ -61,11 +62,14 @@ class NodeProtocol:
         report = Report(kind, self.node_rank, generation, agent_id=self.agent_id, **fields)
         self.store.append(self.keys.report_count, self.keys.report, report)
 
-    def commands(self) -> list[Command]:
-        """The controller's commands published since the last call, in order (forged ones left out)."""
-        found = self.store.read_from(self.keys.command_count, self.keys.command, Command, self.next_command)
-        self.next_command += len(found)
-        return [command for command in found if command is not None]
+    def commands(self) -> Iterator[Command]:
+        """The controller's commands published since the last one taken, in order (forged ones left
+        out). Each counts as read once it is taken: a caller that stops at one (a spare taking over a
+        node) finds the rest, the new generation's START among them, at its next call."""
+        for command in self.store.read_from(self.keys.command_count, self.keys.command, Command, self.next_command):
+            self.next_command += 1
+            if command is not None:
+                yield command
 
     def rank_beats(self, ranks: list[int]) -> list[int]:
         """The heartbeat counters of this node's ranks, in one round trip."""
