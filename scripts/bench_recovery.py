@@ -171,7 +171,7 @@ NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
 # The step-time goal is a few percent: the median step leaves out the first seconds, in which ftrun's warm
 # standbys import torch beside the workers (on 2 cores that slows the first ~50 steps), and the fault comes
 # late enough for a window of ~20 steps after them; 5 steps after a checkpoint, as in the single run.
-LAYOUTS_DEFAULTS = ModeDefaults(launchers=(), steps=80, step_sleep=0.0, deadline=150.0, kill_at_step=55, warmup_s=5.0)
+LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=80, step_sleep=0.0, deadline=150.0, kill_at_step=55, warmup_s=5.0)
 #: --node-loss: launchers that can take a spare node
 SPARE_CAPABLE = ("ftrun",)
 

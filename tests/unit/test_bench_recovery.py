@@ -90,3 +90,12 @@ def test_layout_launchers_run_the_cases_script_with_its_options(bench, tmp_path)
     script = command.index(str(fsdp.script))
     assert command[script + 1:script + 3] == ["--layout", "fsdp"]
     assert command[command.index("--kill-rank") + 1] == "3"
+
+
+def test_layouts_mode_has_its_own_defaults(bench, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--layouts", "all", "--repeat", "2"])
+    args, scenarios, _ = bench.parse_args()
+    assert args.layouts == list(bench.LAYOUT_NAMES)
+    assert (scenarios[0].steps, scenarios[0].kill_at_step, scenarios[0].warmup_s) == (80, 55, 5.0)
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py"])
+    assert bench.parse_args()[1][0].warmup_s == 0.0  # the single run measures as before
