@@ -399,7 +399,9 @@ class Agent:
                                                      f"given to a spare ({command.reason}); leaving")
                     if command.kind is CommandKind.STOP:
                         log.warning("stopping generation %d: %s", command.generation, command.reason)
-                        group.stop(config.stop_timeout)
+                        # the restart's ranks take warm interpreters that import torch while this one stops
+                        group.fill_standbys(at_least=self.slot.nproc)
+                        group.stop(config.stop_timeout, keep_standbys=True)
                         self._snapshots_after_stop()
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:

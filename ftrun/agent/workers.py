@@ -164,11 +164,13 @@ class WorkerGroup:
         #: (generation, stream name) -> the attempt's filtered copy (--duplicate-*-filters)
         self._filtered: dict[tuple[int, str], FilteredCopy] = {}
 
-    def fill_standbys(self) -> None:
-        """Start standbys up to the wanted number (they import torch in the background)."""
+    def fill_standbys(self, at_least: int = 0) -> None:
+        """Start standbys up to the wanted number, or ``at_least`` (every rank of the node, before a
+        job-level restart), when standbys are on at all (they import torch in the background)."""
         self.standbys = [p for p in self.standbys if p.poll() is None]
         env = base_env(self.config)  # what torch reads when it loads must be what the workers get
-        while len(self.standbys) < self.warm_standbys:
+        wanted = max(self.warm_standbys, at_least) if self.warm_standbys else 0
+        while len(self.standbys) < wanted:
             argv = [sys.executable, "-u", "-m", "ftrun.agent.standby"]
             self.standbys.append(self.ops.spawn(argv, env, stdin=subprocess.PIPE))
 
@@ -281,10 +283,12 @@ class WorkerGroup:
     def all_succeeded(self) -> bool:
         return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, keep_standbys: bool = False) -> None:
         """SIGTERM (or ``stop_signal``) every running worker's group, SIGKILL what is left after
-        ``timeout``, reap all."""
-        self._stop_standbys()
+        ``timeout``, reap all; the standbys too, unless ``keep_standbys`` (a generation's stop before
+        a job-level restart, which takes them)."""
+        if not keep_standbys:
+            self._stop_standbys()
         alive = self.running
         for worker in alive:
             self.ops.signal_group(worker.pid, self.stop_signal)

@@ -209,6 +209,9 @@ def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_s
     output = launcher.output()
     assert "every rank failed, no healthy replica holds the training state" in output, output
     assert "falling back to job level" not in output and "1 of 2 restarts used" in output
+    # every rank of the restart runs in a warm interpreter that imported torch while the job stopped
+    restarted = "".join(node.output.split("restarting workers as generation")[-1] for node in launcher.nodes)
+    assert sorted(re.findall(r"rank (\d) runs in a warm standby", restarted)) == ["0", "1", "2", "3"], output
     (event,) = restore_events(launcher)
     assert event["step"] == 10 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
     for rank, history in runs(launcher).items():
