@@ -154,8 +154,9 @@ def pin_buckets(module: torch.nn.Module) -> bool:
     DDP lays its gradient buckets out anew after its first iteration, from the order in which rank
     0 saw gradients, and broadcasts that layout from rank 0 once. A replacement rank would do that
     alone, in the middle of the healthy ranks' training, and wait for ever. Pinned at
-    ``job.register()`` on every rank (the replacement too: its layout comes from the same model, in
-    parameter order), no rank ever rebuilds. True when ``module`` is a DDP and was pinned.
+    ``job.register()``, or at the first ``steps()`` for a DDP whose inner module was registered, on
+    every rank (the replacement too: its layout comes from the same model, in parameter order), no
+    rank ever rebuilds. True when ``module`` is a DDP (pinning it again does nothing).
     """
     if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -302,6 +303,9 @@ class ElasticJob:
         if self.env is None or self._started:
             return
         self._started = True
+        for found in gc.get_objects():  # a torch DDP whose inner module was registered, not the wrapper
+            if isinstance(found, torch.nn.parallel.DistributedDataParallel):
+                pin_buckets(found)
         if self.env.rank == 0:
             self.store.set_text(self.keys.total_steps, str(total))  # the status view's progress and ETA
         self.groups.local = False

@@ -48,7 +48,8 @@ def build(job, layout: str):
         inner = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
                                     torch.nn.Linear(16, DIM))
         model = torch.nn.parallel.DistributedDataParallel(inner)
-        return model, lambda step: model(batch(step, rank)).pow(2).mean().backward()
+        # the inner module is what is registered, as most scripts do: ftrun finds the DDP around it
+        return inner, lambda step: model(batch(step, rank)).pow(2).mean().backward()
     if layout == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
