@@ -410,8 +410,13 @@ def regain_progress_s(lines: list[ProgressLine], scenario: Scenario, fault: Prog
 
 
 def median_step_s(before_fault: list[ProgressLine], warmup_s: float = 0.0) -> float | None:
+    """The median gap between rank 0's steps, leaving out the first ``warmup_s`` seconds, but never more
+    than the first half of its steps (a fast job may reach the fault within the warm-up)."""
     rank0 = [line for line in before_fault if line.rank == 0]
-    rank0_times = {line.step: line.time for line in rank0 if line.time >= rank0[0].time + warmup_s}
+    if not rank0:
+        return None
+    start = min(rank0[0].time + warmup_s, rank0[len(rank0) // 2].time)
+    rank0_times = {line.step: line.time for line in rank0 if line.time >= start}
     step_gaps = [rank0_times[step] - rank0_times[step - 1] for step in rank0_times if step - 1 in rank0_times]
     return statistics.median(step_gaps) if step_gaps else None
 

@@ -99,3 +99,12 @@ def test_layouts_mode_has_its_own_defaults(bench, monkeypatch):
     assert (scenarios[0].steps, scenarios[0].kill_at_step, scenarios[0].warmup_s) == (80, 55, 5.0)
     monkeypatch.setattr(sys, "argv", ["bench_recovery.py"])
     assert bench.parse_args()[1][0].warmup_s == 0.0  # the single run measures as before
+
+
+def test_median_step_leaves_out_the_warmup_but_never_more_than_half(bench):
+    slow_then_fast = [bench.ProgressLine(t, 0, step, 1, 0) for step, t in
+                      enumerate([0.0, 1.0, 2.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5, 3.6], start=1)]
+    assert bench.median_step_s(slow_then_fast) == pytest.approx(0.1)
+    assert bench.median_step_s(slow_then_fast, warmup_s=2.5) == pytest.approx(0.1)
+    assert bench.median_step_s(slow_then_fast[:4], warmup_s=2.5) == pytest.approx(1.0)  # half of the steps still count
+    assert bench.median_step_s([]) is None
