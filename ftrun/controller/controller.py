@@ -65,6 +65,10 @@ EXIT_GRACE = 10.0
 #: with snapshots, how often (seconds) the controller reads what the nodes hold: for the status's restorable
 #: step and for the checkpoint events (a plan over every node's copies is not for every keepalive of a big job)
 SAVED_EVERY = 2.0
+#: the status board costs O(ranks) to build, serialise and write: a big job's is rebuilt at most this many
+#: ranks' worth a second (a job of up to 2,048 ranks: at every keepalive), and at once when the phase or
+#: the generation changes, so that the controller's steady CPU does not grow with the job
+BOARD_RANKS_PER_S = 4096
 PROCESS_PHASES = (Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
 
 
@@ -147,6 +151,9 @@ class Controller:
         #: the status's restorable and checkpoint steps, and when to look at the nodes' copies again
         self._saved: dict = {}
         self._next_saved = 0.0
+        #: when the status board is due again, and the (phase, generation) it last showed
+        self._next_board = 0.0
+        self._board_shows: tuple | None = None
         self.view: JobView | None = None
         #: every fault, decision, phase and repair (the summary, the status view and events.jsonl)
         self.events = events or EventLog()
@@ -313,7 +320,10 @@ class Controller:
                 self._admit_late_arrivals()
                 self._grow()
                 self._check_library()
-                self._refresh_status()
+                if now >= self._next_board or (self.view.phase, self.view.generation) != self._board_shows:
+                    self._next_board = now + max(HEARTBEAT_INTERVAL, self.view.world_size / BOARD_RANKS_PER_S)
+                    self._board_shows = (self.view.phase, self.view.generation)
+                    self._refresh_status()
                 for request in self.store.read_from(self.keys.operator_count, self.keys.operator_request,
                                                     OperatorRequest, next_operator):
                     next_operator += 1  # ftrun top's requests: once a keepalive is soon enough
