@@ -108,17 +108,19 @@ class ElasticGroup(dist.ProcessGroup):
 
 
 def _collective(op: str) -> Callable:
-    def run(self: ElasticGroup, *args):
+    def run(self: ElasticGroup, *args, **options):
+        # torch passes some options by name (``barrier(opts=...)``), always after the tensors
+        everything = (*args, *options.values())
         owner = self._owner
         if owner.local or owner.failure is not None:
-            return answer_locally(op, self.rank(), self.size(), args)
+            return answer_locally(op, self.rank(), self.size(), everything)
         if not owner.in_step:
-            return getattr(self.real(), op)(*args)
+            return getattr(self.real(), op)(*args, **options)
         try:
-            return _Guarded(getattr(self.real(), op)(*args), owner, op, self.rank(), self.size(), args)
+            return _Guarded(getattr(self.real(), op)(*args, **options), owner, op, self.rank(), self.size(), everything)
         except Exception as e:
             owner.fail(e)
-            return answer_locally(op, self.rank(), self.size(), args)
+            return answer_locally(op, self.rank(), self.size(), everything)
 
     run.__name__ = op
     run.__doc__ = f"``{op}`` on the current generation's real group."

@@ -41,6 +41,15 @@ def test_the_script_s_groups_stay_the_same_objects_and_reconnect_in_the_next_gen
     assert torch.equal(tensor, torch.ones(3))
 
 
+def test_collectives_torch_calls_with_named_options_reach_the_real_group_pytorch_barrier_opts(groups):
+    # dist.barrier() calls group.barrier(opts=...) by name: a group that took positional arguments only
+    # failed every script ending with a barrier
+    dist.barrier()
+    groups.local = True  # a replacement's setup: answered locally, named or not
+    dist.barrier()
+    assert dist.group.WORLD.barrier(opts=dist.BarrierOptions()).wait()
+
+
 def test_groups_of_another_backend_are_named_as_foreign(groups):
     other = dist.new_group([0], backend="gloo")
     assert groups.foreign_groups() == [f"{other.group_name} (gloo)"]

@@ -137,6 +137,7 @@ def main() -> None:
         if job.step == step + 1:  # committed (a step a fault interrupted is run again)
             with open(os.path.join(out_dir, f"commits-rank{rank}"), "a") as f:
                 f.write(f"{step}\n")
+    torch.distributed.barrier()  # as many scripts end (torch passes the barrier's options by name)
     result = {"step": job.step, "rank": rank, "pid": os.getpid(), "generation": job.generation,
               "replacement": os.environ.get("FTRUN_REPLACEMENT"), "layout": job.layout.describe(),
               "digest": digest(model.state_dict(), optimizer.state_dict())}
