@@ -12,8 +12,9 @@ from ftrun.elastic.shards import local_tensor as _local
 
 log = logging.getLogger(__name__)
 
-#: the gradient bucket size, as DistributedDataParallel's default
-BUCKET_MB = 25.0
+#: the gradient bucket size, and the first bucket's (the last layers'), as DistributedDataParallel's defaults:
+#: a small first bucket starts communicating early in the backward pass
+BUCKET_MB, FIRST_BUCKET_MB = 25.0, 1.0
 
 
 class ElasticDDP(torch.nn.Module):
@@ -46,7 +47,8 @@ class ElasticDDP(torch.nn.Module):
         self._group = group.get_group() if hasattr(group, "get_group") else group
         self._synced = False
         params = [p for p in module.parameters() if p.requires_grad]
-        self._buckets = _lay_out(list(reversed(params)), int(bucket_mb * 2**20))
+        cap = int(bucket_mb * 2**20)
+        self._buckets = _lay_out(list(reversed(params)), cap, min(cap, int(FIRST_BUCKET_MB * 2**20)))
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._flats: list[torch.Tensor | None] = [None] * len(self._buckets)
         self._syncing = True
@@ -132,14 +134,16 @@ class ElasticDDP(torch.nn.Module):
         dist.broadcast(_local(tensor.data), group_src=0, group=self._group)
 
 
-def _lay_out(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """Consecutive parameters of one dtype and device, up to ``cap`` bytes a bucket."""
+def _lay_out(params: list[torch.Tensor], cap: int, first_cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive parameters of one dtype and device, up to ``first_cap`` bytes in the first bucket and
+    ``cap`` in each after it."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for param in params:
         nbytes = _local(param).numel() * param.element_size()
         last = buckets[-1] if buckets else None
-        if last and size + nbytes <= cap and (last[0].dtype, last[0].device) == (param.dtype, param.device):
+        limit = first_cap if len(buckets) == 1 else cap
+        if last and size + nbytes <= limit and (last[0].dtype, last[0].device) == (param.dtype, param.device):
             last.append(param)
             size += nbytes
         else:

@@ -263,6 +263,8 @@ def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
     wrapped = ElasticDDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_mb=100 / 2**20)
     wrapped.module.load_state_dict(plain.state_dict())
     assert [len(bucket) for bucket in wrapped._buckets] == [2, 1, 1]  # 100-byte buckets, last layer first
+    big = ElasticDDP(torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))))  # 257 KiB each
+    assert [len(bucket) for bucket in big._buckets] == [7, 9]  # up to 1 MiB first (as DDP), then 25 MiB
     batch = torch.randn(3, 4)
     plain(batch).pow(2).sum().backward()
     wrapped(batch).pow(2).sum().backward()
