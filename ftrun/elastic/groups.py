@@ -262,10 +262,12 @@ class _Abandonable(dist.Store):
 
     A real group's constructor waits on the store for every peer's address. A peer that died after
     arriving in the generation never writes it, and the wait would last the whole timeout; so the
-    waits go in short slices, between which the generation is checked.
+    waits poll with ``check`` (a timed-out ``wait`` would make torch log two lines each time, into
+    every rank's stderr, all through a repair), and between polls the generation is checked.
     """
 
-    SLICE = datetime.timedelta(seconds=0.2)
+    #: the longest pause between two polls (they start at a millisecond and double)
+    POLL = 0.02
 
     def __init__(self, owner: GroupSet, generation: int):
         super().__init__()
@@ -273,15 +275,14 @@ class _Abandonable(dist.Store):
 
     def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         deadline = time.monotonic() + (timeout or datetime.timedelta(seconds=self._owner.timeout)).total_seconds()
-        while True:
+        pause = 0.001
+        while not self._store.check(keys):
             if self._owner.abandoned >= self._generation:
                 raise GroupError(f"generation {self._generation} was superseded while its groups connected")
-            try:
-                self._store.wait(keys, self.SLICE)
-                return
-            except dist.DistStoreError:  # this slice's deadline
-                if time.monotonic() >= deadline:
-                    raise
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"timed out after waiting for {', '.join(keys)} to connect a group")
+            time.sleep(pause)
+            pause = min(2 * pause, self.POLL)
 
     def set(self, key, value):
         self._store.set(key, value)
