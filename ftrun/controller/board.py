@@ -72,6 +72,7 @@ class StatusBoard:
         self._history: dict[int, collections.deque[list]] = {}
         self._next_history = 0.0
         self._events_published = 0
+        self._total: int | None = None
 
     def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float,
                 saved: dict | None = None) -> dict:
@@ -137,9 +138,12 @@ class StatusBoard:
                                                                separators=(",", ":")))
 
     def _total_steps(self) -> int | None:
-        """The script's step count, once the worker library has said it (``job.steps(total)``)."""
-        text = self.store.try_text(self.keys.total_steps)
-        return int(text) if text.strip().isdigit() and int(text) > 0 else None
+        """The script's step count, once the worker library has said it (``job.steps(total)``): read
+        until it has, then kept."""
+        if self._total is None:
+            text = self.store.try_text(self.keys.total_steps)
+            self._total = int(text) if text.strip().isdigit() and int(text) > 0 else None
+        return self._total
 
     def _ranks(self, world_size: int, now: float) -> list[dict]:
         rows = []

@@ -140,12 +140,12 @@ class ElasticJob:
         #: which ranks hold copies of each other's state: job.mesh() declares it; else pure data
         #: parallelism (or every rank alone, with sharded=True), checked at the first steps()
         self._layout: Layout | None = None
-        self.layout = Layout.sharded(1) if sharded else Layout.data_parallel(1)
         self._started = False
         #: this rank's snapshots into its agent's memory (--snapshot-every), or None
         self.snapshots: SnapshotWriter | None = None
         if self.env is None:
             dist.init_process_group(self.backend.name)
+            self.layout = _default_layout(dist.get_world_size(), sharded)
             self.generation = 0
             return
         _dump_stack_on_signal()
@@ -155,7 +155,7 @@ class ElasticJob:
         endpoint = parse_endpoint(self.env.control_store, 0, "FTRUN_CONTROL_STORE")
         self.store = ControlStore(connect_store(endpoint, timeout=collective_timeout), endpoint, is_host=False,
                                   signer=self._signer)
-        self.layout = Layout.sharded(self.env.world_size) if sharded else Layout.data_parallel(self.env.world_size)
+        self.layout = _default_layout(self.env.world_size, sharded)
         self.generation = -1
         self._spawned_for = self.env.generation if self.env.replacement else None
         self._needs_state = self.env.replacement
@@ -330,7 +330,7 @@ class ElasticJob:
                 return self._layout.without(set(self._layout.replicate)), ""
             return self._layout.without(sharded_over), ""
         if self.sharded:
-            return Layout.sharded(world), ""
+            return _default_layout(world, True), ""
         made = len(self.groups.groups) - 1  # besides the default group
         if made or sharded_over:
             what = f"{made} process group{'s' if made != 1 else ''} of its own" if made else "sharded DTensors"
@@ -518,6 +518,11 @@ def _dump_stack_on_signal() -> None:
     unless the script uses that signal itself."""
     if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _default_layout(world_size: int, sharded: bool) -> Layout:
+    """Until the first steps() settles it: pure data parallelism, or every rank alone with sharded=True."""
+    return Layout.sharded(world_size) if sharded else Layout.data_parallel(world_size)
 
 
 def _sharded_dims(obj) -> set[str]:

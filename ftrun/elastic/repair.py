@@ -183,7 +183,7 @@ class Repair:
             if rank == transfer.source:
                 buffer = io.BytesIO()
                 torch.save(to_local(self.job._states()), buffer)
-                payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+                payload = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)  # no copy on CPU
                 size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
                 for receiver in transfer.receivers:
                     dist.send(size, dst=receiver)
