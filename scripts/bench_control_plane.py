@@ -106,6 +106,7 @@ class SimAgent:
         self.running = False
         self.generation = 0
         self.failed_at = 0.0
+        self.node = -1
         #: (sequence number, kind, generation, time received) of every command
         self.received: list[tuple[int, str, int, float]] = []
 
@@ -115,6 +116,9 @@ class SimAgent:
         result, slot = self.protocol.join(record, 300, threading.Event())
         self.joined_at = time.time()
         self._take(slot.first_rank)
+        #: the node rank the rendezvous gave (-1: the spare); the failing and the lost node are named by
+        #: it, since which agent ends up the spare depends on the order they joined in
+        self.node = slot.node_rank
         next_beat = 0.0
         while not self.shared["end"].is_set():
             now = time.monotonic()
@@ -125,9 +129,9 @@ class SimAgent:
                 if self.running:
                     self.protocol.rank_beats(self.ranks)  # the hang check's read
                 next_beat = now + KEEPALIVE
-            if self.shared["fail"] == self.index and not self.failed_at and self.running:
+            if self.shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
                 self._fail()
-            if self.shared["lose"] == self.index:
+            if self.shared["lose"] == self.node >= 0:
                 return  # the node is gone: no keepalive, no goodbye
             seq = self.protocol.next_command
             for offset, command in enumerate(self.protocol.commands()):
@@ -198,7 +202,7 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     shared["end"].set()
     for thread in threads:
         thread.join(5)
-    results.put([{"index": a.index, "joined_at": a.joined_at, "failed_at": a.failed_at, "received": a.received}
+    results.put([{"node": a.node, "joined_at": a.joined_at, "failed_at": a.failed_at, "received": a.received}
                  for a in agents])
 
 
@@ -289,14 +293,14 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 2, steady: float = 5
 def _fan_out(received: list[dict], seq: int, lose_seq: int, decisions: list[float], failing: int, lost: int) -> dict:
     """From the failure report, and from each decision (the controller's event), until the last agent
     holds the command."""
-    failed_at = next(r["failed_at"] for r in received if r["index"] == failing)
+    failed_at = next(r["failed_at"] for r in received if r["node"] == failing)
     stop_times, start_times, loss_times = [], [], []
     for agent in received:
         mine = agent["received"]
         stop = [t for s, kind, g, t in mine if s >= seq and kind == "stop"]
         start = [t for s, kind, g, t in mine if s >= seq and kind == "start" and g >= 1]
         after_loss = [t for s, kind, g, t in mine if s >= lose_seq]
-        if agent["index"] != lost:
+        if agent["node"] != lost:
             stop_times.append(min(stop) if stop else float("inf"))
             start_times.append(min(start) if start else float("inf"))
             loss_times.append(min(after_loss) if after_loss else float("inf"))
