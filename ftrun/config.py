@@ -362,9 +362,11 @@ def _stream_bits(text: str) -> int:
     return value
 
 
-def _warm_standby(value: Any, recovery: str) -> int:
+def _warm_standby(value: Any, recovery: str, nproc: int) -> int:
     if value is None or value == "":
-        return 1 if recovery == "process" else 0  # replacements are what standbys are for
+        # one per local rank under process level: a whole job's failure (or a spare taking a whole node)
+        # then restarts every rank of the node without importing torch again
+        return nproc if recovery == "process" else 0
     return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 
@@ -576,7 +578,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         node_timeout=positive_seconds(raw.get("node_timeout", 30), "--node-timeout"),
         stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
         repair_timeout=positive_seconds(raw.get("repair_timeout", 60), "--repair-timeout"),
-        warm_standby=_warm_standby(raw.get("warm_standby"), recovery),
+        warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc),
         role=str(raw.get("role") or "default"),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",

@@ -156,8 +156,9 @@ def launch_options(fn):
         option("repair-timeout", group=RECOVERY, type=float, default=60.0, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
-               help="Warm standby workers per node (torch already imported), taken by replacement ranks.  "
-                    "[default: 1 with --recovery process, else 0]"),
+               help="Warm standby workers per node (torch already imported, about 300 MB of host memory each), "
+                    "taken by replacement ranks and by a job-level restart's.  "
+                    "[default: --nproc-per-node with --recovery process, else 0]"),
         option("snapshot-every", group=CHECKPOINTS, type=int, default=0, show_default=True,
                help="Snapshot each rank's registered state into its node's shared memory after every K-th step "
                     "(ftrun.elastic); a job-level restart resumes from it. 0: no snapshots."),
