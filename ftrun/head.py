@@ -31,8 +31,9 @@ from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
 from ftrun.ports import PortRange, free_port
-from ftrun.status import StatusView, status_view
+from ftrun.status import StatusView
 from ftrun.store import ControlStore, host_store, is_local_host
+from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ class Head:
         self.interrupts = Interrupts()
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
-        self.view: StatusView | None = None
+        self.view: StatusView | AttachedTop | None = None
         #: the job's secret: the user's --token-file, else one made for this job
         self.token = config.token or new_token()
 
@@ -289,7 +290,7 @@ class Head:
         store = ControlStore(server, config.endpoint, is_host=True, signer=Signer(self.token))
         controller = Controller.for_config(store, config, "", config.endpoint.host)
         controller.start()
-        self.view = status_view(controller, config.status)
+        self.view = controller_view(controller, config.status, self.token)
         return controller
 
     def _watch(self) -> tuple[int, str]:

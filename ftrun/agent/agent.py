@@ -54,8 +54,9 @@ from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, lo
 from ftrun.rendezvous import linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
 from ftrun.snapshots.plan import SnapshotInventory
-from ftrun.status import StatusView, status_view
+from ftrun.status import StatusView
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, open_control_store
+from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
@@ -102,7 +103,7 @@ class Agent:
         self.interrupts = Interrupts()
         self.controller: Controller | None = None
         #: the live status view or progress lines, where this agent hosts the controller
-        self.view: StatusView | None = None
+        self.view: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
         self.rendezvous: RendezvousResult | None = None
@@ -273,7 +274,7 @@ class Agent:
         config = self.config
         self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
         self.controller.start()
-        self.view = status_view(self.controller, config.status)
+        self.view = controller_view(self.controller, config.status, self._token)
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:

@@ -233,8 +233,10 @@ def launch_options(fn):
         option("event-log-handler", group=LOGS, default="",
                help="Accepted for torchrun's scripts: ftrun writes its events to LOG_DIR/RUN_ID/events.jsonl."),
         option("status", group=LOGS, default="auto", show_default=True,
-               help="The job's status where the controller runs: live (a view redrawn in place), plain (log "
-                    "lines and a progress line every 30s), off, or auto (live on a terminal, else plain)."),
+               help="The job's status where the controller runs: live (ftrun top's interactive view when the "
+                    "terminal is stdin too and textual is installed, pip install 'ftrun[top]'; else a view "
+                    "redrawn in place), plain (log lines and a progress line every 30s), off, or auto (live on a "
+                    "terminal, else plain)."),
         option("config", group="General", default="", envvar="FTRUN_CONFIG",
                help="YAML file of option values (keys as the flags: nproc_per_node: 2)."),
         click.version_option(__version__, "--version", prog_name="ftrun", message="%(prog)s %(version)s"),

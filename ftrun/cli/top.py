@@ -15,6 +15,7 @@ TOP_HELP = """Watch a running job and act on it: select a rank, read its output 
   ftrun top --rdzv-endpoint head:29400
   ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun/token
 
+The controller's own terminal shows the same view (--status live).
 Keys: j/k or arrows move, Enter opens a rank, s its stack, e the event log (/ filters), ? help, q leaves
 (the job goes on). r (restart the rank, a drill), d (drain its node) and x (stop the job) need the job's
 token and ask first. Needs textual: pip install 'ftrun[top]'. Exits 0, 2 on bad input, 3 when the store

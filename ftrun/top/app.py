@@ -1,5 +1,6 @@
 """``ftrun top``'s terminal application (textual): a rank table over a pane that shows the opened rank,
-its stack, the event log or the help, and one line for answers.
+its stack, the event log or the help, and one line for answers. ``ControllerTopApp`` is the same view on
+the controller's own terminal (``ftrun.top.attached``).
 
 Every store read happens in the refresh timer (once a second, twice while a stack is awaited); keys only
 change what is shown, or send one request.
@@ -7,6 +8,8 @@ change what is shown, or send one request.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 from rich.text import Text
@@ -16,8 +19,10 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
+from ftrun.errors import ExitCode
 from ftrun.messages import OperatorAction
 from ftrun.status import job_line
+from ftrun.status import render as status_render
 from ftrun.store import StoreUnavailable
 from ftrun.top import panes
 from ftrun.top.source import JobSource, NoToken
@@ -69,6 +74,10 @@ class TopApp(App):
         Binding("x", "act('x')", "stop"),
     ]
 
+    #: what the refusal of an action without the token says to do
+    TOKEN_HINT = panes.TOKEN_HINT
+    HELP = panes.HELP
+
     def __init__(self, source: JobSource):
         super().__init__()
         self.source = source
@@ -115,6 +124,8 @@ class TopApp(App):
         except StoreUnavailable:
             self.say("the job's store does not answer (the job ended, or its host is gone); q leaves")
             return
+        if not snapshot and not self.snapshot:
+            self.query_one("#job", Static).update(status_render({}))  # the rendezvous runs
         if snapshot:
             self.snapshot = snapshot
             self._fill_table()
@@ -159,7 +170,7 @@ class TopApp(App):
             body.update(panes.event_pane(events, self.wanted))
             self.query_one("#pane", VerticalScroll).scroll_end(animate=False)
         elif self.mode == "help":
-            body.update(Text(panes.HELP))
+            body.update(Text(self.HELP))
 
     def selected_rank(self) -> int | None:
         table = self.query_one(DataTable)
@@ -230,7 +241,7 @@ class TopApp(App):
 
     def action_act(self, key: str) -> None:
         if not self.source.has_token:
-            self.say(panes.refusal(key))
+            self.say(panes.refusal(key, self.TOKEN_HINT))
             return
         rank = self.selected_rank()
         node = panes.node_of(self.snapshot, rank) if rank is not None else None
@@ -252,3 +263,43 @@ class TopApp(App):
             self.say(f"asked the controller to {question}; its answer goes to the event log (e)")
 
         self.push_screen(Confirm(question[0].upper() + question[1:]), answered)
+
+
+class ControllerTopApp(TopApp):
+    """The view on the controller's own terminal. Ctrl-C stops the job there as it does outside the view
+    (the app leaves with status 130 and the controller takes it as its own Ctrl-C), and the view leaves
+    by itself when the controller closes ``lifeline`` (the job is ending, or the controller is gone)."""
+
+    TITLE = "ftrun"
+    TOKEN_HINT = panes.JOB_TOKEN_HINT
+    HELP = panes.HELP + "\n  Ctrl-C         stop the job (as outside the view)"
+    BINDINGS = [Binding("q", "quit", "leave"),
+                Binding("ctrl+c", "interrupt", "stop the job", show=False, priority=True)]
+    #: the exit status that asks the controller to stop the job
+    INTERRUPTED = int(ExitCode.INTERRUPTED)
+
+    def __init__(self, source: JobSource, lifeline: int):
+        super().__init__(source)
+        #: the read end of the controller's pipe (the app owns it from now on)
+        self.lifeline = lifeline
+
+    def on_mount(self) -> None:  # textual calls TopApp's on_mount too
+        threading.Thread(target=self._watch_lifeline, name="ftrun-top-lifeline", daemon=True).start()
+
+    def _watch_lifeline(self) -> None:
+        """Until the lifeline's end (this thread owns the descriptor, and closes it)."""
+        try:  # the bare descriptor: nothing more comes on it but its end
+            while os.read(self.lifeline, 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(self.lifeline)
+        if self.is_running:
+            try:
+                self.call_from_thread(self.exit)
+            except RuntimeError:
+                pass  # it left meanwhile
+
+    def action_interrupt(self) -> None:
+        self.exit(return_code=self.INTERRUPTED)

@@ -30,9 +30,15 @@ ACTION_WORDS = {"r": "restart rank {rank} (a drill: one unit of the retry budget
                 "x": "stop the job"}
 
 
-def refusal(key: str) -> str:
+#: how to get the token, as ``ftrun top`` says it, and as the controller's own view does (it holds the
+#: job's token, so there it lacks one only when the job has none)
+TOKEN_HINT = "start ftrun top with --token-file FILE"
+JOB_TOKEN_HINT = "this job has none (start it with --token-file FILE)"
+
+
+def refusal(key: str, hint: str = TOKEN_HINT) -> str:
     """The one line an action gets without the token."""
-    return f"'{key}' changes the job and needs its token: start ftrun top with --token-file FILE"
+    return f"'{key}' changes the job and needs its token: {hint}"
 
 
 def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str, ...]]]:

@@ -48,8 +48,9 @@ class WatchedRun:
 
 
 class Terminal:
-    """Node 0's agent in a tmux pane (a real terminal, so --status auto draws the live view), or, where
-    tmux is missing, a plain process (plain status lines)."""
+    """Node 0's agent in a tmux pane (a real terminal, so --status auto draws the live view; its input is
+    /dev/null, which keeps the view that takes no keys rather than ftrun top's), or, where tmux is missing,
+    a plain process (plain status lines)."""
 
     def __init__(self, runner: Launcher, args: list[str], env: dict[str, str]):
         self.runner = runner
@@ -58,7 +59,8 @@ class Terminal:
         self.node = None
         if TMUX:
             assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier())
-            command = f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)}; echo $? > {self.exit_file}"
+            command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)} < /dev/null; "
+                       f"echo $? > {self.exit_file}")
             self._tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), command + "; sleep 600")
         else:
             self.node = runner.start([*args[:-1], "--status", "plain", args[-1]], env=env)

@@ -1,7 +1,10 @@
 """``ftrun top`` in a real terminal (a tmux pane) against a real 2-node x 2-rank job started with a token:
 without the token ``r`` is refused in one line; with it, rank 3's output and stack appear, ``r`` replaces
 the rank through the process-level path (the event log shows the drill and the repair), and ``q``
-leaves the view while the job runs on."""
+leaves the view while the job runs on. Then the same view on the controller's own terminal (a 1-node x
+2-rank job started in the pane): keys, a drill signed with the token the controller holds, ``q`` back to
+plain lines while the job goes on to finish, and Ctrl-C in the view stopping the job as outside it; each
+time the terminal is given back as it was."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import WORKERS, free_port, wait_for
+from tests.conftest import WORKERS, free_port, marked_processes, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shutil.which("tmux"), reason="tmux is not installed")]
 pytest.importorskip("textual")
@@ -24,14 +27,16 @@ COLUMNS, LINES = 130, 45
 
 
 class Pane:
-    """``ftrun top`` in a tmux pane of its own; the pane stays after it exits, with its exit code in a file."""
+    """``ftrun ARGS`` in a tmux pane of its own; the pane stays after it exits, with its exit code in a file
+    and the terminal's modes (``stty -a``) as it left them in another."""
 
     def __init__(self, tmp: Path, name: str, args: list[str], env: dict[str, str]):
         self.socket = f"ftrun-top-{os.getpid()}-{name}"
         self.exit_file = tmp / f"{name}.exit"
+        self.stty_file = tmp / f"{name}.stty"
         assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier())
-        command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun top {shlex.join(args)}; "
-                   f"echo $? > {self.exit_file}; sleep 600")
+        command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)}; "
+                   f"code=$?; stty -a > {self.stty_file}; echo $code > {self.exit_file}; sleep 600")
         self._tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), command)
 
     def _tmux(self, *args: str) -> str:
@@ -39,6 +44,18 @@ class Pane:
 
     def screen(self) -> str:
         return self._tmux("capture-pane", "-p")
+
+    def everything(self) -> str:
+        """All the pane showed outside the view, scrollback included."""
+        return self._tmux("capture-pane", "-p", "-J", "-S", "-")
+
+    def given_back(self) -> None:
+        """The terminal as a shell wants it: the normal screen, no mouse reports, a cursor, lines edited
+        and echoed, Ctrl-C a signal."""
+        modes = self._tmux("display", "-p", "#{alternate_on} #{mouse_any_flag} #{cursor_flag}").split()
+        assert modes == ["0", "0", "1"], modes
+        stty = self.stty_file.read_text().split()
+        assert {"icanon", "echo", "isig"} <= set(stty), stty
 
     def keys(self, *keys: str) -> None:
         for key in keys:
@@ -82,7 +99,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
     try:
         wait_for(lambda: (launcher.out_dir / "progress-rank3").exists(), 120, "the job's first steps")
         # without the token: the view works, and an action is refused in one line
-        bare = Pane(tmp_path, "bare", ["--rdzv-endpoint", endpoint], view_env)
+        bare = Pane(tmp_path, "bare", ["top", "--rdzv-endpoint", endpoint], view_env)
         panes.append(bare)
         bare.wait_for("RUNNING", "heartbeat")
         bare.keys("r")
@@ -90,7 +107,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
         bare.keys("q")
         assert bare.exit_code() == 0
 
-        view = Pane(tmp_path, "token", ["--rdzv-endpoint", endpoint, "--token-file", str(token)], view_env)
+        view = Pane(tmp_path, "token", ["top", "--rdzv-endpoint", endpoint, "--token-file", str(token)], view_env)
         panes.append(view)
         view.wait_for("RUNNING", "heartbeat")
         view.keys("j", "j", "Down", "Enter")  # rank 3: node 1's second rank
@@ -127,3 +144,64 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
                 node.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def controller_in_a_pane(launcher, tmp_path: Path, name: str) -> Pane:
+    """A 1-node x 2-rank job whose controller's terminal is the pane (``--status live``; its single node
+    makes the job's token itself), the ranks printing a line every 0.2 s until OUT_DIR/finish appears."""
+    env = launcher.env(TICK="0.2", COLUMNS=str(COLUMNS), LINES=str(LINES))
+    args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-id", name,
+            "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "live", str(WORKERS / "ticker.py")]
+    return Pane(tmp_path, name, args, env)
+
+
+def no_processes_left(launcher) -> None:
+    wait_for(lambda: not marked_processes(launcher.mark), 30, "the job's processes to go")
+
+
+def test_the_controllers_terminal_gets_the_view_and_q_leaves_it_while_the_job_finishes(launcher, tmp_path):
+    view = controller_in_a_pane(launcher, tmp_path, "own")
+    try:
+        screen = view.wait_for("RUNNING", "rank 0 ·", "rank 0 tick", timeout=120)
+        assert screen.splitlines()[0].startswith("ftrun run own")
+        view.keys("e")
+        view.wait_for("event log (")
+        view.keys("j", "Enter")  # the selection moves to rank 1, Enter opens it
+        screen = view.wait_for("rank 1 ·", "last output", "rank 1 tick")
+        # the workers' lines the controller copies to its terminal stay out of the view, which stays whole
+        assert "rank 0 tick" not in screen and screen.splitlines()[0].startswith("ftrun run own"), screen
+        view.keys("k")
+        view.wait_for("rank 0 ·", "rank 0 tick")
+        view.keys("j", "r")  # signed with the token the controller holds: no --token-file here
+        view.wait_for("Restart rank 1")
+        view.keys("y")
+        view.wait_for("asked the controller to restart rank 1")
+        view.keys("e")
+        screen = view.wait_for("asked for a restart drill of rank 1", "generation 1 starts", timeout=90)
+        assert "refused" not in screen
+        view.keys("q")  # leaves the view, never the job
+        view.wait_for("left the view; the job goes on")
+        wait_for(lambda: " tick " in view.everything().split("left the view", 1)[1], 30,
+                 "the workers' lines as plain lines after the view")
+        (launcher.out_dir / "finish").touch()
+        assert view.exit_code(timeout=120) == 0, view.everything()
+        everything = view.everything()
+        assert "job succeeded" in everything and "1 of 1 restart used" in everything, everything
+        assert everything.index("left the view") < everything.index("job succeeded")
+        view.given_back()
+        no_processes_left(launcher)
+    finally:
+        view.close()
+
+
+def test_ctrl_c_in_the_controllers_view_stops_the_job_and_gives_the_terminal_back(launcher, tmp_path):
+    view = controller_in_a_pane(launcher, tmp_path, "interrupted")
+    try:
+        view.wait_for("RUNNING", "rank 0 tick", timeout=120)
+        view.keys("C-c")
+        assert view.exit_code(timeout=120) == 130, view.everything()
+        assert "reason: SIGINT on node 0" in view.everything()
+        view.given_back()
+        no_processes_left(launcher)
+    finally:
+        view.close()

@@ -4,6 +4,7 @@ application's keys driven by textual's pilot against a fake store."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -216,3 +217,82 @@ def test_app_event_log_with_a_filter_and_help():
     source.events.append({"kind": "fault", "elapsed": 1.0, "detail": "rank 3 killed by SIGKILL", "rank": 3})
     assert "matching 'sig'" in drive(source, "e", "slash", "s", "i", "g", "enter")
     assert "leave the view (the job goes on)" in drive(source, "question_mark")
+
+
+# --- the same view on the controller's own terminal ------------------------------------------------------------
+
+def drive_controller_view(source: FakeSource, *keys: str, close_lifeline: bool = False) -> tuple[int | None, str]:
+    """Press ``keys`` in the controller's view (then close its lifeline); its exit status (None while it
+    runs on) and the message line."""
+    pytest.importorskip("textual")
+    from textual.widgets import Static
+
+    from ftrun.top.app import ControllerTopApp
+
+    async def run() -> tuple[int | None, str]:
+        read, write = os.pipe()
+        app = ControllerTopApp(source, read)  # type: ignore[arg-type]  (the app closes ``read``)
+        try:
+            async with app.run_test(size=(120, 40)) as pilot:
+                await pilot.pause()
+                for key in keys:
+                    await pilot.press(key)
+                    await pilot.pause()
+                message = str(app.query_one("#message", Static).render())
+                if close_lifeline:
+                    os.close(write)
+                    write = -1
+                    for _ in range(100):  # the lifeline's thread asks the app to leave
+                        if app.return_code is not None:
+                            break
+                        await asyncio.sleep(0.05)
+                return app.return_code, message
+        finally:
+            if write >= 0:
+                os.close(write)
+
+    return asyncio.run(run())
+
+
+def test_controller_view_ctrl_c_leaves_with_the_status_that_stops_the_job():
+    code, _ = drive_controller_view(FakeSource(True), "ctrl+c")
+    assert code == ExitCode.INTERRUPTED
+
+
+def test_controller_view_leaves_when_the_controller_closes_its_lifeline():
+    code, _ = drive_controller_view(FakeSource(True), close_lifeline=True)
+    assert code == 0
+
+
+def test_controller_view_without_a_token_says_the_job_has_none():
+    _, message = drive_controller_view(FakeSource(False), "r")
+    assert message == panes.refusal("r", panes.JOB_TOKEN_HINT) and "start it with --token-file" in message
+
+
+@pytest.mark.parametrize(("mode", "terminals", "wanted"), [
+    ("auto", (True, True, True), True),
+    ("live", (True, True, True), True),
+    ("auto", (False, True, True), False),  # < /dev/null: the live view that takes no keys
+    ("live", (True, False, True), False),  # --status live into a file: drawn anyway, without keys
+    ("plain", (True, True, True), False),
+    ("off", (True, True, True), False),
+])
+def test_interactive_view_is_wanted_on_a_terminal_only(mode, terminals, wanted):
+    from ftrun.top.attached import interactive_wanted
+
+    assert interactive_wanted(mode, terminals) is wanted
+
+
+def test_controller_view_without_textual_says_how_to_get_it_once_and_keeps_the_live_view(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from ftrun.top import attached
+
+    started = []
+    monkeypatch.setattr(attached, "interactive_wanted", lambda mode: True)
+    monkeypatch.setattr(attached, "textual_installed", lambda: False)
+    monkeypatch.setattr(attached, "status_view", lambda controller, mode: started.append(mode) or "the live view")
+    controller = SimpleNamespace(status={}, store=SimpleNamespace(endpoint="h:1"), keys=SimpleNamespace(run_id="r"))
+    assert attached.controller_view(controller, "auto", b"token") == "the live view" and started == ["auto"]
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [attached.INSTALL_HINT] and "pip install 'ftrun[top]'" in said[0]
