@@ -60,6 +60,9 @@ from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
+#: after this node reported a failure, how often and for how long the agent looks for the controller's
+#: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
+ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
 #: ``ftrun top``: a node's output lines are published at most this often (seconds), and only when they changed;
@@ -351,6 +354,7 @@ class Agent:
         next_beat = 0.0
         interrupted_at = None
         reported_success = False
+        answer_due = 0.0  # after a failure report: until then, look for the controller's answer often
         try:
             while True:
                 now = time.monotonic()
@@ -382,11 +386,13 @@ class Agent:
                             self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level),
                                                          failure.detail)
                     self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
+                    answer_due = now + ANSWER_WAIT
                 if ended and group.all_succeeded and not reported_success:
                     reported_success = True
                     self._report(ReportKind.SUCCEEDED, group.generation)
 
                 for command in self.protocol.commands():
+                    answer_due = 0.0
                     if command.kind in (CommandKind.EXIT, CommandKind.STOP):
                         self._pending = None
                     if command.kind is CommandKind.EXIT:
@@ -418,7 +424,7 @@ class Agent:
                     elif command.kind is CommandKind.REPLACE:
                         reported_success = False
                         self._replace_ranks(group, command)
-                time.sleep(config.monitor_interval)
+                group.wait(ANSWER_TICK if time.monotonic() < answer_due else config.monitor_interval)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 

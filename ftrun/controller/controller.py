@@ -57,10 +57,11 @@ from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, Re
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
-#: how often the controller reads the store: briskly while a repair or an exit is under way, gently
-#: while the job runs (agents report failures within their own --monitor-interval anyway)
+#: how often the controller reads the store: briskly while a repair or an exit is under way, and while
+#: the job runs often enough that a failure report (sent the moment a worker dies) waits little: each
+#: tick is one read of the report counter, whatever the job's size
 BUSY_TICK = 0.01
-IDLE_TICK = 0.05
+IDLE_TICK = 0.02
 HEARTBEAT_INTERVAL = 0.5
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
@@ -431,7 +432,8 @@ class Controller:
             self._apply(on_operator(self.view, request, spare=spare.agent_id, ranks=ranks))
         else:
             pid = next((r.get("pid", 0) for r in self.board.snapshot.get("ranks", ()) if r["rank"] == request.rank), 0)
-            self._apply(on_operator(self.view, request, slot.node_rank, request.rank - slot.first_rank, slot.host, pid))
+            self._apply(on_operator(self.view, request, slot.node_rank, request.rank - slot.first_rank, slot.host, pid,
+                                    at=time.time()))
 
     def _take_places(self, result: RendezvousResult) -> None:
         self.nodes = {slot.node_rank: slot for slot in result.nodes}

@@ -362,17 +362,19 @@ def operator_refusal(view: JobView, request: OperatorRequest, signed: bool, spar
 
 
 def on_operator(view: JobView, request: OperatorRequest, node_rank: int = -1, local_rank: int = -1, host: str = "",
-                pid: int = 0, spare: str = "", ranks: tuple[int, ...] = ()) -> Decision:
+                pid: int = 0, spare: str = "", ranks: tuple[int, ...] = (), at: float = 0.0) -> Decision:
     """A request :func:`operator_refusal` let through. A restart drill is the rank's failure as the
     normal path sees one (its process is killed and replaced at process level where the job allows
-    it, with one unit of budget); a drain is the node's loss with a spare ready; a stop ends the job."""
+    it, with one unit of budget), dated ``at`` (the controller's wall clock: the repair is timed from
+    it); a drain is the node's loss with a spare ready; a stop ends the job."""
     why = f"asked by {request.who} from ftrun top"
     if request.action is OperatorAction.STOP:
         return _exit(view, ExitCode.INTERRUPTED, f"stopped by {request.who} from ftrun top")
     if request.action is OperatorAction.DRAIN:
         return on_node_lost(view, request.node_rank, f"node {request.node_rank} drained ({why})", spare, ranks)
     failure = WorkerFailure(rank=request.rank, local_rank=local_rank, node_rank=node_rank, host=host, pid=pid,
-                            exit_code=None, generation=view.generation, cause="drill", detail=f"restart drill {why}")
+                            exit_code=None, generation=view.generation, timestamp=at, cause="drill",
+                            detail=f"restart drill {why}")
     return _on_failure(view, Report(ReportKind.WORKER_FAILED, node_rank, view.generation, (failure,)))
 
 

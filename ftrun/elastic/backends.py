@@ -92,7 +92,7 @@ class CommBackend:
         """Unblock this rank's collectives in ``groups`` (the real groups a repair drops).
 
         gloo closes a group's sockets, which releases peers blocked on this rank, once the last
-        reference to it goes: the caller drops them and collects.
+        reference to it goes: the caller drops them (``GroupSet.release``).
         """
         self._group_fds = set()
         self._live = []

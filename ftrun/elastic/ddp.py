@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -150,6 +152,33 @@ def _lay_out(params: list[torch.Tensor], cap: int, first_cap: int) -> list[list[
             buckets.append([param])
             size = nbytes
     return buckets
+
+
+#: every torch DistributedDataParallel made in this process since :func:`track_torch_ddp`, held weakly
+_made: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_torch_ddp() -> None:
+    """Remember every torch ``DistributedDataParallel`` made from now on (once per process), so that the
+    first ``steps()`` pins the buckets of one whose inner module was registered, not the wrapper,
+    without searching the whole heap for it (a tenth of a second in a replacement's startup)."""
+    ddp_class = torch.nn.parallel.DistributedDataParallel
+    original = ddp_class.__init__
+    if getattr(original, "_ftrun_tracks", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _made.add(self)
+
+    __init__._ftrun_tracks = True  # type: ignore[attr-defined]
+    ddp_class.__init__ = __init__  # type: ignore[method-assign]
+
+
+def torch_ddps() -> list[torch.nn.parallel.DistributedDataParallel]:
+    """The torch DDPs made since :func:`track_torch_ddp` that are still alive."""
+    return list(_made)
 
 
 def pin_buckets(module: torch.nn.Module) -> bool:

@@ -31,9 +31,11 @@ optimizer's step (``GroupFailed``), its state untouched, and the repair takes ov
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -198,9 +200,21 @@ class GroupSet:
         self.abandoned = max(self.abandoned, generation)
 
     def release(self) -> None:
-        """Abort and drop every real group: their peers blocked on this rank are released."""
+        """Abort and drop every real group: their peers blocked on this rank are released.
+
+        gloo closes a group's sockets (which releases the peers) only when the group object goes.
+        Mostly the last reference goes with ``drop()``; queued asynchronous work in a reference
+        cycle may hold one, so the younger garbage generations are collected first, and all of the
+        heap (a tenth of a second or more, on the repair's critical path) only while a group lives.
+        """
         dropped = [real for real in (group.drop() for group in list(self.groups)) if real is not None]
         self.backend.release(dropped)
+        alive = [weakref.ref(real) for real in dropped]
+        del dropped
+        for generation in (0, 1, 2):
+            if not any(ref() is not None for ref in alive):
+                return
+            gc.collect(generation)
 
     def foreign_groups(self) -> list[str]:
         """Groups of this process that are not ftrun's (made with an explicit other backend): a repair

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from ftrun.auth import Signer
 from ftrun.config import parse_endpoint
 from ftrun.elastic.backends import CommBackend, make_backend
-from ftrun.elastic.ddp import ElasticDDP, pin_buckets
+from ftrun.elastic.ddp import ElasticDDP, pin_buckets, torch_ddps, track_torch_ddp
 from ftrun.elastic.groups import GroupFailed, GroupSet, install
 from ftrun.elastic.layout import Layout
 from ftrun.elastic.repair import Repair, first_line
@@ -149,6 +148,7 @@ class ElasticJob:
             self.generation = 0
             return
         _dump_stack_on_signal()
+        track_torch_ddp()
         self.keys = JobKeys(self.env.run_id)
         self.snapshots = SnapshotWriter.from_environ(self.env.rank, self.env.world_size, sharded)
         self._signer = snapshot_signer(self.snapshots.folder) if self.snapshots else Signer()
@@ -303,9 +303,8 @@ class ElasticJob:
         if self.env is None or self._started:
             return
         self._started = True
-        for found in gc.get_objects():  # a torch DDP whose inner module was registered, not the wrapper
-            if isinstance(found, torch.nn.parallel.DistributedDataParallel):
-                pin_buckets(found)
+        for made in torch_ddps():  # a torch DDP whose inner module was registered, not the wrapper
+            pin_buckets(made)
         if self.env.rank == 0:
             self.store.set_text(self.keys.total_steps, str(total))  # the status view's progress and ETA
         self.groups.local = False

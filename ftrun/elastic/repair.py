@@ -19,7 +19,6 @@ the repair starts over from step 2 into that one.
 from __future__ import annotations
 
 import datetime
-import gc
 import io
 import logging
 from typing import TYPE_CHECKING
@@ -89,9 +88,6 @@ class Repair:
         for wrapper in self.job._wrappers:
             wrapper.reset(synced=True)
         self.job.groups.release()
-        # gloo closes this rank's sockets (releasing peers blocked on it) only when the last
-        # reference to a real group goes: queued asynchronous work may hold one
-        gc.collect()
 
     def form(self, generation: int) -> bool:
         """Every group of the script now belongs to ``generation``, once every rank arrived; False if

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import types
+import weakref
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ def test_the_script_s_groups_stay_the_same_objects_and_reconnect_in_the_next_gen
     assert torch.equal(tensor, torch.ones(3))
 
 
+@pytest.mark.parametrize("held_in_a_cycle", [False, True], ids=["dropped", "cycle"])
+def test_release_destroys_every_real_group_so_gloo_closes_its_sockets(groups, held_in_a_cycle):
+    world = dist.group.WORLD
+    dist.all_reduce(torch.ones(1))
+    real = weakref.ref(world.real())
+    if held_in_a_cycle:  # as queued asynchronous work may hold one: only the garbage collector frees it
+        cycle: list = [world.real()]
+        cycle.append(cycle)
+        del cycle
+    groups.release()
+    assert real() is None
+
+
 def test_collectives_torch_calls_with_named_options_reach_the_real_group_pytorch_barrier_opts(groups):
     # dist.barrier() calls group.barrier(opts=...) by name: a group that took positional arguments only
     # failed every script ending with a barrier
@@ -65,11 +79,18 @@ class Failing(dist._Work):
         return future
 
 
+class BrokenGroup:
+    """A real group whose all-reduce goes as ``allreduce`` says (a peer died)."""
+
+    def __init__(self, allreduce):
+        self.allreduce = allreduce
+
+
 def test_a_failed_collective_in_a_step_is_recorded_and_the_rest_of_the_step_is_answered_locally(groups):
     world = dist.group.WORLD
     world.real()
     groups.in_step = True
-    world._real = types.SimpleNamespace(allreduce=lambda *args: Failing())
+    world._real = BrokenGroup(allreduce=lambda *args: Failing())
     tensor = torch.full((2,), 3.0)
     work = dist.all_reduce(tensor, async_op=True)
     assert work.wait() and groups.failure is not None  # recorded, not raised
@@ -83,7 +104,7 @@ def test_a_failed_future_settles_with_the_collective_s_outputs(groups):
     world = dist.group.WORLD
     world.real()
     groups.in_step = True
-    world._real = types.SimpleNamespace(allreduce=lambda *args: Failing())
+    world._real = BrokenGroup(allreduce=lambda *args: Failing())
     tensor = torch.ones(2)
     future = world.allreduce([tensor], dist.AllreduceOptions()).get_future()
     assert future.value() == [tensor] and groups.failure is not None
@@ -92,7 +113,7 @@ def test_a_failed_future_settles_with_the_collective_s_outputs(groups):
 def test_outside_a_step_a_failed_collective_raises(groups):
     world = dist.group.WORLD
     world.real()
-    world._real = types.SimpleNamespace(allreduce=lambda *args: (_ for _ in ()).throw(RuntimeError("peer died")))
+    world._real = BrokenGroup(allreduce=lambda *args: (_ for _ in ()).throw(RuntimeError("peer died")))
     with pytest.raises(RuntimeError, match="peer died"):
         dist.all_reduce(torch.ones(1))
 

@@ -27,11 +27,12 @@ def process_view(**fields):
 # --- the policy ----------------------------------------------------------------------------------------------
 
 def test_transition_running_to_stopping_on_a_restart_drill_replaces_only_that_rank():
-    view, commands = on_operator(process_view(), RESTART, node_rank=1, local_rank=1, host="h1", pid=42)
+    view, commands = on_operator(process_view(), RESTART, node_rank=1, local_rank=1, host="h1", pid=42, at=1234.5)
     assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 1, 1)
     assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (3,))]
     drill = view.failures[-1]
-    assert (drill.rank, drill.node_rank, drill.pid, drill.cause) == (3, 1, 42, "drill")
+    # dated by the controller: the repair's time is measured from it (0 made it "1795518353s")
+    assert (drill.rank, drill.node_rank, drill.pid, drill.cause, drill.timestamp) == (3, 1, 42, "drill", 1234.5)
     assert "restart drill asked by ana@laptop from ftrun top" in drill.describe()
 
 
