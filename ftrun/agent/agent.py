@@ -63,6 +63,8 @@ HEARTBEAT_INTERVAL = 0.5
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
 #: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
 ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
+#: seconds after a node's ranks were replaced that it starts new warm standbys in place of those taken
+REFILL_AFTER = 5.0
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
 #: ``ftrun top``: a node's output lines are published at most this often (seconds), and only when they changed;
@@ -117,6 +119,8 @@ class Agent:
         self.oom = OomWatch()
         #: workers waiting for a device (one is being reset)
         self._pending: PendingSpawn | None = None
+        #: when to make new warm standbys in place of those a repair took (0: none due)
+        self._refill_at = 0.0
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
@@ -368,6 +372,9 @@ class Agent:
                     for local_rank in self.devices.apply(event):
                         group.fail(local_rank, "device", event.reason)
                 self._retry_pending(group)
+                if self._refill_at and now >= self._refill_at:
+                    self._refill_at = 0.0
+                    group.fill_standbys()
                 if self.interrupts.requested and interrupted_at is None:
                     interrupted_at = now
                     group.stop_signal = self.interrupts.worker_signal
@@ -536,7 +543,9 @@ class Agent:
             group.respawn(self._placement(local_rank, self.devices.env(slot), cpus), gen)
             self._started(group.workers[local_rank])
         self._pending = None
-        group.fill_standbys()
+        # the standbys taken are made again once the repair is over: a new one's torch import would
+        # compete for the CPU with the ranks' repair and their first steps
+        self._refill_at = time.monotonic() + REFILL_AFTER
 
     def _wait_for_device(self, command: Command, local_ranks: tuple[int, ...], problem: NoDevice) -> None:
         """No usable device now: wait for a reset under way (the repair deadline bounds it), else the

@@ -19,7 +19,6 @@ from ftrun.controller.policy import (
     Level,
     Milestone,
     Phase,
-    on_failures,
     on_library_ranks,
     on_milestone,
     on_node_joined,
@@ -31,7 +30,6 @@ from ftrun.controller.policy import (
     on_stop,
     operator_refusal,
     start,
-    worth_gathering,
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
@@ -83,9 +81,8 @@ class RecoveryPolicy:
     stop_timeout: float
     #: a process-level repair that has not finished by then falls back to job level
     repair_timeout: float
-    #: how long a failure report naming every rank of its node waits for the other nodes' reports
-    #: (policy.worth_gathering): two of the agents' --monitor-interval, in which they see their own
-    gather_timeout: float = 0.2
+    #: how long a repair's REPLACE commands are held back for more failure reports (see Controller._apply)
+    gather_timeout: float = 0.03
 
 
 class Keepalives:
@@ -175,9 +172,9 @@ class Controller:
         self.worker_port, self.ports = worker_port, ports
         self._first_worker_store = getattr(store, "worker_store", None)
         self._repair = RepairClock()
-        #: failure reports gathered before deciding (policy.worth_gathering), and until when
-        self._gathered: list[Report] = []
-        self._gather_until = 0.0
+        #: REPLACE commands held back (see _apply), and when they go out
+        self._held: list[Command] = []
+        self._held_until = 0.0
         #: a job-level restart waiting for its ranks to join (its generation), and whether the
         #: generation before it used ftrun.elastic (else there is nothing to wait for)
         self._restarting: int | None = None
@@ -215,7 +212,6 @@ class Controller:
                 node_timeout=config.node_timeout,
                 stop_timeout=config.stop_timeout,
                 repair_timeout=config.repair_timeout,
-                gather_timeout=2 * config.monitor_interval,
             ),
             events=EventLog(path),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
@@ -342,9 +338,8 @@ class Controller:
             for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
                 next_report += 1
                 if report is not None:  # None: forged, ignored (and logged)
-                    self._on_report(report, now)
-            if self._gathered and now >= self._gather_until:
-                self._decide_gathered()
+                    self._on_report(report)
+            self._release_held()
             self._check_repair()
             if self._restarting is not None:
                 self._check_restarted()
@@ -377,7 +372,7 @@ class Controller:
         ranks = tuple(range(slot.first_rank, slot.first_rank + slot.nproc))
         self._apply(on_node_lost(self.view, node, detail, spare.agent_id if spare else "", ranks))
 
-    def _on_report(self, report: Report, now: float) -> None:
+    def _on_report(self, report: Report) -> None:
         owner = self.nodes.get(report.node_rank)
         if report.agent_id and owner is not None and report.agent_id != owner.agent_id:
             log.warning("ignoring a %s report from %s: node %d now belongs to %s", report.kind.value,
@@ -386,22 +381,7 @@ class Controller:
         if report.kind is ReportKind.NODE_UNUSABLE and owner is not None and any(s.nproc == owner.nproc for s in self.spares):
             self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
             return
-        if report.kind is ReportKind.WORKER_FAILED and self._gathered:
-            self._gathered.append(report)
-            if frozenset(f.rank for r in self._gathered for f in r.failures) >= self.view.every_rank:
-                self._decide_gathered()  # the set is whole: nothing more to wait for
-            return
-        node_ranks = frozenset(range(owner.first_rank, owner.first_rank + owner.nproc)) if owner else frozenset()
-        if worth_gathering(self.view, report, node_ranks):
-            log.info("every rank of node %d failed: waiting up to %.0f ms for the other nodes' word",
-                     report.node_rank, 1000 * self.policy.gather_timeout)
-            self._gathered, self._gather_until = [report], now + self.policy.gather_timeout
-            return
         self._apply(on_report(self.view, report))
-
-    def _decide_gathered(self) -> None:
-        gathered, self._gathered = self._gathered, []
-        self._apply(on_failures(self.view, gathered))
 
     def _on_operator(self, request: OperatorRequest) -> None:
         """A person's request from ``ftrun top``: logged with who asked and the answer, then applied."""
@@ -560,11 +540,32 @@ class Controller:
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
                 command = dataclasses.replace(command, worker_store=self._worker_store_address)
-                self._announce(command.generation)
+                self._announce(command.generation)  # the healthy ranks leave their groups now
+                if self.policy.gather_timeout > 0:
+                    # The replacements start a moment later (the healthy ranks take longer to stop). If the
+                    # reports that come meanwhile name every rank (a whole job's crash, whose deaths come a
+                    # few milliseconds apart), the policy gives the repair up for a job-level restart, and
+                    # no replacement has taken a warm standby that the restart's ranks need.
+                    self._held_until = self._held_until if self._held else time.monotonic() + self.policy.gather_timeout
+                    self._held.append(command)
+                    continue
             elif command.kind is CommandKind.TAKEOVER:
                 self._hand_over(command)
-            log.debug("publishing %s", command)
-            self.store.append(self.keys.command_count, self.keys.command, command)
+            if command.kind in (CommandKind.STOP, CommandKind.EXIT) and self._held:
+                log.info("%d held replacement command(s) dropped: %s", len(self._held), command.reason)
+                self._held = []
+            self._publish(command)
+
+    def _publish(self, command: Command) -> None:
+        log.debug("publishing %s", command)
+        self.store.append(self.keys.command_count, self.keys.command, command)
+
+    def _release_held(self) -> None:
+        """The held REPLACE commands go out once their moment has passed."""
+        if self._held and time.monotonic() >= self._held_until:
+            held, self._held = self._held, []
+            for command in held:
+                self._publish(command)
 
     def _inventories(self) -> list[SnapshotInventory]:
         """What the nodes in the job hold now (a lost node's agent, and its memory, are gone)."""

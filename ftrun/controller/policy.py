@@ -14,10 +14,10 @@ STOPPING until every agent stopped its workers, then every worker starts anew.
 When every rank of a generation has failed, no healthy replica can hand the training state on, and
 a process-level repair would replace every rank only to find that out at the rollback: the job goes
 to job level at once (restoring the snapshots, with --snapshot-every). The failures of several nodes
-arrive as separate reports: the controller gathers those that follow a node's whole loss for a moment
-(:func:`worth_gathering`, :func:`on_failures`). When the first still started a process-level repair,
-the report that completes the set of failed ranks turns that repair into the job-level restart
-(:func:`_no_replica_left`), with no second unit of budget.
+arrive as separate reports, so the first starts a process-level repair: the report that completes the
+set of failed ranks turns that repair into the job-level restart (:func:`_no_replica_left`), with no
+second unit of budget. (The controller holds a repair's REPLACE commands back for a moment, so that a
+repair given up this way has not taken the warm standbys the restart needs.)
 """
 
 from __future__ import annotations
@@ -187,38 +187,6 @@ def on_report(view: JobView, report: Report) -> Decision:
     if report.kind is ReportKind.CLEARED:
         return _on_cleared(view, report.node_rank)
     raise ValueError(f"unknown report kind {report.kind}")
-
-
-def worth_gathering(view: JobView, report: Report, node_ranks: frozenset[int]) -> bool:
-    """Whether to wait a moment for the other nodes' word before deciding on this failure report.
-
-    Every rank of a node failing at once is the mark of a job-wide cause (a bad batch, a shared file
-    system) as much as of the node's own fault. Decided alone, it would start a process-level repair
-    whose replacements take the warm standbys that the job-level restart then lacks, once the other
-    nodes' reports complete the set (:func:`_no_replica_left`). Gathered (:func:`on_failures`), a
-    job-wide failure is seen whole and goes to job level at once; a node's own fault pays the wait.
-    A single rank's failure is never held.
-    """
-    ranks = frozenset(f.rank for f in report.failures)
-    return (report.kind is ReportKind.WORKER_FAILED and view.phase is Phase.RUNNING and view.process_level_ready
-            and report.generation == view.generation and bool(node_ranks) and ranks >= node_ranks
-            and not ranks >= view.every_rank)
-
-
-def on_failures(view: JobView, reports: list[Report]) -> Decision:
-    """Failure reports gathered over a moment (:func:`worth_gathering`), decided together: when they
-    name every rank, job level at once; otherwise each in turn, as they came."""
-    ranks = frozenset(f.rank for r in reports for f in r.failures if _fails_a_live_rank(view, r))
-    failures = tuple(f for r in reports for f in r.failures)
-    if (view.phase is Phase.RUNNING and view.process_level_ready and ranks >= view.every_rank
-            and view.budget_left > 0 and not any(f.cause == "setting" for f in failures)):
-        first = failures[0].describe()
-        return _no_replica_left(dataclasses.replace(view, failures=view.failures + failures), first)
-    commands: list[Command] = []
-    for report in reports:
-        view, more = on_report(view, report)
-        commands += more
-    return view, commands
 
 
 def _fails_a_live_rank(view: JobView, report: Report) -> bool:

@@ -36,8 +36,10 @@ log = logging.getLogger("ftrun.elastic")
 HEARTBEAT_INTERVAL = 1.0
 #: the deadline of each of the repair watcher's waits (it waits again after each)
 WATCH_TIMEOUT = 3600.0
-#: after a repair is announced, how long the main thread may take to notice before it is interrupted
-INTERRUPT_AFTER = 0.05
+#: after a repair is announced, how long the main thread may take to notice before it is interrupted: one
+#: tick of the watcher. Every collective of the old generation is lost anyway, and a rank whose neighbours
+#: are alive (in a ring all-reduce, all but the dead rank's) would otherwise wait out the whole delay
+INTERRUPT_AFTER = 0.01
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
 EXIT_STUCK = 75
 

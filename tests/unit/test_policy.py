@@ -12,14 +12,12 @@ from ftrun.controller.policy import (
     Level,
     Milestone,
     Phase,
-    on_failures,
     on_milestone,
     on_node_joined,
     on_node_lost,
     on_repair_failed,
     on_report,
     start,
-    worth_gathering,
 )
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
 
@@ -343,36 +341,6 @@ def test_one_healthy_rank_left_is_still_a_process_level_repair():
     v, commands = on_report(process_view(), reports_of((0, 1, 3))[0])
     assert (v.phase, v.level, v.replacing) == (Phase.STOPPING, Level.PROCESS, frozenset({0, 1, 3}))
     assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (0, 1, 3))]
-
-
-NODE_RANKS = {0: frozenset({0, 1}), 1: frozenset({2, 3})}
-
-
-@pytest.mark.parametrize("failed_ranks, phase, recovery, gathered", [
-    ((0, 1), Phase.RUNNING, Level.PROCESS, True),  # every rank of its node: maybe a job-wide failure
-    ((1,), Phase.RUNNING, Level.PROCESS, False),  # one rank: the common process fault, decided at once
-    ((0, 1, 2, 3), Phase.RUNNING, Level.PROCESS, False),  # the whole job already: nothing to wait for
-    ((0, 1), Phase.STOPPING, Level.PROCESS, False),  # a repair under way takes it as it comes
-    ((0, 1), Phase.RUNNING, Level.JOB, False),  # job level anyway
-], ids=["whole-node", "one-rank", "whole-job", "repairing", "job-level"])
-def test_only_a_whole_node_failing_waits_for_the_other_nodes(failed_ranks, phase, recovery, gathered):
-    v = process_view(phase=phase, recovery=recovery)
-    node_report = reports_of(failed_ranks)[0]
-    assert worth_gathering(v, node_report, NODE_RANKS[node_report.node_rank]) is gathered
-
-
-@pytest.mark.parametrize("arrivals", [[(2, 3), (0, 1)], [(2, 3), (0,), (1,)]], ids=["node-by-node", "rank-by-rank"])
-def test_gathered_reports_naming_every_rank_go_to_job_level_without_a_process_level_repair(arrivals):
-    v, commands = on_failures(process_view(), reports_of(*arrivals))
-    assert (v.phase, v.level, v.no_replica, v.generation, v.restarts_used) == (Phase.STOPPING, Level.JOB, True, 0, 0)
-    assert [c.kind for c in commands] == [CommandKind.STOP]  # no REPLACE: no standby spent on a doomed repair
-    assert "rank 2" in v.reason and len(v.failures) == 4
-
-
-def test_gathered_reports_leaving_a_healthy_rank_are_decided_in_turn():
-    v, commands = on_failures(process_view(), reports_of((2, 3), (0,)))
-    assert (v.phase, v.level, v.replacing) == (Phase.STOPPING, Level.PROCESS, frozenset({0, 2, 3}))
-    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (2, 3)), (CommandKind.REPLACE, (0,))]
 
 
 def test_every_rank_failed_with_the_last_unit_of_budget_restarts_once():

@@ -1,0 +1,68 @@
+"""What the controller publishes for the agents after failure reports, over a real TCPStore on loopback
+(the policy's decisions are test_policy.py's; here: when their commands go out)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+from ftrun.auth import Signer
+from ftrun.config import Endpoint
+from ftrun.controller.controller import Controller, RecoveryPolicy
+from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.keys import JobKeys
+from ftrun.messages import Command, CommandKind, Report, ReportKind, WorkerFailure
+from ftrun.rendezvous import RendezvousPolicy
+from ftrun.store import ControlStore
+
+HOLD = 0.08
+
+
+@pytest.fixture
+def controller():
+    """A controller of a running 2 nodes x 2 ranks job under ftrun.elastic, --recovery process."""
+    from torch.distributed import TCPStore
+
+    raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    store = ControlStore(raw, Endpoint("127.0.0.1", raw.port), True, Signer())
+    made = Controller(store, JobKeys("commands"), RendezvousPolicy(2, 2, 0.0, 5.0), "agent-0", "127.0.0.1",
+                      RecoveryPolicy(max_restarts=3, recovery=Level.PROCESS, node_timeout=10.0, stop_timeout=5.0,
+                                     repair_timeout=60.0, gather_timeout=HOLD))
+    made.view = JobView(node_count=2, max_restarts=3, world_size=4, recovery=Level.PROCESS, library_ranks=4)
+    return made
+
+
+def failed(*ranks: int) -> Report:
+    node = ranks[0] // 2
+    return Report(ReportKind.WORKER_FAILED, node, 0, tuple(
+        WorkerFailure(rank=r, local_rank=r % 2, node_rank=node, host=f"h{node}", pid=100 + r, exit_code=-9,
+                      generation=0) for r in ranks))
+
+
+def published(controller: Controller) -> list[Command]:
+    return controller.store.read_from(controller.keys.command_count, controller.keys.command, Command, 0)
+
+
+def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_told(controller):
+    controller._on_report(failed(3))
+    assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.PROCESS)
+    assert controller.store.try_text(controller.keys.target_generation) == "1"  # the healthy ranks leave now
+    controller._release_held()
+    assert published(controller) == []  # the replacement waits for more reports
+    time.sleep(HOLD)
+    controller._release_held()
+    assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
+
+
+def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doomed_repair(controller):
+    # the deaths of a whole job's crash come a few milliseconds apart, each node's in its own report
+    for report in (failed(2), failed(0, 1), failed(3)):
+        controller._on_report(report)
+    assert (controller.view.phase, controller.view.level, controller.view.no_replica) == (Phase.STOPPING, Level.JOB,
+                                                                                          True)
+    time.sleep(HOLD)
+    controller._release_held()
+    # no REPLACE ever reached an agent: the restart's ranks find every standby warm
+    assert [c.kind for c in published(controller)] == [CommandKind.STOP]
