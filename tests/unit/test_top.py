@@ -161,6 +161,14 @@ class FakeSource:
         self.asked.append((action, rank, node_rank))
 
 
+async def press_each(pilot, keys) -> None:
+    """Press ``keys`` one by one, letting the view settle before and after each."""
+    await pilot.pause()
+    for key in keys:
+        await pilot.press(key)
+        await pilot.pause()
+
+
 def drive(source: FakeSource, *keys: str) -> str:
     """Press ``keys`` in the view of ``source``; the pane's text and the message line afterwards."""
     pytest.importorskip("textual")
@@ -171,10 +179,7 @@ def drive(source: FakeSource, *keys: str) -> str:
     async def run() -> str:
         app = TopApp(source)  # type: ignore[arg-type]
         async with app.run_test(size=(120, 40)) as pilot:
-            await pilot.pause()
-            for key in keys:
-                await pilot.press(key)
-                await pilot.pause()
+            await press_each(pilot, keys)
             body = str(app.query_one("#body", Static).render())
             return body + "\n" + str(app.query_one("#message", Static).render())
 
@@ -235,10 +240,7 @@ def drive_controller_view(source: FakeSource, *keys: str, close_lifeline: bool =
         app = ControllerTopApp(source, read)  # type: ignore[arg-type]  (the app closes ``read``)
         try:
             async with app.run_test(size=(120, 40)) as pilot:
-                await pilot.pause()
-                for key in keys:
-                    await pilot.press(key)
-                    await pilot.pause()
+                await press_each(pilot, keys)
                 message = str(app.query_one("#message", Static).render())
                 if close_lifeline:
                     os.close(write)
