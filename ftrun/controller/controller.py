@@ -546,7 +546,8 @@ class Controller:
                     # reports that come meanwhile name every rank (a whole job's crash, whose deaths come a
                     # few milliseconds apart), the policy gives the repair up for a job-level restart, and
                     # no replacement has taken a warm standby that the restart's ranks need.
-                    self._held_until = self._held_until if self._held else time.monotonic() + self.policy.gather_timeout
+                    if not self._held:
+                        self._held_until = time.monotonic() + self.policy.gather_timeout
                     self._held.append(command)
                     continue
             elif command.kind is CommandKind.TAKEOVER:
