@@ -11,20 +11,27 @@ stale keys (pytorch issues 135712 and 167288); ftrun's cannot see any.
 What each message path costs, for N nodes of P ranks (W = N x P), in store round trips (scripts/
 bench_control_plane.py measures them; README "Scale"):
 
-* rendezvous: each agent appends one ``join`` record and polls ``rendezvous_result`` (O(1) per agent);
-  the controller reads each record once (O(N) in all) and writes one result of O(N) bytes.
-* keepalives: each agent adds to its ``node_heartbeat`` and writes its ``agent_status`` (O(P) bytes)
-  every 0.5 s; the controller reads all N counters in one ``multi_get`` per tick.
+* rendezvous: each agent appends one ``join`` record (O(1)) and its Watch blocks in the store's
+  ``wait`` on its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),
+  writes one result of O(N) bytes and rings every joined agent's bell in one ``multi_set``. Each
+  agent then reads the result once: O(N) bytes per agent, O(N) round trips in all.
+* keepalives: every 0.5 s each agent adds to its ``node_heartbeat`` and writes its ``agent_status``
+  (O(P) bytes: its ranks' pids, liveness, steps and heartbeat ages), and reads in one ``multi_get``
+  the controller's counter, the command count and its P ranks' heartbeats and steps (the hang check):
+  3 round trips per agent, O(N)/s in all. The controller reads all N keepalive counters in one
+  ``multi_get`` per 0.5 s: O(1) round trips, O(N) bytes.
 * rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` every second (the
-  worker library: O(W) writes/s job-wide, all on the store); its agent reads its P counters in one
-  ``multi_get`` (the hang check).
-* status board: the controller reads the W counters, W steps and N statuses in a few ``multi_get``s
-  and writes ``status``: O(W) bytes per keepalive, O(1) round trips.
+  worker library: O(W) writes/s job-wide). Only its own agent reads them; the controller never reads a
+  key per rank.
+* status board: the controller reads the N statuses in two round trips (``check``, ``multi_get``) and
+  writes ``status``: O(W) bytes, rebuilt at most BOARD_RANKS_PER_S ranks' worth a second.
 * reports: an agent appends one (O(1)); the controller polls ``report_count`` (O(1) per tick).
-* commands: the controller appends one, whatever N (a broadcast, never one per node); each agent polls
-  ``command_count`` every --monitor-interval, so a decision reaches every node within one interval.
-* layout and rank tables: one ``layout`` of O(N) bytes per generation; each agent writes a rank table
-  of O(W) entries locally.
+* commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
+  every agent's ``doorbell`` in one ``multi_set`` (O(N) bytes, one round trip); each agent's Watch
+  wakes at once and the agent reads the command (O(1) round trips each). Idle agents poll nothing:
+  the command count in the keepalive read is only a net under the bell.
+* layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
+  agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore`` of O(W x (1 + R)) entries for sharded state (R replicas), O(W) for
   replicated state; chosen in O(W x (1 + R)) time.
 """
@@ -194,6 +201,12 @@ class JobKeys:
         an append-only sequence that the controller reads."""
         return f"{self.root}/operator/{seq}"
 
+    def doorbell(self, agent_id: str, ring: int | str) -> str:
+        """Set when there is news for the agent: ring "rendezvous" once the rendezvous result is written,
+        ring k once command k is. The agent's Watch blocks in the store's ``wait`` on its next ring,
+        and an agent that leaves rings its own next bell to let the watch go (ftrun.agent.protocol)."""
+        return f"{self.root}/agent/{agent_id}/bell/{ring}"
+
     def stack_request(self, agent_id: str) -> str:
         """A StackRequest for one of the agent's ranks (signed like a command); the agent looks at each keepalive."""
         return f"{self.root}/agent/{agent_id}/stack_request"
@@ -220,6 +233,8 @@ class JobKeys:
         return f"{self.root}/events/{index}"
 
 
+#: the doorbell ring for the rendezvous result (the commands' are their indices)
+RENDEZVOUS_RING = "rendezvous"
 #: the run ids of the jobs a store has served, as a sequence (``ftrun status`` picks from them)
 JOBS_COUNT = "ftrun/jobs/count"
 #: in a static rendezvous's worker store (on --master-port): the port of the job's control store

@@ -7,42 +7,75 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import signal
 import typing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
 
 def to_json(message: Any) -> str:
-    return json.dumps(dataclasses.asdict(message), sort_keys=True)
+    return json.dumps(_plain(message), sort_keys=True)
+
+
+def _plain(value):
+    """``dataclasses.asdict`` without its deep copies (a node's status is written twice a second)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: _plain(getattr(value, name)) for name in _names(type(value))}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def _names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def from_json(cls: type[T], text: str | bytes) -> T:
-    data = json.loads(text)
-    return _build(cls, data)
+    if dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        return _built(cls, text)
+    return _build(cls, json.loads(text))
+
+
+@functools.lru_cache(maxsize=32)
+def _built(cls, text: str | bytes):
+    """A frozen message read again as the same bytes is built once: the layout at each generation, and
+    the rendezvous result and layout of a thousand nodes that every simulated agent of a process reads
+    (scripts/bench_control_plane.py), which would otherwise be parsed once per agent on shared cores."""
+    return _build(cls, json.loads(text))
 
 
 def _build(cls, data: dict):
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        if name not in hints:
-            continue  # a newer sender may add fields; older readers ignore them
-        kwargs[name] = _convert(hints[name], value)
-    return cls(**kwargs)
+    fields = _fields(cls)
+    # a newer sender may add fields; older readers ignore them
+    return cls(**{name: fields[name](value) for name, value in data.items() if name in fields})
 
 
-def _convert(kind, value):
-    if dataclasses.is_dataclass(kind) and isinstance(value, dict):
-        return _build(kind, value)
+@functools.cache
+def _fields(cls) -> dict[str, Callable[[Any], Any]]:
+    """How to rebuild each field of a message class from JSON, worked out once per class: an agent
+    reads the rendezvous result and the layout of a thousand nodes, a controller their statuses."""
+    return {name: _converter(kind) for name, kind in typing.get_type_hints(cls).items()}
+
+
+def _converter(kind) -> Callable[[Any], Any]:
+    if dataclasses.is_dataclass(kind):
+        return lambda value: _build(kind, value) if isinstance(value, dict) else value
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return kind(value)
-    if typing.get_origin(kind) is tuple and isinstance(value, list):
-        item = typing.get_args(kind)[0]
-        return tuple(_convert(item, v) for v in value)
+        return kind
+    if typing.get_origin(kind) is tuple:
+        item = _converter(typing.get_args(kind)[0])
+        return lambda value: tuple(item(v) for v in value) if isinstance(value, list) else value
+    return _same
+
+
+def _same(value):
     return value
 
 
@@ -128,6 +161,11 @@ class RankState:
     alive: bool
     #: how many times this rank's process was started again (job- or process-level)
     restarts: int = 0
+    #: its last committed step, and seconds since its heartbeat counter last moved (None: not yet; the
+    #: worker library keeps both): the agent reads them for its hang check and sums them up here, so
+    #: that the controller reads one status per node and never a key per rank
+    step: int | None = None
+    heartbeat_age: float | None = None
 
 
 @dataclass(frozen=True)

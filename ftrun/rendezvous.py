@@ -8,16 +8,21 @@ the join records and the time; :func:`gather` (run by the controller) and
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
-from ftrun.keys import JobKeys
+from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult
 from ftrun.store import ControlStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL = 0.05
+#: an agent with a Watch: how long it sleeps between looks at its stop request while the bell has not
+#: rung (a thousand agents waking every POLL_INTERVAL cost their hosts nothing, a simulator of them much),
+#: and how often it reads the rendezvous result all the same
+RING_WAIT, RESULT_NET = 0.25, 1.0
 #: how long an agent that joined after the rendezvous waits for the controller's answer
 ADMISSION_DEADLINE = 10.0
 
@@ -140,14 +145,17 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
             result = RendezvousResult(error="the job was stopped during the rendezvous")
         if result is not None:
             store.set(keys.rendezvous_result, result)
+            store.set_texts([keys.doorbell(j.agent_id, RENDEZVOUS_RING) for j in joins], "")  # every Watch wakes
             return result
         time.sleep(POLL_INTERVAL)
 
 
-def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> tuple[RendezvousResult, NodeSlot]:
-    """An agent's side: announce itself, wait for the result, find its slot."""
+def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop,
+         ready: threading.Event | None = None) -> tuple[RendezvousResult, NodeSlot]:
+    """An agent's side: announce itself, wait for the result, find its slot. ``ready``: set once the
+    result is written (a ``Watch``); the result is then read once instead of polled for."""
     try:
-        result = _await_result(store, keys, record, timeout, stop)
+        result = _await_result(store, keys, record, timeout, stop, ready)
     except StoreUnavailable as e:
         raise RendezvousError(f"lost the store during the rendezvous: {e}") from None
     if result.error:
@@ -173,19 +181,26 @@ def _await_admission(store: ControlStore, keys: JobKeys, record: JoinRecord, sto
     raise RendezvousError("the job has already started and its controller did not admit this agent")
 
 
-def _await_result(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop) -> RendezvousResult:
+def _await_result(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop,
+                  ready: threading.Event | None) -> RendezvousResult:
     store.append(keys.arrivals, keys.join, record)
     deadline = time.monotonic() + timeout + 5.0  # the controller decides at `timeout`; allow for its answer
+    next_read = 0.0  # with ``ready``: read at once (a late arrival finds the result there), then now and then
     while True:
-        result = store.try_get(RendezvousResult, keys.rendezvous_result)
-        if result is not None:
-            store.add(keys.rendezvous_readers)
-            return result
+        if ready is None or ready.is_set() or time.monotonic() >= next_read:
+            next_read = time.monotonic() + RESULT_NET
+            result = store.try_get(RendezvousResult, keys.rendezvous_result)
+            if result is not None:
+                store.add(keys.rendezvous_readers)
+                return result
         if stop.is_set():
             raise RendezvousError("stopped while waiting for the rendezvous")
         if time.monotonic() > deadline:
             raise RendezvousError(f"no rendezvous result from the controller at {store.endpoint} within {timeout:g}s")
-        time.sleep(POLL_INTERVAL)
+        if ready is not None and not ready.is_set():
+            ready.wait(RING_WAIT)
+        else:
+            time.sleep(POLL_INTERVAL)
 
 
 def linger_for_readers(store: ControlStore, keys: JobKeys, deadline: float) -> None:

@@ -53,8 +53,8 @@ class ControlStore:
         self.is_host = is_host
         self.signer = signer or Signer()
         self._forged: set[str] = set()
-        #: counters known to exist (``counters`` creates the others first)
-        self._counters: set[str] = set()
+        #: keys known to exist (``readings`` creates the others first)
+        self._existing: set[str] = set()
         #: the static rendezvous's first worker store, which the controller takes over (``_open_static``)
         self.worker_store = None
 
@@ -82,33 +82,48 @@ class ControlStore:
         return self._get_or_ignore(cls, key)
 
     def counters(self, keys: list[str]) -> list[int]:
-        """Many counters in one round trip (``multi_get``): the keepalives of every node, the
-        heartbeats of a node's ranks. A counter not yet created is created at 0 first, once, since
-        ``multi_get`` waits for a missing key."""
-        if not keys:
-            return []
-        fresh = [key for key in keys if key not in self._counters]
-        for key in fresh:
-            self.counter(key)
-        self._counters.update(fresh)
-        return [int(value) for value in self._call(self.raw.multi_get, keys)]
+        """Many counters in one round trip (``multi_get``): the keepalives of every node."""
+        return self.readings(keys, [])[0]
 
-    def texts(self, keys: list[str]) -> list[str]:
-        """Many unsigned texts, "" for a key not yet set: two round trips (``check``, ``multi_get``)
-        when every key is set, one per key otherwise."""
-        if not keys:
-            return []
-        if self._call(self.raw.check, keys):
-            return [value.decode("utf-8", "replace") for value in self._call(self.raw.multi_get, keys)]
-        return [self.try_text(key) for key in keys]
+    def create(self, counters: list[str], texts: list[str]) -> None:
+        """Counters at 0 and empty texts, in one round trip (``multi_set``), for the keys not yet known
+        to exist: for keys nobody else writes yet (an existing one is set anew)."""
+        fresh = [key for key in counters + texts if key not in self._existing]
+        if fresh:
+            zero = set(counters)
+            self._call(self.raw.multi_set, fresh, ["0" if key in zero else "" for key in fresh])
+            self._existing.update(fresh)
+
+    def readings(self, counters: list[str], texts: list[str]) -> tuple[list[int], list[str]]:
+        """Counters and unsigned texts together in one round trip (``multi_get``): an agent's keepalive
+        reads the controller's counter and its ranks' heartbeats and steps so. ``multi_get`` waits for
+        a missing key, so each key is created first, once: a counter at 0, a text empty (``compare_set``
+        leaves alone one written meanwhile); a text never written reads ""."""
+        for key in counters:
+            if key not in self._existing:
+                self.counter(key)
+                self._existing.add(key)
+        for key in texts:
+            if key not in self._existing:
+                self._call(self.raw.compare_set, key, "", "")
+                self._existing.add(key)
+        if not counters and not texts:
+            return [], []
+        values = self._call(self.raw.multi_get, counters + texts)
+        return ([int(value) for value in values[:len(counters)]],
+                [value.decode("utf-8", "replace") for value in values[len(counters):]])
 
     def messages(self, cls: type[T], keys: list[str]) -> list[T | None]:
-        """Many messages, None for a key not yet set (or forged): as ``texts``, in two round trips
-        when every key is set."""
+        """Many messages, None for a key not yet set (or forged): two round trips (``check``,
+        ``multi_get``) when every key is set, one per key otherwise."""
         if not keys:
             return []
         if not self._call(self.raw.check, keys):
             return [self.try_get(cls, key) for key in keys]
+        return self._open_all(cls, keys)
+
+    def _open_all(self, cls: type[T], keys: list[str]) -> list[T | None]:
+        """The messages under ``keys`` (all set), in one round trip; None for one ignored as forged."""
         found: list[T | None] = []
         for key, raw in zip(keys, self._call(self.raw.multi_get, keys)):
             try:
@@ -135,6 +150,11 @@ class ControlStore:
 
     def set_text(self, key: str, text: str, signed: bool = False) -> None:
         self._call(self.raw.set, key, self.signer.seal(key, text) if signed else text)
+
+    def set_texts(self, keys: list[str], text: str) -> None:
+        """The same unsigned text under many keys, in one round trip (``multi_set``)."""
+        if keys:
+            self._call(self.raw.multi_set, keys, [text] * len(keys))
 
     def try_text(self, key: str, signed: bool = False) -> str:
         """The key's text, or "" while it is unset (or, ``signed``, when it is forged)."""
@@ -170,14 +190,22 @@ class ControlStore:
 
     def read_from(self, count_key: str, item_key: Callable[[int], str], cls: type[T], start: int) -> list[T | None]:
         """Items ``start..`` of a sequence that are fully written, in order; None in the place of one
-        ignored as forged (the caller counts it, and skips it)."""
+        ignored as forged (the caller counts it, and skips it). Three round trips when every new item
+        is written (a thousand agents' join records), one more per item otherwise."""
+        keys = [item_key(index) for index in range(start, self.counter(count_key))]
+        if len(keys) > 1 and self._call(self.raw.check, keys):
+            return self._open_all(cls, keys)
         items: list[T | None] = []
-        for index in range(start, self.counter(count_key)):
-            key = item_key(index)
+        for key in keys:
             if not self._call(self.raw.check, [key]):
                 break  # reserved but not yet written; read it next time
             items.append(self._get_or_ignore(cls, key))
         return items
+
+    def read_range(self, item_key: Callable[[int], str], cls: type[T], start: int, stop: int) -> list[T | None]:
+        """Items ``start..stop-1`` of a sequence, known to be written (a doorbell rang for them): one
+        round trip; None in the place of one ignored as forged."""
+        return self._open_all(cls, [item_key(index) for index in range(start, stop)]) if stop > start else []
 
     def _call(self, fn, *args):
         try:

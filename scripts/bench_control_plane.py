@@ -3,20 +3,27 @@
 The real controller (``ftrun.controller.Controller``) and a real TCPStore run in this process; N
 simulated agents run as threads in --agent-processes other processes, each speaking the agents' real
 protocol through ``ftrun.agent.protocol.NodeProtocol`` (the object the real Agent sends and reads every
-message with): the rendezvous, keepalives with the node's status, its ranks' heartbeat reads (the hang
-check), reports, and commands, with the same monitor interval. Workers are only their heartbeats: a
-thread per process writes each running rank's heartbeat counter and step once a second, as the worker
-library does (one ``multi_set`` per node instead of two writes per rank: the store does the same work).
-One more agent stands by as a spare.
+message with) and its Watch (blocked in the store's wait on the agent's doorbell): the rendezvous,
+keepalives with the node's status, its ranks' heartbeat and step reads (the hang check), reports and
+commands. Workers are only their heartbeats: a thread per process writes each running rank's heartbeat
+counter and step once a second, as the worker library does (one ``multi_set`` per node instead of two
+writes per rank: the store does the same work). One more agent stands by as a spare.
+
+--real-agents 32 then runs 32 real ftrun agents (a process each, one stdlib worker each), kills a rank,
+and prints their figures beside the simulator's at the same size.
 
 Per N, in order:
-  rendezvous       from the go signal until every agent holds its place
+  rendezvous       from the go signal until every node's agent holds its place
   fail fan-out     from one rank's failure report until every agent holds the controller's STOP
+  decision         from the controller's decision until every agent holds it (and until half do)
   restart          from that report until every agent holds the next generation's START
+  publish          the controller's own part of the failure's decision: the STOP written and every
+                   agent's doorbell rung
   lost-node fan-out from the controller's finding a node lost (no keepalive for --node-timeout) until
                    every agent (the spare included) holds its decision
   ctl CPU          the controller thread's CPU seconds per wall second over --steady seconds of running
   store CPU        the store server's (this process less the controller thread) over the same
+  agents CPU       the simulated agents' processes' over the same: what the machine had left
   store ops/s      requests every client sent over the same (a multi_get is one)
   board            bytes of the status snapshot (``ftrun status``'s JSON)
   rank table       one agent's time to build and write its generation's rank table
@@ -29,10 +36,14 @@ Per N, in order:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import multiprocessing
 import os
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +54,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ftrun.agent.protocol import NodeProtocol  # noqa: E402
+from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.config import Endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
@@ -58,6 +69,9 @@ RUN_ID = "bench"
 #: the agents' defaults (ftrun/agent/agent.py HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
 KEEPALIVE, MONITOR_INTERVAL, RANK_BEAT = 0.5, 0.1, 1.0
 READY, GO, FAIL, LOSE, END = "bench/ready", "bench/go", "bench/fail", "bench/lose", "bench/end"
+#: how often a process of simulated agents looks for the failure or the loss to simulate; how many of
+#: its agents connect at once
+DIRECTOR_TICK, CONNECTING = 0.05, 16
 
 
 class Count:
@@ -91,16 +105,13 @@ class CountingStore:
 # -- the agents' side (in --agent-processes processes) -----------------------------------------
 
 class SimAgent:
-    """One node's agent with workers that are only heartbeats: the real NodeProtocol, driven the way
-    Agent._supervise drives it."""
+    """One node's agent with workers that are only heartbeats: the real NodeProtocol and its Watch,
+    driven the way Agent._supervise drives them."""
 
     def __init__(self, index: int, port: int, nproc: int, ops, shared: dict):
-        self.index, self.nproc, self.shared = index, nproc, shared
-        raw = connect_store(Endpoint("127.0.0.1", port), 60)
-        store = ControlStore(CountingStore(raw, ops), Endpoint("127.0.0.1", port), is_host=False)
+        self.index, self.port, self.nproc, self.ops, self.shared = index, port, nproc, ops, shared
         self.agent_id = f"sim-{index}"
-        self.protocol = NodeProtocol(store, JobKeys(RUN_ID), self.agent_id, node_timeout=30.0)
-        self.store = store
+        self.wake = threading.Event()
         self.joined_at = 0.0
         self.ranks: list[int] = []
         self.running = False
@@ -109,6 +120,13 @@ class SimAgent:
         self.node = -1
         #: (sequence number, kind, generation, time received) of every command
         self.received: list[tuple[int, str, int, float]] = []
+
+    def connect(self) -> None:
+        endpoint = Endpoint("127.0.0.1", self.port)
+        self.store = ControlStore(CountingStore(connect_store(endpoint, 120), self.ops), endpoint, is_host=False)
+        watch = Watch(lambda: CountingStore(connect_store(endpoint, 120), self.ops), JobKeys(RUN_ID), self.agent_id,
+                      self.wake.set)
+        self.protocol = NodeProtocol(self.store, JobKeys(RUN_ID), self.agent_id, node_timeout=30.0, watch=watch)
 
     def run(self) -> None:
         self.store.wait_for(GO, 600)
@@ -121,13 +139,14 @@ class SimAgent:
         self.node = slot.node_rank
         next_beat = 0.0
         while not self.shared["end"].is_set():
+            self.wake.clear()
             now = time.monotonic()
             if now >= next_beat:
-                ranks = tuple(RankState(r, r - self.ranks[0], 0, self.running) for r in self.ranks)
-                self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, ranks))
-                self.protocol.check_controller(now)
-                if self.running:
-                    self.protocol.rank_beats(self.ranks)  # the hang check's read
+                ranks = self.ranks if self.running else []
+                _, steps = self.protocol.observe(ranks, now)  # the controller's keepalive, commands, the hang check's read
+                states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, int(s) if s.isdigit() else None, 0.0)
+                               for r, s in zip(ranks, steps))
+                self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states))
                 next_beat = now + KEEPALIVE
             if self.shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
                 self._fail()
@@ -143,6 +162,7 @@ class SimAgent:
                     self.running = False
                     self.protocol.report(ReportKind.STOPPED, command.generation)
                 elif command.kind is CommandKind.START:
+                    self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
                     self.generation, self.running = command.generation, True
                 elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                     self.protocol.node_rank = command.node_rank
@@ -151,7 +171,7 @@ class SimAgent:
                     self._take(mine.first_rank)
                 elif command.kind is CommandKind.TAKEOVER and command.node_rank == self.protocol.node_rank:
                     return
-            time.sleep(MONITOR_INTERVAL)
+            self.wake.wait(max(0.0, next_beat - time.monotonic()))  # a command or the director wakes it
 
     def _take(self, first_rank: int) -> None:
         self.ranks = list(range(first_rank, first_rank + self.nproc)) if first_rank >= 0 else []
@@ -184,6 +204,8 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     ops = Count()
     shared = {"fail": -1, "lose": -1, "end": threading.Event()}
     agents = [SimAgent(i, port, nproc, ops, shared) for i in indices]
+    with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
+        list(pool.map(SimAgent.connect, agents))
     threads = [threading.Thread(target=a.run, name=f"sim-agent-{a.index}", daemon=True) for a in agents]
     for thread in threads:
         thread.start()
@@ -193,22 +215,26 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     director.add(READY, 1)  # every agent of this process is connected
     while True:
         for key, name in ((FAIL, "fail"), (LOSE, "lose")):
-            if director.check([key]):
+            if shared[name] < 0 and director.check([key]):
                 shared[name] = int(director.get(key))
+                for agent in agents:  # the failure or the loss to simulate, now
+                    agent.wake.set()
         ops_value.value = ops.value
         if director.check([END]):
             break
-        time.sleep(0.05)
+        time.sleep(DIRECTOR_TICK)
     shared["end"].set()
     for thread in threads:
         thread.join(5)
+    for agent in agents:
+        agent.protocol.watch.close(agent.store)
     results.put([{"node": a.node, "joined_at": a.joined_at, "failed_at": a.failed_at, "received": a.received}
                  for a in agents])
 
 
 # -- the controller's side, and the measurements -------------------------------------------------
 
-def simulate(nodes: int, nproc: int, agent_processes: int = 2, steady: float = 5.0, node_timeout: float = 10.0) -> dict:
+def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5.0, node_timeout: float = 30.0) -> dict:
     """One run at ``nodes`` x ``nproc`` (and one spare); the figures, and the counts the smoke test checks."""
     logging.getLogger("ftrun").setLevel(logging.ERROR)
     server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
@@ -227,6 +253,15 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 2, steady: float = 5
         lose_node(node, detail)
 
     controller.lose_node = timed_lose_node  # type: ignore[method-assign]
+    published: list[tuple[str, float]] = []
+    publish = controller._publish
+
+    def timed_publish(command) -> None:
+        began = time.perf_counter()
+        publish(command)
+        published.append((command.kind.value, time.perf_counter() - began))
+
+    controller._publish = timed_publish  # type: ignore[method-assign]
     controller.start()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -239,19 +274,25 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 2, steady: float = 5
         process.start()
     figures: dict = {"nodes": nodes, "ranks": nodes * nproc, "agents": total, "agent_processes": len(processes)}
     try:
-        wait_until(lambda: store.counter(READY) >= len(processes), 120, "every agent connected")
+        wait_until(lambda: store.counter(READY) >= len(processes), 300, "every agent connected")
         go = time.time()
+        _progress(f"{nodes} nodes: {total} agents connected; the rendezvous starts")
         store.set_text(GO, "1")
         wait_until(lambda: controller.view is not None and _received(store, keys) >= 1, 300, "the rendezvous")
+        _progress(f"{nodes} nodes: rendezvous done in {time.time() - go:.1f}s")
         wait_until(lambda: _all_running(controller, nodes), 120, "every node's first keepalive")
+        _progress(f"{nodes} nodes: every node runs; steady state")
 
         # steady state: the controller's CPU and every client's requests over `steady` seconds
         time.sleep(max(2.0, 2 * KEEPALIVE + RANK_BEAT))
         me = psutil.Process()
         ctl_thread = controller._thread.native_id
+        agents = [psutil.Process(p.pid) for p in processes]
         cpu0, thread0, ops0, wall0 = _cpu(me), _thread_cpu(me, ctl_thread), _ops(ctl_ops, op_counts), time.monotonic()
+        agents0 = sum(_cpu(a) for a in agents)
         time.sleep(steady)
         wall = time.monotonic() - wall0
+        figures["agents_cpu"] = round((sum(_cpu(a) for a in agents) - agents0) / wall, 3)
         ctl_cpu = _thread_cpu(me, ctl_thread) - thread0
         figures["ctl_cpu"] = round(ctl_cpu / wall, 4)
         figures["store_cpu"] = round((_cpu(me) - cpu0 - ctl_cpu) / wall, 4)
@@ -281,8 +322,11 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 2, steady: float = 5
         for process in processes:
             process.join(10)
     decisions = [e["t"] for e in controller.events.last(("decision",), 10)]
-    figures["rendezvous_s"] = round(max(r["joined_at"] for r in received) - go, 3)
+    # the N nodes' agents (a spare that came after the decision is admitted later, as any late arrival is)
+    joined = sorted(r["joined_at"] - go for r in received if r["node"] >= 0)
+    figures["rendezvous_s"], figures["rendezvous_p50_s"] = round(joined[-1], 3), round(joined[len(joined) // 2], 3)
     figures.update(_fan_out(received, seq, lose_seq, decisions, total // 2, total // 3))
+    figures["publish_ms"] = round(next(t for kind, t in published if kind == "stop") * 1000, 1)
     figures.update(_rank_table(controller, nodes))
     figures.update(_restore_plan(nodes, nproc))
     figures["events"] = [e["kind"] for e in controller.events.last(("decision", "node_lost", "takeover",
@@ -307,6 +351,7 @@ def _fan_out(received: list[dict], seq: int, lose_seq: int, decisions: list[floa
     return {"joined": sum(1 for r in received if r["joined_at"]),
             "fail_fanout_ms": round((max(stop_times) - failed_at) * 1000, 1),
             "decision_fanout_ms": round((max(stop_times) - decisions[0]) * 1000, 1),
+            "decision_fanout_p50_ms": round((sorted(stop_times)[len(stop_times) // 2] - decisions[0]) * 1000, 1),
             "restart_ms": round((max(start_times) - failed_at) * 1000, 1),
             "lost_fanout_ms": round((max(loss_times) - decisions[1]) * 1000, 1) if len(decisions) > 1 else None,
             "holders": sum(1 for t in stop_times if t != float("inf"))}
@@ -366,6 +411,10 @@ def _ops(controller_ops, agent_counts) -> int:
     return controller_ops.value + sum(v.value for v in agent_counts)
 
 
+def _progress(line: str) -> None:
+    print(time.strftime("%H:%M:%S"), line, file=sys.stderr, flush=True)
+
+
 def wait_until(condition, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -374,18 +423,105 @@ def wait_until(condition, seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+# -- the real thing: real agents, one process each -----------------------------------------------
+
+#: the real run's worker: no torch, writes its pid once running, ends when the harness says so
+TICKER = """import os, sys, time
+out = os.environ["REAL_OUT"]
+with open(os.path.join(out, f"rank{os.environ['RANK']}.g{os.environ['TORCHELASTIC_RESTART_COUNT']}"), "w") as f:
+    f.write(str(os.getpid()))
+deadline = time.monotonic() + 600
+while not os.path.exists(os.path.join(out, "finish")) and time.monotonic() < deadline:
+    time.sleep(0.1)
+"""
+
+
+def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> dict:
+    """``nodes`` real ftrun agents on one c10d endpoint (one process each, as on hosts of their own),
+    one rank each running a stdlib script; once every rank runs, the middle rank is SIGKILLed, and the
+    job-level restart it starts is timed from the agents' own log lines, as they print them:
+
+      rendezvous   from the last agent's joining the store until the last holds its place
+      fail fan-out from the SIGKILL until every other agent has read the STOP
+      restart      from the SIGKILL until every agent has read the next generation's START
+
+    The job then ends; the exit codes, and what each agent read, are the figures' counts. ``env``:
+    more of the agents' environment."""
+    with tempfile.TemporaryDirectory(prefix="ftrun-real-") as folder:
+        out = Path(folder)
+        (out / "tick.py").write_text(TICKER)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "ftrun", "--nnodes", str(nodes), "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "real",
+                   "--max-restarts", "1", "--status", "plain", "--monitor-interval", str(MONITOR_INTERVAL),
+                   str(out / "tick.py")]
+        env = dict(os.environ, REAL_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
+        env.pop("PET_NNODES", None)
+        lines: list[tuple[int, float, str]] = []  # (agent, time read, line)
+        agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=folder,
+                                   start_new_session=True, text=True) for _ in range(nodes)]
+        readers = [threading.Thread(target=_read_lines, args=(i, a.stdout, lines), daemon=True) for i, a in enumerate(agents)]
+        for reader in readers:
+            reader.start()
+        try:
+            wait_until(lambda: len(list(out.glob("rank*.g0"))) >= nodes, deadline, "every rank of generation 0 running")
+            victim = int((out / f"rank{nodes // 2}.g0").read_text())
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda: len(list(out.glob("rank*.g1"))) >= nodes, deadline, "every rank of generation 1 running")
+            (out / "finish").touch()
+            codes = [a.wait(deadline) for a in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+        for reader in readers:
+            reader.join(5)
+
+    def last(pattern: str, exclude: int = -1) -> tuple[int, float]:
+        times = {}
+        for agent, t, line in lines:
+            if pattern in line and agent != exclude:
+                times.setdefault(agent, t)
+        return len(times), max(times.values(), default=float("nan"))
+
+    joined, joined_at = last("joined the store")
+    placed, placed_at = last(f" of {nodes}, ranks ")
+    victim_agent = next(a for a, _, line in lines if f"rank {nodes // 2} failed" in line)
+    stopped, stopped_at = last("stopping generation 0", exclude=victim_agent)
+    restarted, restarted_at = last("restarting workers as generation 1")
+    return {"nodes": nodes, "ranks": nodes, "agents": nodes, "exit_codes": sorted(set(codes)),
+            "joined": placed, "holders": stopped, "restarted": restarted,
+            "rendezvous_s": round(placed_at - joined_at, 3),
+            "fail_fanout_ms": round((stopped_at - killed_at) * 1000, 1),
+            "restart_ms": round((restarted_at - killed_at) * 1000, 1)}
+
+
+def _read_lines(agent: int, stream, lines: list) -> None:
+    for line in stream:
+        lines.append((agent, time.time(), line.rstrip()))
+
+
+REAL_COLUMNS = [("run", "32 nodes x 1 rank"), ("rendezvous_s", "rdzv s"), ("fail_fanout_ms", "fail fan-out ms"),
+                ("restart_ms", "restart ms")]
+
+
 COLUMNS = [("nodes", "nodes"), ("ranks", "ranks"), ("agents", "agents"), ("rendezvous_s", "rdzv s"),
-           ("fail_fanout_ms", "fail fan-out ms"), ("decision_fanout_ms", "decision fan-out ms"),
-           ("restart_ms", "restart ms"), ("lost_fanout_ms", "lost fan-out ms"),
-           ("ctl_cpu", "ctl CPU"), ("store_cpu", "store CPU"), ("store_ops_s", "store ops/s"),
+           ("fail_fanout_ms", "fail fan-out ms"), ("decision_fanout_p50_ms", "decision p50 ms"),
+           ("decision_fanout_ms", "decision fan-out ms"), ("publish_ms", "publish ms"), ("restart_ms", "restart ms"),
+           ("lost_fanout_ms", "lost fan-out ms"), ("ctl_cpu", "ctl CPU"), ("store_cpu", "store CPU"),
+           ("agents_cpu", "agents CPU"), ("store_ops_s", "store ops/s"),
            ("board_bytes", "board B"), ("rank_table_ms", "rank table ms"), ("plan_bytes", "plan B"),
            ("plan_ms", "plan ms")]
 
 
-def table(rows: list[dict]) -> str:
-    widths = [max(len(title), *(len(str(row.get(key))) for row in rows)) for key, title in COLUMNS]
-    lines = ["  ".join(title.rjust(w) for (_, title), w in zip(COLUMNS, widths))]
-    lines += ["  ".join(str(row.get(key)).rjust(w) for (key, _), w in zip(COLUMNS, widths)) for row in rows]
+def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
+    widths = [max(len(title), *(len(str(row.get(key))) for row in rows)) for key, title in columns]
+    lines = ["  ".join(title.rjust(w) for (_, title), w in zip(columns, widths))]
+    lines += ["  ".join(str(row.get(key)).rjust(w) for (key, _), w in zip(columns, widths)) for row in rows]
     return "\n".join(lines)
 
 
@@ -394,19 +530,31 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--nodes", default="8,64,256,1024")
     parser.add_argument("--ranks-per-node", type=int, default=16)
-    parser.add_argument("--agent-processes", type=int, default=2, help="processes the simulated agents share")
+    parser.add_argument("--agent-processes", type=int, default=4, help="processes the simulated agents share")
     parser.add_argument("--steady", type=float, default=5.0, help="seconds of steady state measured")
+    parser.add_argument("--real-agents", type=int, default=32,
+                        help="also run this many real agents (1 rank each) and the simulator at the same size (0: not)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     rows = []
-    for nodes in (int(n) for n in args.nodes.split(",")):
+    for nodes in (int(n) for n in args.nodes.split(",") if n):
         rows.append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady))
         print(json.dumps(rows[-1]), flush=True)
+    compared = []
+    if args.real_agents:
+        compared = [dict(simulate(args.real_agents, 1, args.agent_processes, args.steady), run="simulated"),
+                    dict(real_run(args.real_agents), run="real agents")]
+        for row in compared:
+            print(json.dumps(row), flush=True)
     print(f"\n{os.cpu_count()} cores; each run's agents (N + 1 spare) shared {args.agent_processes} processes "
           f"with the controller and the store in one more\n")
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if compared:
+        print(f"\nthe simulator against {args.real_agents} real agents (one process each) on the same cores:\n")
+        print(table(compared, [(k, t.replace("32", str(args.real_agents))) for k, t in REAL_COLUMNS]))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"simulated": rows, "real": compared}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import psutil
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
-from ftrun.agent.protocol import NodeProtocol
+from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
 from ftrun.agent.stacks import dump_stack, stack_lines
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
@@ -55,7 +56,7 @@ from ftrun.rendezvous import linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
 from ftrun.snapshots.plan import SnapshotInventory
 from ftrun.status import StatusView
-from ftrun.store import ControlStore, StoreUnavailable, bind_address, open_control_store
+from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_store, open_control_store
 from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class Agent:
         finally:
             if self.view is not None:
                 self.view.stop()
+            if self.protocol is not None and self.protocol.watch is not None:
+                self.protocol.watch.close(self.store)
 
     def _run(self) -> JobOutcome:
         config = self.config
@@ -180,7 +183,10 @@ class Agent:
         self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
                                         config.store_bind, config.several_nodes, config.worker_port,
                                         config.worker_port_range)
-        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout)
+        endpoint = self.store.endpoint
+        self._wakeup = Wakeup()
+        watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self._wakeup)
+        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
         if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
             config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
         if self.store.is_host:
@@ -334,7 +340,7 @@ class Agent:
             while True:
                 now = time.monotonic()
                 self._publish_status(group)  # the spare's keepalive
-                self.protocol.check_controller(now)
+                self.protocol.observe([], now)  # the controller's keepalive, and the commands published
                 if self.interrupts.requested:
                     return self.interrupts.exit_code, "interrupted while standing by as a spare"
                 for command in self.protocol.commands():
@@ -349,7 +355,8 @@ class Agent:
                         self._refresh_layout()
                         log.warning("taking the place of node %d (%s): %s", command.node_rank, lost, command.reason)
                         return None
-                time.sleep(HEARTBEAT_INTERVAL)
+                select.select([self._wakeup], [], [], HEARTBEAT_INTERVAL)
+                self._wakeup.drain()
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
@@ -363,11 +370,8 @@ class Agent:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._publish_status(group)  # the node's keepalive
+                    self._keepalive(group, now, judge_hangs=interrupted_at is None)
                     next_beat = now + HEARTBEAT_INTERVAL
-                    self.protocol.check_controller(now)
-                    if interrupted_at is None:
-                        self._check_hangs(group, now)
                 for event in self.devices.tick(w.placement.local_rank for w in group.running):
                     for local_rank in self.devices.apply(event):
                         group.fail(local_rank, "device", event.reason)
@@ -384,15 +388,12 @@ class Agent:
                     return self.interrupts.exit_code, "interrupted; the controller did not answer"
 
                 ended = group.poll()
+                if ended:  # the status the report below is read with holds the ranks' last steps
+                    self._keepalive(group, now, judge_hangs=False)
+                    next_beat = now + HEARTBEAT_INTERVAL
                 failed = [w for w in ended if w.returncode != 0]
                 if failed and interrupted_at is None:
-                    failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
-                    for worker, failure in zip(failed, failures):
-                        log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
-                        if failure.level and not worker.cause:  # a device error in its own output
-                            self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level),
-                                                         failure.detail)
-                    self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
+                    self._report_failed(group, failed)
                     answer_due = now + ANSWER_WAIT
                 if ended and group.all_succeeded and not reported_success:
                     reported_success = True
@@ -413,6 +414,9 @@ class Agent:
                                                      f"given to a spare ({command.reason}); leaving")
                     if command.kind is CommandKind.STOP:
                         log.warning("stopping generation %d: %s", command.generation, command.reason)
+                        failed = [w for w in group.poll() if w.returncode != 0]
+                        if failed and interrupted_at is None:  # they failed on their own before this stop
+                            self._report_failed(group, failed)
                         # the restart's ranks take warm interpreters that import torch while this one stops
                         group.fill_standbys(at_least=self.slot.nproc)
                         group.stop(config.stop_timeout, keep_standbys=True)
@@ -431,15 +435,36 @@ class Agent:
                     elif command.kind is CommandKind.REPLACE:
                         reported_success = False
                         self._replace_ranks(group, command)
-                group.wait(ANSWER_TICK if time.monotonic() < answer_due else config.monitor_interval)
+                group.wait(ANSWER_TICK if time.monotonic() < answer_due else config.monitor_interval, self._wakeup)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
-    def _publish_status(self, group: WorkerGroup) -> None:
-        """This node's ranks, standbys and devices, for the status view (one store write per keepalive)."""
+    def _report_failed(self, group: WorkerGroup, failed: list[Worker]) -> None:
+        failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
+        for worker, failure in zip(failed, failures):
+            log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
+            if failure.level and not worker.cause:  # a device error in its own output
+                self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
+        self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
+
+    def _keepalive(self, group: WorkerGroup, now: float, judge_hangs: bool) -> None:
+        """What the node reads at a keepalive (the controller's counter, the commands published, its
+        ranks' heartbeats and steps: one round trip), the hang check, and the node's status."""
+        workers = list(group.workers)
+        beats, steps = self.protocol.observe([w.placement.rank for w in workers], now)
+        if judge_hangs:
+            running = [(w, b) for w, b in zip(workers, beats) if w.returncode is None]
+            self._check_hangs(group, [w for w, _ in running], [b for _, b in running], now)
+        self._publish_status(group, dict(zip((w.placement.rank for w in workers), steps)), now)
+
+    def _publish_status(self, group: WorkerGroup, steps: dict[int, str] | None = None, now: float = 0.0) -> None:
+        """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
+        heartbeats' ages), standbys and devices, for the status view (one store write per keepalive)."""
+        steps = steps or {}
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
-                      max(0, self._starts.get(w.placement.rank, 1) - 1))
+                      max(0, self._starts.get(w.placement.rank, 1) - 1), _step(steps.get(w.placement.rank, "")),
+                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
             for w in group.workers
         )
         standbys = sum(1 for p in group.standbys if p.poll() is None)
@@ -490,10 +515,13 @@ class Agent:
         except StoreUnavailable:
             pass  # the job is ending
 
-    def _started(self, worker: Worker) -> None:
-        rank = worker.placement.rank
-        self._starts[rank] = self._starts.get(rank, 0) + 1
-        self._watch_from_now(worker)
+    def _started(self, workers: list[Worker]) -> None:
+        """Workers just started: counted for the status, and judged for hangs from now on, against
+        their heartbeat counters as they stand (read in one round trip)."""
+        ranks = [w.placement.rank for w in workers]
+        for rank, beats in zip(ranks, self.store.counters([self.keys.rank_heartbeat(r) for r in ranks])):
+            self._starts[rank] = self._starts.get(rank, 0) + 1
+            self.hangs.restart(rank, beats, time.monotonic())
 
     def _placement(self, local_rank: int, device_env=(), cpus: tuple[int, ...] = ()) -> WorkerPlacement:
         group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.slot.node_rank)
@@ -525,9 +553,9 @@ class Agent:
         placements = [self._placement(i, self.devices.env(slots.get(i)), cpus.get(i, ()))
                       for i in range(self.slot.nproc)]
         self._pending = None
+        self.protocol.prepare_ranks([p.rank for p in placements])
         group.start(placements, self._generation_env(command))
-        for worker in group.workers:
-            self._started(worker)
+        self._started(group.workers)
         group.fill_standbys()
 
     def _respawn(self, group: WorkerGroup, command: Command, local_ranks: tuple[int, ...]) -> None:
@@ -541,7 +569,7 @@ class Agent:
                 return
             cpus = self.devices.binding().get(local_rank, ())
             group.respawn(self._placement(local_rank, self.devices.env(slot), cpus), gen)
-            self._started(group.workers[local_rank])
+            self._started([group.workers[local_rank]])
         self._pending = None
         # the standbys taken are made again once the repair is over: a new one's torch import would
         # compete for the CPU with the ranks' repair and their first steps
@@ -568,14 +596,9 @@ class Agent:
         else:
             self._respawn(group, pending.command, pending.local_ranks)
 
-    def _watch_from_now(self, worker: Worker) -> None:
-        rank = worker.placement.rank
-        self.hangs.restart(rank, self.store.counter(self.keys.rank_heartbeat(rank)), time.monotonic())
-
-    def _check_hangs(self, group: WorkerGroup, now: float) -> None:
-        """A rank that stopped showing signs of life: its stack is dumped, then it is killed and reported."""
-        running = list(group.running)
-        all_beats = self.protocol.rank_beats([w.placement.rank for w in running])  # one round trip
+    def _check_hangs(self, group: WorkerGroup, running: list[Worker], all_beats: list[int], now: float) -> None:
+        """A rank that stopped showing signs of life (``all_beats``: the heartbeat counters of the
+        ``running`` ranks): its stack is dumped, then it is killed and reported."""
         for worker, beats in zip(running, all_beats):
             rank = worker.placement.rank
             activity, stopped = self._activity(worker)
@@ -668,3 +691,8 @@ def host_address(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError:
         return ""
+
+
+def _step(text: str) -> int | None:
+    """A rank's committed step as the worker library writes it (None: none yet)."""
+    return int(text) if text.lstrip("-").isdigit() else None

@@ -42,6 +42,11 @@ class HangWatch:
         """A new process took the rank: judge it from now on, against the counter's current value."""
         self._ranks[rank] = _Rank(beats, beats, now, (), now)
 
+    def heartbeat_age(self, rank: int, now: float) -> float | None:
+        """Seconds since the rank's heartbeat counter last moved (None: it never beat)."""
+        seen = self._ranks.get(rank)
+        return round(now - seen.beat_at, 1) if seen is not None and seen.beats else None
+
     def forget(self, rank: int) -> None:
         self._ranks.pop(rank, None)
 

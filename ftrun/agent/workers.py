@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
@@ -24,6 +25,9 @@ from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
 from ftrun.messages import WorkerFailure, signal_name
 from ftrun.orphans import die_with_parent
+
+if TYPE_CHECKING:
+    from ftrun.agent.protocol import Wakeup
 
 log = logging.getLogger(__name__)
 #: how long to wait for a dead worker's last output before reporting it
@@ -276,15 +280,18 @@ class WorkerGroup:
                 ended.append(worker)
         return ended
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, wakeup: Wakeup | None = None) -> None:
         """Sleep up to ``timeout``, waking as soon as a running worker ends (Linux's pidfds): a death
-        is seen at once instead of at the next --monitor-interval (elsewhere: a plain sleep)."""
+        is seen at once instead of at the next --monitor-interval (elsewhere: a plain sleep); and as
+        soon as ``wakeup`` (a ``Wakeup``: a command was published) is written to."""
         fds: list[int] = []
         try:
             for worker in self.running:
                 fds.append(os.pidfd_open(worker.pid))
-            if fds:
-                select.select(fds, [], [], timeout)
+            if fds or wakeup is not None:
+                select.select(fds + ([wakeup] if wakeup is not None else []), [], [], timeout)
+                if wakeup is not None:
+                    wakeup.drain()
             else:
                 time.sleep(timeout)
         except ProcessLookupError:

@@ -135,7 +135,8 @@ def launch_options(fn):
                help="Job-wide retry budget (alias: --fault-retry-times).  [default: 0]"),
         option("fault-retry-times", group=RECOVERY, type=int, default=None, help="Same as --max-restarts (MindCluster's name)."),
         option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
-               help="Seconds between checks of the workers (on Linux a worker's death is seen at once)."),
+               help="Seconds between checks of the workers (on Linux a worker's death is seen at once, and a "
+                    "command from the controller always is)."),
         option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
                help="Seconds without a heartbeat before a rank under ftrun.elastic counts as hung: its stack is "
                     "dumped, it is killed and recovered."),

@@ -1,8 +1,9 @@
 """The job's status snapshot: what the live view and ``ftrun status`` show.
 
-The controller builds it at each keepalive from its own view and what the store holds (each agent's
-NodeStatus, each rank's heartbeat counter and committed step), keeps it in memory for the live view
-on its own terminal, and publishes it as JSON under ``keys.status`` for ``ftrun status`` elsewhere.
+The controller builds it at each keepalive from its own view and each agent's NodeStatus (which sums
+up its ranks: pid, liveness, committed step, heartbeat age), so that it reads one key per node and
+never one per rank. It keeps it in memory for the live view on its own terminal, and publishes it as
+JSON under ``keys.status`` for ``ftrun status`` elsewhere.
 Plain data only (dicts, lists, numbers, strings), so both read the same thing.
 """
 
@@ -64,7 +65,6 @@ class StatusBoard:
         self.run_id = run_id
         self.started = time.monotonic()
         self.snapshot: dict = {}
-        self._beats: dict[int, tuple[int, float]] = {}
         self._rate = Rate()
         self._next_progress = 0.0
         self._last_logged_step: int | None = None
@@ -78,19 +78,18 @@ class StatusBoard:
                 saved: dict | None = None) -> dict:
         """``saved``: with snapshots, ``restorable_step`` and ``checkpoint_step`` (None where there is none)."""
         now = time.monotonic()
-        ranks = self._ranks(view.world_size, now)
-        steps = [r["step"] for r in ranks if r["step"] is not None]
-        step = min(steps) if steps else None
-        rate = self._rate.add(now, step) if step is not None else 0.0
-        total = self._total_steps() if steps else None
         active = [slot for _, slot in sorted(nodes.items()) if slot.node_rank in view.present]
         statuses = self.store.messages(NodeStatus, [self.keys.agent_status(s.agent_id) for s in active + spares])
         node_rows = [self._node_row(view, slot, "active", status) for slot, status in zip(active, statuses)]
         node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
         node_rows += [self._node_row(view, slot, "spare", status) for slot, status in zip(spares, statuses[len(active):])]
         by_rank = {r["rank"]: r for row in node_rows for r in row.pop("rank_states")}
-        for rank in ranks:
-            rank.update(by_rank.get(rank["rank"], {}))
+        ranks = [by_rank.get(rank) or {"rank": rank, "step": None, "heartbeat_age": None}
+                 for rank in range(view.world_size)]
+        steps = [r["step"] for r in ranks if r["step"] is not None]
+        step = min(steps) if steps else None
+        rate = self._rate.add(now, step) if step is not None else 0.0
+        total = self._total_steps() if steps else None
         self.snapshot = {
             "run_id": self.run_id,
             "time": time.time(),
@@ -145,22 +144,6 @@ class StatusBoard:
             self._total = int(text) if text.strip().isdigit() and int(text) > 0 else None
         return self._total
 
-    def _ranks(self, world_size: int, now: float) -> list[dict]:
-        rows = []
-        # every rank's counter and step in a few round trips, not three per rank
-        all_beats = self.store.counters([self.keys.rank_heartbeat(rank) for rank in range(world_size)])
-        steps = self.store.texts([self.keys.rank_progress(rank) for rank, beats in enumerate(all_beats) if beats])
-        step_of = dict(zip((rank for rank, beats in enumerate(all_beats) if beats), steps))
-        for rank, beats in enumerate(all_beats):
-            seen, since = self._beats.get(rank, (None, now))
-            if beats != seen:
-                self._beats[rank] = (beats, now)
-                since = now
-            text = step_of.get(rank, "")
-            rows.append({"rank": rank, "step": int(text) if text.lstrip("-").isdigit() else None,
-                         "heartbeat_age": round(now - since, 1) if beats else None})
-        return rows
-
     def _node_row(self, view: JobView, slot: NodeSlot, role: str, status: NodeStatus | None) -> dict:
         states = status.ranks if status else ()
         return {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
@@ -170,8 +153,8 @@ class StatusBoard:
                "standbys": status.standbys if status else 0,
                "devices": [{"index": d.index, "health": d.health, "reason": d.reason}
                            for d in (status.devices if status else ())],
-               "rank_states": [{"rank": r.rank, "node": slot.node_rank, "pid": r.pid, "alive": r.alive,
-                                "restarts": r.restarts} for r in states]}
+               "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
+                                "pid": r.pid, "alive": r.alive, "restarts": r.restarts} for r in states]}
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",

@@ -33,7 +33,7 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
-from ftrun.keys import JOBS_COUNT, JobKeys, job_entry
+from ftrun.keys import JOBS_COUNT, RENDEZVOUS_RING, JobKeys, job_entry
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -480,6 +480,7 @@ class Controller:
             if len(self.spares) < self.rendezvous_policy.spares or self._room_to_grow():
                 self.spares.append(node_slot(join, -1, -1))
                 self.store.set_text(self.keys.admission(join.agent_id), "spare", signed=True)
+                self.store.set_text(self.keys.doorbell(join.agent_id, RENDEZVOUS_RING), "")  # its Watch goes on
                 log.info("%s joined as a spare node", join.host)
             else:
                 self.store.set_text(self.keys.admission(join.agent_id), signed=True, text=(
@@ -558,8 +559,11 @@ class Controller:
             self._publish(command)
 
     def _publish(self, command: Command) -> None:
+        """One command for every agent (a broadcast key), and every agent's doorbell rung for it."""
         log.debug("publishing %s", command)
-        self.store.append(self.keys.command_count, self.keys.command, command)
+        index = self.store.append(self.keys.command_count, self.keys.command, command)
+        agents = [slot.agent_id for slot in self.nodes.values()] + [slot.agent_id for slot in self.spares]
+        self.store.set_texts([self.keys.doorbell(agent, index) for agent in agents], "")  # one round trip
 
     def _release_held(self) -> None:
         """The held REPLACE commands go out once their moment has passed."""

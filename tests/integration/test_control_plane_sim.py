@@ -1,17 +1,21 @@
 """The control-plane simulator's smallest size as a smoke test: 8 simulated agents and a spare speak the
-agents' real protocol (ftrun.agent.protocol) to the real controller and store. Counts and message flow
-only: the timings are the benchmark's (scripts/bench_control_plane.py), never asserted here."""
+agents' real protocol (ftrun.agent.protocol) to the real controller and store; and the largest job of
+real agents this machine holds, 32 of them. Counts and message flow only: the timings are the
+benchmark's (scripts/bench_control_plane.py), never asserted here."""
 
 from __future__ import annotations
 
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from bench_control_plane import simulate  # noqa: E402
+from bench_control_plane import real_run, simulate  # noqa: E402
+
+from tests.conftest import marked_processes  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -24,3 +28,13 @@ def test_simulated_agents_join_hold_every_decision_and_a_spare_takes_a_lost_node
                                  "takeover", "generation_started"]
     assert figures["steady_step"] is not None  # the status board saw the simulated ranks' steps
     assert figures["board_bytes"] > 0 and figures["plan_bytes"] > 0
+
+
+def test_32_real_agents_each_read_the_restart_a_killed_rank_starts():
+    mark = uuid.uuid4().hex
+    figures = real_run(32, env={"FTRUN_TEST_MARK": mark})
+    assert figures["exit_codes"] == [0]  # the job ended at its end, on every node
+    assert figures["joined"] == 32  # every agent held its place
+    assert figures["holders"] == 31  # every agent but the killed rank's read the STOP
+    assert figures["restarted"] == 32  # and every agent the next generation's START
+    assert not marked_processes(mark)

@@ -35,8 +35,10 @@ def store():
     return ControlStore(raw, Endpoint("127.0.0.1", raw.port), is_host=True)
 
 
-def publish_node(store, agent: str, host: str, first: int, alive=(True, True), devices=()):
-    ranks = tuple(RankState(first + i, i, 100 + first + i, up, restarts=1 if not up else 0) for i, up in enumerate(alive))
+def publish_node(store, agent: str, host: str, first: int, alive=(True, True), devices=(), steps=(None, None), ages=(None, None)):
+    """An agent's status as it publishes it: its ranks summed up, with their steps and heartbeats' ages."""
+    ranks = tuple(RankState(first + i, i, 100 + first + i, up, 1 if not up else 0, step, age)
+                  for i, (up, step, age) in enumerate(zip(alive, steps, ages)))
     store.set(KEYS.agent_status(agent), NodeStatus(agent, host, 0, ranks, 1, devices))
 
 
@@ -45,12 +47,12 @@ def snapshot(store, view: JobView, events: EventLog | None = None, saved: dict |
     return board.refresh(view, NODES, [SPARE], board.started, saved)
 
 
-def test_board_joins_the_agents_and_the_ranks_words(store):
-    publish_node(store, "a0", "host-a", 0, devices=(DeviceState(0), DeviceState(1, "isolated", "SeparateNPU")))
-    publish_node(store, "a1", "host-b", 2, alive=(True, False))
-    for rank, step in ((0, 7), (1, 7), (2, 6)):
-        store.add(KEYS.rank_heartbeat(rank))
-        store.set_text(KEYS.rank_progress(rank), str(step))
+def test_board_is_built_from_one_status_per_node(store):
+    publish_node(store, "a0", "host-a", 0, devices=(DeviceState(0), DeviceState(1, "isolated", "SeparateNPU")),
+                 steps=(7, 7), ages=(0.0, 0.4))
+    publish_node(store, "a1", "host-b", 2, alive=(True, False), steps=(6, None), ages=(1.2, None))
+    for rank in range(4):  # what the ranks write themselves is the agents' to read, not the controller's
+        store.set_text(KEYS.rank_progress(rank), "1")
     view = JobView(node_count=2, max_restarts=3, world_size=4, restarts_used=1, generation=1)
     s = snapshot(store, view)
     assert (s["phase"], s["generation"], s["step"], s["world_size"]) == ("running", 1, 6, 4)
@@ -64,6 +66,7 @@ def test_board_joins_the_agents_and_the_ranks_words(store):
     rank3 = s["ranks"][3]
     assert (rank3["pid"], rank3["alive"], rank3["restarts"], rank3["step"], rank3["heartbeat_age"]) == (103, False, 1, None, None)
     assert s["ranks"][0]["step"] == 7 and s["ranks"][0]["heartbeat_age"] == 0.0
+    assert (s["ranks"][2]["step"], s["ranks"][2]["heartbeat_age"], s["ranks"][2]["node"]) == (6, 1.2, 1)
     json.dumps(s)  # what ftrun status reads: plain data only
 
 
@@ -231,11 +234,8 @@ def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeou
 
 
 def test_a_known_total_gives_a_progress_bar_and_an_eta(store):
-    publish_node(store, "a0", "host-a", 0)
-    publish_node(store, "a1", "host-b", 2)
-    for rank in range(4):
-        store.add(KEYS.rank_heartbeat(rank))
-        store.set_text(KEYS.rank_progress(rank), "25")
+    publish_node(store, "a0", "host-a", 0, steps=(25, 25), ages=(0.1, 0.1))
+    publish_node(store, "a1", "host-b", 2, steps=(25, 25), ages=(0.1, 0.1))
     view = JobView(node_count=2, max_restarts=3, world_size=4)
     s = snapshot(store, view)
     assert (s["total_steps"], s["eta_s"]) == (None, None)  # the script has not said its total
