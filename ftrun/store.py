@@ -31,6 +31,10 @@ T = TypeVar("T")
 OPERATION_TIMEOUT = datetime.timedelta(seconds=60)
 #: a listener that accepts but does not finish the store handshake within this is not a store
 HANDSHAKE_DEADLINE = 3.0
+#: how long an agent that found its port taken tries to reach a store there before it calls the port
+#: another program's: a few handshakes, since a TCPStore client's connect now and then stalls for its
+#: own 5 s timeout when many connect at once (one in 25 of a burst, measured on a 2-core machine)
+PROBE_DEADLINE = 12.0
 #: connections the store's socket queues before it accepts them (every agent and rank connects at once)
 LISTEN_BACKLOG = 2048
 
@@ -354,7 +358,7 @@ def follow_to_control_store(endpoint: Endpoint, timeout: float) -> Endpoint:
 
 def _is_store(endpoint: Endpoint) -> bool:
     try:
-        connect_store(endpoint, timeout=HANDSHAKE_DEADLINE)
+        connect_store(endpoint, timeout=PROBE_DEADLINE)
         return True
     except RendezvousError:
         return False
