@@ -206,6 +206,8 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     agents = [SimAgent(i, port, nproc, ops, shared) for i in indices]
     with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
         list(pool.map(SimAgent.connect, agents))
+    for agent in agents:  # and every watch, as a real agent's is long before the rendezvous ends
+        agent.protocol.watch.connected.wait(300)
     threads = [threading.Thread(target=a.run, name=f"sim-agent-{a.index}", daemon=True) for a in agents]
     for thread in threads:
         thread.start()

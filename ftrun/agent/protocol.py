@@ -48,7 +48,8 @@ class Watch:
         self.agent_id = agent_id
         self._connect = connect
         self._wake = wake
-        #: set once the rendezvous result is written (or the watch failed)
+        #: set once the watch has its connection (or failed); the rendezvous result is written (or failed)
+        self.connected = threading.Event()
         self.rendezvous = threading.Event()
         #: commands known to be written: the count when the watch began, plus one per ring
         self.published = 0
@@ -63,6 +64,7 @@ class Watch:
         ring: int | str = RENDEZVOUS_RING
         try:
             store = self._connect()
+            self.connected.set()
             while not self._closed:
                 self._await(store, keys.doorbell(self.agent_id, ring))
                 if ring == RENDEZVOUS_RING:
@@ -74,6 +76,7 @@ class Watch:
                 self._wake()
         except Exception as e:  # the store went (the job ended), or it never answered
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.connected.set()
             self.rendezvous.set()
             self._wake()
 
