@@ -42,17 +42,19 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchlib import free_port, kill_everything  # noqa: E402
 
 from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.config import Endpoint  # noqa: E402
@@ -144,8 +146,7 @@ class SimAgent:
             if now >= next_beat:
                 ranks = self.ranks if self.running else []
                 _, steps = self.protocol.observe(ranks, now)  # the controller's keepalive, commands, the hang check's read
-                states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, int(s) if s.isdigit() else None, 0.0)
-                               for r, s in zip(ranks, steps))
+                states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, step, 0.0) for r, step in zip(ranks, steps))
                 self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states))
                 next_beat = now + KEEPALIVE
             if self.shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
@@ -427,6 +428,8 @@ def wait_until(condition, seconds: float, what: str) -> None:
 
 # -- the real thing: real agents, one process each -----------------------------------------------
 
+#: the environment variable that marks the real run's processes (the harness kills what carries it)
+MARKER_VARIABLE = "FTRUN_BENCH_CONTROL_PLANE_MARKER"
 #: the real run's worker: no torch, writes its pid once running, ends when the harness says so
 TICKER = """import os, sys, time
 out = os.environ["REAL_OUT"]
@@ -452,14 +455,12 @@ def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> di
     with tempfile.TemporaryDirectory(prefix="ftrun-real-") as folder:
         out = Path(folder)
         (out / "tick.py").write_text(TICKER)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port, marker = free_port(), uuid.uuid4().hex
         command = [sys.executable, "-m", "ftrun", "--nnodes", str(nodes), "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "real",
                    "--max-restarts", "1", "--status", "plain", "--monitor-interval", str(MONITOR_INTERVAL),
                    str(out / "tick.py")]
-        env = dict(os.environ, REAL_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
+        env = dict(os.environ, REAL_OUT=str(out), PYTHONUNBUFFERED="1", **{MARKER_VARIABLE: marker}, **(env or {}))
         env.pop("PET_NNODES", None)
         lines: list[tuple[int, float, str]] = []  # (agent, time read, line)
         agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=folder,
@@ -476,10 +477,7 @@ def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> di
             (out / "finish").touch()
             codes = [a.wait(deadline) for a in agents]
         finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
+            kill_everything(agents, MARKER_VARIABLE, marker)  # what a failed run left, if anything
         for reader in readers:
             reader.join(5)
 

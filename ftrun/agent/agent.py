@@ -457,13 +457,13 @@ class Agent:
             self._check_hangs(group, [w for w, _ in running], [b for _, b in running], now)
         self._publish_status(group, dict(zip((w.placement.rank for w in workers), steps)), now)
 
-    def _publish_status(self, group: WorkerGroup, steps: dict[int, str] | None = None, now: float = 0.0) -> None:
+    def _publish_status(self, group: WorkerGroup, steps: dict[int, int | None] | None = None, now: float = 0.0) -> None:
         """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
         heartbeats' ages), standbys and devices, for the status view (one store write per keepalive)."""
         steps = steps or {}
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
-                      max(0, self._starts.get(w.placement.rank, 1) - 1), _step(steps.get(w.placement.rank, "")),
+                      max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
                       self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
             for w in group.workers
         )
@@ -691,8 +691,3 @@ def host_address(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError:
         return ""
-
-
-def _step(text: str) -> int | None:
-    """A rank's committed step as the worker library writes it (None: none yet)."""
-    return int(text) if text.lstrip("-").isdigit() else None

@@ -170,17 +170,17 @@ class NodeProtocol:
         if status is not None:
             self.store.set(self.keys.agent_status(self.agent_id), status)
 
-    def observe(self, ranks: list[int], now: float) -> tuple[list[int], list[str]]:
+    def observe(self, ranks: list[int], now: float) -> tuple[list[int], list[int | None]]:
         """What a keepalive reads, in one round trip: the controller's keepalive (StoreUnavailable
         once it has not moved for ``node_timeout``), the number of commands published, and this node's
-        ``ranks``' heartbeat counters and committed steps ("" before the first)."""
+        ``ranks``' heartbeat counters and committed steps (None before the first)."""
         keys = self.keys
         counts, steps = self.store.readings(
             [keys.controller_heartbeat, keys.command_count] + [keys.rank_heartbeat(r) for r in ranks],
             [keys.rank_progress(r) for r in ranks])
         self._published = counts[1]
         self._controller_seen(counts[0], now)
-        return counts[2:], steps
+        return counts[2:], [_step(text) for text in steps]
 
     def prepare_ranks(self, ranks: list[int]) -> None:
         """Before ``ranks`` start on this node: their heartbeat counters and step keys, made in one
@@ -221,3 +221,9 @@ class NodeProtocol:
             self.next_command += 1
             if command is not None:
                 yield command
+
+
+def _step(text: str) -> int | None:
+    """A rank's committed step as the worker library writes it (None: none yet, or not a number)."""
+    digits = text[1:] if text.startswith("-") else text
+    return int(text) if digits.isascii() and digits.isdigit() else None
