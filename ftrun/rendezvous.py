@@ -153,7 +153,8 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
 def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop,
          ready: threading.Event | None = None) -> tuple[RendezvousResult, NodeSlot]:
     """An agent's side: announce itself, wait for the result, find its slot. ``ready``: set once the
-    result is written (a ``Watch``); the result is then read once instead of polled for."""
+    result is written (a ``Watch``); the result is then read when it is set, and every RESULT_NET
+    seconds as a net, instead of every POLL_INTERVAL."""
     try:
         result = _await_result(store, keys, record, timeout, stop, ready)
     except StoreUnavailable as e:
