@@ -10,6 +10,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.shards import local_tensor as _local
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 #: the gradient bucket size, and the first bucket's (the last layers'), as DistributedDataParallel's defaults:
 #: a small first bucket starts communicating early in the backward pass
 BUCKET_MB, FIRST_BUCKET_MB = 25.0, 1.0
+NO_GRADIENT = "ElasticDDP: a parameter got no gradient in this step (every parameter that requires one must get one)"
 
 
 class ElasticDDP(torch.nn.Module):
@@ -25,7 +27,8 @@ class ElasticDDP(torch.nn.Module):
     Like DistributedDataParallel, the parameters are broadcast from the group's first rank before the
     first forward, and the gradients are averaged in buckets whose all-reduce starts while the
     backward pass goes on (a bucket goes once all of its gradients are ready and every bucket before
-    it went), so the network works during the backward. Unlike it:
+    it went), so the network works during the backward. As DDP's ``gradient_as_bucket_view``, each
+    gradient is then a view of its bucket, which holds the average: nothing is copied back. Unlike it:
 
     * the bucket layout is fixed when the wrapper is made (reverse parameter order, the order in
       which a backward pass usually produces gradients) and never rebuilt, so every rank, a
@@ -53,6 +56,7 @@ class ElasticDDP(torch.nn.Module):
         self._buckets = _lay_out(list(reversed(params)), cap, min(cap, int(FIRST_BUCKET_MB * 2**20)))
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._flats: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._views: list[dict[int, torch.Tensor] | None] = [None] * len(self._buckets)
         self._syncing = True
         self._start_step()
         for param in params:
@@ -90,6 +94,8 @@ class ElasticDDP(torch.nn.Module):
         self._waiting = [len(bucket) for bucket in self._buckets]
         self._works: list = []
         self._queued = False
+        #: the parameters whose gradients are in their buckets (divided) in this step
+        self._taken: set[int] = set()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._syncing:
@@ -97,37 +103,66 @@ class ElasticDDP(torch.nn.Module):
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self._waiting[self._bucket_of[id(param)]] -= 1
+        index = self._bucket_of[id(param)]
+        self._take(param, index)
+        self._waiting[index] -= 1
         while len(self._works) < len(self._buckets) and self._waiting[len(self._works)] == 0:
             self._launch(len(self._works))
 
+    def _take(self, param: torch.Tensor, index: int) -> None:
+        """``param``'s gradient into its part of bucket ``index``, divided by the group's size on the way
+        (DDP's order: the average is a sum of parts); the gradient is then that part (DDP's
+        ``gradient_as_bucket_view``), so nothing is copied back and the fresh one is freed at once."""
+        if id(param) in self._taken:
+            return
+        if param.grad is None:
+            raise RuntimeError(NO_GRADIENT)
+        self._taken.add(id(param))
+        part = self._parts(index)[id(param)]
+        grad = _local(param.grad)
+        scale = 1.0 / dist.get_world_size(self._group)
+        if _same_memory(grad, part):  # already the part: zero_grad() zeroed it rather than set it to None
+            part.mul_(scale)
+            return
+        torch.mul(grad, scale, out=part)
+        if not is_dtensor(param.grad):  # a DTensor's local tensor takes the average at the end
+            param.grad = part
+
     def _launch(self, index: int) -> None:
-        grads = [_local(p.grad) for p in self._buckets[index]]
-        flat = self._flats[index]
-        if flat is None:  # allocated once: a fresh buffer per step costs page faults
-            flat = self._flats[index] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
-                                                    device=grads[0].device)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        self._works.append(dist.all_reduce(flat, group=self._group, async_op=True))
+        """Bucket ``index``'s all-reduce, once each of its gradients is in it."""
+        for param in self._buckets[index]:
+            self._take(param, index)  # after no_sync(), nothing was taken yet
+        self._works.append(dist.all_reduce(self._flats[index], group=self._group, async_op=True))
+
+    def _parts(self, index: int) -> dict[int, torch.Tensor]:
+        """Each parameter's part of bucket ``index``'s flat buffer (by the parameter's id), shaped as it.
+        The buffer is made at the first step (after the script moved the model) and kept: a fresh one
+        per step costs page faults."""
+        parts = self._views[index]
+        if parts is None:
+            locals_ = [_local(param) for param in self._buckets[index]]
+            flat = self._flats[index] = torch.empty(sum(t.numel() for t in locals_), dtype=locals_[0].dtype,
+                                                    device=locals_[0].device)
+            parts, offset = {}, 0
+            for param, local in zip(self._buckets[index], locals_):
+                parts[id(param)] = flat[offset:offset + local.numel()].view_as(local)
+                offset += local.numel()
+            self._views[index] = parts
+        return parts
 
     def _finish(self) -> None:
-        """At the end of the backward pass: the last buckets go, every bucket is waited for and
-        averaged back into the gradients, and the buffers are made the group's first rank's."""
+        """At the end of the backward pass: the last buckets go, every bucket is waited for (each
+        gradient is its part of the bucket), and the buffers are made the group's first rank's."""
         missing = [i for i in range(len(self._works), len(self._buckets)) if self._waiting[i]]
         if missing:
-            raise RuntimeError("ElasticDDP: a parameter got no gradient in this step (every parameter that "
-                               "requires one must get one)")
+            raise RuntimeError(NO_GRADIENT)
         for index in range(len(self._works), len(self._buckets)):
             self._launch(index)
-        size = dist.get_world_size(self._group)
-        for work, bucket, flat in zip(self._works, self._buckets, self._flats):
+        for index, work in enumerate(self._works):
             work.wait()
-            flat.div_(size)
-            offset = 0
-            for param in bucket:
-                grad = _local(param.grad)
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            for param in self._buckets[index]:
+                if is_dtensor(param.grad):
+                    _local(param.grad).copy_(self._parts(index)[id(param)])
         for buffer in self.module.buffers():
             self._broadcast(buffer)
         self._start_step()
@@ -136,21 +171,24 @@ class ElasticDDP(torch.nn.Module):
         dist.broadcast(_local(tensor.data), group_src=0, group=self._group)
 
 
+def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    return tensor.data_ptr() == view.data_ptr() and tensor.shape == view.shape and tensor.stride() == view.stride()
+
+
 def _lay_out(params: list[torch.Tensor], cap: int, first_cap: int) -> list[list[torch.Tensor]]:
-    """Consecutive parameters of one dtype and device, up to ``first_cap`` bytes in the first bucket and
-    ``cap`` in each after it."""
+    """Consecutive parameters of one dtype and device, a bucket closed once it holds ``first_cap`` bytes
+    (the first) or ``cap`` (each after it): DDP's rule, so the first bucket also takes the parameter
+    that crosses its cap, and its all-reduce overlaps more of the backward pass."""
     buckets: list[list[torch.Tensor]] = []
-    size = 0
+    size, open_ = 0, False
     for param in params:
-        nbytes = _local(param).numel() * param.element_size()
         last = buckets[-1] if buckets else None
-        limit = first_cap if len(buckets) == 1 else cap
-        if last and size + nbytes <= limit and (last[0].dtype, last[0].device) == (param.dtype, param.device):
-            last.append(param)
-            size += nbytes
-        else:
-            buckets.append([param])
-            size = nbytes
+        if not (open_ and last and (last[0].dtype, last[0].device) == (param.dtype, param.device)):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += _local(param).numel() * param.element_size()
+        open_ = size < (first_cap if len(buckets) == 1 else cap)
     return buckets
 
 

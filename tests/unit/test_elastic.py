@@ -255,6 +255,7 @@ def one_rank_group():
 
 def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
     import torch
+    import torch.distributed as dist
 
     from ftrun.elastic.ddp import ElasticDDP
 
@@ -262,19 +263,32 @@ def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
     plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     wrapped = ElasticDDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_mb=100 / 2**20)
     wrapped.module.load_state_dict(plain.state_dict())
-    assert [len(bucket) for bucket in wrapped._buckets] == [2, 1, 1]  # 100-byte buckets, last layer first
     big = ElasticDDP(torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))))  # 257 KiB each
-    assert [len(bucket) for bucket in big._buckets] == [7, 9]  # up to 1 MiB first (as DDP), then 25 MiB
+    # DDP's own rule (torch's function: a bucket closes once it holds its cap or more), over the
+    # parameters in the order their gradients come
+    for ddp, caps, sizes in ((wrapped, [100, 100], [3, 1]), (big, [2**20, 25 * 2**20], [8, 8])):
+        ddp_buckets, _ = dist._compute_bucket_assignment_by_size(list(reversed(list(ddp.module.parameters()))), caps)
+        assert [len(bucket) for bucket in ddp._buckets] == [len(bucket) for bucket in ddp_buckets] == sizes
     batch = torch.randn(3, 4)
     plain(batch).pow(2).sum().backward()
     wrapped(batch).pow(2).sum().backward()
     for a, b in zip(plain.parameters(), wrapped.module.parameters()):
         assert torch.equal(a.grad, b.grad)
+        flats = [flat.data_ptr() for flat in wrapped._flats]
+        assert b.grad.untyped_storage().data_ptr() in flats  # the bucket's view: nothing copied back
     with wrapped.no_sync():  # accumulated locally, averaged once
         wrapped(batch).pow(2).sum().backward()
     wrapped.sync_gradients()
     for a, b in zip(plain.parameters(), wrapped.module.parameters()):
         assert torch.equal(2 * a.grad, b.grad)
+    for set_to_none in (False, True):  # zeroed in the bucket, or fresh gradients copied into it
+        wrapped.zero_grad(set_to_none=set_to_none)
+        wrapped(batch).pow(2).sum().backward()
+        for a, b in zip(plain.parameters(), wrapped.module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    wrapped.zero_grad()
+    with pytest.raises(RuntimeError, match="got no gradient"):  # the first layer's output alone is used
+        wrapped.module[1](batch.new_ones(3, 8)).sum().backward()
 
 
 def test_interrupted_step_puts_running_statistics_back():
