@@ -64,8 +64,7 @@ class ElasticDDP(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._synced:
-            for tensor in (*self.module.parameters(), *self.module.buffers()):
-                self._broadcast(tensor)
+            self._broadcast_all([*self.module.parameters(), *self.module.buffers()])
             self._synced = True
         return self.module(*args, **kwargs)
 
@@ -163,12 +162,24 @@ class ElasticDDP(torch.nn.Module):
             for param in self._buckets[index]:
                 if is_dtensor(param.grad):
                     _local(param.grad).copy_(self._parts(index)[id(param)])
-        for buffer in self.module.buffers():
-            self._broadcast(buffer)
+        self._broadcast_all(list(self.module.buffers()))
         self._start_step()
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(_local(tensor.data), group_src=0, group=self._group)
+    def _broadcast_all(self, tensors: list[torch.Tensor]) -> None:
+        """The group's first rank's values of ``tensors``: one broadcast per dtype and device, each end to
+        end in one buffer (as DDP's ``_sync_module_states``), not one per tensor."""
+        kinds: dict[tuple, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            local = _local(tensor.data)
+            kinds.setdefault((local.dtype, local.device), []).append(local)
+        for same in kinds.values():
+            flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1)
+            dist.broadcast(flat, group_src=0, group=self._group)
+            if flat.data_ptr() != same[0].data_ptr():
+                offset = 0
+                for t in same:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
