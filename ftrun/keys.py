@@ -15,21 +15,25 @@ bench_control_plane.py measures them; README "Scale"):
   ``wait`` on its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),
   writes one result of O(N) bytes and rings every joined agent's bell in one ``multi_set``. Each
   agent then reads the result once: O(N) bytes per agent, O(N) round trips in all.
-* keepalives: every 0.5 s each agent adds to its ``node_heartbeat`` and writes its ``agent_status``
-  (O(P) bytes: its ranks' pids, liveness, steps and heartbeat ages), and reads in one ``multi_get``
-  the controller's counter, the command count and its P ranks' heartbeats and steps (the hang check):
-  3 round trips per agent, O(N)/s in all. The controller reads all N keepalive counters in one
-  ``multi_get`` per 0.5 s: O(1) round trips, O(N) bytes.
+* keepalives: every 0.5 s each agent reads in one ``multi_get`` the controller's counter, the
+  command count and its P ranks' heartbeats and steps (the hang check), and sets its
+  ``node_heartbeat`` to its own count in one ``multi_set`` that also carries its ``agent_status``
+  (O(P) bytes: its ranks' pids, liveness, steps and heartbeat ages) when the board is next rebuilt
+  (``board_interval``) or the node changed: 2 round trips per agent, O(N)/s in all, and O(W) status
+  bytes per board period. The controller reads all N keepalive counters in one ``multi_get`` per
+  0.5 s: O(1) round trips, O(N) bytes.
 * rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` every second (the
   worker library: O(W) writes/s job-wide). Only its own agent reads them; the controller never reads a
   key per rank.
 * status board: the controller reads the N statuses in two round trips (``check``, ``multi_get``) and
-  writes ``status``: O(W) bytes, rebuilt at most BOARD_RANKS_PER_S ranks' worth a second.
+  writes ``status``: O(W) bytes, rebuilt once per ``board_interval`` (at most BOARD_RANKS_PER_S ranks'
+  worth a second).
 * reports: an agent appends one (O(1)); the controller polls ``report_count`` (O(1) per tick).
 * commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
-  every agent's ``doorbell`` in one ``multi_set`` (O(N) bytes, one round trip); each agent's Watch
-  wakes at once and the agent reads the command (O(1) round trips each). Idle agents poll nothing:
-  the command count in the keepalive read is only a net under the bell.
+  every agent's ``doorbell`` with it in one ``multi_set`` (O(N) bytes, one round trip); each agent's
+  Watch, blocked in a ``get`` of its bell, wakes holding the command and asks for the next bell: one
+  round trip per agent and command. Idle agents poll nothing: the command count in the keepalive
+  read is only a net under the bell.
 * layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
   agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore`` of O(W x (1 + R)) entries for sharded state (R replicas), O(W) for
@@ -39,6 +43,17 @@ bench_control_plane.py measures them; README "Scale"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: the status board costs O(ranks) to build, serialise and write: a big job's is rebuilt at most this many
+#: ranks' worth a second (a job of up to 2,048 ranks: at every keepalive), and at once when the phase or
+#: the generation changes, so that the controller's steady CPU does not grow with the job
+BOARD_RANKS_PER_S = 4096
+
+
+def board_interval(world_size: int, keepalive: float) -> float:
+    """Seconds between two rebuilds of the status board; each agent writes its node's status (what
+    the board is built from) as often, and at once when the node changed."""
+    return max(keepalive, world_size / BOARD_RANKS_PER_S)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,11 @@ class ControlStore:
         return self._call(self.raw.add, key, amount)
 
     def set(self, key: str, message) -> None:
-        self._call(self.raw.set, key, self.signer.seal(key, to_json(message)))
+        self._call(self.raw.set, key, self.sealed(key, message))
+
+    def sealed(self, key: str, message) -> str:
+        """The text ``set`` writes under ``key`` (the controller's doorbells carry a command's so)."""
+        return self.signer.seal(key, to_json(message))
 
     def get(self, cls: type[T], key: str) -> T:
         """The message under ``key``; ``Forged`` when it is not one of the job's own."""
@@ -128,17 +132,18 @@ class ControlStore:
 
     def _open_all(self, cls: type[T], keys: list[str]) -> list[T | None]:
         """The messages under ``keys`` (all set), in one round trip; None for one ignored as forged."""
-        found: list[T | None] = []
-        for key, raw in zip(keys, self._call(self.raw.multi_get, keys)):
-            try:
-                found.append(from_json(cls, self.signer.open(key, raw)))
-            except Forged as e:
-                self._ignore(key, e)
-                found.append(None)
-            except (ValueError, TypeError, KeyError) as e:
-                self._ignore(key, Forged(f"not a {cls.__name__} ({type(e).__name__})"))
-                found.append(None)
-        return found
+        return [self.opened(cls, key, raw) for key, raw in zip(keys, self._call(self.raw.multi_get, keys))]
+
+    def opened(self, cls: type[T], key: str, raw: bytes) -> T | None:
+        """The message ``raw`` holds, read from ``key`` (or carried by a doorbell for it); None when it
+        is ignored as forged."""
+        try:
+            return from_json(cls, self.signer.open(key, raw))
+        except Forged as e:
+            self._ignore(key, e)
+        except (ValueError, TypeError, KeyError) as e:
+            self._ignore(key, Forged(f"not a {cls.__name__} ({type(e).__name__})"))
+        return None
 
     def wait_for(self, key: str, seconds: float) -> bool:
         """Whether ``key`` was set within ``seconds`` (True at once when it already is)."""
@@ -154,6 +159,10 @@ class ControlStore:
 
     def set_text(self, key: str, text: str, signed: bool = False) -> None:
         self._call(self.raw.set, key, self.signer.seal(key, text) if signed else text)
+
+    def set_each(self, keys: list[str], texts: list[str]) -> None:
+        """Unsigned (or already sealed) texts under their keys, in one round trip (``multi_set``)."""
+        self._call(self.raw.multi_set, keys, texts)
 
     def set_texts(self, keys: list[str], text: str) -> None:
         """The same unsigned text under many keys, in one round trip (``multi_set``)."""

@@ -21,6 +21,10 @@ Per N, in order:
                    agent's doorbell rung
   lost-node fan-out from the controller's finding a node lost (no keepalive for --node-timeout) until
                    every agent (the spare included) holds its decision
+  replace fan-out  once the ranks say they run the worker library (its "joined" milestone), one more
+                   rank fails: from its report until every agent holds the process-level REPLACE
+  replace decision the same from the controller's decision (the REPLACE goes out the policy's
+                   gather_timeout, 30 ms, after it: reports of more ranks lost meanwhile join it)
   ctl CPU          the controller thread's CPU seconds per wall second over --steady seconds of running
   store CPU        the store server's (this process less the controller thread) over the same
   agents CPU       the simulated agents' processes' over the same: what the machine had left
@@ -71,6 +75,8 @@ RUN_ID = "bench"
 #: the agents' defaults (ftrun/agent/agent.py HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
 KEEPALIVE, MONITOR_INTERVAL, RANK_BEAT = 0.5, 0.1, 1.0
 READY, GO, FAIL, LOSE, END = "bench/ready", "bench/go", "bench/fail", "bench/lose", "bench/end"
+#: the workers say they run the worker library (its "joined" milestone); then one more rank fails
+LIBRARY, REPAIR = "bench/library", "bench/repair"
 #: how often a process of simulated agents looks for the failure or the loss to simulate; how many of
 #: its agents connect at once
 DIRECTOR_TICK, CONNECTING = 0.05, 16
@@ -118,7 +124,7 @@ class SimAgent:
         self.ranks: list[int] = []
         self.running = False
         self.generation = 0
-        self.failed_at = 0.0
+        self.failed_at = self.repair_failed_at = 0.0
         self.node = -1
         #: (sequence number, kind, generation, time received) of every command
         self.received: list[tuple[int, str, int, float]] = []
@@ -147,10 +153,12 @@ class SimAgent:
                 ranks = self.ranks if self.running else []
                 _, steps = self.protocol.observe(ranks, now)  # the controller's keepalive, commands, the hang check's read
                 states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, step, 0.0) for r, step in zip(ranks, steps))
-                self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states))
+                self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states), now)
                 next_beat = now + KEEPALIVE
             if self.shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
-                self._fail()
+                self.failed_at = self._fail()
+            if self.shared["repair"] == self.node >= 0 and not self.repair_failed_at and self.running:
+                self.repair_failed_at = self._fail()
             if self.shared["lose"] == self.node >= 0:
                 return  # the node is gone: no keepalive, no goodbye
             seq = self.protocol.next_command
@@ -165,6 +173,9 @@ class SimAgent:
                 elif command.kind is CommandKind.START:
                     self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
                     self.generation, self.running = command.generation, True
+                elif command.kind is CommandKind.REPLACE and set(command.ranks) & set(self.ranks):
+                    self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
+                    self.running = True
                 elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                     self.protocol.node_rank = command.node_rank
                     layout = self.store.try_get(Layout, JobKeys(RUN_ID).layout)
@@ -177,13 +188,15 @@ class SimAgent:
     def _take(self, first_rank: int) -> None:
         self.ranks = list(range(first_rank, first_rank + self.nproc)) if first_rank >= 0 else []
 
-    def _fail(self) -> None:
+    def _fail(self) -> float:
+        """Its first rank failed: the report, as the agent sends it; when."""
         rank = self.ranks[0]
         failure = WorkerFailure(rank, 0, self.protocol.node_rank, "127.0.0.1", 0, None, signal="SIGKILL",
                                 timestamp=time.time(), generation=self.generation, cause="signal")
         self.running = False
-        self.failed_at = time.time()
+        failed_at = time.time()
         self.protocol.report(ReportKind.WORKER_FAILED, self.generation, failures=(failure,))
+        return failed_at
 
 
 def beat_ranks(port: int, agents: list[SimAgent], ops, end: threading.Event) -> None:
@@ -203,7 +216,7 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     """A process of simulated agents: one thread each, a worker-heartbeat thread, a director thread."""
     logging.basicConfig(level=logging.ERROR)
     ops = Count()
-    shared = {"fail": -1, "lose": -1, "end": threading.Event()}
+    shared = {"fail": -1, "lose": -1, "repair": -1, "end": threading.Event()}
     agents = [SimAgent(i, port, nproc, ops, shared) for i in indices]
     with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
         list(pool.map(SimAgent.connect, agents))
@@ -216,12 +229,18 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
     beats.start()
     director = CountingStore(connect_store(Endpoint("127.0.0.1", port), 60), Count())
     director.add(READY, 1)  # every agent of this process is connected
+    keys, library = JobKeys(RUN_ID), False
     while True:
-        for key, name in ((FAIL, "fail"), (LOSE, "lose")):
+        for key, name in ((FAIL, "fail"), (LOSE, "lose"), (REPAIR, "repair")):
             if shared[name] < 0 and director.check([key]):
                 shared[name] = int(director.get(key))
                 for agent in agents:  # the failure or the loss to simulate, now
                     agent.wake.set()
+        if not library and director.check([LIBRARY]):  # each running rank formed its group, as the library says
+            library = True
+            for agent in agents:
+                if agent.running:
+                    director.add(keys.milestone(agent.generation, "joined"), len(agent.ranks))
         ops_value.value = ops.value
         if director.check([END]):
             break
@@ -231,7 +250,8 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
         thread.join(5)
     for agent in agents:
         agent.protocol.watch.close(agent.store)
-    results.put([{"node": a.node, "joined_at": a.joined_at, "failed_at": a.failed_at, "received": a.received}
+    results.put([{"node": a.node, "joined_at": a.joined_at, "failed_at": a.failed_at,
+                  "repair_failed_at": a.repair_failed_at, "received": a.received}
                  for a in agents])
 
 
@@ -246,7 +266,7 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     store = ControlStore(CountingStore(server, ctl_ops), Endpoint("127.0.0.1", port), is_host=True)
     keys = JobKeys(RUN_ID)
     controller = Controller(store, keys, RendezvousPolicy(nodes, nodes, 0.0, 300.0, spares=1), "sim-0", "127.0.0.1",
-                            RecoveryPolicy(max_restarts=10, recovery=Level.JOB, node_timeout=node_timeout,
+                            RecoveryPolicy(max_restarts=10, recovery=Level.PROCESS, node_timeout=node_timeout,
                                            stop_timeout=10.0, repair_timeout=60.0))
     lost_at: list[float] = []
     lose_node = controller.lose_node
@@ -315,6 +335,14 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         wait_until(lambda: lost_at and controller.view.phase.value == "running" and controller.view.generation >= 2,
                    60 + node_timeout, "the spare's takeover")
         time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
+        # the ranks run the worker library (so far the controller repaired at job level, as for any
+        # script): one more rank fails, and it is replaced alone
+        store.set_text(LIBRARY, "1")
+        wait_until(lambda: controller.view.process_level_ready, 30, "every rank's library milestone")
+        repair_seq = store.counter(keys.command_count)
+        store.set_text(REPAIR, str(total // 4))
+        wait_until(lambda: any(kind == "replace" for kind, _ in published), 30, "the process-level repair")
+        time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
     finally:
         controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
         controller.join(15)
@@ -329,7 +357,9 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     joined = sorted(r["joined_at"] - go for r in received if r["node"] >= 0)
     figures["rendezvous_s"], figures["rendezvous_p50_s"] = round(joined[-1], 3), round(joined[len(joined) // 2], 3)
     figures.update(_fan_out(received, seq, lose_seq, decisions, total // 2, total // 3))
+    figures.update(_replace_fan_out(received, repair_seq, decisions[2], total // 4, total // 3))
     figures["publish_ms"] = round(next(t for kind, t in published if kind == "stop") * 1000, 1)
+    figures["replace_publish_ms"] = round(next(t for kind, t in published if kind == "replace") * 1000, 1)
     figures.update(_rank_table(controller, nodes))
     figures.update(_restore_plan(nodes, nproc))
     figures["events"] = [e["kind"] for e in controller.events.last(("decision", "node_lost", "takeover",
@@ -358,6 +388,20 @@ def _fan_out(received: list[dict], seq: int, lose_seq: int, decisions: list[floa
             "restart_ms": round((max(start_times) - failed_at) * 1000, 1),
             "lost_fanout_ms": round((max(loss_times) - decisions[1]) * 1000, 1) if len(decisions) > 1 else None,
             "holders": sum(1 for t in stop_times if t != float("inf"))}
+
+
+def _replace_fan_out(received: list[dict], seq: int, decided_at: float, failing: int, lost: int) -> dict:
+    """From the process-level failure's report, and from the controller's decision (the REPLACE goes
+    out RecoveryPolicy.gather_timeout after it), until the last agent holds the REPLACE."""
+    failed_at = next(r["repair_failed_at"] for r in received if r["node"] == failing)
+    held = []
+    for agent in received:
+        if agent["node"] != lost:
+            times = [t for s, kind, g, t in agent["received"] if s >= seq and kind == "replace"]
+            held.append(min(times) if times else float("inf"))
+    return {"replace_fanout_ms": round((max(held) - failed_at) * 1000, 1),
+            "replace_decision_fanout_ms": round((max(held) - decided_at) * 1000, 1),
+            "replace_holders": sum(1 for t in held if t != float("inf"))}
 
 
 def _rank_table(controller: Controller, nodes: int) -> dict:
@@ -430,37 +474,71 @@ def wait_until(condition, seconds: float, what: str) -> None:
 
 #: the environment variable that marks the real run's processes (the harness kills what carries it)
 MARKER_VARIABLE = "FTRUN_BENCH_CONTROL_PLANE_MARKER"
-#: the real run's worker: no torch, writes its pid once running, ends when the harness says so
+#: the real run's worker at job level: no torch, writes its pid once running, ends when the harness says so
 TICKER = """import os, sys, time
 out = os.environ["REAL_OUT"]
-with open(os.path.join(out, f"rank{os.environ['RANK']}.g{os.environ['TORCHELASTIC_RESTART_COUNT']}"), "w") as f:
+with open(os.path.join(out, f"rank{os.environ['RANK']}.g{os.environ['FTRUN_GENERATION']}"), "w") as f:
     f.write(str(os.getpid()))
 deadline = time.monotonic() + 600
 while not os.path.exists(os.path.join(out, "finish")) and time.monotonic() < deadline:
     time.sleep(0.1)
 """
+#: at process level: the worker library (which the process-level repair needs) around a one-weight
+#: model, a step each 0.1 s; its pid written after its first step (a replacement's: training resumed)
+LIBRARY_TICKER = """import os, time
+import torch
+import ftrun.elastic
+out = os.environ["REAL_OUT"]
+job = ftrun.elastic.init("gloo")
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+wrapped = job.ddp(model)
+job.register(model=model, optimizer=optimizer)
+first = True
+for step in job.steps(int(os.environ["REAL_STEPS"]) + 1, start=1):
+    with job.guard():
+        optimizer.zero_grad()
+        wrapped(torch.ones(1, 1)).sum().backward()
+        optimizer.step()
+    if first:
+        first = False
+        with open(os.path.join(out, f"rank{os.environ['RANK']}.g{os.environ['FTRUN_GENERATION']}"), "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(0.1)
+job.close()
+"""
+#: the process-level run's steps: enough to outlast the replacement's start (torch imported cold)
+LIBRARY_STEPS = 150
 
 
-def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> dict:
+def real_run(nodes: int, level: str = "job", deadline: float = 300.0, env: dict | None = None) -> dict:
     """``nodes`` real ftrun agents on one c10d endpoint (one process each, as on hosts of their own),
-    one rank each running a stdlib script; once every rank runs, the middle rank is SIGKILLed, and the
-    job-level restart it starts is timed from the agents' own log lines, as they print them:
+    one rank each; once every rank runs, the middle rank is SIGKILLed, and the repair it starts is
+    timed from the agents' own log lines, as they print them.
 
+    ``level`` "job": the rank runs a stdlib script, and the job is restarted:
       rendezvous   from the last agent's joining the store until the last holds its place
       fail fan-out from the SIGKILL until every other agent has read the STOP
       restart      from the SIGKILL until every agent has read the next generation's START
+    "process" (--recovery process): the rank runs the worker library (torch, gloo), and the killed
+    rank is replaced alone (--warm-standby 0: the replacement starts cold, as a standby per agent
+    would not fit this machine's memory beside 2 x ``nodes`` torch processes):
+      replace fan-out  from the SIGKILL until every other agent has read the REPLACE
+      resumed          from the SIGKILL until the controller says training resumed
 
     The job then ends; the exit codes, and what each agent read, are the figures' counts. ``env``:
     more of the agents' environment."""
+    process = level == "process"
     with tempfile.TemporaryDirectory(prefix="ftrun-real-") as folder:
         out = Path(folder)
-        (out / "tick.py").write_text(TICKER)
+        (out / "tick.py").write_text(LIBRARY_TICKER if process else TICKER)
         port, marker = free_port(), uuid.uuid4().hex
         command = [sys.executable, "-m", "ftrun", "--nnodes", str(nodes), "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "real",
                    "--max-restarts", "1", "--status", "plain", "--monitor-interval", str(MONITOR_INTERVAL),
-                   str(out / "tick.py")]
-        env = dict(os.environ, REAL_OUT=str(out), PYTHONUNBUFFERED="1", **{MARKER_VARIABLE: marker}, **(env or {}))
+                   *(("--recovery", "process", "--warm-standby", "0") if process else ()), str(out / "tick.py")]
+        env = dict(os.environ, REAL_OUT=str(out), REAL_STEPS=str(LIBRARY_STEPS), PYTHONUNBUFFERED="1",
+                   **{MARKER_VARIABLE: marker}, **(env or {}))
         env.pop("PET_NNODES", None)
         lines: list[tuple[int, float, str]] = []  # (agent, time read, line)
         agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=folder,
@@ -473,7 +551,8 @@ def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> di
             victim = int((out / f"rank{nodes // 2}.g0").read_text())
             killed_at = time.time()
             os.kill(victim, signal.SIGKILL)
-            wait_until(lambda: len(list(out.glob("rank*.g1"))) >= nodes, deadline, "every rank of generation 1 running")
+            wait_until(lambda: len(list(out.glob("rank*.g1"))) >= (1 if process else nodes), deadline,
+                       "the replacement's first step" if process else "every rank of generation 1 running")
             (out / "finish").touch()
             codes = [a.wait(deadline) for a in agents]
         finally:
@@ -491,13 +570,20 @@ def real_run(nodes: int, deadline: float = 300.0, env: dict | None = None) -> di
     joined, joined_at = last("joined the store")
     placed, placed_at = last(f" of {nodes}, ranks ")
     victim_agent = next(a for a, _, line in lines if f"rank {nodes // 2} failed" in line)
+    figures = {"nodes": nodes, "ranks": nodes, "agents": nodes, "level": level, "exit_codes": sorted(set(codes)),
+               "joined": placed, "rendezvous_s": round(placed_at - joined_at, 3)}
+    if process:
+        holders, held_at = last("replaced on another node", exclude=victim_agent)
+        replaced, _ = last(f"replacing rank {nodes // 2} ")
+        _, resumed_at = last("generation 1 resumed training")
+        return dict(figures, replace_holders=holders, replaced=replaced,
+                    replace_fanout_ms=round((held_at - killed_at) * 1000, 1),
+                    resumed_ms=round((resumed_at - killed_at) * 1000, 1))
     stopped, stopped_at = last("stopping generation 0", exclude=victim_agent)
     restarted, restarted_at = last("restarting workers as generation 1")
-    return {"nodes": nodes, "ranks": nodes, "agents": nodes, "exit_codes": sorted(set(codes)),
-            "joined": placed, "holders": stopped, "restarted": restarted,
-            "rendezvous_s": round(placed_at - joined_at, 3),
-            "fail_fanout_ms": round((stopped_at - killed_at) * 1000, 1),
-            "restart_ms": round((restarted_at - killed_at) * 1000, 1)}
+    return dict(figures, holders=stopped, restarted=restarted,
+                fail_fanout_ms=round((stopped_at - killed_at) * 1000, 1),
+                restart_ms=round((restarted_at - killed_at) * 1000, 1))
 
 
 def _read_lines(agent: int, stream, lines: list) -> None:
@@ -506,22 +592,26 @@ def _read_lines(agent: int, stream, lines: list) -> None:
 
 
 REAL_COLUMNS = [("run", "32 nodes x 1 rank"), ("rendezvous_s", "rdzv s"), ("fail_fanout_ms", "fail fan-out ms"),
-                ("restart_ms", "restart ms")]
+                ("restart_ms", "restart ms"), ("replace_fanout_ms", "replace fan-out ms"), ("resumed_ms", "resumed ms")]
 
 
 COLUMNS = [("nodes", "nodes"), ("ranks", "ranks"), ("agents", "agents"), ("rendezvous_s", "rdzv s"),
            ("fail_fanout_ms", "fail fan-out ms"), ("decision_fanout_p50_ms", "decision p50 ms"),
            ("decision_fanout_ms", "decision fan-out ms"), ("publish_ms", "publish ms"), ("restart_ms", "restart ms"),
-           ("lost_fanout_ms", "lost fan-out ms"), ("ctl_cpu", "ctl CPU"), ("store_cpu", "store CPU"),
+           ("lost_fanout_ms", "lost fan-out ms"), ("replace_fanout_ms", "replace fan-out ms"),
+           ("replace_decision_fanout_ms", "replace decision ms"), ("ctl_cpu", "ctl CPU"), ("store_cpu", "store CPU"),
            ("agents_cpu", "agents CPU"), ("store_ops_s", "store ops/s"),
            ("board_bytes", "board B"), ("rank_table_ms", "rank table ms"), ("plan_bytes", "plan B"),
            ("plan_ms", "plan ms")]
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
-    widths = [max(len(title), *(len(str(row.get(key))) for row in rows)) for key, title in columns]
+    def cell(row: dict, key: str) -> str:
+        return "-" if row.get(key) is None else str(row[key])
+
+    widths = [max(len(title), *(len(cell(row, key)) for row in rows)) for key, title in columns]
     lines = ["  ".join(title.rjust(w) for (_, title), w in zip(columns, widths))]
-    lines += ["  ".join(str(row.get(key)).rjust(w) for (key, _), w in zip(columns, widths)) for row in rows]
+    lines += ["  ".join(cell(row, key).rjust(w) for (key, _), w in zip(columns, widths)) for row in rows]
     return "\n".join(lines)
 
 
@@ -543,7 +633,8 @@ def main() -> None:
     compared = []
     if args.real_agents:
         compared = [dict(simulate(args.real_agents, 1, args.agent_processes, args.steady), run="simulated"),
-                    dict(real_run(args.real_agents), run="real agents")]
+                    dict(real_run(args.real_agents), run="real agents, job level"),
+                    dict(real_run(args.real_agents, "process"), run="real agents, process level")]
         for row in compared:
             print(json.dumps(row), flush=True)
     print(f"\n{os.cpu_count()} cores; each run's agents (N + 1 spare) shared {args.agent_processes} processes "

@@ -469,7 +469,7 @@ class Agent:
         )
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
-        self.protocol.keepalive(status)
+        self.protocol.keepalive(status, now or None)
         self._publish_output(group)
         self._serve_stack(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:
@@ -630,6 +630,8 @@ class Agent:
         if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
             mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
         if not mine:
+            log.info("generation %d: rank%s %s replaced on another node; this node's ranks stay and repair in place",
+                     command.generation, "s" if len(command.ranks) > 1 else "", ", ".join(map(str, command.ranks)))
             group.generation = command.generation
             self._rank_tables(command.generation)  # the new generation's table (a spare may hold a node now)
             return

@@ -20,13 +20,13 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ftrun.keys import RENDEZVOUS_RING, JobKeys
+from ftrun.keys import RENDEZVOUS_RING, JobKeys, board_interval
 from ftrun.messages import Command, JoinRecord, NodeSlot, NodeStatus, RendezvousResult, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import ControlStore, StoreUnavailable
 
-#: one blocking wait of a Watch: long, since a wait that times out logs a line (the store counts its
-#: milliseconds in 32 bits: at most 24 days); the watch then waits again
+#: one blocking read of a Watch (the timeout of its connection): long, since a read that times out logs
+#: a line (the store counts its milliseconds in 32 bits: at most 24 days); the watch then reads again
 WATCH_SLICE = datetime.timedelta(days=7)
 #: how long an agent that leaves waits for its watch to let go
 WATCH_CLOSE = 2.0
@@ -34,10 +34,11 @@ WATCH_CLOSE = 2.0
 
 class Watch:
     """Waits on the store, in a thread and a connection of its own, for the agent's doorbell: the
-    controller rings it once the rendezvous result is written, then once per command (``keys.doorbell``).
-    ``wake`` is called after each ring (and once if the watch fails: its reader then reads at each
-    keepalive, and meets the store's error itself). ``connect`` makes the connection (a raw TCPStore
-    client), in the thread.
+    controller rings it once the rendezvous result is written, then once per command
+    (``keys.doorbell``), with the command's text, so the watch holds each command as it wakes and the
+    agent reads none back. ``wake`` is called after each ring (and once if the watch fails: its reader
+    then reads at each keepalive, and meets the store's error itself). ``connect`` makes the connection
+    (a raw TCPStore client), in the thread.
 
     The bell is the agent's own so that it can let its watch go: a thread still blocked in the store's
     wait when the interpreter ends aborts the process once that store goes. ``close`` rings the next
@@ -53,6 +54,8 @@ class Watch:
         self.rendezvous = threading.Event()
         #: commands known to be written: the count when the watch began, plus one per ring
         self.published = 0
+        #: what the bells rang with, by command index, until taken (``take``)
+        self._texts: dict[int, bytes] = {}
         #: why the watch stopped; "" while it runs
         self.failed = ""
         self._closed = False
@@ -61,18 +64,20 @@ class Watch:
 
     def _run(self) -> None:
         keys = self.keys
-        ring: int | str = RENDEZVOUS_RING
         try:
             store = self._connect()
+            store.set_timeout(WATCH_SLICE)  # a get on a bell blocks until it rings (or the slice ends)
             self.connected.set()
+            self._await(store, keys.doorbell(self.agent_id, RENDEZVOUS_RING))
+            self.published = int(store.add(keys.command_count, 0))  # rung for the commands after these
+            self.rendezvous.set()
+            self._wake()
             while not self._closed:
-                self._await(store, keys.doorbell(self.agent_id, ring))
-                if ring == RENDEZVOUS_RING:
-                    self.published = int(store.add(keys.command_count, 0))  # rung for the commands after these
-                    self.rendezvous.set()
-                else:
-                    self.published += 1
-                ring = self.published
+                index = self.published
+                text = self._await(store, keys.doorbell(self.agent_id, index))
+                if text:  # the command (close() rings with nothing)
+                    self._texts[index] = text
+                self.published = index + 1
                 self._wake()
         except Exception as e:  # the store went (the job ended), or it never answered
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -81,17 +86,23 @@ class Watch:
             self._wake()
 
     @staticmethod
-    def _await(store, key: str) -> None:
+    def _await(store, key: str) -> bytes:
+        """What ``key`` is set to, once it is: one request, which the store answers when it is set."""
         from torch.distributed import DistNetworkError, DistStoreError
 
         while True:
             try:
-                store.wait([key], WATCH_SLICE)
-                return
+                return store.get(key)
             except DistNetworkError:
                 raise
             except DistStoreError:  # the slice ran out: wait again
                 continue
+
+    def take(self, start: int, stop: int) -> list[bytes] | None:
+        """The texts commands ``start..stop-1`` rang with, each handed out once; None unless the watch
+        held all of them (not those published before it began, say: they are to be read)."""
+        texts = [self._texts.pop(index, None) for index in range(start, stop)]
+        return None if None in texts else texts  # type: ignore[return-value]
 
     def close(self, store: ControlStore) -> None:
         """Let the watch go, through ``store`` (the agent's own connection), before the agent leaves."""
@@ -153,22 +164,35 @@ class NodeProtocol:
         self._published = 0
         #: the controller's keepalive counter as last seen, and when it last moved (this host's clock)
         self._controller_beat = (-1, time.monotonic())
+        #: keepalives sent; the status is written again at this pace (the board's), or once it changed
+        self._beats = 0
+        self.status_interval = 0.0
+        self._status_due = 0.0
+        self._status_shape: tuple = ()
 
     def join(self, record: JoinRecord, timeout: float, stop) -> tuple[RendezvousResult, NodeSlot]:
         """The rendezvous: announce this agent, wait for the controller's result, find its place."""
         result, slot = join(self.store, self.keys, record, timeout, stop,
                             self.watch.rendezvous if self.watch is not None else None)
         self.node_rank = slot.node_rank
+        self.status_interval = board_interval(result.world_size, 0.0)
         return result, slot
 
-    def keepalive(self, status: NodeStatus | None = None) -> None:
-        """One keepalive (a node's, or an idle spare's), and the node's status for the status view."""
-        if self.node_rank >= 0:
-            self.store.add(self.keys.node_heartbeat(self.node_rank))
-        else:
-            self.store.add(self.keys.spare_heartbeat(self.agent_id))
+    def keepalive(self, status: NodeStatus | None = None, now: float | None = None) -> None:
+        """One keepalive (a node's, or an idle spare's) in one round trip: its heartbeat key set to this
+        agent's own count (the controller looks for a change), and with it the node's status for the
+        status view when the board is next rebuilt (``keys.board_interval``) or the node changed."""
+        now = time.monotonic() if now is None else now
+        self._beats += 1
+        beat = self.keys.node_heartbeat(self.node_rank) if self.node_rank >= 0 else self.keys.spare_heartbeat(self.agent_id)
+        keys, texts = [beat], [str(self._beats)]
         if status is not None:
-            self.store.set(self.keys.agent_status(self.agent_id), status)
+            shape = _shape(status)
+            if now >= self._status_due or shape != self._status_shape:
+                self._status_due, self._status_shape = now + self.status_interval, shape
+                keys.append(self.keys.agent_status(self.agent_id))
+                texts.append(self.store.sealed(keys[-1], status))
+        self.store.set_each(keys, texts)
 
     def observe(self, ranks: list[int], now: float) -> tuple[list[int], list[int | None]]:
         """What a keepalive reads, in one round trip: the controller's keepalive (StoreUnavailable
@@ -190,6 +214,12 @@ class NodeProtocol:
         keys = self.keys
         self.store.create([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks])
 
+    def _carried(self, index: int, text: bytes) -> Command | None:
+        """Command ``index`` as its doorbell carried it; read from its key when the bell's text does not
+        open (anyone who reaches the store can set a bell: then only the command's own key counts)."""
+        command = self.store.opened(Command, self.keys.command(index), text)
+        return command if command is not None else self.store.read_range(self.keys.command, Command, index, index + 1)[0]
+
     def _controller_seen(self, count: int, now: float) -> None:
         if count != self._controller_beat[0]:
             self._controller_beat = (count, now)
@@ -206,13 +236,17 @@ class NodeProtocol:
         """The controller's commands published since the last one taken, in order (forged ones left
         out). Each counts as read once it is taken: a caller that stops at one (a spare taking over a
         node) finds the rest, the new generation's START among them, at its next call. With a
-        watch, only once it or the last keepalive saw one published: otherwise no round trip."""
+        watch, only once it or the last keepalive saw one published, and with no round trip for those
+        its doorbell carried."""
         watch = self.watch
         keys, start = self.keys, self.next_command
         if watch is None or watch.failed:
             found = self.store.read_from(keys.command_count, keys.command, Command, start)
-        elif watch.published > start:  # rung, so written: one round trip
-            found = self.store.read_range(keys.command, Command, start, watch.published)
+        elif watch.published > start:  # rung, so written: the bells carried them, or one round trip
+            stop = watch.published
+            texts = watch.take(start, stop)
+            found = (self.store.read_range(keys.command, Command, start, stop) if texts is None else
+                     [self._carried(index, text) for index, text in zip(range(start, stop), texts)])
         elif self._published > start:  # seen at a keepalive: maybe reserved but not yet written
             found = self.store.read_from(keys.command_count, keys.command, Command, start)
         else:
@@ -221,6 +255,12 @@ class NodeProtocol:
             self.next_command += 1
             if command is not None:
                 yield command
+
+
+def _shape(status: NodeStatus) -> tuple:
+    """The status less what moves by itself (steps, heartbeat ages): a change there is not news."""
+    return (status.generation, status.standbys, status.devices,
+            tuple((r.rank, r.local_rank, r.pid, r.alive, r.restarts) for r in status.ranks))
 
 
 def _step(text: str) -> int | None:

@@ -33,7 +33,7 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
-from ftrun.keys import JOBS_COUNT, RENDEZVOUS_RING, JobKeys, job_entry
+from ftrun.keys import JOBS_COUNT, RENDEZVOUS_RING, JobKeys, board_interval, job_entry
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -66,10 +66,6 @@ EXIT_GRACE = 10.0
 #: with snapshots, how often (seconds) the controller reads what the nodes hold: for the status's restorable
 #: step and for the checkpoint events (a plan over every node's copies is not for every keepalive of a big job)
 SAVED_EVERY = 2.0
-#: the status board costs O(ranks) to build, serialise and write: a big job's is rebuilt at most this many
-#: ranks' worth a second (a job of up to 2,048 ranks: at every keepalive), and at once when the phase or
-#: the generation changes, so that the controller's steady CPU does not grow with the job
-BOARD_RANKS_PER_S = 4096
 PROCESS_PHASES = (Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
 
 
@@ -327,7 +323,7 @@ class Controller:
                 self._grow()
                 self._check_library()
                 if now >= self._next_board or (self.view.phase, self.view.generation) != self._board_shows:
-                    self._next_board = now + max(HEARTBEAT_INTERVAL, self.view.world_size / BOARD_RANKS_PER_S)
+                    self._next_board = now + board_interval(self.view.world_size, HEARTBEAT_INTERVAL)
                     self._board_shows = (self.view.phase, self.view.generation)
                     self._refresh_status()
                 for request in self.store.read_from(self.keys.operator_count, self.keys.operator_request,
@@ -559,11 +555,13 @@ class Controller:
             self._publish(command)
 
     def _publish(self, command: Command) -> None:
-        """One command for every agent (a broadcast key), and every agent's doorbell rung for it."""
+        """One command for every agent (a broadcast key), and every agent's doorbell rung for it with the
+        command's text, which the agent's watch holds as it wakes: no agent reads the command again."""
         log.debug("publishing %s", command)
         index = self.store.append(self.keys.command_count, self.keys.command, command)
         agents = [slot.agent_id for slot in self.nodes.values()] + [slot.agent_id for slot in self.spares]
-        self.store.set_texts([self.keys.doorbell(agent, index) for agent in agents], "")  # one round trip
+        text = self.store.sealed(self.keys.command(index), command)
+        self.store.set_texts([self.keys.doorbell(agent, index) for agent in agents], text)  # one round trip
 
     def _release_held(self) -> None:
         """The held REPLACE commands go out once their moment has passed."""

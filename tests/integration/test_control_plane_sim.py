@@ -21,13 +21,27 @@ pytestmark = pytest.mark.integration
 
 
 def test_simulated_agents_join_hold_every_decision_and_a_spare_takes_a_lost_node():
+    """Job level, a lost node, process level: the counts of each, from one run of 8 nodes."""
     figures = simulate(8, 2, agent_processes=1, steady=1.0, node_timeout=2.0)
     assert figures["joined"] == 9  # 8 nodes and the spare all hold a place
     assert figures["holders"] == 8  # every node but the lost one read the STOP after the failure report
+    # a job-level restart, a spare's takeover, then (the ranks now run the worker library) a process-level repair
     assert figures["events"] == ["generation_started", "decision", "generation_started", "node_lost", "decision",
-                                 "takeover", "generation_started"]
+                                 "takeover", "generation_started", "decision"]
+    assert figures["replace_holders"] == 8  # every node but the lost one read the REPLACE
     assert figures["steady_step"] is not None  # the status board saw the simulated ranks' steps
     assert figures["board_bytes"] > 0 and figures["plan_bytes"] > 0
+
+
+def test_real_agents_running_the_worker_library_each_read_the_replacement_of_a_killed_rank():
+    mark = uuid.uuid4().hex
+    figures = real_run(8, "process", env={"FTRUN_TEST_MARK": mark})
+    assert figures["exit_codes"] == [0]  # the job ended at its last step, on every node
+    assert figures["joined"] == 8
+    assert figures["replace_holders"] == 7  # every other agent read the REPLACE, and kept its rank
+    assert figures["replaced"] == 1  # the killed rank's agent started its replacement
+    assert figures["resumed_ms"] > 0  # the controller saw training resume at process level
+    assert not marked_processes(mark)
 
 
 def test_32_real_agents_each_read_the_restart_a_killed_rank_starts():
