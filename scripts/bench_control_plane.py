@@ -9,8 +9,9 @@ commands. Workers are only their heartbeats: a thread per process writes each ru
 counter and step once a second, as the worker library does (one ``multi_set`` per node instead of two
 writes per rank: the store does the same work). One more agent stands by as a spare.
 
---real-agents 32 then runs 32 real ftrun agents (a process each, one stdlib worker each), kills a rank,
-and prints their figures beside the simulator's at the same size.
+--real-agents 32 then runs 32 real ftrun agents (a process each, one rank each) twice, and kills a rank
+each time: at job level (the rank a stdlib script), then at process level (the rank the worker library
+around a one-weight model), and prints their figures beside the simulator's at the same size.
 
 Per N, in order:
   rendezvous       from the go signal until every node's agent holds its place
