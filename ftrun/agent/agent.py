@@ -419,7 +419,9 @@ class Agent:
                             self._report_failed(group, failed)
                         # the restart's ranks take warm interpreters that import torch while this one stops
                         group.fill_standbys(at_least=self.slot.nproc)
-                        group.stop(config.stop_timeout, keep_standbys=True)
+                        killed = group.stop(config.stop_timeout, keep_standbys=True)
+                        if killed and interrupted_at is None:  # dying on their own as the stop came
+                            self._report_failed(group, killed)
                         self._snapshots_after_stop()
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:

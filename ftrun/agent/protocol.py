@@ -115,7 +115,7 @@ class Watch:
             for key in [self.keys.doorbell(self.agent_id, r) for r in rings + [ring, ring + 1]]:
                 store.set_text(key, "")
         except StoreUnavailable:
-            return  # the store went: so did the watch's wait
+            pass  # the store went: the watch's read fails with it, as its connection closes
         self._thread.join(WATCH_CLOSE)
 
 

@@ -310,13 +310,14 @@ class WorkerGroup:
     def all_succeeded(self) -> bool:
         return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
 
-    def stop(self, timeout: float, keep_standbys: bool = False) -> None:
+    def stop(self, timeout: float, keep_standbys: bool = False) -> list[Worker]:
         """SIGTERM (or ``stop_signal``) every running worker's group, SIGKILL what is left after
         ``timeout``, reap all; the standbys too, unless ``keep_standbys`` (a generation's stop before
-        a job-level restart, which takes them)."""
+        a job-level restart, which takes them). Returns the workers that a SIGKILL not of this stop
+        ended meanwhile (one that died as the stop came: killed, or taken by the OOM killer)."""
         if not keep_standbys:
             self._stop_standbys()
-        alive = self.running
+        alive = stopping = self.running
         for worker in alive:
             self.ops.signal_group(worker.pid, self.stop_signal)
         deadline = time.monotonic() + timeout
@@ -331,6 +332,7 @@ class WorkerGroup:
             self._clear_group(worker)
         for copy in self._filtered.values():
             copy.close()  # a line still on its way opens it again
+        return [w for w in stopping if w.returncode == -signal.SIGKILL and w not in alive]
 
     def _stop_standbys(self) -> None:
         for proc in self.standbys:
