@@ -77,7 +77,10 @@ class ControlStore:
 
     def get(self, cls: type[T], key: str) -> T:
         """The message under ``key``; ``Forged`` when it is not one of the job's own."""
-        body = self.signer.open(key, self._call(self.raw.get, key))
+        return self._decode(cls, key, self._call(self.raw.get, key))
+
+    def _decode(self, cls: type[T], key: str, raw: bytes) -> T:
+        body = self.signer.open(key, raw)
         try:
             return from_json(cls, body)
         except (ValueError, TypeError, KeyError) as e:
@@ -138,12 +141,10 @@ class ControlStore:
         """The message ``raw`` holds, read from ``key`` (or carried by a doorbell for it); None when it
         is ignored as forged."""
         try:
-            return from_json(cls, self.signer.open(key, raw))
+            return self._decode(cls, key, raw)
         except Forged as e:
             self._ignore(key, e)
-        except (ValueError, TypeError, KeyError) as e:
-            self._ignore(key, Forged(f"not a {cls.__name__} ({type(e).__name__})"))
-        return None
+            return None
 
     def wait_for(self, key: str, seconds: float) -> bool:
         """Whether ``key`` was set within ``seconds`` (True at once when it already is)."""
@@ -165,9 +166,9 @@ class ControlStore:
         self._call(self.raw.multi_set, keys, texts)
 
     def set_texts(self, keys: list[str], text: str) -> None:
-        """The same unsigned text under many keys, in one round trip (``multi_set``)."""
+        """The same unsigned (or already sealed) text under many keys, in one round trip."""
         if keys:
-            self._call(self.raw.multi_set, keys, [text] * len(keys))
+            self.set_each(keys, [text] * len(keys))
 
     def try_text(self, key: str, signed: bool = False) -> str:
         """The key's text, or "" while it is unset (or, ``signed``, when it is forged)."""
@@ -184,11 +185,7 @@ class ControlStore:
 
     def _get_or_ignore(self, cls: type[T], key: str) -> T | None:
         """The message under ``key`` (which is set), or None when it is ignored as forged."""
-        try:
-            return self.get(cls, key)
-        except Forged as e:
-            self._ignore(key, e)
-            return None
+        return self.opened(cls, key, self._call(self.raw.get, key))
 
     def _ignore(self, key: str, problem: Forged) -> None:
         if key not in self._forged:

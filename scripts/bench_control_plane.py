@@ -368,20 +368,24 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     return figures
 
 
+def _held(received: list[dict], lost: int, wanted) -> list[float]:
+    """When each agent (but the lost node's) first held a command that ``wanted(seq, kind, generation)``
+    accepts; inf for one that never did."""
+    held = []
+    for agent in received:
+        if agent["node"] != lost:
+            times = [t for s, kind, g, t in agent["received"] if wanted(s, kind, g)]
+            held.append(min(times, default=float("inf")))
+    return held
+
+
 def _fan_out(received: list[dict], seq: int, lose_seq: int, decisions: list[float], failing: int, lost: int) -> dict:
     """From the failure report, and from each decision (the controller's event), until the last agent
     holds the command."""
     failed_at = next(r["failed_at"] for r in received if r["node"] == failing)
-    stop_times, start_times, loss_times = [], [], []
-    for agent in received:
-        mine = agent["received"]
-        stop = [t for s, kind, g, t in mine if s >= seq and kind == "stop"]
-        start = [t for s, kind, g, t in mine if s >= seq and kind == "start" and g >= 1]
-        after_loss = [t for s, kind, g, t in mine if s >= lose_seq]
-        if agent["node"] != lost:
-            stop_times.append(min(stop) if stop else float("inf"))
-            start_times.append(min(start) if start else float("inf"))
-            loss_times.append(min(after_loss) if after_loss else float("inf"))
+    stop_times = _held(received, lost, lambda s, kind, g: s >= seq and kind == "stop")
+    start_times = _held(received, lost, lambda s, kind, g: s >= seq and kind == "start" and g >= 1)
+    loss_times = _held(received, lost, lambda s, kind, g: s >= lose_seq)
     return {"joined": sum(1 for r in received if r["joined_at"]),
             "fail_fanout_ms": round((max(stop_times) - failed_at) * 1000, 1),
             "decision_fanout_ms": round((max(stop_times) - decisions[0]) * 1000, 1),
@@ -395,11 +399,7 @@ def _replace_fan_out(received: list[dict], seq: int, decided_at: float, failing:
     """From the process-level failure's report, and from the controller's decision (the REPLACE goes
     out RecoveryPolicy.gather_timeout after it), until the last agent holds the REPLACE."""
     failed_at = next(r["repair_failed_at"] for r in received if r["node"] == failing)
-    held = []
-    for agent in received:
-        if agent["node"] != lost:
-            times = [t for s, kind, g, t in agent["received"] if s >= seq and kind == "replace"]
-            held.append(min(times) if times else float("inf"))
+    held = _held(received, lost, lambda s, kind, g: s >= seq and kind == "replace")
     return {"replace_fanout_ms": round((max(held) - failed_at) * 1000, 1),
             "replace_decision_fanout_ms": round((max(held) - decided_at) * 1000, 1),
             "replace_holders": sum(1 for t in held if t != float("inf"))}

@@ -414,14 +414,13 @@ class Agent:
                                                      f"given to a spare ({command.reason}); leaving")
                     if command.kind is CommandKind.STOP:
                         log.warning("stopping generation %d: %s", command.generation, command.reason)
+                        # ranks that failed on their own before this stop, or as it came
                         failed = [w for w in group.poll() if w.returncode != 0]
-                        if failed and interrupted_at is None:  # they failed on their own before this stop
-                            self._report_failed(group, failed)
                         # the restart's ranks take warm interpreters that import torch while this one stops
                         group.fill_standbys(at_least=self.slot.nproc)
-                        killed = group.stop(config.stop_timeout, keep_standbys=True)
-                        if killed and interrupted_at is None:  # dying on their own as the stop came
-                            self._report_failed(group, killed)
+                        failed += group.stop(config.stop_timeout, keep_standbys=True)
+                        if failed and interrupted_at is None:
+                            self._report_failed(group, failed)
                         self._snapshots_after_stop()
                         self._report(ReportKind.STOPPED, command.generation)
                     elif command.kind is CommandKind.START:
@@ -459,10 +458,12 @@ class Agent:
             self._check_hangs(group, [w for w, _ in running], [b for _, b in running], now)
         self._publish_status(group, dict(zip((w.placement.rank for w in workers), steps)), now)
 
-    def _publish_status(self, group: WorkerGroup, steps: dict[int, int | None] | None = None, now: float = 0.0) -> None:
+    def _publish_status(self, group: WorkerGroup, steps: dict[int, int | None] | None = None,
+                        now: float | None = None) -> None:
         """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
-        heartbeats' ages), standbys and devices, for the status view (one store write per keepalive)."""
+        heartbeats' ages), standbys and devices, for the status view (with its keepalive)."""
         steps = steps or {}
+        now = time.monotonic() if now is None else now
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
                       max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
@@ -471,7 +472,7 @@ class Agent:
         )
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
-        self.protocol.keepalive(status, now or None)
+        self.protocol.keepalive(status, now)
         self._publish_output(group)
         self._serve_stack(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:

@@ -7,9 +7,9 @@ this code and not a copy. Each method costs the store a constant number of round
 the job's size (``ftrun/keys.py`` states each message path's cost).
 
 What an agent waits for (the rendezvous result, then each command in turn) it does not poll: its
-``Watch`` blocks in the store's own ``wait`` on the agent's doorbell, which the controller rings for
-every agent in one round trip, so that a decision reaches every node the moment it is published and
-a node between commands asks the store nothing.
+``Watch`` blocks in a ``get`` of the agent's doorbell, which the controller sets for every agent in
+one round trip (to the command's text), so that a decision reaches every node the moment it is
+published, already read, and a node between commands asks the store nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Watch:
     then reads at each keepalive, and meets the store's error itself). ``connect`` makes the connection
     (a raw TCPStore client), in the thread.
 
-    The bell is the agent's own so that it can let its watch go: a thread still blocked in the store's
-    wait when the interpreter ends aborts the process once that store goes. ``close`` rings the next
+    The bell is the agent's own so that it can let its watch go: a thread still blocked in the store
+    when the interpreter ends aborts the process once that store goes. ``close`` rings the next
     bells itself and waits for the thread."""
 
     def __init__(self, connect: Callable[[], Any], keys: JobKeys, agent_id: str, wake: Callable[[], None] = lambda: None):

@@ -95,6 +95,7 @@ class ElasticDDP(torch.nn.Module):
         self._queued = False
         #: the parameters whose gradients are in their buckets (divided) in this step
         self._taken: set[int] = set()
+        self._scale = 1.0 / dist.get_world_size(self._group)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._syncing:
@@ -119,11 +120,10 @@ class ElasticDDP(torch.nn.Module):
         self._taken.add(id(param))
         part = self._parts(index)[id(param)]
         grad = _local(param.grad)
-        scale = 1.0 / dist.get_world_size(self._group)
         if _same_memory(grad, part):  # already the part: zero_grad() zeroed it rather than set it to None
-            part.mul_(scale)
+            part.mul_(self._scale)
             return
-        torch.mul(grad, scale, out=part)
+        torch.mul(grad, self._scale, out=part)
         if not is_dtensor(param.grad):  # a DTensor's local tensor takes the average at the end
             param.grad = part
 
