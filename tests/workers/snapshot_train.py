@@ -7,7 +7,8 @@ all-reduces the loss, so that ranks notice a peer's death as in any data-paralle
 
 Environment:
   STEPS (default 20), STEP_SLEEP (default 0.05 s), SHARDED (default 1), OUT_DIR
-  FAULT=rank:step:kind[,...] (tests/workers/faults.py), in generation 0 only
+  FAULT=rank:step:kind[,...] (tests/workers/faults.py), in generation 0 only, once the rank's last
+                      snapshot is complete
   CORRUPT=rank:step   once that rank committed that step (and its snapshot), flip a byte of it
   CORRUPT_ALL=rank:step:held   once that rank committed that step, flip a byte of both its own snapshots
                       and of every pinned copy and replica of its state at step ``held`` on this machine
@@ -119,6 +120,11 @@ def main() -> None:
     for step in job.steps(steps):
         with job.guard():
             if job.generation == 0 and os.environ.get("FTRUN_REPLACEMENT") != "1" and faults.due(rank, step):
+                # the fault comes once this rank's last snapshot is complete, so the step every rank holds
+                # is known: a rank that dies while its snapshot is still being written loses that
+                # snapshot, and the restore goes a step further back than the tests expect
+                if job.snapshots is not None:
+                    job.snapshots.wait()
                 faults.trigger(faults.due(rank, step), step)
             loss = train_step(model, optimizer, scheduler, batch(rank, step, sharded))
             torch.distributed.all_reduce(loss)
