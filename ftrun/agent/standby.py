@@ -24,9 +24,11 @@ from typing import Callable
 
 #: how much lower the priority a standby warms up at (nice value added)
 WARM_UP_NICE = 10
-#: the scheduler's session (autogroup) of this process, and how long a change to its nice value may wait
+#: the scheduler's session (autogroup) of this process
 AUTOGROUP = "/proc/self/autogroup"
-SESSION_NICE_WAIT = 2.0
+#: how long a change of the session's nice value may wait its turn: to lower it (else the warm-up
+#: goes on as it is), and to set it back for a rank (16 standbys taken at once wait 1.6 s)
+LOWER_WAIT, RESTORE_WAIT = 1.0, 10.0
 
 
 def warm_up() -> None:
@@ -61,7 +63,7 @@ def lower_priority() -> list[Callable[[], None]]:
         os.setpriority(os.PRIO_PROCESS, 0, min(started + WARM_UP_NICE, 19))
         undo.append(lambda: _every_thread_at(started))
     session = _session_nice() if os.getsid(0) == os.getpid() else None
-    if session is not None and session >= 0 and _set_session_nice(min(session + WARM_UP_NICE, 19)):
+    if session is not None and session >= 0 and _set_session_nice(min(session + WARM_UP_NICE, 19), LOWER_WAIT):
         undo.append(lambda: _restore_session_nice(session))
     return undo
 
@@ -84,15 +86,15 @@ def _session_nice() -> int | None:
 
 
 def _restore_session_nice(nice: int) -> None:
-    if not _set_session_nice(nice):
+    if not _set_session_nice(nice, RESTORE_WAIT):
         print(f"ftrun: a warm standby could not set its session's nice value back to {nice}: this rank "
               "runs at a lower CPU priority than its peers", file=sys.stderr, flush=True)
 
 
-def _set_session_nice(nice: int) -> bool:
-    """The kernel takes one such change a tenth of a second from anyone but an administrator (EAGAIN
-    otherwise): standbys starting together take turns."""
-    deadline = time.monotonic() + SESSION_NICE_WAIT
+def _set_session_nice(nice: int, wait: float) -> bool:
+    """The kernel takes one such change a tenth of a second, from all processes but an administrator's
+    (EAGAIN otherwise): standbys starting or taken together take turns, each for up to ``wait`` s."""
+    deadline = time.monotonic() + wait
     while True:
         try:
             with open(AUTOGROUP, "w") as f:
