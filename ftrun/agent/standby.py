@@ -24,11 +24,9 @@ from typing import Callable
 
 #: how much lower the priority a standby warms up at (nice value added)
 WARM_UP_NICE = 10
-#: the scheduler's session (autogroup) of this process
+#: the scheduler's session (autogroup) of this process, and how long a change to its nice value may wait
 AUTOGROUP = "/proc/self/autogroup"
-#: how long a change of the session's nice value may wait its turn: to lower it (else the warm-up
-#: goes on as it is), and to set it back for a rank (16 standbys taken at once wait 1.6 s)
-LOWER_WAIT, RESTORE_WAIT = 1.0, 10.0
+SESSION_NICE_WAIT = 2.0
 
 
 def warm_up() -> None:
@@ -63,7 +61,7 @@ def lower_priority() -> list[Callable[[], None]]:
         os.setpriority(os.PRIO_PROCESS, 0, min(started + WARM_UP_NICE, 19))
         undo.append(lambda: _every_thread_at(started))
     session = _session_nice() if os.getsid(0) == os.getpid() else None
-    if session is not None and session >= 0 and _set_session_nice(min(session + WARM_UP_NICE, 19), LOWER_WAIT):
+    if session is not None and session >= 0 and _set_session_nice(min(session + WARM_UP_NICE, 19)):
         undo.append(lambda: _restore_session_nice(session))
     return undo
 
@@ -86,15 +84,15 @@ def _session_nice() -> int | None:
 
 
 def _restore_session_nice(nice: int) -> None:
-    if not _set_session_nice(nice, RESTORE_WAIT):
+    if not _set_session_nice(nice):
         print(f"ftrun: a warm standby could not set its session's nice value back to {nice}: this rank "
               "runs at a lower CPU priority than its peers", file=sys.stderr, flush=True)
 
 
-def _set_session_nice(nice: int, wait: float) -> bool:
-    """The kernel takes one such change a tenth of a second, from all processes but an administrator's
-    (EAGAIN otherwise): standbys starting or taken together take turns, each for up to ``wait`` s."""
-    deadline = time.monotonic() + wait
+def _set_session_nice(nice: int) -> bool:
+    """The kernel takes one such change a tenth of a second from anyone but an administrator (EAGAIN
+    otherwise): standbys starting together take turns."""
+    deadline = time.monotonic() + SESSION_NICE_WAIT
     while True:
         try:
             with open(AUTOGROUP, "w") as f:
