@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import types
 
@@ -244,40 +242,6 @@ def test_standby_runs_a_script_with_its_assignment(tmp_path, monkeypatch):
         standby.run({"argv": [sys.executable, "-u", str(script), "--lr", "3"], "env": {"RANK": "5", "OUT": str(out)},
                      "cwd": str(tmp_path)})
     assert out.read_text() == f"5 {script} --lr 3"
-
-
-PRIORITIES = """
-import json, os, threading
-from ftrun.agent import standby
-
-def now():
-    threads = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
-    return [threads, standby._session_nice()]
-
-before = now()
-undo = standby.lower_priority()
-done = threading.Event()
-threading.Thread(target=done.wait).start()  # a thread of the warm-up: it inherits the lower priority
-during = now()
-for step in undo:
-    step()
-after = now()
-done.set()
-print(json.dumps({"levers": len(undo), "before": before, "during": during, "after": after}))
-"""
-
-
-def test_a_standby_warms_up_at_a_lower_priority_and_the_rank_it_takes_runs_at_the_one_it_had():
-    # as the agent starts it: the leader of a session of its own
-    done = subprocess.run([sys.executable, "-c", PRIORITIES], capture_output=True, text=True, timeout=60,
-                          start_new_session=True)
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout)
-    if not seen["levers"]:
-        pytest.skip("here a process can neither raise its priority again nor set its session's")
-    (threads, session), (threads_during, session_during) = seen["before"], seen["during"]
-    assert len(threads) == 1 and (threads_during == [min(threads[0] + 10, 19)] or session_during == min(session + 10, 19))
-    assert seen["after"] == seen["before"], seen  # every thread, the warm-up's too, and the session
 
 
 @pytest.fixture

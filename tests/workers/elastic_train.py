@@ -13,8 +13,7 @@ PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them)
 BATCHNORM=1 puts a BatchNorm1d (running statistics: buffers that ElasticDDP broadcasts) in the model.
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
 step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, a digest of the
-parameters, buffers and optimizer state bit for bit, pid, generation, the device variables ftrun set,
-the CPU priority it ran at).
+parameters, buffers and optimizer state bit for bit, pid, generation, the device variables ftrun set).
 """
 
 import json
@@ -42,17 +41,6 @@ def inject_fault(rank: int, step: int, generation: int) -> None:
             faults.trigger(kind, step)
     elif str(generation) in os.environ.get("FAULT_GENERATIONS", "0").split(","):
         faults.trigger(kind, step)
-
-
-def priority() -> list:
-    """The nice value of each of this process's threads, and of its scheduler session (autogroup)."""
-    threads = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
-    try:
-        with open("/proc/self/autogroup") as f:
-            session = int(f.read().split()[-1])
-    except OSError:
-        session = None
-    return [threads, session]
 
 
 def fail_replacement(rank: int, out_dir: str) -> None:
@@ -119,8 +107,7 @@ def main() -> None:
               "digest": digest(model.state_dict(), optimizer.state_dict()), "pid": os.getpid(),
               "generation": job.generation, "replacement": os.environ.get("FTRUN_REPLACEMENT"),
               "device": os.environ.get("FTRUN_DEVICE"), "device_index": os.environ.get("FTRUN_DEVICE_INDEX"),
-              "visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "job_device": str(job.device),
-              "priority": priority()}
+              "visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "job_device": str(job.device)}
     with open(os.path.join(out_dir, f"rank{job.rank}.json"), "w") as f:
         json.dump(result, f)
     print(f"rank {job.rank} finished step {job.step}", flush=True)
