@@ -12,7 +12,7 @@ What each message path costs, for N nodes of P ranks (W = N x P), in store round
 bench_control_plane.py measures them; README "Scale"):
 
 * rendezvous: each agent appends one ``join`` record (O(1)) and its Watch blocks in the store's
-  ``wait`` on its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),
+  ``get`` of its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),
   writes one result of O(N) bytes and rings every joined agent's bell in one ``multi_set``. Each
   agent then reads the result once: O(N) bytes per agent, O(N) round trips in all.
 * keepalives: every 0.5 s each agent reads in one ``multi_get`` the controller's counter, the
@@ -30,7 +30,8 @@ bench_control_plane.py measures them; README "Scale"):
   worth a second).
 * reports: an agent appends one (O(1)); the controller polls ``report_count`` (O(1) per tick).
 * commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
-  every agent's ``doorbell`` with it in one ``multi_set`` (O(N) bytes, one round trip); each agent's
+  every agent's ``doorbell`` with it, the command and the bells in one ``multi_set`` (O(N) bytes, two
+  round trips with the index's reservation); each agent's
   Watch, blocked in a ``get`` of its bell, wakes holding the command and asks for the next bell: one
   round trip per agent and command. Idle agents poll nothing: the command count in the keepalive
   read is only a net under the bell.

@@ -558,10 +558,11 @@ class Controller:
         """One command for every agent (a broadcast key), and every agent's doorbell rung for it with the
         command's text, which the agent's watch holds as it wakes: no agent reads the command again."""
         log.debug("publishing %s", command)
-        index = self.store.append(self.keys.command_count, self.keys.command, command)
+        index = self.store.add(self.keys.command_count) - 1  # reserved, as ControlStore.append does
         agents = [slot.agent_id for slot in self.nodes.values()] + [slot.agent_id for slot in self.spares]
-        text = self.store.sealed(self.keys.command(index), command)
-        self.store.set_texts([self.keys.doorbell(agent, index) for agent in agents], text)  # one round trip
+        key = self.keys.command(index)
+        # sealed once; the command's own key first, then the bells: one round trip, in this order
+        self.store.set_texts([key] + [self.keys.doorbell(agent, index) for agent in agents], self.store.sealed(key, command))
 
     def _release_held(self) -> None:
         """The held REPLACE commands go out once their moment has passed."""
