@@ -28,7 +28,12 @@ bench_control_plane.py measures them; README "Scale"):
 * status board: the controller reads the N statuses in two round trips (``check``, ``multi_get``) and
   writes ``status``: O(W) bytes, rebuilt once per ``board_interval`` (at most BOARD_RANKS_PER_S ranks'
   worth a second).
-* reports: an agent appends one (O(1)); the controller polls ``report_count`` (O(1) per tick).
+* reports: an agent appends one (O(1): two round trips); the controller polls ``report_count`` (O(1)
+  per tick).
+* STOP acknowledgements: each agent sets its own ``stopped`` key once its workers are gone (one round
+  trip, O(N) in all, none of them in the sequence of reports); while it waits for them the controller
+  checks the keys of the nodes it waits for in one ``check`` per tick (O(N) bytes), and reads them in one
+  ``multi_get`` once all are there (O(N) bytes, one decision for every node instead of N).
 * commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
   every agent's ``doorbell`` with it, the command and the bells in one ``multi_set`` (O(N) bytes, two
   round trips with the index's reservation); each agent's
@@ -140,6 +145,12 @@ class JobKeys:
 
     def report(self, seq: int) -> str:
         return f"{self.root}/report/{seq}"
+
+    def stopped(self, generation: int, agent_id: str) -> str:
+        """The agent's acknowledgement of generation ``generation``'s STOP (a signed STOPPED Report): no
+        worker of the generation is left on its node. Not a report in the sequence: one write per
+        agent, and the controller checks every node's in one request."""
+        return f"{self.generation(generation)}/stopped_by/{agent_id}"
 
     # process-level recovery: the generation the workers must be in, and each generation's own keys
     @property

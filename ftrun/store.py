@@ -133,6 +133,12 @@ class ControlStore:
             return [self.try_get(cls, key) for key in keys]
         return self._open_all(cls, keys)
 
+    def all_set(self, cls: type[T], keys: list[str]) -> list[T | None] | None:
+        """The messages under ``keys`` once every one is set (None for one ignored as forged), in two
+        round trips; None, after one (``check``), while any is missing: a poll of many keys that costs
+        one request however many there are."""
+        return self._open_all(cls, keys) if self._call(self.raw.check, keys) else None
+
     def _open_all(self, cls: type[T], keys: list[str]) -> list[T | None]:
         """The messages under ``keys`` (all set), in one round trip; None for one ignored as forged."""
         return [self.opened(cls, key, raw) for key, raw in zip(keys, self._call(self.raw.multi_get, keys))]

@@ -170,7 +170,7 @@ class SimAgent:
                     return
                 if command.kind is CommandKind.STOP:
                     self.running = False
-                    self.protocol.report(ReportKind.STOPPED, command.generation)
+                    self.protocol.acknowledge_stop(command.generation)
                 elif command.kind is CommandKind.START:
                     self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
                     self.generation, self.running = command.generation, True

@@ -422,7 +422,7 @@ class Agent:
                         if failed and interrupted_at is None:
                             self._report_failed(group, failed)
                         self._snapshots_after_stop()
-                        self._report(ReportKind.STOPPED, command.generation)
+                        self.protocol.acknowledge_stop(command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
                         if not self._refresh_layout():

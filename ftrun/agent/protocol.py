@@ -232,6 +232,12 @@ class NodeProtocol:
         report = Report(kind, self.node_rank, generation, agent_id=self.agent_id, **fields)
         self.store.append(self.keys.report_count, self.keys.report, report)
 
+    def acknowledge_stop(self, generation: int) -> None:
+        """No worker of ``generation`` is left on this node: the STOP's acknowledgement, in one write
+        of this agent's own key (the controller checks every node's at once)."""
+        report = Report(ReportKind.STOPPED, self.node_rank, generation, agent_id=self.agent_id)
+        self.store.set(self.keys.stopped(generation, self.agent_id), report)
+
     def commands(self) -> Iterator[Command]:
         """The controller's commands published since the last one taken, in order (forged ones left
         out). Each counts as read once it is taken: a caller that stops at one (a spare taking over a

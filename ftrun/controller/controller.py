@@ -28,6 +28,7 @@ from ftrun.controller.policy import (
     on_repair_failed,
     on_report,
     on_stop,
+    on_stopped,
     operator_refusal,
     start,
 )
@@ -171,6 +172,8 @@ class Controller:
         #: REPLACE commands held back (see _apply), and when they go out
         self._held: list[Command] = []
         self._held_until = 0.0
+        #: the agents' reports read so far (a sequence)
+        self._next_report = 0
         #: a job-level restart waiting for its ranks to join (its generation), and whether the
         #: generation before it used ftrun.elastic (else there is nothing to wait for)
         self._restarting: int | None = None
@@ -309,7 +312,7 @@ class Controller:
         return self.board.snapshot
 
     def _loop(self) -> None:
-        next_report = next_operator = 0
+        next_operator = 0
         next_beat = 0.0
         exit_deadline = None
         while self.view.phase is not Phase.DONE:
@@ -331,10 +334,7 @@ class Controller:
                     next_operator += 1  # ftrun top's requests: once a keepalive is soon enough
                     if request is not None:  # None: forged, ignored (and logged)
                         self._on_operator(request)
-            for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, next_report):
-                next_report += 1
-                if report is not None:  # None: forged, ignored (and logged)
-                    self._on_report(report)
+            self._take_reports()
             self._release_held()
             self._check_repair()
             if self._restarting is not None:
@@ -494,6 +494,35 @@ class Controller:
             refusal = self.store.try_text(self.keys.process_level_refused)
             if refusal:
                 self._apply(on_process_level_refused(view, refusal))
+
+    def _take_reports(self) -> None:
+        """The agents' new reports, then their acknowledgements of a job-level STOP. The acknowledgements
+        are looked for first: an agent reports the ranks that failed as it stopped them before it
+        acknowledges, so each of those reports is in the store by then, and counts before the restart."""
+        stopped = self._stop_acknowledgements()
+        for report in self.store.read_from(self.keys.report_count, self.keys.report, Report, self._next_report):
+            self._next_report += 1
+            if report is not None:  # None: forged, ignored (and logged)
+                self._on_report(report)
+        if stopped and self.view.generation == stopped[0]:
+            self._apply(on_stopped(self.view, stopped[1]))
+
+    def _stop_acknowledgements(self) -> tuple[int, frozenset[int]] | None:
+        """During a job-level STOP, once every node waited for has acknowledged it (one ``check`` of their
+        agents' keys per tick): the generation and the nodes whose acknowledgement holds."""
+        view = self.view
+        if view.phase is not Phase.STOPPING or view.level is not Level.JOB:
+            return None
+        waiting = [(node, self.nodes[node].agent_id) for node in sorted(view.present - view.acknowledged)
+                   if node in self.nodes]
+        if not waiting:
+            return None
+        acks = self.store.all_set(Report, [self.keys.stopped(view.generation, agent) for _, agent in waiting])
+        if acks is None:
+            return None
+        # a forged one (None) does not count: its node is waited for still
+        return view.generation, frozenset(node for (node, agent), ack in zip(waiting, acks)
+                                          if ack is not None and ack.agent_id == agent)
 
     def _check_repair(self) -> None:
         """During a process-level repair: count the ranks' milestones, watch the deadline."""

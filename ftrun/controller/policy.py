@@ -432,10 +432,15 @@ def _on_success(view: JobView, node_rank: int) -> Decision:
     return view, []
 
 
-def _on_stopped(view: JobView, node_rank: int) -> Decision:
+def on_stopped(view: JobView, node_ranks: frozenset[int]) -> Decision:
+    """The agents of ``node_ranks`` acknowledged the job-level STOP: no worker of theirs is left."""
     if view.phase is not Phase.STOPPING or view.level is not Level.JOB:
         return view, []
-    return _restart_when_stopped(dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank}))
+    return _restart_when_stopped(dataclasses.replace(view, acknowledged=view.acknowledged | node_ranks))
+
+
+def _on_stopped(view: JobView, node_rank: int) -> Decision:
+    return on_stopped(view, frozenset({node_rank}))
 
 
 def _restart_when_stopped(view: JobView) -> Decision:

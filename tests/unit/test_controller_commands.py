@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 
@@ -13,7 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, NodeSlot, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
 
@@ -66,3 +67,43 @@ def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doo
     controller._release_held()
     # no REPLACE ever reached an agent: the restart's ranks find every standby warm
     assert [c.kind for c in published(controller)] == [CommandKind.STOP]
+
+
+def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_counts_its_failures(controller,
+                                                                                                  monkeypatch):
+    from ftrun.agent.protocol import NodeProtocol
+
+    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.view = dataclasses.replace(controller.view, recovery=Level.JOB, library_ranks=0)
+    controller._on_report(failed(3))
+    assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.JOB)
+    agents = []
+    for n in (0, 1):
+        agents.append(NodeProtocol(controller.store, controller.keys, f"agent-{n}", node_timeout=10.0))
+        agents[-1].node_rank = n
+    agents[0].acknowledge_stop(0)
+    controller._take_reports()
+    assert controller.view.phase is Phase.STOPPING  # node 1 still has workers
+    # a stale agent's word for node 1, and a text anyone could write under its agent's key: neither counts
+    NodeProtocol(controller.store, controller.keys, "gone", node_timeout=10.0).acknowledge_stop(0)
+    controller.store.set_text(controller.keys.stopped(0, "agent-1"), '{"kind": "stopped"}')
+    controller._take_reports()
+    assert (controller.view.phase, controller.view.acknowledged) == (Phase.STOPPING, frozenset({0}))
+    # node 1's rank 2 died as it stopped: reported, then the stop acknowledged, both just after the
+    # controller read the reports; the failure still counts before the restart
+    read_from, written = controller.store.read_from, []
+
+    def written_as_the_reports_are_read(*args):
+        found = read_from(*args)
+        if not written:
+            written.append(agents[1].report(ReportKind.WORKER_FAILED, 0, failures=failed(2).failures))
+            agents[1].acknowledge_stop(0)
+        return found
+
+    monkeypatch.setattr(controller.store, "read_from", written_as_the_reports_are_read)
+    controller._take_reports()
+    controller._take_reports()
+    assert (controller.view.phase, controller.view.generation) == (Phase.RUNNING, 1)
+    assert sorted(f.rank for f in controller.view.failures) == [2, 3]  # counted before the restart
+    assert [c.kind for c in published(controller)] == [CommandKind.STOP, CommandKind.START]
+    assert controller.store.counter(controller.keys.report_count) == 1  # the failure: no acknowledgement in it
