@@ -55,11 +55,12 @@ shard with --snapshot-every K, --snapshot-every; no replica holds its shard), on
 --kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
 (goal 0; <= K from snapshots), and the median step of each before the fault, leaving out the first --warmup
 seconds (5: ftrun's warm standbys import torch beside the workers then), and ftrun's over torchrun's (goal
-<= 1.03x); the fault comes after step 55 here, for a window of steady steps; for pure DP also job.ddp() under ftrun over torch DDP (train_ddp.py) under torchrun. The
+<= 1.03x); the fault comes after step 135 here, for a window of steady steps; for pure DP also job.ddp()
+under ftrun over torch DDP (train_ddp.py) under torchrun. The
 all-lost row has every rank SIGKILL itself at once (goal: regain <= 0.7x torchrun's, steps redone <= K).
 ftrun's phase breakdown of each repair (its "... s after the fault (detect .., stop .., ...)" line) follows
-the table. --repeat N alternates N runs of each and reports medians: the step-time goal is finer than the
-noise of one run on a busy machine.
+the table. --repeat N alternates N runs of each (every other repeat the other launcher first) and reports
+medians: the step-time goal is finer than the noise of one run on a busy machine.
 
     .venv/bin/python scripts/bench_recovery.py --layouts all --repeat 2 --json layouts.json
 
@@ -169,9 +170,11 @@ SCALING_DEFAULTS = ModeDefaults(
 )
 NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
 # The step-time goal is a few percent: the median step leaves out the first seconds, in which ftrun's warm
-# standbys import torch beside the workers (on 2 cores that slows the first ~50 steps), and the fault comes
-# late enough for a window of ~20 steps after them; 5 steps after a checkpoint, as in the single run.
-LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=80, step_sleep=0.0, deadline=150.0, kill_at_step=55, warmup_s=5.0)
+# standbys import torch beside the workers, and the fault comes late enough for a window of 60-110 steps
+# after them (a window of 25, which the fault at step 55 left, moved a run's median by 5-10% here); 5 steps
+# after a checkpoint, as in the single run.
+LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160, step_sleep=0.0, deadline=240.0,
+                                kill_at_step=135, warmup_s=5.0)
 #: --node-loss: launchers that can take a spare node
 SPARE_CAPABLE = ("ftrun",)
 
@@ -738,14 +741,17 @@ def layout_launchers(case: LayoutCase) -> tuple[Launcher, Launcher, Launcher | N
 
 
 def run_layouts(cases: list[LayoutCase], scenario: Scenario, work_root: Path, repeats: int) -> list[LayoutRow]:
-    """Each case's runs, torchrun's and ftrun's alternating, ``repeats`` times each."""
+    """Each case's runs, torchrun's and ftrun's alternating, ``repeats`` times each; every other repeat
+    in the opposite order, so that neither launcher always runs first and what one run leaves behind (a
+    checkpoint still being written out, memory being freed) falls on each alike."""
     rows = []
     for case in cases:
         torchrun, ftrun, reference = layout_launchers(case)
         launchers = [torchrun, ftrun, *([reference] if reference else [])]
         case_scenario = replace(scenario, kill_all=case.kill_all, kill_at_step=case.kill_at_step or scenario.kill_at_step)
         console.print(f"[bold]layout {case.name}[/bold]: {case.description}")
-        runs = [run_scenario(case_scenario, launchers, work_root, repeat) for repeat in range(repeats)]
+        runs = [run_scenario(case_scenario, launchers, work_root, repeat, reverse=repeat % 2 == 1)
+                for repeat in range(repeats)]
         by_launcher = [[repeat[i] for repeat in runs] for i in range(len(launchers))]
         rows.append(LayoutRow(case, ftrun=by_launcher[1], torchrun=by_launcher[0],
                               torch_ddp=by_launcher[2] if reference else []))
@@ -913,9 +919,11 @@ def raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # so a SIGTERM cleans up the way Ctrl-C does
 
 
-def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path, repeat: int = 0) -> list[RunResult]:
-    results = []
-    for launcher in launchers:
+def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path, repeat: int = 0,
+                 reverse: bool = False) -> list[RunResult]:
+    """One run of each launcher, in turn (``reverse``: from the last), the results in ``launchers``' order."""
+    results: list[RunResult] = []
+    for launcher in reversed(launchers) if reverse else launchers:
         console.print(f"[bold]{launcher.description}[/bold], {scenario.shape}: running, "
                       f"deadline {scenario.deadline:g} s")
         workdir = work_root / f"{launcher.name}-{scenario.nnodes}x{scenario.nproc_per_node}-{repeat}"
@@ -924,7 +932,7 @@ def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path,
         result = benchmark(launcher, scenario, workdir)
         console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
         results.append(result)
-    return compare_with_baseline(results)
+    return compare_with_baseline(results[::-1] if reverse else results)
 
 
 def status_overhead(results: list[RunResult]) -> dict:

@@ -96,7 +96,7 @@ def test_layouts_mode_has_its_own_defaults(bench, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--layouts", "all", "--repeat", "2"])
     args, scenarios, _ = bench.parse_args()
     assert args.layouts == list(bench.LAYOUT_NAMES)
-    assert (scenarios[0].steps, scenarios[0].kill_at_step, scenarios[0].warmup_s) == (80, 55, 5.0)
+    assert (scenarios[0].steps, scenarios[0].kill_at_step, scenarios[0].warmup_s) == (160, 135, 5.0)
     monkeypatch.setattr(sys, "argv", ["bench_recovery.py"])
     assert bench.parse_args()[1][0].warmup_s == 0.0  # the single run measures as before
 
@@ -108,3 +108,23 @@ def test_median_step_leaves_out_the_warmup_but_never_more_than_half(bench):
     assert bench.median_step_s(slow_then_fast, warmup_s=2.5) == pytest.approx(0.1)
     assert bench.median_step_s(slow_then_fast[:4], warmup_s=2.5) == pytest.approx(1.0)  # half of the steps still count
     assert bench.median_step_s([]) is None
+
+
+def test_every_other_repeat_runs_the_launchers_the_other_way_round(bench, monkeypatch, tmp_path):
+    case = bench.layout_cases(5)["torch-ddp"]
+    torchrun, ftrun, _ = bench.layout_launchers(case)
+    order = []
+
+    def measured(launcher, scenario, workdir):
+        order.append(launcher.name)
+        return run(bench, launcher.name, 1.0, 0.1 if launcher.name == torchrun.name else 0.105)
+
+    monkeypatch.setattr(bench, "benchmark", measured)
+    scenario = bench.Scenario(nnodes=2, nproc_per_node=2, steps=60, ckpt_every=10, kill_rank=3, kill_at_step=25,
+                              step_sleep=0.0, deadline=60.0)
+    rows = bench.run_layouts([case], scenario, tmp_path, 3)
+    assert order == [torchrun.name, ftrun.name, ftrun.name, torchrun.name, torchrun.name, ftrun.name]
+    # each repeat's results in the launchers' order again: the ratio is ftrun's over torchrun's
+    assert [r.launcher for r in rows[0].torchrun] == [torchrun.name] * 3
+    assert [r.launcher for r in rows[0].ftrun] == [ftrun.name] * 3
+    assert rows[0].step_ratio == pytest.approx(1.05)
