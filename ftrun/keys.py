@@ -230,7 +230,7 @@ class JobKeys:
 
     def doorbell(self, agent_id: str, ring: int | str) -> str:
         """Set when there is news for the agent: ring "rendezvous" once the rendezvous result is written,
-        ring k once command k is. The agent's Watch blocks in the store's ``wait`` on its next ring,
+        ring k once command k is. The agent's Watch blocks in the store's ``get`` of its next ring,
         and an agent that leaves rings its own next bell to let the watch go (ftrun.agent.protocol)."""
         return f"{self.root}/agent/{agent_id}/bell/{ring}"
 

@@ -171,8 +171,8 @@ SCALING_DEFAULTS = ModeDefaults(
 NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
 # The step-time goal is a few percent: the median step leaves out the first seconds, in which ftrun's warm
 # standbys import torch beside the workers, and the fault comes late enough for a window of 60-110 steps
-# after them (a window of 25, which the fault at step 55 left, moved a run's median by 5-10% here); 5 steps
-# after a checkpoint, as in the single run.
+# after them (about 25 when it came after step 55: one slow spell of the machine then moved a run's
+# median); 5 steps after a checkpoint, as in the single run.
 LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160, step_sleep=0.0, deadline=240.0,
                                 kill_at_step=135, warmup_s=5.0)
 #: --node-loss: launchers that can take a spare node
