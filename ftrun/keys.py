@@ -36,10 +36,9 @@ bench_control_plane.py measures them; README "Scale"):
   ``multi_get`` once all are there (O(N) bytes, one decision for every node instead of N).
 * commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
   every agent's ``doorbell`` with it, the command and the bells in one ``multi_set`` (O(N) bytes, two
-  round trips with the index's reservation); each agent's
-  Watch, blocked in a ``get`` of its bell, wakes holding the command and asks for the next bell: one
-  round trip per agent and command. Idle agents poll nothing: the command count in the keepalive
-  read is only a net under the bell.
+  round trips with the index's reservation); each agent's Watch, blocked in a ``get`` of its bell,
+  wakes holding the command and asks for the next bell: one round trip per agent and command. Idle
+  agents poll nothing: the command count in the keepalive read is only a net under the bell.
 * layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
   agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore`` of O(W x (1 + R)) entries for sharded state (R replicas), O(W) for

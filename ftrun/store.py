@@ -129,9 +129,8 @@ class ControlStore:
         ``multi_get``) when every key is set, one per key otherwise."""
         if not keys:
             return []
-        if not self._call(self.raw.check, keys):
-            return [self.try_get(cls, key) for key in keys]
-        return self._open_all(cls, keys)
+        found = self.all_set(cls, keys)
+        return found if found is not None else [self.try_get(cls, key) for key in keys]
 
     def all_set(self, cls: type[T], keys: list[str]) -> list[T | None] | None:
         """The messages under ``keys`` once every one is set (None for one ignored as forged), in two
