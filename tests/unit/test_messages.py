@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import ftrun.messages
+from ftrun.events import EventLog
 from ftrun.messages import (
     Command,
     CommandKind,
     NodeSlot,
+    RendezvousResult,
     Report,
     ReportKind,
-    RendezvousResult,
     WorkerFailure,
     from_json,
     signal_name,
     to_json,
 )
-from ftrun.events import EventLog
 from ftrun.summary import figures, job_summary
 
 FAILURE = WorkerFailure(rank=3, local_rank=1, node_rank=1, host="n1", pid=42, exit_code=None, signal="SIGKILL",
@@ -33,6 +37,29 @@ def test_messages_round_trip_through_json():
 def test_unknown_fields_from_a_newer_sender_are_ignored():
     text = to_json(Command(CommandKind.STOP, 1))[:-1] + ', "future_field": 1}'
     assert from_json(Command, text) == Command(CommandKind.STOP, 1)
+
+
+def test_threads_reading_the_same_bytes_at_once_build_the_message_once(monkeypatch):
+    """A process of simulated agents reads the rendezvous result of a thousand nodes in 256 threads at
+    once: the first builds it, the others wait for it instead of each missing the cache."""
+    built, build = [], ftrun.messages._build
+
+    def slow_build(cls, data):
+        built.append(cls)
+        time.sleep(0.05)  # lets the GIL go, as a long build is made to by the interpreter
+        return build(cls, data)
+
+    monkeypatch.setattr(ftrun.messages, "_build", slow_build)
+    text = to_json(RendezvousResult(nodes=(NodeSlot(0, "fresh", "h", 2, 0),), world_size=2)).encode()
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(from_json(RendezvousResult, bytes(text))))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(results) == 8 and len(set(results)) == 1
+    assert built.count(RendezvousResult) == 1
 
 
 def test_signal_names():
