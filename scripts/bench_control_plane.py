@@ -42,10 +42,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
+import heapq
 import json
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -54,6 +57,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -62,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import free_port, kill_everything  # noqa: E402
 
 from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
+from ftrun.agent.workers import STOP_POLL  # noqa: E402
 from ftrun.config import Endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
@@ -114,19 +119,27 @@ class CountingStore:
 # -- the agents' side (in --agent-processes processes) -----------------------------------------
 
 class SimAgent:
-    """One node's agent with workers that are only heartbeats: the real NodeProtocol and its Watch,
-    driven the way Agent._supervise drives them."""
+    """One node's agent with workers that are only heartbeats: the real NodeProtocol and its Watch.
+    ``turn`` is one turn of Agent._supervise's loop (its keepalive when due, then the failure to
+    simulate and the controller's commands): taken in its watch's thread as the bell rings, as a
+    real agent's loop wakes the moment its watch does, and otherwise by the process's Driver."""
 
-    def __init__(self, index: int, port: int, nproc: int, ops, shared: dict):
-        self.index, self.port, self.nproc, self.ops, self.shared = index, port, nproc, ops, shared
+    def __init__(self, index: int, port: int, nproc: int, ops, shared: dict, wake: Callable[["SimAgent"], None]):
+        self.index, self.port, self.nproc, self.ops, self.shared, self.wake = index, port, nproc, ops, shared, wake
+        self.lock = threading.Lock()  # one turn at a time
         self.agent_id = f"sim-{index}"
-        self.wake = threading.Event()
         self.joined_at = 0.0
         self.ranks: list[int] = []
         self.running = False
         self.generation = 0
         self.failed_at = self.repair_failed_at = 0.0
         self.node = -1
+        self.next_beat = 0.0
+        #: a STOP to acknowledge, and when its workers would be gone; whether the agent left
+        self.stopping: tuple[int, float] | None = None
+        self.gone = False
+        #: when the Driver is to take its next turn by the clock (None: not scheduled)
+        self.scheduled: float | None = None
         #: (sequence number, kind, generation, time received) of every command
         self.received: list[tuple[int, str, int, float]] = []
 
@@ -134,57 +147,92 @@ class SimAgent:
         endpoint = Endpoint("127.0.0.1", self.port)
         self.store = ControlStore(CountingStore(connect_store(endpoint, 120), self.ops), endpoint, is_host=False)
         watch = Watch(lambda: CountingStore(connect_store(endpoint, 120), self.ops), JobKeys(RUN_ID), self.agent_id,
-                      self.wake.set)
+                      self._rang)
         self.protocol = NodeProtocol(self.store, JobKeys(RUN_ID), self.agent_id, node_timeout=30.0, watch=watch)
 
-    def run(self) -> None:
+    def join(self) -> None:
+        """The rendezvous, in a thread of its own (each agent waits for the result); then the Driver's."""
         self.store.wait_for(GO, 600)
         record = JoinRecord(self.agent_id, "127.0.0.1", os.getpid(), self.nproc, requested_node_rank=-1)
         result, slot = self.protocol.join(record, 300, threading.Event())
-        self.joined_at = time.time()
         self._take(slot.first_rank)
         #: the node rank the rendezvous gave (-1: the spare); the failing and the lost node are named by
         #: it, since which agent ends up the spare depends on the order they joined in
         self.node = slot.node_rank
-        next_beat = 0.0
-        while not self.shared["end"].is_set():
-            self.wake.clear()
-            now = time.monotonic()
-            if now >= next_beat:
-                ranks = self.ranks if self.running else []
-                _, steps = self.protocol.observe(ranks, now)  # the controller's keepalive, commands, the hang check's read
-                states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, step, 0.0) for r, step in zip(ranks, steps))
-                self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states), now)
-                next_beat = now + KEEPALIVE
-            if self.shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
-                self.failed_at = self._fail()
-            if self.shared["repair"] == self.node >= 0 and not self.repair_failed_at and self.running:
-                self.repair_failed_at = self._fail()
-            if self.shared["lose"] == self.node >= 0:
-                return  # the node is gone: no keepalive, no goodbye
-            seq = self.protocol.next_command
-            for offset, command in enumerate(self.protocol.commands()):
-                self.received.append((seq + offset, command.kind.value, command.generation, time.time()))
-                if command.kind is CommandKind.EXIT:
-                    self.protocol.report(ReportKind.EXITED, command.generation)
-                    return
-                if command.kind is CommandKind.STOP:
-                    self.running = False
-                    self.protocol.acknowledge_stop(command.generation)
-                elif command.kind is CommandKind.START:
-                    self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
-                    self.generation, self.running = command.generation, True
-                elif command.kind is CommandKind.REPLACE and set(command.ranks) & set(self.ranks):
-                    self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
-                    self.running = True
-                elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
-                    self.protocol.node_rank = command.node_rank
-                    layout = self.store.try_get(Layout, JobKeys(RUN_ID).layout)
-                    mine = next(n for n in layout.nodes if n.node_rank == command.node_rank)
-                    self._take(mine.first_rank)
-                elif command.kind is CommandKind.TAKEOVER and command.node_rank == self.protocol.node_rank:
-                    return
-            self.wake.wait(max(0.0, next_beat - time.monotonic()))  # a command or the director wakes it
+        self.joined_at = time.time()
+        self.wake(self)
+
+    def _rang(self) -> None:
+        """Its bell rang (in the watch's thread): its turn now; the Driver's next when that moved it."""
+        self.take_turn(rung=True)
+        if self.due() != self.scheduled:
+            self.wake(self)
+
+    def take_turn(self, rung: bool = False) -> None:
+        with self.lock:
+            if self.joined_at and not self.gone:
+                self.turn(time.monotonic(), rung)
+
+    def due(self) -> float:
+        """When its next turn is due by the clock: its keepalive, or the acknowledgement of a STOP."""
+        return self.next_beat if self.stopping is None else min(self.next_beat, self.stopping[1])
+
+    def turn(self, now: float, rung: bool = False) -> None:
+        """One turn of the agent's loop: its keepalive when due, then the failure to simulate and the
+        commands. ``rung`` (in its watch's thread, as the bell rang): the commands alone, its keepalive
+        left to the Driver, since a round trip costs the simulator's shared cores tens of
+        milliseconds where it costs an agent on a host of its own a fraction of one."""
+        if not rung:
+            self._beat(now)
+        self._read()
+
+    def _beat(self, now: float) -> None:
+        if now >= self.next_beat:
+            ranks = self.ranks if self.running else []
+            _, steps = self.protocol.observe(ranks, now)  # the controller's keepalive, commands, the hang check's read
+            states = tuple(RankState(r, r - self.ranks[0], 0, self.running, 0, step, 0.0) for r, step in zip(ranks, steps))
+            self.protocol.keepalive(NodeStatus(self.agent_id, "127.0.0.1", self.generation, states), now)
+            self.next_beat = now + KEEPALIVE
+        if self.stopping is not None and now >= self.stopping[1]:
+            self.protocol.acknowledge_stop(self.stopping[0])
+            self.stopping = None
+
+    def _read(self) -> None:
+        """The failure or the loss the director asks for, then the controller's commands."""
+        shared = self.shared
+        if shared["fail"] == self.node >= 0 and not self.failed_at and self.running:
+            self.failed_at = self._fail()
+        if shared["repair"] == self.node >= 0 and not self.repair_failed_at and self.running:
+            self.repair_failed_at = self._fail()
+        if shared["lose"] == self.node >= 0:
+            self.gone = True  # the node is gone: no keepalive, no goodbye
+            return
+        seq = self.protocol.next_command
+        for offset, command in enumerate(self.protocol.commands()):
+            self.received.append((seq + offset, command.kind.value, command.generation, time.time()))
+            if command.kind is CommandKind.EXIT:
+                self.protocol.report(ReportKind.EXITED, command.generation)
+                self.gone = True
+                return
+            if command.kind is CommandKind.STOP:
+                # acknowledged once its workers would be gone: a real agent's stop signals them, and
+                # looks again STOP_POLL later (WorkerGroup.stop)
+                self.running = False
+                self.stopping = (command.generation, time.monotonic() + STOP_POLL)
+            elif command.kind is CommandKind.START:
+                self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
+                self.generation, self.running = command.generation, True
+            elif command.kind is CommandKind.REPLACE and set(command.ranks) & set(self.ranks):
+                self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
+                self.running = True
+            elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
+                self.protocol.node_rank = command.node_rank
+                layout = self.store.try_get(Layout, JobKeys(RUN_ID).layout)
+                mine = next(n for n in layout.nodes if n.node_rank == command.node_rank)
+                self._take(mine.first_rank)
+            elif command.kind is CommandKind.TAKEOVER and command.node_rank == self.protocol.node_rank:
+                self.gone = True
+                return
 
     def _take(self, first_rank: int) -> None:
         self.ranks = list(range(first_rank, first_rank + self.nproc)) if first_rank >= 0 else []
@@ -198,6 +246,52 @@ class SimAgent:
         failed_at = time.time()
         self.protocol.report(ReportKind.WORKER_FAILED, self.generation, failures=(failure,))
         return failed_at
+
+
+class Driver:
+    """One thread that takes the turns of a process's simulated agents that no bell asks for: those due
+    by the clock (a keepalive, a STOP's acknowledgement), and those the director or the rendezvous
+    wakes. Not a thread per agent, so that the cores the simulator shares go to the control plane's
+    work and not to hundreds of threads handing the interpreter to each other (a thread per agent
+    cost 60 us of a core per agent and command, the decision's fan-out to 1,025 agents 150 ms); and
+    not the rung agents' turns too, which would wait for the interpreter behind the watches of their
+    process waking with them (30-50 ms after their bell), where a real agent's loop has its own."""
+
+    def __init__(self):
+        self.woken: queue.SimpleQueue[SimAgent] = queue.SimpleQueue()
+        self._due: list[tuple[float, int, SimAgent]] = []  # a heap; an entry the agent moved since is stale
+
+    def run(self, end: threading.Event) -> None:
+        while not end.is_set():
+            agent = self._next()
+            if agent is not None:
+                agent.take_turn()
+                self._schedule(agent)
+
+    def _next(self) -> SimAgent | None:
+        """The next agent to take its turn: a woken one first, else the first one due; None after a
+        wait that ended with neither."""
+        try:
+            return self.woken.get_nowait()
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            when, _, agent = heapq.heappop(self._due)
+            if when == agent.scheduled:
+                agent.scheduled = None
+                return agent
+        wait = self._due[0][0] - now if self._due else DIRECTOR_TICK
+        try:
+            return self.woken.get(timeout=min(max(wait, 0.0), DIRECTOR_TICK))
+        except queue.Empty:
+            return None
+
+    def _schedule(self, agent: SimAgent) -> None:
+        when = agent.due()
+        if agent.joined_at and not agent.gone and when != agent.scheduled:
+            agent.scheduled = when
+            heapq.heappush(self._due, (when, agent.index, agent))
 
 
 def beat_ranks(port: int, agents: list[SimAgent], ops, end: threading.Event) -> None:
@@ -214,20 +308,24 @@ def beat_ranks(port: int, agents: list[SimAgent], ops, end: threading.Event) -> 
 
 
 def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) -> None:
-    """A process of simulated agents: one thread each, a worker-heartbeat thread, a director thread."""
+    """A process of simulated agents: each agent's watch (a thread each), a thread each for the
+    rendezvous, then a Driver's thread for them all; a worker-heartbeat thread, a director thread."""
     logging.basicConfig(level=logging.ERROR)
     ops = Count()
     shared = {"fail": -1, "lose": -1, "repair": -1, "end": threading.Event()}
-    agents = [SimAgent(i, port, nproc, ops, shared) for i in indices]
+    driver = Driver()
+    agents = [SimAgent(i, port, nproc, ops, shared, driver.woken.put) for i in indices]
     with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
         list(pool.map(SimAgent.connect, agents))
     for agent in agents:  # and every watch, as a real agent's is long before the rendezvous ends
         agent.protocol.watch.connected.wait(300)
-    threads = [threading.Thread(target=a.run, name=f"sim-agent-{a.index}", daemon=True) for a in agents]
+    gc.freeze()  # as each real agent does once it runs (Agent._run)
+    threads = [threading.Thread(target=a.join, name=f"sim-agent-{a.index}", daemon=True) for a in agents]
+    threads.append(threading.Thread(target=driver.run, args=(shared["end"],), name="sim-agents", daemon=True))
+    threads.append(threading.Thread(target=beat_ranks, args=(port, agents, ops, shared["end"]), name="sim-workers",
+                                    daemon=True))
     for thread in threads:
         thread.start()
-    beats = threading.Thread(target=beat_ranks, args=(port, agents, ops, shared["end"]), name="sim-workers", daemon=True)
-    beats.start()
     director = CountingStore(connect_store(Endpoint("127.0.0.1", port), 60), Count())
     director.add(READY, 1)  # every agent of this process is connected
     keys, library = JobKeys(RUN_ID), False
@@ -235,8 +333,9 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
         for key, name in ((FAIL, "fail"), (LOSE, "lose"), (REPAIR, "repair")):
             if shared[name] < 0 and director.check([key]):
                 shared[name] = int(director.get(key))
-                for agent in agents:  # the failure or the loss to simulate, now
-                    agent.wake.set()
+                for agent in agents:  # the failure or the loss to simulate, now (only its node's agent:
+                    if agent.node == shared[name]:  # the others' turns would hold back their watches)
+                        driver.woken.put(agent)
         if not library and director.check([LIBRARY]):  # each running rank formed its group, as the library says
             library = True
             for agent in agents:
@@ -304,6 +403,7 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         store.set_text(GO, "1")
         wait_until(lambda: controller.view is not None and _received(store, keys) >= 1, 300, "the rendezvous")
         _progress(f"{nodes} nodes: rendezvous done in {time.time() - go:.1f}s")
+        gc.freeze()  # as the host's agent, the controller's process, does once it runs
         wait_until(lambda: _all_running(controller, nodes), 120, "every node's first keepalive")
         _progress(f"{nodes} nodes: every node runs; steady state")
 
@@ -345,6 +445,7 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         wait_until(lambda: any(kind == "replace" for kind, _ in published), 30, "the process-level repair")
         time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
     finally:
+        gc.unfreeze()  # the next size's run collects this one's
         controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
         controller.join(15)
         store.set_text(END, "1")

@@ -8,6 +8,7 @@ the controller's liveness), reports, and executes commands. The policy lives in
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -223,6 +224,10 @@ class Agent:
             )
             group.log_dir = self._table_dir = self._log_dir()
             self._start_snapshots(ops)
+            # what the agent made to get here (torch's modules among it: 175,000 objects) lives as long
+            # as it does; out of the collector's sight, its full collections no longer stop the agent
+            # (and the controller beside it) for 30-160 ms each, in the middle of a repair
+            gc.freeze()
             code, reason = self._supervise(group)
         finally:
             if self.snapshots is not None:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: how long to wait for a dead worker's last output before reporting it
 DRAIN_TIMEOUT = 1.0
+#: how often a stop looks whether the workers it signalled are gone (first after this long)
+STOP_POLL = 0.02
 
 
 class ProcessOps:
@@ -322,7 +324,7 @@ class WorkerGroup:
             self.ops.signal_group(worker.pid, self.stop_signal)
         deadline = time.monotonic() + timeout
         while alive and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(STOP_POLL)
             alive = [w for w in alive if w.proc.poll() is None]
         for worker in alive:
             self.ops.signal_group(worker.pid, signal.SIGKILL)
