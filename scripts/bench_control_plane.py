@@ -86,6 +86,8 @@ LIBRARY, REPAIR = "bench/library", "bench/repair"
 #: how often a process of simulated agents looks for the failure or the loss to simulate; how many of
 #: its agents connect at once
 DIRECTOR_TICK, CONNECTING = 0.05, 16
+#: how many times the restore plan is chosen (the quickest counts)
+PLAN_REPEATS = 3
 
 
 class Count:
@@ -517,7 +519,8 @@ def _rank_table(controller: Controller, nodes: int) -> dict:
 
 
 def _restore_plan(nodes: int, nproc: int) -> dict:
-    """A sharded job's plan: each rank's snapshot in its node's memory, a replica on the next node."""
+    """A sharded job's plan: each rank's snapshot in its node's memory, a replica on the next node;
+    the quickest of PLAN_REPEATS choices (one alone moved by 10-20% between runs)."""
     world = nodes * nproc
     inventories = []
     for node in range(nodes):
@@ -528,9 +531,12 @@ def _restore_plan(nodes: int, nproc: int) -> dict:
                     range(before * nproc, (before + 1) * nproc)]
         inventories.append(SnapshotInventory(f"sim-{node}", node, f"127.0.0.1:{9000 + node}", tuple(own + replicas)))
     homes = {r: r // nproc for r in range(world)}
-    began = time.perf_counter()
-    plan = choose_restore(1, inventories, world, homes)
-    seconds = time.perf_counter() - began
+    times = []
+    for _ in range(PLAN_REPEATS):
+        began = time.perf_counter()
+        plan = choose_restore(1, inventories, world, homes)
+        times.append(time.perf_counter() - began)
+    seconds = min(times)
     from ftrun.messages import to_json
 
     assert plan.step == 100, plan.reason
