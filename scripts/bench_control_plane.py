@@ -1,13 +1,15 @@
 """What does ftrun's control plane cost at 1,000 nodes and 16,000 ranks? Measured by simulation.
 
 The real controller (``ftrun.controller.Controller``) and a real TCPStore run in this process; N
-simulated agents run as threads in --agent-processes other processes, each speaking the agents' real
-protocol through ``ftrun.agent.protocol.NodeProtocol`` (the object the real Agent sends and reads every
-message with) and its Watch (blocked in the store's wait on the agent's doorbell): the rendezvous,
+simulated agents share --agent-processes other processes, each speaking the agents' real protocol
+through ``ftrun.agent.protocol.NodeProtocol`` (the object the real Agent sends and reads every message
+with) and its Watch (a thread blocked in the store on the agent's doorbell): the rendezvous,
 keepalives with the node's status, its ranks' heartbeat and step reads (the hang check), reports and
-commands. Workers are only their heartbeats: a thread per process writes each running rank's heartbeat
-counter and step once a second, as the worker library does (one ``multi_set`` per node instead of two
-writes per rank: the store does the same work). One more agent stands by as a spare.
+commands. An agent reads its commands in its watch's thread as the bell rings; one thread per process
+takes the rest of its agents' turns on time (SimAgent, Driver). Workers are only their heartbeats: a
+thread per process writes each running rank's heartbeat counter and step once a second, as the worker
+library does (one ``multi_set`` per node instead of two writes per rank: the store does the same
+work). One more agent stands by as a spare.
 
 --real-agents 32 then runs 32 real ftrun agents (a process each, one rank each) twice, and kills a rank
 each time: at job level (the rank a stdlib script), then at process level (the rank the worker library
