@@ -157,8 +157,7 @@ def _choose(generation: int, inventories: list[SnapshotInventory], world_size: i
 def _spares(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], built: dict) -> list[RestoreSource]:
     """The step's copies, each once: the nearest kind first, then by node and rank. Sorted kind by
     kind, in the order the inventories list them (node by node, each in rank order), where the sort
-    finds them in order already and takes linear time (sorted at once, from a set, they took
-    N log N: the plan's time grew x23 from 64 to 1,024 nodes)."""
+    finds them in order already and takes linear time (from a set, in no order, it took N log N)."""
     kinds: dict[int, dict[RestoreSource, None]] = {}
     for inventory, held in held_at:
         kinds.setdefault(_PREFERENCE[held.where], {})[built[id(inventory), id(held)]] = None
