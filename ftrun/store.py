@@ -7,6 +7,7 @@ the handshake runs under a guard thread.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import logging
@@ -35,6 +36,8 @@ HANDSHAKE_DEADLINE = 3.0
 #: another program's: a few handshakes, since a TCPStore client's connect now and then stalls for its
 #: own 5 s timeout when many connect at once (one in 25 of a burst, measured on a 2-core machine)
 PROBE_DEADLINE = 12.0
+#: a TCPStore client's own connect timeout (its handshake with a silent listener ignores it)
+CONNECT_TIMEOUT = 5.0
 #: connections the store's socket queues before it accepts them (every agent and rank connects at once)
 LISTEN_BACKLOG = 2048
 
@@ -408,13 +411,15 @@ def connect_store(endpoint: Endpoint, timeout: float, refused_is_final: bool = F
 def _tcp_client(endpoint: Endpoint):
     from torch.distributed import TCPStore
 
-    store = TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    store = TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT))
     store.set_timeout(OPERATION_TIMEOUT)
     return store
 
 
 def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
-    """Run ``fn`` in a daemon thread; ``None`` if it fails or has not returned by ``deadline``."""
+    """Run ``fn`` in a daemon thread; ``None`` if it fails or has not returned by ``deadline``.
+
+    A thread left behind is waited for as the interpreter ends (``_settle_connects``)."""
     result: list = []
 
     def run():
@@ -422,11 +427,29 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
             result.append(fn())
         except Exception as e:
             log.debug("store client failed: %s", _first_line(e))
+        finally:
+            _CONNECTING.pop(threading.current_thread(), None)
 
     thread = threading.Thread(target=run, name="ftrun-store-connect", daemon=True)
+    _CONNECTING[thread] = time.monotonic() + CONNECT_TIMEOUT + 1.0
     thread.start()
     thread.join(deadline)
     return result[0] if result else None
+
+
+#: connect threads still running, with when their TCPStore gives up (if it ever does)
+_CONNECTING: dict[threading.Thread, float] = {}
+
+
+@atexit.register
+def _settle_connects() -> None:
+    """Wait, up to its own timeout, for each connect still in TCPStore's constructor.
+
+    One that returns once the interpreter is ending aborts the process ("terminate called without an
+    active exception": the thread is unwound through C++ frames), where a slow name lookup has delayed
+    a connect past its guard; one still blocked after its timeout is blocked for good, and harmless."""
+    for thread, until in list(_CONNECTING.items()):
+        thread.join(max(0.0, until - time.monotonic()))
 
 
 #: how long the static rendezvous's port may take to come free for the next generation's worker store

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from ftrun.keys import RENDEZVOUS_RING, JobKeys, board_interval
 from ftrun.messages import Command, JoinRecord, NodeSlot, NodeStatus, RendezvousResult, Report, ReportKind
 from ftrun.rendezvous import join
-from ftrun.store import ControlStore, StoreUnavailable
+from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 
 #: one blocking read of a Watch (the timeout of its connection): long, since a read that times out logs
 #: a line (the store counts its milliseconds in 32 bits: at most 24 days); the watch then reads again
@@ -116,7 +116,8 @@ class Watch:
                 store.set_text(key, "")
         except StoreUnavailable:
             pass  # the store went: the watch's read fails with it, as its connection closes
-        self._thread.join(WATCH_CLOSE)
+        # one still connecting carries on into the store once it has: the wait covers the connect
+        self._thread.join(WATCH_CLOSE + (0.0 if self.connected.is_set() else CONNECT_TIMEOUT))
 
 
 class Wakeup:

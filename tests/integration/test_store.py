@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -41,6 +42,66 @@ def test_a_listener_that_is_not_a_store_is_refused_at_the_deadline():
         with pytest.raises(RendezvousError, match="does not answer as a store"):
             connect_store(endpoint, timeout=1)
         assert time.monotonic() - started < 30  # a deadline, not a hang
+
+
+LATE_CONNECT = """
+import sys
+from ftrun.config import Endpoint
+from ftrun.errors import RendezvousError
+from ftrun.store import connect_store
+
+try:
+    connect_store(Endpoint("127.0.0.1", int(sys.argv[1])), timeout=0.5)
+except RendezvousError:
+    print("gave up")
+"""
+
+
+def test_the_interpreter_ends_after_a_connect_left_in_tcpstore_s_constructor():
+    """A store that answers only after connect_store gave up: the thread left in TCPStore's
+    constructor finishes before the process ends (one that returned, or failed, as the interpreter
+    ended aborted it: "terminate called without an active exception")."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    answered: list[int] = []
+    with socket.socket() as relay:
+        relay.bind(("127.0.0.1", 0))
+        relay.listen()
+        threading.Thread(target=_relay_late, args=(relay, store.port, 2.0, answered), daemon=True).start()
+        done = subprocess.run([sys.executable, "-c", LATE_CONNECT, str(relay.getsockname()[1])],
+                              capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "gave up\n"), done.stderr
+    assert "terminate called" not in done.stderr
+    assert sum(answered) > 0  # the store's answers reached the client: it was still there to read them
+
+
+def _relay_late(relay: socket.socket, port: int, delay: float, answered: list[int]) -> None:
+    """Hand each connection to ``port`` after ``delay``; count in ``answered`` the bytes sent back."""
+    while True:
+        try:
+            client, _ = relay.accept()
+        except OSError:
+            return
+        threading.Timer(delay, _join_late, args=(client, port, answered)).start()
+
+
+def _join_late(client: socket.socket, port: int, answered: list[int]) -> None:
+    server = socket.create_connection(("127.0.0.1", port))
+    threading.Thread(target=_pump, args=(client, server, []), daemon=True).start()
+    threading.Thread(target=_pump, args=(server, client, answered), daemon=True).start()
+
+
+def _pump(source: socket.socket, sink: socket.socket, counted: list[int]) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+            counted.append(len(data))
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
+            end.close()
 
 
 def test_forced_host_on_a_taken_port_is_a_usage_error():
