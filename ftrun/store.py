@@ -421,6 +421,8 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
 
     A thread left behind is waited for as the interpreter ends (``_settle_connects``)."""
     result: list = []
+    if _EXITING.is_set():
+        return None
 
     def run():
         try:
@@ -439,6 +441,8 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
 
 #: connect threads still running, with when their TCPStore gives up (if it ever does)
 _CONNECTING: dict[threading.Thread, float] = {}
+#: set as the interpreter ends: no connect starts after
+_EXITING = threading.Event()
 
 
 @atexit.register
@@ -447,9 +451,13 @@ def _settle_connects() -> None:
 
     One that returns once the interpreter is ending aborts the process ("terminate called without an
     active exception": the thread is unwound through C++ frames), where a slow name lookup has delayed
-    a connect past its guard; one still blocked after its timeout is blocked for good, and harmless."""
-    for thread, until in list(_CONNECTING.items()):
+    a connect past its guard; one still blocked after its timeout is blocked for good, and harmless.
+    No connect starts from now on (``_EXITING``): a retry would be one more to wait for."""
+    _EXITING.set()
+    while _CONNECTING:
+        thread, until = next(iter(list(_CONNECTING.items())))
         thread.join(max(0.0, until - time.monotonic()))
+        _CONNECTING.pop(thread, None)
 
 
 #: how long the static rendezvous's port may take to come free for the next generation's worker store

@@ -76,7 +76,8 @@ def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free, tmp_path)
     ips = tmp_path / "device-ips.yaml"
     ips.write_text("".join(f"127.0.0.{i + 2}:\n  0: 192.168.100.{i + 2}\n" for i in range(NODES + 1)))
     start(launcher, TRAIN, flags=["--max-restarts", "2", "--device", "npu", "--device-ips", str(ips)],
-          environment=npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="0.1"))
+          # slow until the loss, so that the job cannot finish before the kill however late the spare stands by
+          environment=npu_env(launcher, state, STEPS=str(STEPS), STEP_SLEEP="1", SLOW_GENERATIONS="0"))
     victim = node_agent(launcher, 1)
     spare = wait_for(lambda: [n for n in launcher.nodes if "standing by as a spare node" in n.output], timeout=60,
                      what="the spare to stand by")[0]
