@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import logging
@@ -10,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -27,9 +29,9 @@ from ftrun.elastic.shards import is_dtensor, load_local, local_tensor, to_local
 from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, snapshot_signer
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.keys import JobKeys
-from ftrun.snapshots.format import SnapshotTooLarge
+from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.store import ControlStore, connect_store
+from ftrun.store import CONNECT_TIMEOUT, ControlStore, connect_store
 
 log = logging.getLogger("ftrun.elastic")
 #: how often a rank writes its heartbeat and its committed step
@@ -42,6 +44,11 @@ WATCH_TIMEOUT = 3600.0
 INTERRUPT_AFTER = 0.01
 #: exit status of a rank that could not leave a blocked collective after a repair was announced
 EXIT_STUCK = 75
+#: how long close(), or the interpreter's end, waits for the heartbeat and the repair watch: one still
+#: connecting to the store is waited for as long as a connect may take
+LET_GO_DEADLINE = CONNECT_TIMEOUT + 1.0
+#: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
+COMMIT_DEADLINE = 60.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,10 @@ class ElasticJob:
         self._repairing = False
         self._guard = StepGuard(self)
         self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        #: set while the repair watch is parked in the store's wait, which only the store can end (_let_go)
+        self._watch_parked = threading.Event()
         #: which ranks hold copies of each other's state: job.mesh() declares it; else pure data
         #: parallelism (or every rank alone, with sharded=True), checked at the first steps()
         self._layout: Layout | None = None
@@ -169,9 +180,11 @@ class ElasticJob:
         self.repair = Repair(self)
         self.repair.join(self.env.generation)
         self._repairing = self._needs_state  # a replacement is part of the repair until it has the state
-        for target, name, args in ((self._beat, "ftrun-heartbeat", (endpoint,)),
-                                   (self._watch, "ftrun-repair-watch", (endpoint,))):
-            threading.Thread(target=target, name=name, args=args, daemon=True).start()
+        self._heartbeat = threading.Thread(target=self._beat, name="ftrun-heartbeat", args=(endpoint,), daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="ftrun-repair-watch", args=(endpoint,), daemon=True)
+        _JOBS.add(self)
+        self._heartbeat.start()
+        self._watcher.start()
 
     # -- the user's side ------------------------------------------------------------------------
 
@@ -285,10 +298,12 @@ class ElasticJob:
         return self._guard
 
     def close(self) -> None:
-        """Leave the job: finish the snapshot under way, stop the heartbeat, destroy the process group."""
+        """Leave the job: finish the snapshot under way, stop the heartbeat and the repair watch, destroy
+        the process group. A script that ends without it, or raises, still has the first two done as the
+        interpreter ends."""
         if self.snapshots is not None:
             self.snapshots.wait()
-        self._closed.set()
+        self._let_go()
         try:
             self.store.set_text(self.keys.rank_progress(self.env.rank), str(self._step))  # the final step
         except Exception:
@@ -461,6 +476,35 @@ class ElasticJob:
 
     # -- liveness ----------------------------------------------------------------------------------
 
+    def _let_go(self) -> None:
+        """Stop the heartbeat and the repair watch and wait for them, up to LET_GO_DEADLINE: a thread that
+        comes out of a store call while the interpreter tears down aborts the process ("terminate called
+        without an active exception", SIGABRT), whatever the script's exit code.
+
+        A watch parked in the store's wait stays there, harmless unless a repair is announced or the
+        store goes just as the process ends: nothing on this side ends that wait safely. Its key is every
+        rank's (the healthy ranks would take a repair as announced, interrupt their collectives and exit
+        as stuck), and a wait in slices logs two c10d warnings each time a slice runs out."""
+        self._closed.set()
+        deadline = time.monotonic() + LET_GO_DEADLINE
+        # _closed first, parked second; the watch checks them the other way round: it sees close or is seen parked
+        for thread in (self._heartbeat, None if self._watch_parked.is_set() else self._watcher):
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _settle_at_exit(self) -> None:
+        """The interpreter ends (the script returned or raised, with or without close()): let the snapshot
+        under way complete, since a thread still in its Tensor.copy_ then would abort the process, and
+        let the threads go."""
+        if self.snapshots is not None:
+            try:
+                if not self.snapshots.wait(COMMIT_DEADLINE):
+                    log.warning("rank %d: the snapshot under way was not complete %.0fs after the script ended",
+                                self.env.rank, COMMIT_DEADLINE)
+            except SnapshotError as e:
+                log.error("%s", e)
+        self._let_go()
+
     def _beat(self, endpoint) -> None:
         """Once a second: this rank's heartbeat and committed step, on a connection of its own. A store
         client runs one operation at a time: behind the main thread's wait for a slow replacement to
@@ -488,12 +532,20 @@ class ElasticJob:
             store = connect_store(endpoint, timeout=self.collective_timeout)
         except Exception:
             return
-        while not self._closed.is_set():
+        while True:
             generation = self.generation
+            self._watch_parked.set()
+            if self._closed.is_set():
+                return
             try:
                 store.wait([self.keys.announced(generation + 1)], datetime.timedelta(seconds=WATCH_TIMEOUT))
+            except dist.DistNetworkError:
+                # the store is gone: nothing more can be announced, and every further wait would fail at once
+                return
             except Exception:
                 continue  # nothing announced within the wait's deadline: wait again
+            finally:
+                self._watch_parked.clear()
             self._see_through_repair(generation)
 
     def _see_through_repair(self, generation: int) -> None:
@@ -512,6 +564,18 @@ class ElasticJob:
             time.sleep(0.01)
         while not self._closed.is_set() and self.generation <= generation:
             time.sleep(0.05)  # the repair is under way on the main thread
+
+
+#: the jobs of this process, for the interpreter's end
+_JOBS: "weakref.WeakSet[ElasticJob]" = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_jobs() -> None:
+    """Before the interpreter tears down, whether the script called close() or not (one that raised did
+    not): every job's snapshot completes and its threads go (ElasticJob._settle_at_exit)."""
+    for job in list(_JOBS):
+        job._settle_at_exit()
 
 
 def _dump_stack_on_signal() -> None:

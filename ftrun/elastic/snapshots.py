@@ -177,14 +177,17 @@ class SnapshotWriter:
         finally:
             os.close(fd)  # releases the lock
 
-    def wait(self) -> None:
-        """Until the snapshot under way is complete."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the snapshot under way is complete; False if it still is not after ``timeout`` seconds."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.join(timeout)
+            if self._pending.is_alive():
+                return False
             self._pending = None
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise SnapshotError(f"rank {self.rank}'s last snapshot could not be completed: {failed}") from failed
+        return True
 
 
 def _complete_step(path: str) -> int:
