@@ -34,10 +34,11 @@ bench_control_plane.py measures them; README "Scale"):
   trip, O(N) in all, none of them in the sequence of reports); while it waits for them the controller
   checks the keys of the nodes it waits for in one ``check`` per tick (O(N) bytes), and reads them in one
   ``multi_get`` once all are there (O(N) bytes, one decision for every node instead of N).
-* commands: the controller appends one, whatever N (a broadcast key, never one per node), and rings
-  every agent's ``doorbell`` with it, the command and the bells in one ``multi_set`` (O(N) bytes, two
-  round trips with the index's reservation); each agent's Watch, blocked in a ``get`` of its bell,
-  wakes holding the command and asks for the next bell: one round trip per agent and command. Idle
+* commands: the controller appends a decision's commands, whatever N (broadcast keys, never one per
+  node), and rings every agent's ``doorbell`` once with their texts, the commands and the bells in one
+  ``multi_set`` (O(N) bytes, two round trips with the indices' reservation); each agent's Watch,
+  blocked in a ``get`` of its bell, wakes holding the commands and asks for the next bell: one round
+  trip per agent and decision (a lost node's takeover and STOP ring once). Idle
   agents poll nothing: the command count in the keepalive read is only a net under the bell.
 * layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
   agent writes a rank table of O(W) entries locally.
@@ -259,6 +260,8 @@ class JobKeys:
         return f"{self.root}/events/{index}"
 
 
+#: between the commands' texts when one ring carries several (a sealed text is JSON on one line)
+BELL_SEPARATOR = "\n"
 #: the doorbell ring for the rendezvous result (the commands' are their indices)
 RENDEZVOUS_RING = "rendezvous"
 #: the run ids of the jobs a store has served, as a sequence (``ftrun status`` picks from them)

@@ -23,9 +23,14 @@ def to_json(message: Any) -> str:
 
 
 def _plain(value):
-    """``dataclasses.asdict`` without its deep copies (a node's status is written twice a second)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: _plain(getattr(value, name)) for name in _names(type(value))}
+    """``dataclasses.asdict`` without its deep copies (a node's status is written twice a second, a
+    layout names every node): what each type is, is looked up once per type."""
+    cls = type(value)
+    if cls in _SCALARS:
+        return value
+    names = _names(cls)
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
@@ -33,9 +38,13 @@ def _plain(value):
     return value
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 @functools.cache
-def _names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _names(cls) -> tuple[str, ...] | None:
+    """A dataclass's field names; None for any other type."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
 
 
 def from_json(cls: type[T], text: str | bytes) -> T:

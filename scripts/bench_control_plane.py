@@ -383,10 +383,10 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     published: list[tuple[str, float]] = []
     publish = controller._publish
 
-    def timed_publish(command) -> None:
+    def timed_publish(commands) -> None:
         began = time.perf_counter()
-        publish(command)
-        published.append((command.kind.value, time.perf_counter() - began))
+        publish(commands)
+        published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
 
     controller._publish = timed_publish  # type: ignore[method-assign]
     controller.start()

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ftrun.keys import RENDEZVOUS_RING, JobKeys, board_interval
+from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys, board_interval
 from ftrun.messages import Command, JoinRecord, NodeSlot, NodeStatus, RendezvousResult, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
@@ -28,14 +28,15 @@ from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 #: one blocking read of a Watch (the timeout of its connection): long, since a read that times out logs
 #: a line (the store counts its milliseconds in 32 bits: at most 24 days); the watch then reads again
 WATCH_SLICE = datetime.timedelta(days=7)
+SEPARATOR = BELL_SEPARATOR.encode()
 #: how long an agent that leaves waits for its watch to let go
 WATCH_CLOSE = 2.0
 
 
 class Watch:
     """Waits on the store, in a thread and a connection of its own, for the agent's doorbell: the
-    controller rings it once the rendezvous result is written, then once per command
-    (``keys.doorbell``), with the command's text, so the watch holds each command as it wakes and the
+    controller rings it once the rendezvous result is written, then once per decision
+    (``keys.doorbell``), with its commands' texts, so the watch holds each command as it wakes and the
     agent reads none back. ``wake`` is called after each ring (and once if the watch fails: its reader
     then reads at each keepalive, and meets the store's error itself). ``connect`` makes the connection
     (a raw TCPStore client), in the thread.
@@ -52,7 +53,7 @@ class Watch:
         #: set once the watch has its connection (or failed); the rendezvous result is written (or failed)
         self.connected = threading.Event()
         self.rendezvous = threading.Event()
-        #: commands known to be written: the count when the watch began, plus one per ring
+        #: commands known to be written: the count when the watch began, plus those each ring carried
         self.published = 0
         #: what the bells rang with, by command index, until taken (``take``)
         self._texts: dict[int, bytes] = {}
@@ -75,9 +76,11 @@ class Watch:
             while not self._closed:
                 index = self.published
                 text = self._await(store, keys.doorbell(self.agent_id, index))
-                if text:  # the command (close() rings with nothing)
-                    self._texts[index] = text
-                self.published = index + 1
+                # a decision's commands from this index on (close() rings with nothing)
+                texts = text.split(SEPARATOR) if text else []
+                for offset, command in enumerate(texts):
+                    self._texts[index + offset] = command
+                self.published = index + max(1, len(texts))
                 self._wake()
         except Exception as e:  # the store went (the job ended), or it never answered
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__

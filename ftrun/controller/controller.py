@@ -34,7 +34,7 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
-from ftrun.keys import JOBS_COUNT, RENDEZVOUS_RING, JobKeys, board_interval, job_entry
+from ftrun.keys import BELL_SEPARATOR, JOBS_COUNT, RENDEZVOUS_RING, JobKeys, board_interval, job_entry
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -452,7 +452,8 @@ class Controller:
         ``starting``: for a new generation's start (its world size is then the one to compare with)."""
         first_rank, nodes = 0, []
         for rank in sorted(self.view.present & set(self.nodes)):
-            self.nodes[rank] = dataclasses.replace(self.nodes[rank], first_rank=first_rank)
+            if self.nodes[rank].first_rank != first_rank:
+                self.nodes[rank] = dataclasses.replace(self.nodes[rank], first_rank=first_rank)
             nodes.append(self.nodes[rank])
             first_rank += self.nodes[rank].nproc
         self.store.set(self.keys.layout, Layout(tuple(nodes), self._started_world))
@@ -554,6 +555,7 @@ class Controller:
             log.warning(line)
             self.events.emit("resized", self.view.generation, line, world_size=self.view.world_size)
         self._note_phase(before, self.view)
+        ready = []
         for command in commands:
             if command.kind is CommandKind.START:
                 level = "start" if command.generation == 0 else "grow" if before.free_restart else "job"
@@ -581,24 +583,30 @@ class Controller:
             if command.kind in (CommandKind.STOP, CommandKind.EXIT) and self._held:
                 log.info("%d held replacement command(s) dropped: %s", len(self._held), command.reason)
                 self._held = []
-            self._publish(command)
+            ready.append(command)
+        self._publish(ready)
 
-    def _publish(self, command: Command) -> None:
-        """One command for every agent (a broadcast key), and every agent's doorbell rung for it with the
-        command's text, which the agent's watch holds as it wakes: no agent reads the command again."""
-        log.debug("publishing %s", command)
-        index = self.store.add(self.keys.command_count) - 1  # reserved, as ControlStore.append does
+    def _publish(self, commands: list[Command]) -> None:
+        """A decision's commands for every agent (broadcast keys, in order), and every agent's doorbell
+        rung once for them all with their texts, which the agent's watch holds as it wakes: no agent
+        reads a command again, and a takeover's two commands cost the agents one wake, not two."""
+        if not commands:
+            return
+        log.debug("publishing %s", commands)
+        first = self.store.add(self.keys.command_count, len(commands)) - len(commands)  # reserved, as append does
         agents = [slot.agent_id for slot in self.nodes.values()] + [slot.agent_id for slot in self.spares]
-        key = self.keys.command(index)
-        # sealed once; the command's own key first, then the bells: one round trip, in this order
-        self.store.set_texts([key] + [self.keys.doorbell(agent, index) for agent in agents], self.store.sealed(key, command))
+        keys = [self.keys.command(first + offset) for offset in range(len(commands))]
+        texts = [self.store.sealed(key, command) for key, command in zip(keys, commands)]
+        bell = BELL_SEPARATOR.join(texts)
+        # each sealed once; the commands' own keys first, then the bells: one round trip, in this order
+        self.store.set_each(keys + [self.keys.doorbell(agent, first) for agent in agents],
+                            texts + [bell] * len(agents))
 
     def _release_held(self) -> None:
         """The held REPLACE commands go out once their moment has passed."""
         if self._held and time.monotonic() >= self._held_until:
             held, self._held = self._held, []
-            for command in held:
-                self._publish(command)
+            self._publish(held)
 
     def _inventories(self) -> list[SnapshotInventory]:
         """What the nodes in the job hold now (a lost node's agent, and its memory, are gone)."""

@@ -77,7 +77,7 @@ def wait_for(condition, seconds: float = 5.0) -> None:
 def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     controller, protocol, agent_store = job
     stop = Command(CommandKind.STOP, 0, reason="rank 3 failed")
-    controller._publish(stop)
+    controller._publish([stop])
     wait_for(lambda: protocol.watch.published == 1)
     before = agent_store.requests
     assert list(protocol.commands()) == [stop]
@@ -91,6 +91,15 @@ def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     wait_for(lambda: protocol.watch.published == 2)
     assert list(protocol.commands()) == [start]
     assert agent_store.requests == before + 1
+
+    # a lost node's decision: its two commands ring the bell once, and the watch holds both
+    takeover = Command(CommandKind.TAKEOVER, 1, node_rank=1, agent_id="spare", reason="node 1 lost")
+    stop = Command(CommandKind.STOP, 1, reason="node 1 lost")
+    controller._publish([takeover, stop])
+    wait_for(lambda: protocol.watch.published == 4)
+    assert list(protocol.commands()) == [takeover, stop]
+    assert agent_store.requests == before + 1
+    assert controller.store.raw.check([KEYS.doorbell(AGENT, 2)]) and not controller.store.raw.check([KEYS.doorbell(AGENT, 3)])
 
 
 def test_a_keepalive_is_one_round_trip_and_carries_the_status_at_the_boards_pace(job):
