@@ -416,6 +416,12 @@ def _tcp_client(endpoint: Endpoint):
     return store
 
 
+#: connect threads still running, with when their TCPStore gives up (if it ever does)
+_CONNECTING: dict[threading.Thread, float] = {}
+#: set as the interpreter ends: no connect starts after
+_EXITING = threading.Event()
+
+
 def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
     """Run ``fn`` in a daemon thread; ``None`` if it fails or has not returned by ``deadline``.
 
@@ -439,12 +445,6 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
     return result[0] if result else None
 
 
-#: connect threads still running, with when their TCPStore gives up (if it ever does)
-_CONNECTING: dict[threading.Thread, float] = {}
-#: set as the interpreter ends: no connect starts after
-_EXITING = threading.Event()
-
-
 @atexit.register
 def _settle_connects() -> None:
     """Wait, up to its own timeout, for each connect still in TCPStore's constructor.
@@ -455,9 +455,9 @@ def _settle_connects() -> None:
     No connect starts from now on (``_EXITING``): a retry would be one more to wait for."""
     _EXITING.set()
     while _CONNECTING:
-        thread, until = next(iter(list(_CONNECTING.items())))
-        thread.join(max(0.0, until - time.monotonic()))
-        _CONNECTING.pop(thread, None)
+        for thread, until in list(_CONNECTING.items()):
+            thread.join(max(0.0, until - time.monotonic()))
+            _CONNECTING.pop(thread, None)
 
 
 #: how long the static rendezvous's port may take to come free for the next generation's worker store

@@ -28,6 +28,7 @@ from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 #: one blocking read of a Watch (the timeout of its connection): long, since a read that times out logs
 #: a line (the store counts its milliseconds in 32 bits: at most 24 days); the watch then reads again
 WATCH_SLICE = datetime.timedelta(days=7)
+#: between the commands a ring carries, as the watch reads them
 SEPARATOR = BELL_SEPARATOR.encode()
 #: how long an agent that leaves waits for its watch to let go
 WATCH_CLOSE = 2.0
