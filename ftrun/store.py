@@ -416,6 +416,9 @@ def _tcp_client(endpoint: Endpoint):
     return store
 
 
+#: how long a connect may stay in TCPStore's constructor and still come out: c10d retries a handshake
+#: that failed until its timeout, and the last try runs past it (8.1 s measured, timeout 5 s)
+CONNECT_SETTLE = 2 * CONNECT_TIMEOUT + 1.0
 #: connect threads still running, with when their TCPStore gives up (if it ever does)
 _CONNECTING: dict[threading.Thread, float] = {}
 #: set as the interpreter ends: no connect starts after
@@ -439,7 +442,7 @@ def _guarded(fn: Callable[[], T], deadline: float) -> T | None:
             _CONNECTING.pop(threading.current_thread(), None)
 
     thread = threading.Thread(target=run, name="ftrun-store-connect", daemon=True)
-    _CONNECTING[thread] = time.monotonic() + CONNECT_TIMEOUT + 1.0
+    _CONNECTING[thread] = time.monotonic() + CONNECT_SETTLE
     thread.start()
     thread.join(deadline)
     return result[0] if result else None

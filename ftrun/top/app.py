@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
@@ -107,7 +108,10 @@ class TopApp(App):
 
     def _tick(self) -> None:
         if self.stack_asked is not None and self.stack_answer is None or int(time.monotonic() * 2) % 2 == 0:
-            self.refresh_data()
+            try:
+                self.refresh_data()
+            except NoMatches:  # a tick as the view closes, its widgets already gone (seen under load)
+                pass
 
     # --- reading -------------------------------------------------------------------------------------------
 
