@@ -280,6 +280,18 @@ def test_replicated_state_restores_every_rank_from_any_copy_even_after_a_resize(
     assert {s.path for s in plan.sources} == {"/memory/3/9"}
 
 
+def test_replicated_state_is_read_on_each_rank_s_own_node_else_from_the_best_copy_anywhere():
+    copies = [inventory(0, held(1, 9, DISK, sharded=False), held(0, 9, DISK, sharded=False)),
+              inventory(1, held(3, 9, DISK, sharded=False), held(2, 9, sharded=False)),
+              inventory(2, held(5, 9, PINNED, sharded=False))]
+    plan = choose_restore(2, copies, 8, {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 3, 6: 3})
+    # node 0: the lower of two disk copies; node 1: memory before disk; node 2 its own; nodes 3 and
+    # none (rank 7): the best anywhere, memory on node 1
+    assert [(s.rank, s.node_rank, s.path) for s in plan.sources] == [
+        (0, 0, "/disk/0/9"), (1, 0, "/disk/0/9"), (2, 1, "/memory/2/9"), (3, 1, "/memory/2/9"),
+        (4, 2, "/pinned/5/9"), (5, 1, "/memory/2/9"), (6, 1, "/memory/2/9"), (7, 1, "/memory/2/9")]
+
+
 def test_sharded_state_is_not_restored_into_another_world_size_and_says_why():
     plan = choose_restore(2, [inventory(0, *(held(r, 9) for r in range(4)))], 2, {0: 0, 1: 0})
     assert plan.step == -1 and "every one of the 2 ranks" in plan.reason
