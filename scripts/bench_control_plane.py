@@ -88,7 +88,7 @@ LIBRARY, REPAIR = "bench/library", "bench/repair"
 #: how often a process of simulated agents looks for the failure or the loss to simulate; how many of
 #: its agents connect at once
 DIRECTOR_TICK, CONNECTING = 0.05, 16
-#: how many times the restore plan is chosen (the quickest counts)
+#: how many times the restore plan is chosen and the rank table written (the quickest counts)
 PLAN_REPEATS = 3
 
 

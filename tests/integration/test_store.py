@@ -69,11 +69,10 @@ def test_the_interpreter_ends_after_a_connect_left_in_tcpstore_s_constructor():
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    answered: list[int] = []
     with socket.socket() as relay:
         relay.bind(("127.0.0.1", 0))
         relay.listen()
-        threading.Thread(target=_relay_late, args=(relay, store.port, 1.0, answered), daemon=True).start()
+        threading.Thread(target=_relay_late, args=(relay, store.port, 1.0), daemon=True).start()
         done = subprocess.run([sys.executable, "-c", LATE_CONNECT, str(relay.getsockname()[1])],
                               capture_output=True, text=True, timeout=60)
     assert "terminate called" not in done.stderr
@@ -81,27 +80,26 @@ def test_the_interpreter_ends_after_a_connect_left_in_tcpstore_s_constructor():
     assert (done.returncode, done.stdout) == (0, "gave up\n\n"), done.stderr
 
 
-def _relay_late(relay: socket.socket, port: int, delay: float, answered: list[int]) -> None:
-    """Hand each connection to ``port`` after ``delay``; count in ``answered`` the bytes sent back."""
+def _relay_late(relay: socket.socket, port: int, delay: float) -> None:
+    """Hand each connection to ``port`` after ``delay``."""
     while True:
         try:
             client, _ = relay.accept()
         except OSError:
             return
-        threading.Timer(delay, _join_late, args=(client, port, answered)).start()
+        threading.Timer(delay, _join_late, args=(client, port)).start()
 
 
-def _join_late(client: socket.socket, port: int, answered: list[int]) -> None:
+def _join_late(client: socket.socket, port: int) -> None:
     server = socket.create_connection(("127.0.0.1", port))
-    threading.Thread(target=_pump, args=(client, server, []), daemon=True).start()
-    threading.Thread(target=_pump, args=(server, client, answered), daemon=True).start()
+    for source, sink in ((client, server), (server, client)):
+        threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
 
 
-def _pump(source: socket.socket, sink: socket.socket, counted: list[int]) -> None:
+def _pump(source: socket.socket, sink: socket.socket) -> None:
     try:
         while data := source.recv(65536):
             sink.sendall(data)
-            counted.append(len(data))
     except OSError:
         pass
     finally:
