@@ -73,10 +73,14 @@ from ftrun.config import Endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
 from ftrun.keys import JobKeys  # noqa: E402
-from ftrun.messages import CommandKind, JoinRecord, Layout, NodeStatus, RankState, ReportKind, WorkerFailure  # noqa: E402
+from ftrun.messages import (  # noqa: E402
+    CommandKind, JoinRecord, Layout, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
+)
 from ftrun.ranktable import FTRUN_TABLE, ftrun_table, write_table  # noqa: E402
 from ftrun.rendezvous import RendezvousPolicy  # noqa: E402
-from ftrun.snapshots.plan import MEMORY, REPLICA, HeldSnapshot, SnapshotInventory, choose_restore  # noqa: E402
+from ftrun.snapshots.plan import (  # noqa: E402
+    MEMORY, REPLICA, HeldSnapshot, RestorePlan, SnapshotInventory, choose_restore,
+)
 from ftrun.store import ControlStore, connect_store, host_store  # noqa: E402
 
 RUN_ID = "bench"
@@ -89,7 +93,7 @@ LIBRARY, REPAIR = "bench/library", "bench/repair"
 #: its agents connect at once
 DIRECTOR_TICK, CONNECTING = 0.05, 16
 #: how many times the restore plan is chosen and the rank table written (the quickest counts)
-PLAN_REPEATS = 3
+TIMED_REPEATS = 3
 
 
 class Count:
@@ -510,23 +514,29 @@ def _replace_fan_out(received: list[dict], seq: int, decided_at: float, failing:
             "replace_holders": sum(1 for t in held if t != float("inf"))}
 
 
-def _rank_table(controller: Controller, nodes: int) -> dict:
-    """The quickest of PLAN_REPEATS writes: each ends in an fsync, which a busy disk alone can hold up
-    for 100 ms, whatever the table's size."""
-    layout = tuple(sorted(controller.nodes.values(), key=lambda n: n.node_rank))
+def _quickest(make: Callable[[], object]) -> tuple[float, object]:
+    """``make()`` TIMED_REPEATS times: the quickest's milliseconds, and what the last one made."""
     times = []
+    for _ in range(TIMED_REPEATS):
+        began = time.perf_counter()
+        made = make()
+        times.append(time.perf_counter() - began)
+    return round(min(times) * 1000, 1), made
+
+
+def _rank_table(controller: Controller, nodes: int) -> dict:
+    """The quickest write: each ends in an fsync, which a busy disk alone can hold up for 100 ms,
+    whatever the table's size."""
+    layout = tuple(sorted(controller.nodes.values(), key=lambda n: n.node_rank))
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(PLAN_REPEATS):
-            began = time.perf_counter()
-            write_table(folder, FTRUN_TABLE, ftrun_table(RUN_ID, 1, layout, 0, {}))
-            times.append(time.perf_counter() - began)
-        size = os.path.getsize(os.path.join(folder, FTRUN_TABLE))
-    return {"rank_table_ms": round(min(times) * 1000, 1), "rank_table_bytes": size}
+        milliseconds, path = _quickest(lambda: write_table(folder, FTRUN_TABLE, ftrun_table(RUN_ID, 1, layout, 0, {})))
+        size = os.path.getsize(path)
+    return {"rank_table_ms": milliseconds, "rank_table_bytes": size}
 
 
 def _restore_plan(nodes: int, nproc: int) -> dict:
     """A sharded job's plan: each rank's snapshot in its node's memory, a replica on the next node;
-    the quickest of PLAN_REPEATS choices (one alone moved by 10-20% between runs)."""
+    the quickest choice (one alone moved by 10-20% between runs)."""
     world = nodes * nproc
     inventories = []
     for node in range(nodes):
@@ -537,16 +547,9 @@ def _restore_plan(nodes: int, nproc: int) -> dict:
                     range(before * nproc, (before + 1) * nproc)]
         inventories.append(SnapshotInventory(f"sim-{node}", node, f"127.0.0.1:{9000 + node}", tuple(own + replicas)))
     homes = {r: r // nproc for r in range(world)}
-    times = []
-    for _ in range(PLAN_REPEATS):
-        began = time.perf_counter()
-        plan = choose_restore(1, inventories, world, homes)
-        times.append(time.perf_counter() - began)
-    seconds = min(times)
-    from ftrun.messages import to_json
-
-    assert plan.step == 100, plan.reason
-    return {"plan_ms": round(seconds * 1000, 1), "plan_bytes": len(to_json(plan))}
+    milliseconds, plan = _quickest(lambda: choose_restore(1, inventories, world, homes))
+    assert isinstance(plan, RestorePlan) and plan.step == 100, plan
+    return {"plan_ms": milliseconds, "plan_bytes": len(to_json(plan))}
 
 
 def _received(store: ControlStore, keys: JobKeys) -> int:

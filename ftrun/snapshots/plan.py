@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from dataclasses import dataclass
+from typing import Any, Callable
 
 #: where a copy lives: a rank's own snapshot (its agent's memory), a pinned copy, a peer's replica, or disk
 MEMORY, PINNED, REPLICA, DISK = "memory", "pinned", "replica", "disk"
@@ -149,17 +150,12 @@ def _choose(generation: int, inventories: list[SnapshotInventory], world_size: i
 def _nearest_own(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], built: dict, world_size: int,
                  node_of_rank: dict[int, int]) -> list[RestoreSource] | None:
     """Sharded state: each rank's nearest copy of its own state (on its node, then the nearer kind, the
-    lower rank, the first listed on a tie); None when a rank has none. One pass over the copies, each
-    kept or not as it comes, with no list of copies per rank."""
-    best: dict[int, tuple[tuple, SnapshotInventory, HeldSnapshot]] = {}
-    for inventory, held in held_at:
-        key = (inventory.node_rank != node_of_rank.get(held.rank, -1), _PREFERENCE[held.where], held.rank)
-        current = best.get(held.rank)
-        if current is None or key < current[0]:
-            best[held.rank] = (key, inventory, held)
+    lower rank, the first listed on a tie); None when a rank has none."""
+    best = _best_by(held_at, lambda i, h: h.rank,
+                    lambda i, h: (i.node_rank != node_of_rank.get(h.rank, -1), _PREFERENCE[h.where], h.rank))
     if any(rank not in best for rank in range(world_size)):
         return None
-    return [built[id(best[rank][1]), id(best[rank][2])] for rank in range(world_size)]
+    return [built[id(best[rank][0]), id(best[rank][1])] for rank in range(world_size)]
 
 
 def _nearest_any(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], world_size: int,
@@ -168,19 +164,24 @@ def _nearest_any(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], world_si
     the best anywhere (the nearer kind, then the lower rank, the first listed on a tie): found once per
     node, not once per rank over every copy (W x copies: 81 ms at 1,024 ranks each holding a copy,
     2.3 ms now, and some 20 s at 16,384)."""
-    anywhere = min(held_at, key=lambda c: (_PREFERENCE[c[1].where], c[1].rank))
-    on_node: dict[int, tuple[tuple, SnapshotInventory, HeldSnapshot]] = {}
+    def nearer(i: SnapshotInventory, h: HeldSnapshot) -> tuple:
+        return _PREFERENCE[h.where], h.rank
+
+    anywhere = _best_by(held_at, lambda i, h: None, nearer)[None]
+    on_node = _best_by(held_at, lambda i, h: i.node_rank, nearer)
+    return [_source(rank, *on_node.get(node_of_rank.get(rank, -1), anywhere)) for rank in range(world_size)]
+
+
+def _best_by(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], group: Callable, key: Callable) -> dict:
+    """For each ``group(inventory, held)``, the copy with the least ``key``, the first listed on a tie:
+    one pass over the copies, with no list of them per group."""
+    best: dict[Any, tuple[Any, SnapshotInventory, HeldSnapshot]] = {}
     for inventory, held in held_at:
-        key = (_PREFERENCE[held.where], held.rank)
-        current = on_node.get(inventory.node_rank)
-        if current is None or key < current[0]:
-            on_node[inventory.node_rank] = (key, inventory, held)
-    sources = []
-    for rank in range(world_size):
-        home = on_node.get(node_of_rank.get(rank, -1))
-        inventory, held = (home[1], home[2]) if home else anywhere
-        sources.append(_source(rank, inventory, held))
-    return sources
+        mine, order = group(inventory, held), key(inventory, held)
+        current = best.get(mine)
+        if current is None or order < current[0]:
+            best[mine] = (order, inventory, held)
+    return {mine: (inventory, held) for mine, (_, inventory, held) in best.items()}
 
 
 def _spares(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], built: dict) -> list[RestoreSource]:
