@@ -42,8 +42,10 @@ bench_control_plane.py measures them; README "Scale"):
   agents poll nothing: the command count in the keepalive read is only a net under the bell.
 * layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
   agent writes a rank table of O(W) entries locally.
-* restore plan: one ``restore`` of O(W x (1 + R)) entries for sharded state (R replicas), O(W) for
-  replicated state; chosen in O(W x (1 + R)) time.
+* restore plan: one ``restore_plan`` per node, written in one ``multi_set``: O(P x (1 + R)) entries for
+  sharded state (R replicas), O(P + REPLICATED_SPARES) for replicated state; O(W x (1 + R)) in all,
+  chosen and written in O(W x (1 + R)) time. Each rank reads its own node's plan once: O(P) bytes,
+  where a plan for the whole job would have cost every rank O(W) (O(W^2) bytes through the store).
 """
 
 from __future__ import annotations
@@ -196,9 +198,10 @@ class JobKeys:
         """The agent's SnapshotInventory: what copies of the ranks' state its node holds, and where it serves them."""
         return f"{self.root}/snapshots/{agent_id}"
 
-    def restore_plan(self, generation: int) -> str:
-        """The controller's RestorePlan for a generation started by a job-level restart."""
-        return f"{self.generation(generation)}/restore"
+    def restore_plan(self, generation: int, node_rank: int) -> str:
+        """The controller's RestorePlan for a node's ranks, in a generation started by a job-level
+        restart."""
+        return f"{self.generation(generation)}/restore/{node_rank}"
 
     @property
     def damaged_count(self) -> str:

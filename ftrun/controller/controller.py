@@ -52,7 +52,17 @@ from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.snapshots.persist import step_folder
-from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestoreSource, SnapshotInventory, choose_restore
+from ftrun.snapshots.plan import (
+    DISK,
+    MEMORY,
+    PINNED,
+    REPLICA,
+    HeldSnapshot,
+    RestoreSource,
+    SnapshotInventory,
+    choose_restore,
+    merged_counts,
+)
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, start_worker_store
 
 log = logging.getLogger(__name__)
@@ -302,8 +312,8 @@ class Controller:
 
     def _restorable(self, inventories: list[SnapshotInventory]) -> dict:
         """The step a job-level restart would restore now, and the newest checkpoint on disk."""
-        plan = choose_restore(self.view.generation, inventories, self.view.world_size, {}, frozenset(self._damaged))
-        return {"restorable_step": plan.step if plan.step >= 0 else None,
+        restore = choose_restore(self.view.generation, inventories, self.view.world_size, {}, frozenset(self._damaged))
+        return {"restorable_step": restore.step if restore.step >= 0 else None,
                 "checkpoint_step": self._checkpointed if self._checkpointed >= 0 else None}
 
     @property
@@ -625,18 +635,23 @@ class Controller:
         reports = self.store.read_from(self.keys.damaged_count, self.keys.damaged, RestoreSource, len(self._damaged))
         for source in reports:
             self._damaged.append(source.identity if source is not None else None)  # None: forged, ignored
-        plan = choose_restore(generation, self._inventories(), self.view.world_size, homes, frozenset(self._damaged))
-        self.store.set(self.keys.restore_plan(generation), plan)
-        if plan.step < 0:
-            line = f"generation {generation} starts without a snapshot to restore: {plan.reason}"
+        restore = choose_restore(generation, self._inventories(), self.view.world_size, homes,
+                                 frozenset(self._damaged))
+        keys, texts, counts, sources = [], [], [], {}
+        for node, plan in restore.plans():  # node by node: see Restore
+            keys.append(self.keys.restore_plan(generation, node))
+            texts.append(self.store.sealed(keys[-1], plan))
+            counts.append(plan.counts())
+            sources.update({s.rank: {"where": s.where, "node": s.node_rank, "path": s.path} for s in plan.sources})
+        self.store.set_each(keys, texts)
+        if restore.step < 0:
+            line = f"generation {generation} starts without a snapshot to restore: {restore.reason}"
         else:
-            counts = plan.counts()
-            places = ", ".join(f"{counts[w]} from {w}" for w in (MEMORY, PINNED, REPLICA, DISK) if w in counts)
-            line = f"generation {generation} restores step {plan.step} ({places})"
+            total = merged_counts(counts)
+            places = ", ".join(f"{total[w]} from {w}" for w in (MEMORY, PINNED, REPLICA, DISK) if w in total)
+            line = f"generation {generation} restores step {restore.step} ({places})"
         log.warning(line)
-        self.events.emit("restore", generation, line, step=plan.step,
-                         sources={s.rank: {"where": s.where, "node": s.node_rank, "path": s.path}
-                                  for s in plan.sources})
+        self.events.emit("restore", generation, line, step=restore.step, sources=sources)
 
     def _note_checkpoints(self, inventories: list[SnapshotInventory]) -> None:
         """An event for each checkpoint step whose every rank's file the agents have written."""

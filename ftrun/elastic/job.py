@@ -63,6 +63,8 @@ class WorkerEnv:
     control_store: str
     replacement: bool
     heartbeat_timeout: float
+    #: the node's place in the generation's layout (torchrun's GROUP_RANK)
+    node_rank: int = 0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv | None":
@@ -78,6 +80,7 @@ class WorkerEnv:
             control_store=env["FTRUN_CONTROL_STORE"],
             replacement=env.get("FTRUN_REPLACEMENT") == "1",
             heartbeat_timeout=float(env.get("FTRUN_HEARTBEAT_TIMEOUT", "30")),
+            node_rank=int(env.get("GROUP_RANK", "0")),
         )
 
 
@@ -422,7 +425,7 @@ class ElasticJob:
         (from this node's memory, a peer's replica or the checkpoint folder); True when it did."""
         if self.snapshots is None or self.generation <= 0:
             return False
-        plan = self.store.try_get(RestorePlan, self.keys.restore_plan(self.generation))
+        plan = self.store.try_get(RestorePlan, self.keys.restore_plan(self.generation, self.env.node_rank))
         if plan is None or plan.step < 0:
             log.warning("rank %d: nothing to restore for generation %d (%s)", self.env.rank, self.generation,
                         plan.reason if plan else "no restore plan")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
+import heapq
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 #: where a copy lives: a rank's own snapshot (its agent's memory), a pinned copy, a peer's replica, or disk
 MEMORY, PINNED, REPLICA, DISK = "memory", "pinned", "replica", "disk"
@@ -63,15 +65,19 @@ class RestoreSource:
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """The step every rank resumes at, and each rank's source; step -1 when nothing can be restored."""
+    """The step every rank resumes at, and where the ranks of one node read it; step -1 when nothing
+    can be restored. One per node (``JobKeys.restore_plan``): a rank reads its own node's plan, whose
+    size does not grow with the job, and not the whole job's (4.6 MB at 1,024 nodes x 16 ranks, read
+    by each of 16,384 ranks from the one store)."""
 
     generation: int
     step: int = -1
+    #: the node's ranks' sources, in rank order
     sources: tuple[RestoreSource, ...] = ()
     reason: str = ""
-    #: the step's copies (each named by the rank whose state it holds; at most REPLICATED_SPARES for
-    #: replicated state, and for sharded state those that are no rank's source), nearest kinds first:
-    #: where a rank's source fails its check, it reads the next one that serves it
+    #: the step's other copies that serve the node's ranks, nearest kinds first (for replicated state
+    #: at most REPLICATED_SPARES of any rank's, for sharded state every other copy of each of its
+    #: ranks' own): where a rank's source fails its check, it reads the next one that serves it
     spares: tuple[RestoreSource, ...] = ()
     sharded: bool = False
 
@@ -89,26 +95,86 @@ class RestorePlan:
         return [first, *sorted(spares, key=lambda s: s.node_rank != first.node_rank)]
 
     def counts(self) -> dict[str, int]:
+        """How many of the node's ranks read from each kind of place."""
+        return dict(collections.Counter(source.where for source in self.sources))
+
+
+#: one copy of a step: the inventory that advertises it, and the copy
+Copy = tuple[SnapshotInventory, HeldSnapshot]
+
+
+class Restore:
+    """The controller's choice for a job-level restart: the step, and each node's ``RestorePlan``,
+    made when asked for. The plans of a thousand nodes hold an entry for every copy (32,768 at 1,024
+    nodes x 16 ranks with one replica each). Made and written node by node, each node's entries go
+    before the next node's are made, in memory the allocator has just handed back, and each node's
+    copies are looked at in one short list; made all at once in passes over every copy, each copy
+    cost 1.4 times as much at 1,024 nodes as at 64 (the passes left the caches)."""
+
+    def __init__(self, generation: int, homes: dict[int, int], step: int = -1, reason: str = "",
+                 sharded: bool = False, copies: dict[int, list[Copy]] | None = None,
+                 spares: tuple[RestoreSource, ...] = ()):
+        self.generation, self.step, self.reason, self.sharded = generation, step, reason, sharded
+        self._homes = homes
+        #: sharded: the copies of each node's ranks' state; replicated: the best copy on each node,
+        #: and under -1 the best anywhere (for the nodes that hold none)
+        self._copies = copies or {}
+        #: replicated: the spare copies every node's plan names
+        self._spares = spares
+        self._ranks_of: dict[int, list[int]] = {}
+        for rank in sorted(homes):
+            self._ranks_of.setdefault(homes[rank], []).append(rank)
+
+    def nodes(self) -> list[int]:
+        """The nodes that are home to a rank (-1 for the ranks that have none)."""
+        return sorted(self._ranks_of)
+
+    def plan_for(self, node: int) -> RestorePlan:
+        """Where the ranks whose home is ``node`` read their state."""
+        if self.step < 0:
+            return RestorePlan(self.generation, reason=self.reason)
+        ranks = self._ranks_of.get(node, [])
+        if not self.sharded:
+            copy = (self._copies.get(node) or self._copies[-1])[0]
+            sources = tuple(_source(rank, *copy) for rank in ranks)
+            return RestorePlan(self.generation, self.step, sources, spares=self._spares)
+        copies = self._copies.get(node, [])
+        best = _best_by(copies, lambda i, h: h.rank, lambda i, h: (i.node_rank != node, _PREFERENCE[h.where], h.rank))
+        chosen = {(id(inventory), id(held)) for inventory, held in best.values()}
+        others = sorted((c for c in copies if (id(c[0]), id(c[1])) not in chosen), key=_order)
+        return RestorePlan(self.generation, self.step, tuple(_source(rank, *best[rank]) for rank in ranks),
+                           spares=tuple(dict.fromkeys(_source(h.rank, i, h) for i, h in others)), sharded=True)
+
+    def plans(self) -> Iterator[tuple[int, RestorePlan]]:
+        """Each node's plan, node by node."""
+        for node in self.nodes():
+            yield node, self.plan_for(node)
+
+    def source_of(self, rank: int) -> RestoreSource | None:
+        return self.plan_for(self._homes.get(rank, -1)).source_of(rank)
+
+    def sources_for(self, rank: int) -> list[RestoreSource]:
+        return self.plan_for(self._homes.get(rank, -1)).sources_for(rank)
+
+    def counts(self) -> dict[str, int]:
         """How many ranks read from each kind of place."""
-        counts: dict[str, int] = {}
-        for source in self.sources:
-            counts[source.where] = counts.get(source.where, 0) + 1
-        return counts
+        return merged_counts(plan.counts() for _, plan in self.plans())
 
 
 def choose_restore(generation: int, inventories: list[SnapshotInventory], world_size: int,
-                   node_of_rank: dict[int, int], damaged: frozenset = frozenset()) -> RestorePlan:
+                   node_of_rank: dict[int, int], damaged: frozenset = frozenset()) -> Restore:
     """The newest step for which every one of ``world_size`` ranks' state is held somewhere.
 
     Sharded state needs a copy of every rank's own state at that step, taken in the same world
     size; data-parallel replicas hold the same state, so any rank's copy serves every rank (also
-    after a resize). Each rank reads the copy nearest to it: on its own node (``node_of_rank``) and in
-    memory first, a peer's memory next, disk last. The other copies of the step go with the plan as
-    spares. Copies whose ``RestoreSource.identity`` is in ``damaged`` (a rank found them so) are left out.
+    after a resize). Each rank reads the copy nearest to it: on its own node (``node_of_rank``; -1
+    for a rank missing there) and in memory first, a peer's memory next, disk last. The other copies
+    of the step go with the plans as spares. Copies whose ``RestoreSource.identity`` is in
+    ``damaged`` (a rank found them so) are left out.
 
-    The garbage collector waits meanwhile: the plan of a thousand nodes makes a few hundred thousand
-    objects that live on, and the collections they set off walked the whole heap again and again
-    (a third of the time at 1,024 nodes, growing faster than the job).
+    The garbage collector waits meanwhile: the copies of a thousand nodes are a few hundred
+    thousand objects, and the collections that the tuples made here set off walked them all again
+    and again (a tenth of the time at 1,024 nodes, a sixth at 4,096: growing faster than the job).
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -120,59 +186,48 @@ def choose_restore(generation: int, inventories: list[SnapshotInventory], world_
 
 
 def _choose(generation: int, inventories: list[SnapshotInventory], world_size: int, node_of_rank: dict[int, int],
-            damaged: frozenset) -> RestorePlan:
-    copies: dict[int, list[tuple[SnapshotInventory, HeldSnapshot]]] = {}
+            damaged: frozenset) -> Restore:
+    homes = {rank: node_of_rank.get(rank, -1) for rank in range(world_size)}
+    copies: dict[int, list[Copy]] = {}
     for inventory in inventories:
         for held in inventory.held:
             if not damaged or _source(held.rank, inventory, held).identity not in damaged:
                 copies.setdefault(held.step, []).append((inventory, held))
     for step in sorted(copies, reverse=True):
         held_at = copies[step]
-        sharded = any(h.sharded for _, h in held_at)
-        if sharded:
-            held_at = [(i, h) for i, h in held_at if h.sharded and h.world_size == world_size]
-        built = {(id(i), id(h)): _source(h.rank, i, h) for i, h in held_at}  # each copy's source, made once
-        if sharded:
-            sources = _nearest_own(held_at, built, world_size, node_of_rank)
-            if sources is None:
-                continue
-            chosen = {id(source) for source in sources}  # a sharded copy serves its own rank alone:
-            spares = [spare for spare in _spares(held_at, built) if id(spare) not in chosen]  # no spare of it
-        else:
-            sources = _nearest_any(held_at, world_size, node_of_rank)
-            spares = _spares(held_at, built)[:REPLICATED_SPARES]
-        return RestorePlan(generation, step, tuple(sources), spares=tuple(spares), sharded=sharded)
+        if not any(h.sharded for _, h in held_at):
+            best = _nearest_any(held_at)
+            unique = {(id(i), h): (i, h) for i, h in held_at}.values()  # a copy an inventory lists twice, once
+            nearest = heapq.nsmallest(REPLICATED_SPARES, unique, key=_order)  # linear, and as a stable sort's
+            return Restore(generation, homes, step, copies={node: [copy] for node, copy in best.items()},
+                           spares=tuple(dict.fromkeys(_source(h.rank, i, h) for i, h in nearest)))
+        by_home: dict[int, list[Copy]] = {}
+        ranks = set()
+        for copy in held_at:
+            held = copy[1]
+            node = homes.get(held.rank)
+            if node is not None and held.sharded and held.world_size == world_size:
+                by_home.setdefault(node, []).append(copy)
+                ranks.add(held.rank)
+        if len(ranks) == world_size:
+            return Restore(generation, homes, step, sharded=True, copies=by_home)
     if not copies:
-        return RestorePlan(generation, reason="no snapshot is held anywhere")
-    return RestorePlan(generation, reason=f"no step has a snapshot of every one of the {world_size} ranks")
+        return Restore(generation, homes, reason="no snapshot is held anywhere")
+    return Restore(generation, homes, reason=f"no step has a snapshot of every one of the {world_size} ranks")
 
 
-def _nearest_own(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], built: dict, world_size: int,
-                 node_of_rank: dict[int, int]) -> list[RestoreSource] | None:
-    """Sharded state: each rank's nearest copy of its own state (on its node, then the nearer kind, the
-    lower rank, the first listed on a tie); None when a rank has none."""
-    best = _best_by(held_at, lambda i, h: h.rank,
-                    lambda i, h: (i.node_rank != node_of_rank.get(h.rank, -1), _PREFERENCE[h.where], h.rank))
-    if any(rank not in best for rank in range(world_size)):
-        return None
-    return [built[id(best[rank][0]), id(best[rank][1])] for rank in range(world_size)]
-
-
-def _nearest_any(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], world_size: int,
-                 node_of_rank: dict[int, int]) -> list[RestoreSource]:
-    """Replicated state: each rank reads the nearest copy of any rank's, the best on its own node, else
-    the best anywhere (the nearer kind, then the lower rank, the first listed on a tie): found once per
-    node, not once per rank over every copy (W x copies: 81 ms at 1,024 ranks each holding a copy,
-    2.3 ms now, and some 20 s at 16,384)."""
+def _nearest_any(held_at: list[Copy]) -> dict[int, Copy]:
+    """Replicated state: each node's best copy of any rank's, and under -1 the best anywhere (the
+    nearer kind, then the lower rank, the first listed on a tie): found once per node, not once per
+    rank over every copy (W x copies: 81 ms at 1,024 ranks each holding a copy, 2.3 ms now, and some
+    20 s at 16,384)."""
     def nearer(i: SnapshotInventory, h: HeldSnapshot) -> tuple:
         return _PREFERENCE[h.where], h.rank
 
-    anywhere = _best_by(held_at, lambda i, h: None, nearer)[None]
-    on_node = _best_by(held_at, lambda i, h: i.node_rank, nearer)
-    return [_source(rank, *on_node.get(node_of_rank.get(rank, -1), anywhere)) for rank in range(world_size)]
+    return {**_best_by(held_at, lambda i, h: i.node_rank, nearer), -1: _best_by(held_at, lambda i, h: -1, nearer)[-1]}
 
 
-def _best_by(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], group: Callable, key: Callable) -> dict:
+def _best_by(held_at: list[Copy], group: Callable, key: Callable) -> dict:
     """For each ``group(inventory, held)``, the copy with the least ``key``, the first listed on a tie:
     one pass over the copies, with no list of them per group."""
     best: dict[Any, tuple[Any, SnapshotInventory, HeldSnapshot]] = {}
@@ -184,15 +239,20 @@ def _best_by(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], group: Calla
     return {mine: (inventory, held) for mine, (_, inventory, held) in best.items()}
 
 
-def _spares(held_at: list[tuple[SnapshotInventory, HeldSnapshot]], built: dict) -> list[RestoreSource]:
-    """The step's copies, each once: the nearest kind first, then by node and rank. Sorted kind by
-    kind, in the order the inventories list them (node by node, each in rank order), where the sort
-    finds them in order already and takes linear time (from a set, in no order, it took N log N)."""
-    kinds: dict[int, dict[RestoreSource, None]] = {}
-    for inventory, held in held_at:
-        kinds.setdefault(_PREFERENCE[held.where], {})[built[id(inventory), id(held)]] = None
-    return [source for kind in sorted(kinds) for source in sorted(kinds[kind], key=lambda s: (s.node_rank, s.rank))]
+def _order(copy: Copy) -> tuple:
+    """Spares' order: the nearest kind first, then by node and rank (a stable sort keeps the
+    inventories' order on a tie)."""
+    inventory, held = copy
+    return _PREFERENCE[held.where], inventory.node_rank, held.rank
 
 
 def _source(rank: int, inventory: SnapshotInventory, held: HeldSnapshot) -> RestoreSource:
     return RestoreSource(rank, inventory.node_rank, inventory.address, held.where, held.path, held.nbytes, held.crc)
+
+
+def merged_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The sum of ``RestorePlan.counts()``."""
+    total: collections.Counter = collections.Counter()
+    for each in counts:
+        total.update(each)
+    return dict(total)

@@ -251,6 +251,11 @@ def inventory(node, *copies):
 HOMES = {0: 0, 1: 0, 2: 1, 3: 1}
 
 
+def all_sources(restore):
+    """Every rank's source, from the node plans, in rank order."""
+    return sorted((source for _, plan in restore.plans() for source in plan.sources), key=lambda s: s.rank)
+
+
 def test_the_plan_takes_the_newest_step_every_rank_has_and_the_nearest_copy():
     plan = choose_restore(3, [
         inventory(0, held(0, 12), held(0, 11), held(1, 12), held(1, 11), held(2, 8, REPLICA), held(3, 8, REPLICA),
@@ -259,8 +264,8 @@ def test_the_plan_takes_the_newest_step_every_rank_has_and_the_nearest_copy():
                   held(2, 8, PINNED), held(3, 8, PINNED)),
     ], 4, HOMES)
     assert plan.step == 11  # rank 3 has no step 12
-    assert [(s.rank, s.node_rank, s.where) for s in plan.sources] == [(0, 0, MEMORY), (1, 0, MEMORY), (2, 1, MEMORY),
-                                                                       (3, 1, MEMORY)]
+    assert [(s.rank, s.node_rank, s.where) for s in all_sources(plan)] == [
+        (0, 0, MEMORY), (1, 0, MEMORY), (2, 1, MEMORY), (3, 1, MEMORY)]
     # node 1 lost: its ranks' replicas on node 0 decide the step
     plan = choose_restore(3, [inventory(0, held(0, 12), held(1, 12), held(2, 8, REPLICA), held(3, 8, REPLICA),
                                         held(0, 8, PINNED), held(1, 8, PINNED))], 4, HOMES)
@@ -276,8 +281,8 @@ def test_memory_wins_over_disk_and_disk_fills_what_memory_lacks():
 
 def test_replicated_state_restores_every_rank_from_any_copy_even_after_a_resize():
     plan = choose_restore(2, [inventory(1, held(3, 9, sharded=False, world=4))], 2, {0: 0, 1: 0})
-    assert plan.step == 9 and {s.rank for s in plan.sources} == {0, 1}
-    assert {s.path for s in plan.sources} == {"/memory/3/9"}
+    assert plan.step == 9 and {s.rank for s in all_sources(plan)} == {0, 1}
+    assert {s.path for s in all_sources(plan)} == {"/memory/3/9"}
 
 
 def test_replicated_state_is_read_on_each_rank_s_own_node_else_from_the_best_copy_anywhere():
@@ -287,7 +292,7 @@ def test_replicated_state_is_read_on_each_rank_s_own_node_else_from_the_best_cop
     plan = choose_restore(2, copies, 8, {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 3, 6: 3})
     # node 0: the lower of two disk copies; node 1: memory before disk; node 2 its own; nodes 3 and
     # none (rank 7): the best anywhere, memory on node 1
-    assert [(s.rank, s.node_rank, s.path) for s in plan.sources] == [
+    assert [(s.rank, s.node_rank, s.path) for s in all_sources(plan)] == [
         (0, 0, "/disk/0/9"), (1, 0, "/disk/0/9"), (2, 1, "/memory/2/9"), (3, 1, "/memory/2/9"),
         (4, 2, "/pinned/5/9"), (5, 1, "/memory/2/9"), (6, 1, "/memory/2/9"), (7, 1, "/memory/2/9")]
 
@@ -306,7 +311,9 @@ def test_the_plan_names_spare_copies_and_leaves_out_those_a_rank_found_damaged()
     assert plan.sharded and plan.step == 12
     assert [(s.node_rank, s.where) for s in plan.sources_for(2)] == [(1, MEMORY), (0, REPLICA)]  # its own shard only
     assert {s.rank for s in plan.sources_for(0)} == {0}
-    assert from_json(RestorePlan, to_json(plan)) == plan  # the spares go through the store with it
+    node1 = plan.plan_for(1)  # what ranks 2 and 3 read: their own sources and spares, none of node 0's ranks'
+    assert [s.rank for s in node1.sources] == [2, 3] and {s.rank for s in node1.spares} == {2, 3}
+    assert from_json(RestorePlan, to_json(node1)) == node1  # the spares go through the store with it
     # rank 2 found its memory copy damaged: the next plan reads the replica instead
     damaged = {plan.source_of(2).identity}
     plan = choose_restore(4, both, 4, HOMES, frozenset(damaged))
