@@ -40,6 +40,9 @@ bench_control_plane.py measures them; README "Scale"):
   blocked in a ``get`` of its bell, wakes holding the commands and asks for the next bell: one round
   trip per agent and decision (a lost node's takeover and STOP ring once). Idle
   agents poll nothing: the command count in the keepalive read is only a net under the bell.
+* repair announcements (process level): the controller sets ``target_generation`` and every rank's
+  ``announced`` key in one ``multi_set`` (O(W) bytes, O(1) round trips); each rank's repair watch,
+  blocked in a ``wait`` on its own key, wakes: one round trip per rank and repair.
 * layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
   agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore_plan`` per node, written in one ``multi_set``: O(P x (1 + R)) entries for
@@ -173,9 +176,11 @@ class JobKeys:
         under ftrun.elastic: the controller's sign that process level is possible), resumed."""
         return f"{self.generation(generation)}/{name}"
 
-    def announced(self, generation: int) -> str:
-        """Set when the controller announces a process-level repair into this generation."""
-        return f"{self.generation(generation)}/announced"
+    def announced(self, generation: int, rank: int) -> str:
+        """Set for each rank when the controller announces a process-level repair into this generation
+        (all in one ``multi_set``): a key per rank, so that a rank that ends can ring its own to let its
+        repair watch out of the store's wait, and no other rank takes that for a repair."""
+        return f"{self.generation(generation)}/announced/{rank}"
 
     def group_ready(self, generation: int) -> str:
         """Set once every rank arrived to form the generation's group, or once it is superseded."""

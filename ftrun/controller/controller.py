@@ -676,8 +676,8 @@ class Controller:
         self.store.set_text(self.keys.target_generation, str(generation))  # first: what they move to
         for older in range(self._announced, generation):
             self.store.set_text(self.keys.group_ready(older), "superseded")
-        for newer in range(self._announced + 1, generation + 1):  # wakes the ranks' repair watchers
-            self.store.set_text(self.keys.announced(newer), str(generation))
+        self.store.set_texts([self.keys.announced(newer, rank) for newer in range(self._announced + 1, generation + 1)
+                              for rank in range(self.view.world_size)], str(generation))  # wakes the repair watches
         self._announced = generation
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:

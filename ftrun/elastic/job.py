@@ -150,8 +150,9 @@ class ElasticJob:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
-        #: set while the repair watch is parked in the store's wait, which only the store can end (_let_go)
+        #: set while the repair watch is parked in the store's wait on _watch_key, this rank's own (_let_go rings it)
         self._watch_parked = threading.Event()
+        self._watch_key = ""
         #: which ranks hold copies of each other's state: job.mesh() declares it; else pure data
         #: parallelism (or every rank alone, with sharded=True), checked at the first steps()
         self._layout: Layout | None = None
@@ -482,16 +483,18 @@ class ElasticJob:
     def _let_go(self) -> None:
         """Stop the heartbeat and the repair watch and wait for them, up to LET_GO_DEADLINE: a thread that
         comes out of a store call while the interpreter tears down aborts the process ("terminate called
-        without an active exception", SIGABRT), whatever the script's exit code.
-
-        A watch parked in the store's wait stays there, harmless unless a repair is announced or the
-        store goes just as the process ends: nothing on this side ends that wait safely. Its key is every
-        rank's (the healthy ranks would take a repair as announced, interrupt their collectives and exit
-        as stuck), and a wait in slices logs two c10d warnings each time a slice runs out."""
+        without an active exception", SIGABRT), whatever the script's exit code. A watch parked in the
+        store's wait is let out by ringing the key it waits on, this rank's own; else a repair announced,
+        or the store gone, as the process ends would take it out of there then."""
         self._closed.set()
         deadline = time.monotonic() + LET_GO_DEADLINE
         # _closed first, parked second; the watch checks them the other way round: it sees close or is seen parked
-        for thread in (self._heartbeat, None if self._watch_parked.is_set() else self._watcher):
+        if self._watch_parked.is_set():
+            try:
+                self.store.set_text(self._watch_key, "closed")
+            except Exception:
+                pass  # the store is gone: the watch's wait has failed or fails at once
+        for thread in (self._heartbeat, self._watcher):
             if thread is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -537,11 +540,12 @@ class ElasticJob:
             return
         while True:
             generation = self.generation
+            self._watch_key = self.keys.announced(generation + 1, self.env.rank)
             self._watch_parked.set()
             if self._closed.is_set():
                 return
             try:
-                store.wait([self.keys.announced(generation + 1)], datetime.timedelta(seconds=WATCH_TIMEOUT))
+                store.wait([self._watch_key], datetime.timedelta(seconds=WATCH_TIMEOUT))
             except dist.DistNetworkError:
                 # the store is gone: nothing more can be announced, and every further wait would fail at once
                 return
@@ -549,6 +553,8 @@ class ElasticJob:
                 continue  # nothing announced within the wait's deadline: wait again
             finally:
                 self._watch_parked.clear()
+            if self._closed.is_set():
+                return  # rung by _let_go
             self._see_through_repair(generation)
 
     def _see_through_repair(self, generation: int) -> None:

@@ -65,6 +65,30 @@ def test_a_rank_whose_store_went_exits_with_its_own_code_not_sigabrt():
     assert rank.returncode == 3, err[-3000:]
 
 
+def test_a_rank_whose_store_goes_as_it_tears_down_exits_with_its_own_code_not_sigabrt():
+    """The repair watch was parked in the store's wait when the interpreter tore down, and the store's
+    end took it out of there then: the rank rings its own key to let the watch go as it ends."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    rank = None
+    try:
+        port = int(host.stdout.readline())
+        env = rank_env(port, STORE_PID=str(host.pid))
+        rank = subprocess.Popen([sys.executable, SCRIPT, "teardown", "5"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert rank.stdout.readline() == "ready\n"
+        wait_for(lambda: store_connections(rank.pid, port) == 3, 30, "the rank's three store connections")
+        _, err = rank.communicate("go\n", timeout=60)
+        host.wait(timeout=10)  # killed by the rank's teardown
+    finally:
+        for proc in (host, rank):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert "terminate called" not in err
+    assert rank.returncode == 5, err[-3000:]
+
+
 def test_a_script_that_ends_right_after_a_snapshot_step_exits_with_its_own_code(tmp_path):
     """The snapshot's copy behind the loop was still under way as the interpreter tore down."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
