@@ -16,6 +16,13 @@ def due(rank: int, step: int) -> str:
     return ""
 
 
+def ignore_stops() -> None:
+    """From now on this rank goes on to its fault whatever a peer's fault makes its agent do: ranks due to
+    fail at the same step fail together, however late one of them gets there (on a loaded machine, a
+    peer's failure reached this rank's agent and stopped it before it came to its own at times)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def claim(rank: int, step: int, kind: str) -> bool:
     """FAULT_ONCE=1: True the first time this rank's fault at this step is due in the whole job (in
     any generation, in any process), recorded as OUT_DIR/fault-fired-rank<r>-step<s> holding the kind;

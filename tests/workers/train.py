@@ -30,9 +30,12 @@ CONTRACT = (
 
 
 def inject_fault(rank: int, step: int) -> None:
-    restarts = os.environ.get("FAULT_RESTARTS", "0").split(",")
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] not in os.environ.get("FAULT_RESTARTS", "0").split(","):
+        return
+    if faults.due(rank, step + 1):
+        faults.ignore_stops()  # before this step's collectives: no peer can have failed at the next one yet
     kind = faults.due(rank, step)
-    if kind and os.environ["TORCHELASTIC_RESTART_COUNT"] in restarts:
+    if kind:
         faults.trigger(kind, step)
 
 
