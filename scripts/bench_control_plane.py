@@ -38,7 +38,7 @@ Per N, in order:
                    on the next node): all nodes', and the largest node's (what each rank reads), and
                    the time to choose the step and make and encode every node's plan
 
-    .venv/bin/python scripts/bench_control_plane.py --nodes 8,64,256,1024 --ranks-per-node 16 --json cp.json
+    .venv/bin/python scripts/bench_control_plane.py --nodes 8,64,256,1024 --ranks-per-node 16 --runs 3 --json cp.json
 """
 
 from __future__ import annotations
@@ -755,12 +755,19 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=5.0, help="seconds of steady state measured")
     parser.add_argument("--real-agents", type=int, default=32,
                         help="also run this many real agents (1 rank each) and the simulator at the same size (0: not)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="simulate each size this many times; the table shows each figure's median")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    rows = []
+    if args.runs < 1:
+        parser.error(f"--runs must be 1 or more, not {args.runs}")
+    rows, runs = [], []
     for nodes in (int(n) for n in args.nodes.split(",") if n):
-        rows.append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady))
-        print(json.dumps(rows[-1]), flush=True)
+        runs.append([])
+        for _ in range(args.runs):
+            runs[-1].append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady))
+            print(json.dumps(runs[-1][-1]), flush=True)
+        rows.append(medians(runs[-1]))
     compared = []
     if args.real_agents:
         compared = [dict(simulate(args.real_agents, 1, args.agent_processes, args.steady), run="simulated"),
@@ -769,14 +776,25 @@ def main() -> None:
         for row in compared:
             print(json.dumps(row), flush=True)
     print(f"\n{os.cpu_count()} cores; each run's agents (N + 1 spare) shared {args.agent_processes} processes "
-          f"with the controller and the store in one more\n")
+          f"with the controller and the store in one more" + (f"; each figure the median of {args.runs} runs"
+                                                               if args.runs > 1 else "") + "\n")
     if rows:
         print(table(rows))
     if compared:
         print(f"\nthe simulator against {args.real_agents} real agents (one process each) on the same cores:\n")
         print(table(compared, [(k, t.replace("32", str(args.real_agents))) for k, t in REAL_COLUMNS]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"simulated": rows, "real": compared}, indent=1))
+        Path(args.json).write_text(json.dumps({"simulated": rows, "runs": runs, "real": compared}, indent=1))
+
+
+def medians(runs: list[dict]) -> dict:
+    """One row for the runs of one size: each number's median (the lower of the middle two for an even
+    count: a figure some run measured), anything else as the first run had it."""
+    row = dict(runs[0])
+    for key, value in row.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = sorted(run[key] for run in runs)[(len(runs) - 1) // 2]
+    return row
 
 
 if __name__ == "__main__":
