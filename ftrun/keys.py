@@ -9,7 +9,9 @@ there, and scripts that use plain env:// get a fresh worker store per generation
 stale keys (pytorch issues 135712 and 167288); ftrun's cannot see any.
 
 What each message path costs, for N nodes of P ranks (W = N x P), in store round trips (scripts/
-bench_control_plane.py measures them; README "Scale"):
+bench_control_plane.py measures them; README "Scale"). A ``multi_set`` of many keys goes in messages of
+at most 64 keys and 64 kB, a ``multi_get`` in requests of at most 1,024 keys: the store's server takes
+time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEYS``).
 
 * rendezvous: each agent appends one ``join`` record (O(1)) and its Watch blocks in the store's
   ``get`` of its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),

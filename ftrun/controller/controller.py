@@ -190,6 +190,7 @@ class Controller:
         self._library_seen = False
         self._said_no_library = False
         self._announced = 0  # the newest generation announced to the ranks
+        self._ranks_started = 0  # the generation of the last START: every rank has started in it or later
         #: news from the process hosting the controller, applied in the controller's thread
         self._news: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: node rank -> the node as it is now (a spare's agent after a takeover)
@@ -573,6 +574,7 @@ class Controller:
                                  f"generation {command.generation} starts with {self.view.world_size} ranks",
                                  level=level, world_size=self.view.world_size)
                 self._publish_layout(starting=True)  # a scale-in or a grow-back renumbers the global ranks
+                self._ranks_started = command.generation
                 if command.generation > 0 and self.snapshots.enabled:
                     self._plan_restore(command.generation)
                 command = self._with_new_worker_store(command)
@@ -674,10 +676,12 @@ class Controller:
         if generation == self._announced:
             return  # more ranks for the same repair
         self.store.set_text(self.keys.target_generation, str(generation))  # first: what they move to
-        for older in range(self._announced, generation):
-            self.store.set_text(self.keys.group_ready(older), "superseded")
-        self.store.set_texts([self.keys.announced(newer, rank) for newer in range(self._announced + 1, generation + 1)
-                              for rank in range(self.view.world_size)], str(generation))  # wakes the repair watches
+        self.store.set_texts([self.keys.group_ready(older) for older in range(self._announced, generation)],
+                             "superseded")
+        # a rank's repair watch waits on the generation after its own: none on those the last START passed
+        newer = range(max(self._announced, self._ranks_started) + 1, generation + 1)
+        self.store.set_texts([self.keys.announced(g, rank) for g in newer for rank in range(self.view.world_size)],
+                             str(generation))  # wakes the repair watches
         self._announced = generation
 
     def _note_phase(self, before: JobView | None, after: JobView) -> None:

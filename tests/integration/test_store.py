@@ -15,7 +15,7 @@ from ftrun.config import Endpoint
 from ftrun.errors import RendezvousError, UsageError
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind
-from ftrun.store import connect_store, open_control_store
+from ftrun.store import MULTI_GET_KEYS, MULTI_SET_BYTES, MULTI_SET_KEYS, connect_store, open_control_store
 from tests.conftest import free_port
 
 
@@ -42,6 +42,47 @@ def test_a_listener_that_is_not_a_store_is_refused_at_the_deadline():
         with pytest.raises(RendezvousError, match="does not answer as a store"):
             connect_store(endpoint, timeout=1)
         assert time.monotonic() - started < 30  # a deadline, not a hang
+
+
+class Counted:
+    """A TCPStore client that keeps what each multi_set and multi_get sent."""
+
+    def __init__(self, raw):
+        self.raw, self.sent, self.asked = raw, [], []
+
+    def multi_set(self, keys, texts):
+        self.sent.append((list(keys), list(texts)))
+        self.raw.multi_set(keys, texts)
+
+    def multi_get(self, keys):
+        self.asked.append(list(keys))
+        return self.raw.multi_get(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def test_many_keys_go_in_messages_the_store_s_server_handles_in_linear_time():
+    """A multi_set of a whole job's keys (every rank's announcement, every node's restore plan) or a
+    multi_get of every node's keys is split, in order; what is read back is what was written."""
+    endpoint = Endpoint("127.0.0.1", free_port())
+    host = open_control_store(endpoint, True, timeout=5)
+    counted = Counted(host.raw)
+    store = type(host)(counted, endpoint, is_host=True)
+    keys = [f"k/{i}" for i in range(300)]
+    texts = ["x" * (5_700 if 100 <= i < 130 else 1) for i in range(300)]  # 30 plans' worth among small ones
+    store.set_each(keys, texts)
+    assert [k for sent, _ in counted.sent for k in sent] == keys  # all of them, in order
+    assert all(len(sent) <= MULTI_SET_KEYS for sent, _ in counted.sent)
+    assert all(sum(map(len, sent + values)) <= MULTI_SET_BYTES for sent, values in counted.sent)
+    for (sent, values), (after, more) in zip(counted.sent, counted.sent[1:]):  # and each as full as it may be
+        assert len(sent) == MULTI_SET_KEYS or sum(map(len, sent + values + after[:1] + more[:1])) > MULTI_SET_BYTES
+    assert [len(sent) for sent, _ in counted.sent] == [64, 47, 11, 64, 64, 50]  # 36 small + 11 big; 11; 8 + 56
+    many = [f"k/{i % 300}" for i in range(2 * MULTI_GET_KEYS + 5)]
+    assert store.readings([], many)[1] == [texts[i % 300] for i in range(len(many))]
+    assert [len(asked) for asked in counted.asked] == [MULTI_GET_KEYS, MULTI_GET_KEYS, 5]
+    store.set_each([], [])  # nothing: nothing sent
+    assert len(counted.sent) == 6
 
 
 LATE_CONNECT = """
