@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from subprocess import Popen
 
 import psutil
 import pytest
@@ -39,54 +40,52 @@ def store_connections(pid: int, port: int) -> int:
                if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
 
 
-def test_a_rank_whose_store_went_exits_with_its_own_code_not_sigabrt():
-    """The repair watch met the dead store at each wait and spun on failing store calls until the end."""
+def rank_beside_its_store(mode: str, code: int, meanwhile=lambda host: None, **extra: str) -> tuple[int, str]:
+    """ends_busy.py MODE CODE on a store hosted by a process of its own (its pid in STORE_PID for the
+    teardown mode). Once the rank holds its three store connections (its own, the heartbeat's and the
+    repair watch's, which is then in its wait), ``meanwhile(host)`` runs and the rank goes on. Its exit
+    code and stderr."""
     host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     rank = None
     try:
         port = int(host.stdout.readline())
-        # with torch's C++ warnings quiet, as many users keep them, each failed wait returns at once
-        env = rank_env(port, TORCH_CPP_LOG_LEVEL="FATAL")
-        rank = subprocess.Popen([sys.executable, SCRIPT, "store-gone", "3"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if mode == "teardown":
+            extra["STORE_PID"] = str(host.pid)
+        rank = subprocess.Popen([sys.executable, SCRIPT, mode, str(code)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env(port, **extra))
         assert rank.stdout.readline() == "ready\n"
-        # its own, the heartbeat's and the repair watch's: the watch is in its wait when the store goes
         wait_for(lambda: store_connections(rank.pid, port) == 3, 30, "the rank's three store connections")
-        host.kill()
-        host.wait()
+        meanwhile(host)
         _, err = rank.communicate("go\n", timeout=60)
+        host.wait(timeout=10)  # gone by now, one way or the other
+        return rank.returncode, err
     finally:
         for proc in (host, rank):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def gone(host: Popen) -> None:
+    host.kill()
+    host.wait()
+
+
+def test_a_rank_whose_store_went_exits_with_its_own_code_not_sigabrt():
+    """The repair watch met the dead store at each wait and spun on failing store calls until the end.
+    With torch's C++ warnings quiet, as many users keep them, each failed wait returns at once."""
+    code, err = rank_beside_its_store("store-gone", 3, gone, TORCH_CPP_LOG_LEVEL="FATAL")
     assert "terminate called" not in err
-    assert rank.returncode == 3, err[-3000:]
+    assert code == 3, err[-3000:]
 
 
 def test_a_rank_whose_store_goes_as_it_tears_down_exits_with_its_own_code_not_sigabrt():
     """The repair watch was parked in the store's wait when the interpreter tore down, and the store's
     end took it out of there then: the rank rings its own key to let the watch go as it ends."""
-    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    rank = None
-    try:
-        port = int(host.stdout.readline())
-        env = rank_env(port, STORE_PID=str(host.pid))
-        rank = subprocess.Popen([sys.executable, SCRIPT, "teardown", "5"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        assert rank.stdout.readline() == "ready\n"
-        wait_for(lambda: store_connections(rank.pid, port) == 3, 30, "the rank's three store connections")
-        _, err = rank.communicate("go\n", timeout=60)
-        host.wait(timeout=10)  # killed by the rank's teardown
-    finally:
-        for proc in (host, rank):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    code, err = rank_beside_its_store("teardown", 5)  # the rank's teardown kills the store's host
     assert "terminate called" not in err
-    assert rank.returncode == 5, err[-3000:]
+    assert code == 5, err[-3000:]
 
 
 def test_a_script_that_ends_right_after_a_snapshot_step_exits_with_its_own_code(tmp_path):
