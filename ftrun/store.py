@@ -105,11 +105,11 @@ class ControlStore:
         return self._get_or_ignore(cls, key)
 
     def counters(self, keys: list[str]) -> list[int]:
-        """Many counters in one round trip (``multi_get``): the keepalives of every node."""
+        """Many counters in one round trip per 1,024 (``multi_get``): the keepalives of every node."""
         return self.readings(keys, [])[0]
 
     def create(self, counters: list[str], texts: list[str]) -> None:
-        """Counters at 0 and empty texts, in one round trip (``multi_set``), for the keys not yet known
+        """Counters at 0 and empty texts, with no round trip (``set_each``), for the keys not yet known
         to exist: for keys nobody else writes yet (an existing one is set anew)."""
         fresh = [key for key in counters + texts if key not in self._existing]
         if fresh:
@@ -118,7 +118,7 @@ class ControlStore:
             self._existing.update(fresh)
 
     def readings(self, counters: list[str], texts: list[str]) -> tuple[list[int], list[str]]:
-        """Counters and unsigned texts together in one round trip (``multi_get``): an agent's keepalive
+        """Counters and unsigned texts together in one round trip per 1,024 (``multi_get``): an agent's keepalive
         reads the controller's counter and its ranks' heartbeats and steps so. ``multi_get`` waits for
         a missing key, so each key is created first, once: a counter at 0, a text empty (``compare_set``
         leaves alone one written meanwhile); a text never written reads ""."""
@@ -151,7 +151,8 @@ class ControlStore:
         return self._open_all(cls, keys) if self._call(self.raw.check, keys) else None
 
     def _open_all(self, cls: type[T], keys: list[str]) -> list[T | None]:
-        """The messages under ``keys`` (all set), in one round trip; None for one ignored as forged."""
+        """The messages under ``keys`` (all set), in a round trip per MULTI_GET_KEYS; None for one ignored
+        as forged."""
         return [self.opened(cls, key, raw) for key, raw in zip(keys, self._multi_get(keys))]
 
     def opened(self, cls: type[T], key: str, raw: bytes) -> T | None:
@@ -196,7 +197,7 @@ class ControlStore:
                 for value in self._call(self.raw.multi_get, keys[first:first + MULTI_GET_KEYS])]
 
     def set_texts(self, keys: list[str], text: str) -> None:
-        """The same unsigned (or already sealed) text under many keys, in one round trip."""
+        """The same unsigned (or already sealed) text under many keys, with no round trip (``set_each``)."""
         if keys:
             self.set_each(keys, [text] * len(keys))
 
