@@ -31,7 +31,7 @@ Per N, in order:
   ctl CPU          the controller thread's CPU seconds per wall second over --steady seconds of running
   store CPU        the store server's (this process less the controller thread) over the same
   agents CPU       the simulated agents' processes' over the same: what the machine had left
-  store ops/s      requests every client sent over the same (a multi_get is one)
+  store ops/s      requests every client sent over the same (each message of a multi_get or multi_set is one)
   board            bytes of the status snapshot (``ftrun status``'s JSON)
   rank table       one agent's time to build and write its generation's rank table
   restore plan     bytes of the RestorePlans of a sharded job (each rank's snapshot and one replica

@@ -150,8 +150,7 @@ class ElasticJob:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
-        #: set while the repair watch is parked in the store's wait on _watch_key, this rank's own (_let_go rings it)
-        self._watch_parked = threading.Event()
+        #: the key, this rank's own, that the repair watch waits on next or now ("": none yet; _let_go rings it)
         self._watch_key = ""
         #: which ranks hold copies of each other's state: job.mesh() declares it; else pure data
         #: parallelism (or every rank alone, with sharded=True), checked at the first steps()
@@ -488,10 +487,12 @@ class ElasticJob:
         or the store gone, as the process ends would take it out of there then."""
         self._closed.set()
         deadline = time.monotonic() + LET_GO_DEADLINE
-        # _closed first, parked second; the watch checks them the other way round: it sees close or is seen parked
-        if self._watch_parked.is_set():
+        # _closed first, the key second; the watch sets its key, then checks _closed: it sees the close, or
+        # its wait is rung (a ring before the wait ends it at once)
+        key, self._watch_key = self._watch_key, ""  # rung once (close(), then the interpreter's end)
+        if key:
             try:
-                self.store.set_text(self._watch_key, "closed")
+                self.store.set_text(key, "closed")
             except Exception:
                 pass  # the store is gone: the watch's wait has failed or fails at once
         for thread in (self._heartbeat, self._watcher):
@@ -541,7 +542,6 @@ class ElasticJob:
         while True:
             generation = self.generation
             self._watch_key = self.keys.announced(generation + 1, self.env.rank)
-            self._watch_parked.set()
             if self._closed.is_set():
                 return
             try:
@@ -551,8 +551,6 @@ class ElasticJob:
                 return
             except Exception:
                 continue  # nothing announced within the wait's deadline: wait again
-            finally:
-                self._watch_parked.clear()
             if self._closed.is_set():
                 return  # rung by _let_go
             self._see_through_repair(generation)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import heapq
 from dataclasses import dataclass
@@ -121,9 +122,15 @@ class Restore:
         self._copies = copies or {}
         #: replicated: the spare copies every node's plan names
         self._spares = spares
-        self._ranks_of: dict[int, list[int]] = {}
-        for rank in sorted(homes):
-            self._ranks_of.setdefault(homes[rank], []).append(rank)
+
+    @functools.cached_property
+    def _ranks_of(self) -> dict[int, list[int]]:
+        """Each node's ranks, in rank order (as ``homes`` lists them): made once a plan is asked for, not
+        for the status's restorable step, which needs the step alone."""
+        ranks_of: dict[int, list[int]] = {}
+        for rank, node in self._homes.items():
+            ranks_of.setdefault(node, []).append(rank)
+        return ranks_of
 
     def nodes(self) -> list[int]:
         """The nodes that are home to a rank (-1 for the ranks that have none)."""
