@@ -23,6 +23,23 @@ def ignore_stops() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def fire_together(rank: int, step: int, kind: str) -> None:
+    """``trigger``, so that ranks due to fail at the same step all fail of their own faults and have them
+    reported: each says it fires (OUT_DIR/firing-rank<r>-step<s>), and a SIGKILL waits (up to 10 s) for
+    the other kinds' first. A peer's death brings its agent's STOP, during which an agent reports a rank
+    killed by SIGKILL but not one that died of another fault of its own."""
+    out_dir = os.environ["OUT_DIR"]
+    specs = [spec.split(":") for spec in filter(None, os.environ.get("FAULT", "").split(","))]
+    others = [int(r) for r, s, k in specs if int(s) == step and int(r) != rank and k != "sigkill"]
+    if kind == "sigkill":
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out_dir, f"firing-rank{other}-step{step}")) for other in others):
+            time.sleep(0.005)
+    open(os.path.join(out_dir, f"firing-rank{rank}-step{step}"), "w").close()
+    trigger(kind, step)
+
+
 def claim(rank: int, step: int, kind: str) -> bool:
     """FAULT_ONCE=1: True the first time this rank's fault at this step is due in the whole job (in
     any generation, in any process), recorded as OUT_DIR/fault-fired-rank<r>-step<s> holding the kind;

@@ -36,7 +36,7 @@ def inject_fault(rank: int, step: int) -> None:
         faults.ignore_stops()  # before this step's collectives: no peer can have failed at the next one yet
     kind = faults.due(rank, step)
     if kind:
-        faults.trigger(kind, step)
+        faults.fire_together(rank, step, kind)
 
 
 def read_json(path):
