@@ -15,8 +15,10 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
 
 * rendezvous: each agent appends one ``join`` record (O(1)) and its Watch blocks in the store's
   ``get`` of its own ``doorbell``; the controller reads the new records at each poll (O(N) in all),
-  writes one result of O(N) bytes and rings every joined agent's bell in one ``multi_set``. Each
-  agent then reads the result once: O(N) bytes per agent, O(N) round trips in all.
+  then writes each agent's ``rendezvous_place`` (O(1) bytes: its slot and the job's size), the
+  outcome, and every joined agent's bell, rung with its own place's text, in one ``multi_set``: O(N)
+  bytes in all. Each agent's Watch wakes holding its place: no round trip, O(1) bytes per agent. (A
+  result naming every node, read by every agent, was O(N^2) bytes: 133 MB at 1,024 nodes.)
 * keepalives: every 0.5 s each agent reads in one ``multi_get`` the controller's counter, the
   command count and its P ranks' heartbeats and steps (the hang check), and sets its
   ``node_heartbeat`` to its own count in one ``multi_set`` that also carries its ``agent_status``
@@ -45,8 +47,14 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
 * repair announcements (process level): the controller sets ``target_generation`` and every rank's
   ``announced`` key in one ``multi_set`` (O(W) bytes, O(1) round trips); each rank's repair watch,
   blocked in a ``wait`` on its own key, wakes: one round trip per rank and repair.
-* layout and rank tables: one ``layout`` of O(N) bytes per generation, read by every agent; each
-  agent writes a rank table of O(W) entries locally.
+* layout and rank tables: the controller writes a ``layout`` of O(N) bytes, its ``layout_change``
+  from the version before and the ``layout_version`` in one ``multi_set`` whenever a node's place
+  changes (a takeover, a resize; not at a restart of the same nodes). An agent reads the version at
+  each START and REPLACE (one round trip) and, when it moved, only the changes since the layout it
+  holds (O(1) bytes for a takeover; O(N) for a resize, which renumbers the ranks). The whole layout is
+  read once per agent, at its first START: each agent's rank tables name every rank, so that is O(N)
+  bytes per agent and O(N^2) from the store in all, once per job (README "Scale": what would carry
+  it at 10,000 nodes). Each agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore_plan`` per node, written in one ``multi_set``: O(P x (1 + R)) entries for
   sharded state (R replicas), O(P + REPLICATED_SPARES) for replicated state; O(W x (1 + R)) in all,
   chosen and written in O(W x (1 + R)) time. Each rank reads its own node's plan once: O(P) bytes,
@@ -89,7 +97,13 @@ class JobKeys:
 
     @property
     def rendezvous_result(self) -> str:
+        """The rendezvous's outcome for an agent with no place of its own (a Placement without a slot:
+        the job's size, or why the rendezvous failed), written after every agent's place."""
         return f"{self.root}/rdzv/result"
+
+    def rendezvous_place(self, agent_id: str) -> str:
+        """The agent's own Placement (its doorbell rings with the same sealed text)."""
+        return f"{self.root}/rdzv/place/{agent_id}"
 
     @property
     def rendezvous_readers(self) -> str:
@@ -107,8 +121,18 @@ class JobKeys:
     @property
     def layout(self) -> str:
         """The nodes as they are now (a Layout): which agent holds each node rank, after any takeover or
-        resize; agents read it before each generation, and the rank tables are built from it."""
+        resize; the rank tables are built from it. An agent reads it whole once, then its changes."""
         return f"{self.root}/layout"
+
+    @property
+    def layout_version(self) -> str:
+        """The version of the newest layout, as text, written after the layout and its change. Unsigned,
+        like the counters: a forged one makes an agent read the (signed) layout whole, or a change late."""
+        return f"{self.root}/layout/version"
+
+    def layout_change(self, version: int) -> str:
+        """The LayoutChange from version ``version`` - 1 to ``version``."""
+        return f"{self.root}/layout/change/{version}"
 
     def agent_status(self, agent_id: str) -> str:
         """The agent's NodeStatus (ranks, standbys, devices), rewritten at each keepalive."""

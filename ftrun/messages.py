@@ -11,9 +11,10 @@ import functools
 import json
 import signal
 import threading
+import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -87,6 +88,8 @@ def _converter(kind) -> Callable[[Any], Any]:
         return lambda value: _build(kind, value) if isinstance(value, dict) else value
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return kind
+    if typing.get_origin(kind) is types.UnionType:  # X | None
+        return _converter(next(arg for arg in typing.get_args(kind) if arg is not type(None)))
     if typing.get_origin(kind) is tuple:
         item = _converter(typing.get_args(kind)[0])
         return lambda value: tuple(item(v) for v in value) if isinstance(value, list) else value
@@ -145,10 +148,52 @@ class Layout:
     nodes: tuple[NodeSlot, ...] = ()
     #: the world size of the generation before this layout's (0: the first)
     previous_world_size: int = 0
+    #: how many layouts the controller published up to this one (0: none yet)
+    version: int = 0
 
     @property
     def world_size(self) -> int:
         return sum(n.nproc for n in self.nodes)
+
+    def change_from(self, older: Layout) -> LayoutChange:
+        """What an agent that holds ``older`` (this layout's version less one) reads to hold this one."""
+        before = {n.node_rank: n for n in older.nodes}
+        now = {n.node_rank for n in self.nodes}
+        return LayoutChange(self.version, tuple(n for n in self.nodes if before.get(n.node_rank) != n),
+                            tuple(sorted(set(before) - now)), self.previous_world_size)
+
+    def changed(self, change: LayoutChange) -> Layout:
+        """This layout with ``change`` (the next version's) made."""
+        nodes = {n.node_rank: n for n in self.nodes if n.node_rank not in change.removed}
+        nodes.update((n.node_rank, n) for n in change.nodes)
+        return Layout(tuple(nodes[rank] for rank in sorted(nodes)), change.previous_world_size, change.version)
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """The nodes that differ between two layouts one version apart: a takeover's is one node, so that
+    an agent that holds the layout reads O(1) bytes at a later generation instead of the whole."""
+
+    version: int
+    #: the slots that are new or changed, and the node ranks no longer in the layout
+    nodes: tuple[NodeSlot, ...] = ()
+    removed: tuple[int, ...] = ()
+    previous_world_size: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the rendezvous tells one agent (in its own key, and its doorbell's text): its place, and the
+    job's size, in O(1) bytes; or why the rendezvous failed. The whole layout is read when the first
+    generation starts (``keys.layout``)."""
+
+    #: its node (node_rank >= 0) or its place as a spare (-1); None: it came too late or one too many
+    slot: NodeSlot | None = None
+    world_size: int = 0
+    node_count: int = 0
+    error: str = ""
+    #: the exit code that goes with the error (ExitCode.RENDEZVOUS, or DEVICE for a failed preflight)
+    exit_code: int = 3
 
 
 @dataclass(frozen=True)
@@ -164,9 +209,15 @@ class RendezvousResult:
     #: standby agents (spare nodes): node_rank and first_rank -1 until one takes over a lost node
     spares: tuple[NodeSlot, ...] = ()
 
-    def slot_of(self, agent_id: str) -> NodeSlot | None:
-        """This agent's place: a node, a spare, or None when it was not admitted."""
-        return next((n for n in self.nodes + self.spares if n.agent_id == agent_id), None)
+    def places(self) -> Iterator[tuple[str, Placement]]:
+        """Each agent's Placement, by agent id: nodes, then spares."""
+        for slot in self.nodes + self.spares:
+            yield slot.agent_id, Placement(slot, self.world_size, len(self.nodes))
+
+    @property
+    def outcome(self) -> Placement:
+        """What an agent that has no place of its own reads: the job's size, or the error."""
+        return Placement(None, self.world_size, len(self.nodes), self.error, self.exit_code)
 
 
 @dataclass(frozen=True)

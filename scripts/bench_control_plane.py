@@ -17,6 +17,8 @@ around a one-weight model), and prints their figures beside the simulator's at t
 
 Per N, in order:
   rendezvous       from the go signal until every node's agent holds its place
+  first start      from the go signal until every node's agent has read generation 0's START and the
+                   whole layout (what the agent builds its rank tables from)
   fail fan-out     from one rank's failure report until every agent holds the controller's STOP
   decision         from the controller's decision until every agent holds it (and until half do)
   restart          from that report until every agent holds the next generation's START
@@ -34,6 +36,8 @@ Per N, in order:
   store ops/s      requests every client sent over the same (each message of a multi_get or multi_set is one)
   board            bytes of the status snapshot (``ftrun status``'s JSON)
   rank table       one agent's time to build and write its generation's rank table
+  layout           bytes of the layout an agent reads whole at its first start (its rank tables name
+                   every rank), and of the largest change it reads at a later generation instead
   restore plan     bytes of the RestorePlans of a sharded job (each rank's snapshot and one replica
                    on the next node): all nodes', and the largest node's (what each rank reads), and
                    the time to choose the step and make and encode every node's plan
@@ -76,7 +80,7 @@ from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
 from ftrun.keys import JobKeys  # noqa: E402
 from ftrun.messages import (  # noqa: E402
-    CommandKind, JoinRecord, Layout, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
+    CommandKind, JoinRecord, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
 )
 from ftrun.ranktable import FTRUN_TABLE, ftrun_table, write_table  # noqa: E402
 from ftrun.rendezvous import RendezvousPolicy  # noqa: E402
@@ -136,7 +140,7 @@ class SimAgent:
         self.index, self.port, self.nproc, self.ops, self.shared, self.wake = index, port, nproc, ops, shared, wake
         self.lock = threading.Lock()  # one turn at a time
         self.agent_id = f"sim-{index}"
-        self.joined_at = 0.0
+        self.joined_at = self.started_at = 0.0
         self.ranks: list[int] = []
         self.running = False
         self.generation = 0
@@ -228,15 +232,18 @@ class SimAgent:
                 self.running = False
                 self.stopping = (command.generation, time.monotonic() + STOP_POLL)
             elif command.kind is CommandKind.START:
+                self.protocol.layout()  # as the agent does for its rank tables (the whole the first time)
                 self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
                 self.generation, self.running = command.generation, True
-            elif command.kind is CommandKind.REPLACE and set(command.ranks) & set(self.ranks):
-                self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
-                self.running = True
+                self.started_at = self.started_at or time.time()
+            elif command.kind is CommandKind.REPLACE:
+                self.protocol.layout()  # every agent, as the agent does before it looks for its own ranks
+                if set(command.ranks) & set(self.ranks):
+                    self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
+                    self.running = True
             elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                 self.protocol.node_rank = command.node_rank
-                layout = self.store.try_get(Layout, JobKeys(RUN_ID).layout)
-                mine = next(n for n in layout.nodes if n.node_rank == command.node_rank)
+                mine = next(n for n in self.protocol.layout().nodes if n.node_rank == command.node_rank)
                 self._take(mine.first_rank)
             elif command.kind is CommandKind.TAKEOVER and command.node_rank == self.protocol.node_rank:
                 self.gone = True
@@ -358,7 +365,7 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
         thread.join(5)
     for agent in agents:
         agent.protocol.watch.close(agent.store)
-    results.put([{"node": a.node, "joined_at": a.joined_at, "failed_at": a.failed_at,
+    results.put([{"node": a.node, "joined_at": a.joined_at, "started_at": a.started_at, "failed_at": a.failed_at,
                   "repair_failed_at": a.repair_failed_at, "received": a.received}
                  for a in agents])
 
@@ -452,6 +459,7 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         store.set_text(REPAIR, str(total // 4))
         wait_until(lambda: any(kind == "replace" for kind, _ in published), 30, "the process-level repair")
         time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
+        figures.update(_layouts(store, keys))
     finally:
         gc.unfreeze()  # the next size's run collects this one's
         controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
@@ -466,6 +474,7 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     # the N nodes' agents (a spare that came after the decision is admitted later, as any late arrival is)
     joined = sorted(r["joined_at"] - go for r in received if r["node"] >= 0)
     figures["rendezvous_s"], figures["rendezvous_p50_s"] = round(joined[-1], 3), round(joined[len(joined) // 2], 3)
+    figures["first_start_s"] = round(max(r["started_at"] for r in received if r["node"] >= 0) - go, 3)
     figures.update(_fan_out(received, seq, lose_seq, decisions, total // 2, total // 3))
     figures.update(_replace_fan_out(received, repair_seq, decisions[2], total // 4, total // 3))
     figures["publish_ms"] = round(next(t for kind, t in published if kind == "stop") * 1000, 1)
@@ -532,6 +541,15 @@ def _rank_table(controller: Controller, nodes: int) -> dict:
         milliseconds, path = _quickest(lambda: write_table(folder, FTRUN_TABLE, ftrun_table(RUN_ID, 1, layout, 0, {})))
         size = os.path.getsize(path)
     return {"rank_table_ms": milliseconds, "rank_table_bytes": size}
+
+
+def _layouts(store: ControlStore, keys: JobKeys) -> dict:
+    """Bytes of what an agent reads of the layout: the whole at its first start, then one change per
+    version (the largest: the takeover's is one node)."""
+    version = int(store.try_text(keys.layout_version))
+    changes = [len(store.try_text(keys.layout_change(v))) for v in range(2, version + 1)]
+    return {"layout_bytes": len(store.try_text(keys.layout)), "layout_versions": version,
+            "layout_change_bytes": max(changes, default=0)}
 
 
 def _restore_plan(nodes: int, nproc: int) -> dict:
@@ -727,12 +745,14 @@ REAL_COLUMNS = [("run", "32 nodes x 1 rank"), ("rendezvous_s", "rdzv s"), ("fail
 
 
 COLUMNS = [("nodes", "nodes"), ("ranks", "ranks"), ("agents", "agents"), ("rendezvous_s", "rdzv s"),
+           ("first_start_s", "first start s"),
            ("fail_fanout_ms", "fail fan-out ms"), ("decision_fanout_p50_ms", "decision p50 ms"),
            ("decision_fanout_ms", "decision fan-out ms"), ("publish_ms", "publish ms"), ("restart_ms", "restart ms"),
            ("lost_fanout_ms", "lost fan-out ms"), ("replace_fanout_ms", "replace fan-out ms"),
            ("replace_decision_fanout_ms", "replace decision ms"), ("ctl_cpu", "ctl CPU"), ("store_cpu", "store CPU"),
            ("agents_cpu", "agents CPU"), ("store_ops_s", "store ops/s"),
-           ("board_bytes", "board B"), ("rank_table_ms", "rank table ms"), ("plan_bytes", "plan B"),
+           ("board_bytes", "board B"), ("rank_table_ms", "rank table ms"), ("layout_bytes", "layout B"),
+           ("layout_change_bytes", "change B"), ("plan_bytes", "plan B"),
            ("plan_node_bytes", "node plan B"), ("plan_ms", "plan ms")]
 
 

@@ -46,8 +46,8 @@ from ftrun.messages import (
     Layout,
     NodeSlot,
     NodeStatus,
+    Placement,
     RankState,
-    RendezvousResult,
     ReportKind,
     StackRequest,
 )
@@ -113,7 +113,7 @@ class Agent:
         self.view: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
-        self.rendezvous: RendezvousResult | None = None
+        self.rendezvous: Placement | None = None
         self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
         self.table: FaultTable | None = None
         self.devices: NodeDevices | None = None
@@ -202,7 +202,6 @@ class Agent:
                             host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
             self.rendezvous, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
-            self.layout = Layout(self.rendezvous.nodes)
         except FtrunError:
             if self.interrupts.requested:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
@@ -219,7 +218,7 @@ class Agent:
                     return self._finish(*ended)
             log.info(
                 "node %d of %d, ranks %d-%d of %d",
-                self.slot.node_rank, len(self.rendezvous.nodes), self.slot.first_rank,
+                self.slot.node_rank, self.rendezvous.node_count, self.slot.first_rank,
                 self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
@@ -339,7 +338,7 @@ class Agent:
     def _stand_by(self, group: WorkerGroup) -> tuple[int, str] | None:
         """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
         Returns how the job ended, when it ended first."""
-        log.info("standing by as a spare node (the job has %d nodes)", len(self.rendezvous.nodes))
+        log.info("standing by as a spare node (the job has %d nodes)", self.rendezvous.node_count)
         group.fill_standbys()
         try:
             while True:
@@ -354,11 +353,10 @@ class Agent:
                         return command.exit_code, command.reason
                     if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                         # the controller published the layout with this agent in it before the command
-                        lost = next((n.host for n in self.layout.nodes if n.node_rank == command.node_rank), "new")
                         self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
                         self.protocol.node_rank = command.node_rank
                         self._refresh_layout()
-                        log.warning("taking the place of node %d (%s): %s", command.node_rank, lost, command.reason)
+                        log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
                         return None
                 select.select([self._wakeup], [], [], HEARTBEAT_INTERVAL)
                 self._wakeup.drain()
@@ -539,9 +537,7 @@ class Agent:
     def _refresh_layout(self) -> bool:
         """Read who holds which node now (before a generation starts); False when this agent holds
         none any more (it was declared lost and left out, or replaced)."""
-        layout = self.store.try_get(Layout, self.keys.layout)
-        if layout is not None:
-            self.layout = layout
+        self.layout = self.protocol.layout()
         mine = next((n for n in self.layout.nodes if n.node_rank == self.slot.node_rank), None)
         if mine is None or mine.agent_id != self.agent_id:
             return False

@@ -6,9 +6,9 @@ a thousand of them in one process to measure the control plane at scale, so that
 this code and not a copy. Each method costs the store a constant number of round trips, whatever
 the job's size (``ftrun/keys.py`` states each message path's cost).
 
-What an agent waits for (the rendezvous result, then each command in turn) it does not poll: its
+What an agent waits for (its place from the rendezvous, then each command in turn) it does not poll: its
 ``Watch`` blocks in a ``get`` of the agent's doorbell, which the controller sets for every agent in
-one round trip (to the command's text), so that a decision reaches every node the moment it is
+one round trip (to its place's or the command's text), so that a decision reaches every node the moment it is
 published, already read, and a node between commands asks the store nothing.
 """
 
@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys, board_interval
-from ftrun.messages import Command, JoinRecord, NodeSlot, NodeStatus, RendezvousResult, Report, ReportKind
+from ftrun.messages import Command, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 
@@ -32,11 +32,13 @@ WATCH_SLICE = datetime.timedelta(days=7)
 SEPARATOR = BELL_SEPARATOR.encode()
 #: how long an agent that leaves waits for its watch to let go
 WATCH_CLOSE = 2.0
+#: an agent further behind the layout than this many versions reads it whole instead of its changes
+LAYOUT_CHANGES = 16
 
 
 class Watch:
     """Waits on the store, in a thread and a connection of its own, for the agent's doorbell: the
-    controller rings it once the rendezvous result is written, then once per decision
+    controller rings it with the agent's place once the rendezvous is decided, then once per decision
     (``keys.doorbell``), with its commands' texts, so the watch holds each command as it wakes and the
     agent reads none back. ``wake`` is called after each ring (and once if the watch fails: its reader
     then reads at each keepalive, and meets the store's error itself). ``connect`` makes the connection
@@ -51,9 +53,11 @@ class Watch:
         self.agent_id = agent_id
         self._connect = connect
         self._wake = wake
-        #: set once the watch has its connection (or failed); the rendezvous result is written (or failed)
+        #: set once the watch has its connection (or failed); the agent's place is written (or failed)
         self.connected = threading.Event()
         self.rendezvous = threading.Event()
+        #: the agent's place as its rendezvous bell carried it (sealed; empty when it rang without)
+        self.placed = b""
         #: commands known to be written: the count when the watch began, plus those each ring carried
         self.published = 0
         #: what the bells rang with, by command index, until taken (``take``)
@@ -70,7 +74,7 @@ class Watch:
             store = self._connect()
             store.set_timeout(WATCH_SLICE)  # a get on a bell blocks until it rings (or the slice ends)
             self.connected.set()
-            self._await(store, keys.doorbell(self.agent_id, RENDEZVOUS_RING))
+            self.placed = self._await(store, keys.doorbell(self.agent_id, RENDEZVOUS_RING))
             self.published = int(store.add(keys.command_count, 0))  # rung for the commands after these
             self.rendezvous.set()
             self._wake()
@@ -151,7 +155,7 @@ class Wakeup:
 
 class NodeProtocol:
     """An agent's messages: rendezvous, keepalives, status, reports, commands, its ranks' heartbeats.
-    With a ``watch``, the rendezvous result and the commands are read only once it has seen them
+    With a ``watch``, the agent's place and the commands are read only once it has seen them
     written."""
 
     def __init__(self, store: ControlStore, keys: JobKeys, agent_id: str, node_timeout: float,
@@ -174,14 +178,35 @@ class NodeProtocol:
         self.status_interval = 0.0
         self._status_due = 0.0
         self._status_shape: tuple = ()
+        #: the layout as last read (``layout``)
+        self._layout = Layout()
 
-    def join(self, record: JoinRecord, timeout: float, stop) -> tuple[RendezvousResult, NodeSlot]:
-        """The rendezvous: announce this agent, wait for the controller's result, find its place."""
-        result, slot = join(self.store, self.keys, record, timeout, stop,
-                            self.watch.rendezvous if self.watch is not None else None)
+    def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
+        """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
+        watch = self.watch
+        placement, slot = join(self.store, self.keys, record, timeout, stop,
+                               watch.rendezvous if watch is not None else None, lambda: watch.placed)
         self.node_rank = slot.node_rank
-        self.status_interval = board_interval(result.world_size, 0.0)
-        return result, slot
+        self.status_interval = board_interval(placement.world_size, 0.0)
+        return placement, slot
+
+    def layout(self) -> Layout:
+        """The nodes as the controller placed them last: the whole layout the first time, then one
+        round trip (its version) while it has not changed, and only the changes since when it has
+        (a takeover's: one node). The layout held is kept when none is published yet."""
+        keys, held = self.keys, self._layout
+        version = self.store.counter(keys.layout_version)  # written as text: add(0) reads it in one request
+        if version == held.version:
+            return held
+        behind = range(held.version + 1, version + 1)
+        changes = (self.store.messages(LayoutChange, [keys.layout_change(v) for v in behind])
+                   if 0 < held.version < version <= held.version + LAYOUT_CHANGES else [None])
+        if None in changes:  # none held yet, too far behind, or a change ignored as forged: the whole
+            self._layout = self.store.try_get(Layout, keys.layout) or held
+        else:
+            for change in changes:
+                self._layout = self._layout.changed(change)
+        return self._layout
 
     def keepalive(self, status: NodeStatus | None = None, now: float | None = None) -> None:
         """One keepalive (a node's, or an idle spare's) in one round trip: its heartbeat key set to this

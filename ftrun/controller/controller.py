@@ -203,6 +203,8 @@ class Controller:
         self._arrivals_seen = 0
         #: the world size of the last generation started (0 before the first)
         self._started_world = 0
+        #: the layout last written (``_write_layout``)
+        self._layout = Layout()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -426,7 +428,7 @@ class Controller:
         self.nodes = {slot.node_rank: slot for slot in result.nodes}
         self.spares = list(result.spares)
         self._arrivals_seen = len(self.nodes) + len(self.spares)
-        self.store.set(self.keys.layout, Layout(result.nodes))
+        self._write_layout(result.nodes, 0)
         if self.spares:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
                      ", ".join(s.host for s in self.spares))
@@ -467,9 +469,23 @@ class Controller:
                 self.nodes[rank] = dataclasses.replace(self.nodes[rank], first_rank=first_rank)
             nodes.append(self.nodes[rank])
             first_rank += self.nodes[rank].nproc
-        self.store.set(self.keys.layout, Layout(tuple(nodes), self._started_world))
+        self._write_layout(tuple(nodes), self._started_world)
         if starting:
             self._started_world = first_rank
+
+    def _write_layout(self, nodes: tuple[NodeSlot, ...], previous_world_size: int) -> None:
+        """The layout, when it changed: the whole, its change from the version before, then the new
+        version, in one ``multi_set`` (an agent that reads the version finds both written)."""
+        held = self._layout
+        if nodes == held.nodes and previous_world_size == held.previous_world_size:
+            return  # a restart of the same nodes: the agents' layouts stand
+        layout = Layout(nodes, previous_world_size, held.version + 1)
+        keys, store = self.keys, self.store
+        change = keys.layout_change(layout.version)
+        store.set_each([keys.layout, change, keys.layout_version],
+                       [store.sealed(keys.layout, layout), store.sealed(change, layout.change_from(held)),
+                        str(layout.version)])
+        self._layout = layout
 
     def _check_spares(self, now: float) -> None:
         for spare in list(self.spares):

@@ -14,7 +14,7 @@ from ftrun.auth import Forged, Signer, read_token
 from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, JoinRecord, Layout, RendezvousResult, to_json
+from ftrun.messages import Command, CommandKind, JoinRecord, Layout, Placement, to_json
 from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, bind_address, host_store
 
@@ -138,5 +138,5 @@ def test_an_agent_with_another_token_is_not_let_in(store, caplog):
     result = gather(controller, KEYS, RendezvousPolicy(2, 2, 0.0, 0.5), "a0", threading.Event())
     assert "1 of 2 nodes joined" in result.error  # the stranger's join does not count
     assert any(f"{KEYS.join(1)} in the store: wrongly signed" in r.getMessage() for r in caplog.records)
-    assert controller.try_get(RendezvousResult, KEYS.rendezvous_result) == result
-    assert stranger.try_get(RendezvousResult, KEYS.rendezvous_result) is None  # nor can it read the answer
+    assert controller.try_get(Placement, KEYS.rendezvous_result) == result.outcome
+    assert stranger.try_get(Placement, KEYS.rendezvous_result) is None  # nor can it read the answer

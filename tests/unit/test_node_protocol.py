@@ -4,18 +4,23 @@ publishing, over a real TCPStore on loopback: what each message costs the store 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import pytest
 
+from ftrun.agent import protocol as protocol_module
 from ftrun.agent.protocol import NodeProtocol, Watch
 from ftrun.auth import Signer
 from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import Level
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
-from ftrun.messages import Command, CommandKind, NodeSlot, NodeStatus, RankState
-from ftrun.rendezvous import RendezvousPolicy
+from ftrun.errors import RendezvousError
+from ftrun.messages import (
+    Command, CommandKind, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, RankState,
+)
+from ftrun.rendezvous import RendezvousPolicy, gather, join
 from ftrun.store import ControlStore
 
 AGENT = "agent-1"
@@ -23,16 +28,17 @@ KEYS = JobKeys("protocol")
 
 
 class Counted:
-    """A TCPStore client that counts its requests."""
+    """A TCPStore client that counts its requests, and keeps the keys each one named."""
 
     def __init__(self, raw):
-        self.raw, self.requests = raw, 0
+        self.raw, self.requests, self.named = raw, 0, []
 
     def __getattr__(self, name):
         method = getattr(self.raw, name)
 
         def counted(*args):
             self.requests += 1
+            self.named += args[0] if isinstance(args[0], list) else [args[0]]
             return method(*args)
 
         return counted
@@ -44,15 +50,20 @@ def client(port: int) -> Counted:
     return Counted(TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5)))
 
 
+def hosted() -> ControlStore:
+    """A store hosted here, as the controller sees it (sealing with the job's token)."""
+    from torch.distributed import TCPStore
+
+    raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    return ControlStore(raw, Endpoint("127.0.0.1", raw.port), True, Signer(b"secret"))
+
+
 @pytest.fixture
 def job():
     """A controller hosting the store, with one node (AGENT) whose protocol has a Watch; the
     rendezvous' bell already rung, as the controller's gather rings it."""
-    from torch.distributed import TCPStore
-
-    raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-    signer = Signer(b"secret")
-    store = ControlStore(raw, Endpoint("127.0.0.1", raw.port), True, signer)
+    store = hosted()
+    raw, signer = store.raw, store.signer
     controller = Controller(store, KEYS, RendezvousPolicy(1, 1, 0.0, 5.0), "agent-0", "127.0.0.1",
                             RecoveryPolicy(max_restarts=3, recovery=Level.JOB, node_timeout=10.0, stop_timeout=5.0,
                                            repair_timeout=60.0))
@@ -128,3 +139,94 @@ def test_a_keepalive_is_one_round_trip_and_carries_the_status_at_the_boards_pace
     protocol.keepalive(ended, 161.0)
     counts.append(controller.store.counters([KEYS.node_heartbeat(0)])[0])
     assert counts == [4, 5]
+
+
+def test_the_rendezvous_bell_carries_the_agent_s_own_place_so_it_reads_nothing_back():
+    store = hosted()
+    port, signer = store.raw.port, store.signer
+    agent_store = client(port)
+    watch = Watch(lambda: client(port), KEYS, AGENT)
+    protocol = NodeProtocol(ControlStore(agent_store, store.endpoint, False, signer), KEYS, AGENT, 10.0, watch)
+    other = ControlStore(client(port), store.endpoint, False, signer)  # an agent without a watch: it polls
+    joined = {}
+    first = threading.Thread(target=lambda: joined.update(
+        first=protocol.join(JoinRecord(AGENT, "h1", 1, 2), 10, threading.Event())))
+    first.start()
+    wait_for(lambda: agent_store.requests >= 3)  # joined, and looked once: the rendezvous is not decided yet
+    second = threading.Thread(target=lambda: joined.update(
+        second=join(other, KEYS, JoinRecord("agent-2", "h2", 2, 2), 10, threading.Event())))
+    second.start()
+    result = gather(store, KEYS, RendezvousPolicy(2, 2, 0.0, 10.0), AGENT, threading.Event())
+    first.join(10)
+    second.join(10)
+    try:
+        placement, slot = joined["first"]
+        assert placement == Placement(result.nodes[0], world_size=4, node_count=2) and slot == result.nodes[0]
+        # the place came with the bell: none of its keys, nor the layout, was asked for
+        assert not {KEYS.rendezvous_place(AGENT), KEYS.rendezvous_result, KEYS.layout} & set(agent_store.named[3:])
+        assert joined["second"] == (Placement(result.nodes[1], 4, 2), result.nodes[1])  # read from its own key
+        # a bell that does not open (anyone can ring one): the place is read from its own key
+        rung = threading.Event()
+        rung.set()
+        forged = b'{"mac": "0", "body": "{}"}'
+        again = join(other, KEYS, JoinRecord("agent-2", "h2", 2, 2), 10, threading.Event(), rung, lambda: forged)
+        assert again[1] == result.nodes[1]
+        # one that came too late has no place: it waits for its admission as a spare (none comes here)
+        with pytest.raises(RendezvousError, match="did not admit this agent"):
+            join(other, KEYS, JoinRecord("agent-3", "h3", 3, 2), 10, rung)
+    finally:
+        watch.close(protocol.store)
+
+
+def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(job, monkeypatch):
+    controller, protocol, agent_store = job
+    nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(3))
+    controller._write_layout(nodes, 0)
+    before = len(agent_store.named)
+    assert protocol.layout() == Layout(nodes, 0, 1)
+    assert KEYS.layout in agent_store.named[before:]  # the whole, the first time
+
+    def read() -> tuple[Layout, list[str]]:
+        before = len(agent_store.named)
+        layout = protocol.layout()
+        return layout, agent_store.named[before:]
+
+    controller._write_layout(nodes, 0)  # a restart of the same nodes publishes nothing
+    layout, asked = read()
+    assert layout.version == 1 and asked == [KEYS.layout_version]  # its version, in one request: no change
+    # a takeover: one node's change
+    spare = NodeSlot(1, "spare", "h9", 2, 2)
+    taken = (nodes[0], spare, nodes[2])
+    controller._write_layout(taken, 6)
+    layout, asked = read()
+    assert layout == Layout(taken, 6, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
+    assert controller.store.get(LayoutChange, KEYS.layout_change(2)) == LayoutChange(2, (spare,), (), 6)
+    # a scale-in: node 1 gone, the ranks after it renumbered; two versions behind, read in one request
+    shrunk = (nodes[0], NodeSlot(2, "agent-2", "h2", 2, 2))
+    controller._write_layout(shrunk, 6)
+    controller._write_layout(shrunk, 4)
+    layout, asked = read()
+    assert layout == Layout(shrunk, 4, 4) and KEYS.layout not in asked
+    # further behind than LAYOUT_CHANGES versions, or a change that does not open: the whole again
+    monkeypatch.setattr(protocol_module, "LAYOUT_CHANGES", 1)
+    controller._write_layout(nodes, 4)
+    controller._write_layout(taken, 6)
+    layout, asked = read()
+    assert layout == Layout(taken, 6, 6) and KEYS.layout in asked
+    controller._write_layout(nodes, 6)
+    controller.store.set_text(KEYS.layout_change(7), '{"mac": "0", "body": "{}"}')
+    layout, asked = read()
+    assert layout == Layout(nodes, 6, 7) and KEYS.layout in asked
+
+
+def test_a_layout_made_from_its_changes_is_the_layout():
+    nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(4))
+    shapes = [nodes, (nodes[0], NodeSlot(1, "spare", "h9", 2, 2)) + nodes[2:], (nodes[0],) + nodes[2:],
+              nodes[:2] + (NodeSlot(5, "late", "h5", 4, 4),), (), nodes]
+    held = Layout()
+    for version, shape in enumerate(shapes, 1):
+        layout = Layout(shape, version * 2, version)
+        change = layout.change_from(held)
+        assert held.changed(change) == layout
+        assert len(change.nodes) == sum(1 for n in shape if n not in held.nodes)  # only what differs travels
+        held = layout

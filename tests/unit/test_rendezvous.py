@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftrun.messages import JoinRecord
+from ftrun.messages import JoinRecord, Placement
 from ftrun.rendezvous import RendezvousPolicy, assign_node_ranks, decide_rendezvous
 
 POLICY = RendezvousPolicy(min_nodes=2, max_nodes=2, last_call_timeout=5, timeout=30)
@@ -58,7 +58,7 @@ def test_elastic_range_closes_after_last_call():
 def test_extra_agents_beyond_max_are_not_admitted():
     joins = [joined("host"), joined("b"), joined("late")]
     result = decide_rendezvous(joins, POLICY, "host", waited=1, min_reached_for=0)
-    assert result.slot_of("late") is None and len(result.nodes) == 2
+    assert "late" not in dict(result.places()) and len(result.nodes) == 2
 
 
 def test_failed_preflight_on_any_node_fails_the_rendezvous_with_the_device_exit_code():
@@ -75,7 +75,10 @@ def test_agents_beyond_the_nodes_stand_by_as_spares():
     result = decide_rendezvous([joined("s"), joined("host"), joined("b")], SPARES, "host", waited=1, min_reached_for=0)
     assert [n.agent_id for n in result.nodes] == ["host", "s"] and result.world_size == 4
     assert [(s.agent_id, s.node_rank, s.first_rank) for s in result.spares] == [("b", -1, -1)]
-    assert result.slot_of("b").node_rank == -1 and result.slot_of("x") is None
+    places = dict(result.places())
+    assert places["b"].slot.node_rank == -1 and "x" not in places
+    assert places["s"] == Placement(result.nodes[1], world_size=4, node_count=2)  # its own slot, and the job's size
+    assert result.outcome == Placement(None, world_size=4, node_count=2)  # what one left out reads
 
 
 def test_requested_node_ranks_win_over_arrival_so_an_early_spare_stays_a_spare():
@@ -94,4 +97,4 @@ def test_waits_for_the_spares_until_the_last_call():
 def test_agents_beyond_nodes_and_spares_are_not_admitted():
     joins = [joined("host"), joined("b"), joined("c"), joined("d")]
     result = decide_rendezvous(joins, SPARES, "host", waited=1, min_reached_for=0)
-    assert [s.agent_id for s in result.spares] == ["c"] and result.slot_of("d") is None
+    assert [s.agent_id for s in result.spares] == ["c"] and "d" not in dict(result.places())
