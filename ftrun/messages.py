@@ -146,8 +146,6 @@ class Layout:
     """Which agent holds which node rank now: the rendezvous's nodes, updated at each takeover."""
 
     nodes: tuple[NodeSlot, ...] = ()
-    #: the world size of the generation before this layout's (0: the first)
-    previous_world_size: int = 0
     #: how many layouts the controller published up to this one (0: none yet)
     version: int = 0
 
@@ -160,13 +158,13 @@ class Layout:
         before = {n.node_rank: n for n in older.nodes}
         now = {n.node_rank for n in self.nodes}
         return LayoutChange(self.version, tuple(n for n in self.nodes if before.get(n.node_rank) != n),
-                            tuple(sorted(set(before) - now)), self.previous_world_size)
+                            tuple(sorted(set(before) - now)))
 
     def changed(self, change: LayoutChange) -> Layout:
         """This layout with ``change`` (the next version's) made."""
         nodes = {n.node_rank: n for n in self.nodes if n.node_rank not in change.removed}
         nodes.update((n.node_rank, n) for n in change.nodes)
-        return Layout(tuple(nodes[rank] for rank in sorted(nodes)), change.previous_world_size, change.version)
+        return Layout(tuple(nodes[rank] for rank in sorted(nodes)), change.version)
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,6 @@ class LayoutChange:
     #: the slots that are new or changed, and the node ranks no longer in the layout
     nodes: tuple[NodeSlot, ...] = ()
     removed: tuple[int, ...] = ()
-    previous_world_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -283,6 +280,12 @@ class Command:
     #: TAKEOVER: the node rank handed over, and the spare agent that takes it
     node_rank: int = -1
     agent_id: str = ""
+    #: the layout's version as the command was published (-1: not said): an agent that holds it asks
+    #: the store nothing of the layout
+    layout: int = -1
+    #: START, REPLACE: the world size of the generation before (0: none), which FTRUN_PREVIOUS_WORLD_SIZE
+    #: says (``ElasticJob.on_resize``)
+    previous_world_size: int = 0
 
 
 class OperatorAction(str, enum.Enum):

@@ -232,18 +232,18 @@ class SimAgent:
                 self.running = False
                 self.stopping = (command.generation, time.monotonic() + STOP_POLL)
             elif command.kind is CommandKind.START:
-                self.protocol.layout()  # as the agent does for its rank tables (the whole the first time)
+                self.protocol.layout(command.layout)  # as the agent does for its rank tables (whole the first time)
                 self.protocol.prepare_ranks(self.ranks)  # as the agent does before it starts its workers
                 self.generation, self.running = command.generation, True
                 self.started_at = self.started_at or time.time()
             elif command.kind is CommandKind.REPLACE:
-                self.protocol.layout()  # every agent, as the agent does before it looks for its own ranks
+                self.protocol.layout(command.layout)  # every agent, as the agent does before it looks for its ranks
                 if set(command.ranks) & set(self.ranks):
                     self.protocol.report(ReportKind.CLEARED, command.generation)  # its replacement "runs"
                     self.running = True
             elif command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
                 self.protocol.node_rank = command.node_rank
-                mine = next(n for n in self.protocol.layout().nodes if n.node_rank == command.node_rank)
+                mine = next(n for n in self.protocol.layout(command.layout).nodes if n.node_rank == command.node_rank)
                 self._take(mine.first_rank)
             elif command.kind is CommandKind.TAKEOVER and command.node_rank == self.protocol.node_rank:
                 self.gone = True

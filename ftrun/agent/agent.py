@@ -355,7 +355,7 @@ class Agent:
                         # the controller published the layout with this agent in it before the command
                         self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
                         self.protocol.node_rank = command.node_rank
-                        self._refresh_layout()
+                        self._refresh_layout(command.layout)
                         log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
                         return None
                 select.select([self._wakeup], [], [], HEARTBEAT_INTERVAL)
@@ -428,7 +428,7 @@ class Agent:
                         self.protocol.acknowledge_stop(command.generation)
                     elif command.kind is CommandKind.START:
                         reported_success = False
-                        if not self._refresh_layout():
+                        if not self._refresh_layout(command.layout):
                             group.stop(config.stop_timeout)
                             return ExitCode.JOB_FAILED, (f"node {self.slot.node_rank} was declared lost and left "
                                                          "out of the job; leaving")
@@ -534,10 +534,11 @@ class Agent:
         return WorkerPlacement(local_rank, self.slot.first_rank + local_rank, group_rank, self.host, device_env,
                                cpus)
 
-    def _refresh_layout(self) -> bool:
-        """Read who holds which node now (before a generation starts); False when this agent holds
-        none any more (it was declared lost and left out, or replaced)."""
-        self.layout = self.protocol.layout()
+    def _refresh_layout(self, published: int) -> bool:
+        """Read who holds which node now (before a generation starts), unless this agent holds the
+        layout a command said (``published``); False when this agent holds none any more (it was
+        declared lost and left out, or replaced)."""
+        self.layout = self.protocol.layout(published)
         mine = next((n for n in self.layout.nodes if n.node_rank == self.slot.node_rank), None)
         if mine is None or mine.agent_id != self.agent_id:
             return False
@@ -628,7 +629,7 @@ class Agent:
 
     def _replace_ranks(self, group: WorkerGroup, command: Command) -> None:
         """Process level: reap the failed local ranks (env clear), say so, respawn them (repair)."""
-        self._refresh_layout()  # a spare may hold a node now (global ranks never move at process level)
+        self._refresh_layout(command.layout)  # a spare may hold a node now (global ranks never move at process level)
         self._save_on_failure()  # every node's: the healthy ranks' newest snapshots stay put until they resume
         mine = [r - self.slot.first_rank for r in command.ranks if 0 <= r - self.slot.first_rank < self.slot.nproc]
         if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
@@ -683,7 +684,7 @@ class Agent:
             max_restarts=command.max_restarts,
             replacement=replacement,
             rank_tables=self._rank_tables(command.generation),
-            previous_world_size=self.layout.previous_world_size,
+            previous_world_size=command.previous_world_size,
             snapshot_env=tuple(self.snapshots.worker_env().items()) if self.snapshots else (),
         )
 

@@ -190,13 +190,16 @@ class NodeProtocol:
         self.status_interval = board_interval(placement.world_size, 0.0)
         return placement, slot
 
-    def layout(self) -> Layout:
-        """The nodes as the controller placed them last: the whole layout the first time, then one
-        round trip (its version) while it has not changed, and only the changes since when it has
-        (a takeover's: one node). The layout held is kept when none is published yet."""
+    def layout(self, published: int = -1) -> Layout:
+        """The nodes as the controller placed them last: the whole layout the first time, then only
+        the changes since the layout held (a takeover's: one node). ``published``: the version a
+        command said (``Command.layout``); held, it costs no round trip; else one (the version) while
+        the layout has not changed. The layout held is kept when none is published yet."""
         keys, held = self.keys, self._layout
-        version = self.store.counter(keys.layout_version)  # written as text: add(0) reads it in one request
-        if version == held.version:
+        if 0 <= published <= held.version:
+            return held
+        version = self.store.counter(keys.layout_version) if held.version else 0  # text: add(0) reads it
+        if version == held.version > 0:
             return held
         behind = range(held.version + 1, version + 1)
         changes = (self.store.messages(LayoutChange, [keys.layout_change(v) for v in behind])

@@ -428,7 +428,7 @@ class Controller:
         self.nodes = {slot.node_rank: slot for slot in result.nodes}
         self.spares = list(result.spares)
         self._arrivals_seen = len(self.nodes) + len(self.spares)
-        self._write_layout(result.nodes, 0)
+        self._write_layout(result.nodes)
         if self.spares:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
                      ", ".join(s.host for s in self.spares))
@@ -460,26 +460,25 @@ class Controller:
         log.warning(line)
         self.events.emit("takeover", command.generation, line, node=command.node_rank, host=spare.host)
 
-    def _publish_layout(self, starting: bool = False) -> None:
-        """The nodes that hold a place in the job now, global ranks numbered over them in node order.
-        ``starting``: for a new generation's start (its world size is then the one to compare with)."""
+    def _publish_layout(self) -> int:
+        """The nodes that hold a place in the job now, global ranks numbered over them in node order;
+        their world size."""
         first_rank, nodes = 0, []
         for rank in sorted(self.view.present & set(self.nodes)):
             if self.nodes[rank].first_rank != first_rank:
                 self.nodes[rank] = dataclasses.replace(self.nodes[rank], first_rank=first_rank)
             nodes.append(self.nodes[rank])
             first_rank += self.nodes[rank].nproc
-        self._write_layout(tuple(nodes), self._started_world)
-        if starting:
-            self._started_world = first_rank
+        self._write_layout(tuple(nodes))
+        return first_rank
 
-    def _write_layout(self, nodes: tuple[NodeSlot, ...], previous_world_size: int) -> None:
+    def _write_layout(self, nodes: tuple[NodeSlot, ...]) -> None:
         """The layout, when it changed: the whole, its change from the version before, then the new
         version, in one ``multi_set`` (an agent that reads the version finds both written)."""
         held = self._layout
-        if nodes == held.nodes and previous_world_size == held.previous_world_size:
+        if nodes == held.nodes:
             return  # a restart of the same nodes: the agents' layouts stand
-        layout = Layout(nodes, previous_world_size, held.version + 1)
+        layout = Layout(nodes, held.version + 1)
         keys, store = self.keys, self.store
         change = keys.layout_change(layout.version)
         store.set_each([keys.layout, change, keys.layout_version],
@@ -589,13 +588,17 @@ class Controller:
                 self.events.emit("generation_started", command.generation,
                                  f"generation {command.generation} starts with {self.view.world_size} ranks",
                                  level=level, world_size=self.view.world_size)
-                self._publish_layout(starting=True)  # a scale-in or a grow-back renumbers the global ranks
+                # a scale-in or a grow-back renumbers the global ranks
+                previous, self._started_world = self._started_world, self._publish_layout()
+                command = dataclasses.replace(command, previous_world_size=previous)
                 self._ranks_started = command.generation
                 if command.generation > 0 and self.snapshots.enabled:
                     self._plan_restore(command.generation)
                 command = self._with_new_worker_store(command)
             elif command.kind is CommandKind.REPLACE:
-                command = dataclasses.replace(command, worker_store=self._worker_store_address)
+                # the generation before a repair's ran in the same world: a replacement sees no resize
+                command = dataclasses.replace(command, worker_store=self._worker_store_address,
+                                              previous_world_size=self._started_world)
                 self._announce(command.generation)  # the healthy ranks leave their groups now
                 if self.policy.gather_timeout > 0:
                     # The replacements start a moment later (the healthy ranks take longer to stop). If the
@@ -617,10 +620,12 @@ class Controller:
     def _publish(self, commands: list[Command]) -> None:
         """A decision's commands for every agent (broadcast keys, in order), and every agent's doorbell
         rung once for them all with their texts, which the agent's watch holds as it wakes: no agent
-        reads a command again, and a takeover's two commands cost the agents one wake, not two."""
+        reads a command again, and a takeover's two commands cost the agents one wake, not two. Each
+        says the layout's version (written before), so that an agent that holds it reads nothing more."""
         if not commands:
             return
         log.debug("publishing %s", commands)
+        commands = [dataclasses.replace(command, layout=self._layout.version) for command in commands]
         first = self.store.add(self.keys.command_count, len(commands)) - len(commands)  # reserved, as append does
         agents = [slot.agent_id for slot in self.nodes.values()] + [slot.agent_id for slot in self.spares]
         keys = [self.keys.command(first + offset) for offset in range(len(commands))]

@@ -14,7 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, NodeSlot, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, Layout, NodeSlot, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
 
@@ -107,3 +107,19 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
     assert sorted(f.rank for f in controller.view.failures) == [2, 3]  # counted before the restart
     assert [c.kind for c in published(controller)] == [CommandKind.STOP, CommandKind.START]
     assert controller.store.counter(controller.keys.report_count) == 1  # the failure: no acknowledgement in it
+
+
+def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_sees_no_resize(controller):
+    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller._apply((controller.view, [Command(CommandKind.START, 0)]))
+    # node 1 lost, no spare: the job goes on with node 0 alone (a scale-in restarts every rank)
+    shrunk = dataclasses.replace(controller.view, lost=frozenset({1}), world_size=2)
+    controller._apply((shrunk, [Command(CommandKind.START, 1)]))
+    controller._apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
+    time.sleep(HOLD)
+    controller._release_held()
+    first, second, repair = published(controller)
+    assert (first.previous_world_size, first.layout) == (0, 1)
+    assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
+    assert (repair.previous_world_size, repair.layout) == (2, 2)  # the same world as the generation before
+    assert controller.store.get(Layout, controller.keys.layout).nodes == (controller.nodes[0],)

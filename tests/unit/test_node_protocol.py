@@ -87,7 +87,7 @@ def wait_for(condition, seconds: float = 5.0) -> None:
 
 def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     controller, protocol, agent_store = job
-    stop = Command(CommandKind.STOP, 0, reason="rank 3 failed")
+    stop = Command(CommandKind.STOP, 0, reason="rank 3 failed", layout=0)  # none written in this job yet
     controller._publish([stop])
     wait_for(lambda: protocol.watch.published == 1)
     before = agent_store.requests
@@ -104,8 +104,8 @@ def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     assert agent_store.requests == before + 1
 
     # a lost node's decision: its two commands ring the bell once, and the watch holds both
-    takeover = Command(CommandKind.TAKEOVER, 1, node_rank=1, agent_id="spare", reason="node 1 lost")
-    stop = Command(CommandKind.STOP, 1, reason="node 1 lost")
+    takeover = Command(CommandKind.TAKEOVER, 1, node_rank=1, agent_id="spare", reason="node 1 lost", layout=0)
+    stop = Command(CommandKind.STOP, 1, reason="node 1 lost", layout=0)
     controller._publish([takeover, stop])
     wait_for(lambda: protocol.watch.published == 4)
     assert list(protocol.commands()) == [takeover, stop]
@@ -181,9 +181,9 @@ def test_the_rendezvous_bell_carries_the_agent_s_own_place_so_it_reads_nothing_b
 def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(job, monkeypatch):
     controller, protocol, agent_store = job
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(3))
-    controller._write_layout(nodes, 0)
+    controller._write_layout(nodes)
     before = len(agent_store.named)
-    assert protocol.layout() == Layout(nodes, 0, 1)
+    assert protocol.layout() == Layout(nodes, 1)
     assert KEYS.layout in agent_store.named[before:]  # the whole, the first time
 
     def read() -> tuple[Layout, list[str]]:
@@ -191,32 +191,35 @@ def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(j
         layout = protocol.layout()
         return layout, agent_store.named[before:]
 
-    controller._write_layout(nodes, 0)  # a restart of the same nodes publishes nothing
+    controller._write_layout(nodes)  # a restart of the same nodes publishes nothing
     layout, asked = read()
     assert layout.version == 1 and asked == [KEYS.layout_version]  # its version, in one request: no change
     # a takeover: one node's change
     spare = NodeSlot(1, "spare", "h9", 2, 2)
     taken = (nodes[0], spare, nodes[2])
-    controller._write_layout(taken, 6)
+    controller._write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 6, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
-    assert controller.store.get(LayoutChange, KEYS.layout_change(2)) == LayoutChange(2, (spare,), (), 6)
-    # a scale-in: node 1 gone, the ranks after it renumbered; two versions behind, read in one request
+    assert layout == Layout(taken, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
+    assert controller.store.get(LayoutChange, KEYS.layout_change(2)) == LayoutChange(2, (spare,))
+    before = agent_store.requests
+    assert protocol.layout(published=2) == layout and agent_store.requests == before  # a command said it: held
+    # node 1 lost, then the scale-in that renumbers the ranks after it: two versions behind, read at once
     shrunk = (nodes[0], NodeSlot(2, "agent-2", "h2", 2, 2))
-    controller._write_layout(shrunk, 6)
-    controller._write_layout(shrunk, 4)
+    controller._write_layout((nodes[0], nodes[2]))
+    controller._write_layout(shrunk)
     layout, asked = read()
-    assert layout == Layout(shrunk, 4, 4) and KEYS.layout not in asked
+    assert layout == Layout(shrunk, 4) and KEYS.layout not in asked
+    assert controller.store.get(LayoutChange, KEYS.layout_change(4)) == LayoutChange(4, (shrunk[1],))
     # further behind than LAYOUT_CHANGES versions, or a change that does not open: the whole again
     monkeypatch.setattr(protocol_module, "LAYOUT_CHANGES", 1)
-    controller._write_layout(nodes, 4)
-    controller._write_layout(taken, 6)
+    controller._write_layout(nodes)
+    controller._write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 6, 6) and KEYS.layout in asked
-    controller._write_layout(nodes, 6)
+    assert layout == Layout(taken, 6) and KEYS.layout in asked
+    controller._write_layout(nodes)
     controller.store.set_text(KEYS.layout_change(7), '{"mac": "0", "body": "{}"}')
     layout, asked = read()
-    assert layout == Layout(nodes, 6, 7) and KEYS.layout in asked
+    assert layout == Layout(nodes, 7) and KEYS.layout in asked
 
 
 def test_a_layout_made_from_its_changes_is_the_layout():
@@ -225,7 +228,7 @@ def test_a_layout_made_from_its_changes_is_the_layout():
               nodes[:2] + (NodeSlot(5, "late", "h5", 4, 4),), (), nodes]
     held = Layout()
     for version, shape in enumerate(shapes, 1):
-        layout = Layout(shape, version * 2, version)
+        layout = Layout(shape, version)
         change = layout.change_from(held)
         assert held.changed(change) == layout
         assert len(change.nodes) == sum(1 for n in shape if n not in held.nodes)  # only what differs travels
