@@ -49,12 +49,13 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
   blocked in a ``wait`` on its own key, wakes: one round trip per rank and repair.
 * layout and rank tables: the controller writes a ``layout`` of O(N) bytes, its ``layout_change``
   from the version before and the ``layout_version`` in one ``multi_set`` whenever a node's place
-  changes (a takeover, a resize; not at a restart of the same nodes). An agent reads the version at
-  each START and REPLACE (one round trip) and, when it moved, only the changes since the layout it
-  holds (O(1) bytes for a takeover; O(N) for a resize, which renumbers the ranks). The whole layout is
-  read once per agent, at its first START: each agent's rank tables name every rank, so that is O(N)
-  bytes per agent and O(N^2) from the store in all, once per job (README "Scale": what would carry
-  it at 10,000 nodes). Each agent writes a rank table of O(W) entries locally.
+  changes (a takeover, a resize; not at a restart of the same nodes). Every command says the
+  layout's version: an agent that holds it asks nothing at a START or REPLACE; one that does not
+  reads the version (one round trip) and only the changes since the layout it holds (two: O(1) bytes
+  for a takeover, O(N) for a resize, which renumbers the ranks). The whole layout is read once per
+  agent, at its first START: each agent's rank tables name every rank, so that is O(N) bytes per
+  agent and O(N^2) from the store in all, once per job (README "Scale": what would carry it at
+  10,000 nodes). Each agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore_plan`` per node, written in one ``multi_set``: O(P x (1 + R)) entries for
   sharded state (R replicas), O(P + REPLICATED_SPARES) for replicated state; O(W x (1 + R)) in all,
   chosen and written in O(W x (1 + R)) time. Each rank reads its own node's plan once: O(P) bytes,
