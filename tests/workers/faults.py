@@ -25,19 +25,31 @@ def ignore_stops() -> None:
 
 def fire_together(rank: int, step: int, kind: str) -> None:
     """``trigger``, so that ranks due to fail at the same step all fail of their own faults and have them
-    reported: each says it fires (OUT_DIR/firing-rank<r>-step<s>), and a SIGKILL waits (up to 10 s) for
-    the other kinds' first. A peer's death brings its agent's STOP, during which an agent reports a rank
-    killed by SIGKILL but not one that died of another fault of its own."""
+    reported: each says it fires (OUT_DIR/firing-rank<r>-step<s>, holding its pid), and a SIGKILL waits
+    (up to 10 s) until the other kinds' processes are gone, reaped by their agents, which report them
+    as they reap them. A peer's death brings its agent's STOP, during which an agent reports a rank
+    killed by SIGKILL but not one that died of another fault of its own: a rank that said it fired
+    could still be dying when the STOP came (a segfault's dump takes a while on a loaded machine)."""
     out_dir = os.environ["OUT_DIR"]
     specs = [spec.split(":") for spec in filter(None, os.environ.get("FAULT", "").split(","))]
     others = [int(r) for r, s, k in specs if int(s) == step and int(r) != rank and k != "sigkill"]
     if kind == "sigkill":
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(out_dir, f"firing-rank{other}-step{step}")) for other in others):
+        while time.monotonic() < deadline and not all(_reaped(out_dir, other, step) for other in others):
             time.sleep(0.005)
-    open(os.path.join(out_dir, f"firing-rank{rank}-step{step}"), "w").close()
+    with open(os.path.join(out_dir, f"firing-rank{rank}-step{step}"), "w") as f:
+        f.write(str(os.getpid()))
     trigger(kind, step)
+
+
+def _reaped(out_dir: str, rank: int, step: int) -> bool:
+    """Whether ``rank`` said it fires at ``step`` and its process is gone (its agent reaped it)."""
+    try:
+        with open(os.path.join(out_dir, f"firing-rank{rank}-step{step}")) as f:
+            pid = f.read()
+    except FileNotFoundError:
+        return False
+    return bool(pid) and not os.path.exists(f"/proc/{pid}")
 
 
 def claim(rank: int, step: int, kind: str) -> bool:
