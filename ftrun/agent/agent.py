@@ -542,7 +542,7 @@ class Agent:
         mine = next((n for n in self.layout.nodes if n.node_rank == self.slot.node_rank), None)
         if mine is None or mine.agent_id != self.agent_id:
             return False
-        if mine.first_rank != self.slot.first_rank:
+        if 0 <= self.slot.first_rank != mine.first_rank:  # renumbered (a spare taking over held none)
             log.warning("node %d now holds ranks %d-%d of %d", self.slot.node_rank, mine.first_rank,
                         mine.first_rank + mine.nproc - 1, self.layout.world_size)
         self.slot = dataclasses.replace(self.slot, first_rank=mine.first_rank)

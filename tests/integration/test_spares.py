@@ -89,6 +89,7 @@ def test_spare_takes_the_place_of_a_killed_agent(launcher, fault_free, tmp_path)
     assert sorted(results) == [0, 1, 2] and {r["step"] for r in results.values()} == {STEPS}
     assert {r["checksum"] for r in results.values()} == fault_free
     assert "taking the place of node 1" in spare.output
+    assert "now holds ranks" not in spare.output  # it held none before: nothing was renumbered
     assert results[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
     # the rank table of the new generation names the spare's host for node 1, on every node
     spare_host = host_of(launcher, spare)
