@@ -156,9 +156,10 @@ def publish(store: ControlStore, keys: JobKeys, result: RendezvousResult, joined
     """Each agent's own place (O(1) bytes), then the outcome, then every joined agent's bell rung with
     its place's text, in one ``multi_set``: every Watch wakes holding its place. A failed rendezvous's
     bells ring empty (its error names the agents: read once from the outcome, not carried N times)."""
-    places = {} if result.error else dict(result.places())
-    texts = {agent_id: store.sealed(keys.rendezvous_place(agent_id), place) for agent_id, place in places.items()}
-    store.set_each([keys.rendezvous_place(agent_id) for agent_id in texts] + [keys.rendezvous_result]
+    places = {agent_id: (keys.rendezvous_place(agent_id), place)
+              for agent_id, place in ([] if result.error else result.places())}
+    texts = {agent_id: store.sealed(key, place) for agent_id, (key, place) in places.items()}
+    store.set_each([key for key, _ in places.values()] + [keys.rendezvous_result]
                    + [keys.doorbell(agent_id, RENDEZVOUS_RING) for agent_id in joined],
                    list(texts.values()) + [store.sealed(keys.rendezvous_result, result.outcome)]
                    + [texts.get(agent_id, "") for agent_id in joined])

@@ -198,17 +198,19 @@ class NodeProtocol:
         keys, held = self.keys, self._layout
         if 0 <= published <= held.version:
             return held
-        version = self.store.counter(keys.layout_version) if held.version else 0  # text: add(0) reads it
-        if version == held.version > 0:
-            return held
-        behind = range(held.version + 1, version + 1)
-        changes = (self.store.messages(LayoutChange, [keys.layout_change(v) for v in behind])
-                   if 0 < held.version < version <= held.version + LAYOUT_CHANGES else [None])
-        if None in changes:  # none held yet, too far behind, or a change ignored as forged: the whole
-            self._layout = self.store.try_get(Layout, keys.layout) or held
-        else:
-            for change in changes:
-                self._layout = self._layout.changed(change)
+        if held.version:
+            version = self.store.counter(keys.layout_version)  # written as text: add(0) reads it
+            if version == held.version:
+                return held
+            if held.version < version <= held.version + LAYOUT_CHANGES:
+                changes = self.store.messages(LayoutChange, [keys.layout_change(v)
+                                                             for v in range(held.version + 1, version + 1)])
+                if None not in changes:
+                    for change in changes:
+                        self._layout = self._layout.changed(change)
+                    return self._layout
+        # none held yet, too far behind, or a change ignored as forged: the whole
+        self._layout = self.store.try_get(Layout, keys.layout) or held
         return self._layout
 
     def keepalive(self, status: NodeStatus | None = None, now: float | None = None) -> None:
