@@ -51,19 +51,19 @@ from rich.table import Table
 
 from bench_recovery import LAUNCHERS, Scenario, console, print_table, raise_keyboard_interrupt, run_scenario
 
-from ftrun.elastic.snapshots import SnapshotWriter
+from ftrun.elastic.snapshots import SnapshotWriter, load_own
 from ftrun.snapshots.keeper import memory_root
 
 WIDTH = 1024  # a layer of WIDTH x WIDTH float32 is 4 MiB
 
 
-def training_state(megabytes: int):
-    """A model of ``megabytes`` MB of float32 parameters, its Adam optimizer after one step, and the
-    state a training script registers (model and optimizer)."""
+def training_state(megabytes: int, device: torch.device):
+    """A model of ``megabytes`` MB of float32 parameters on ``device``, its Adam optimizer after one
+    step, and the state a training script registers (model and optimizer)."""
     layers = max(1, megabytes * 2**20 // (WIDTH * WIDTH * 4))
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(2, WIDTH)).sum().backward()
+    model(torch.randn(2, WIDTH, device=device)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, model, optimizer
@@ -79,16 +79,20 @@ def state_bytes(state) -> int:
     return 0
 
 
-def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path) -> dict:
+def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, device: torch.device) -> dict:
     torch.manual_seed(0)
-    state, model, optimizer = training_state(megabytes)
+    state, model, optimizer = training_state(megabytes, device)
     optimized = frozenset(p.data_ptr() for p in model.parameters()) | frozenset(
         v.data_ptr() for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    inputs = torch.randn(batch, WIDTH)
+    inputs = torch.randn(batch, WIDTH, device=device)
     memory = Path(tempfile.mkdtemp(prefix="bench-snapshots-", dir=memory_root()))
     disk = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=disk_dir))
-    results: dict[str, list[float]] = {"snapshot_s": [], "snapshot_no_overlap_s": [], "commit_s": [],
-                                       "torch_save_s": [], "torch_save_fsync_s": [], "step_s": []}
+    ways = [(True, True, "snapshot_s"), (False, True, "snapshot_no_overlap_s")]
+    if device.type == "cuda":  # the same without the stream and pinned buffers of ftrun/snapshots/staging.py
+        ways.append((True, False, "snapshot_unstaged_s"))
+    results: dict[str, list[float]] = {key: [] for _, _, key in ways}
+    results.update({"commit_s": [], "torch_save_s": [], "torch_save_fsync_s": [], "step_s": []})
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def train_step(before_optimizer=lambda: None) -> None:
         began = time.perf_counter()
@@ -96,6 +100,7 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path) -> 
         before_optimizer()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize()
         results["step_s"].append(time.perf_counter() - began)
 
     def save(sync: bool) -> None:
@@ -106,17 +111,20 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path) -> 
                 os.fsync(f.fileno())
 
     try:
-        for overlap, key in ((True, "snapshot_s"), (False, "snapshot_no_overlap_s")):
-            writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2)
+        for overlap, staged, key in ways:
+            writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staged=staged)
             for step in range(1, repeats + 2):
                 writer.write(step, state, optimized if overlap else frozenset())
                 train_step(writer.wait_copied)  # the next step: its optimizer waits for the copy
                 results[key].append(writer.blocked[-1])
                 began = time.perf_counter()
                 writer.wait()
-                if overlap:
+                if key == "snapshot_s":
                     results["commit_s"].append(time.perf_counter() - began)
             results[key].pop(0)  # the first write of each file allocates its pages: not the steady state
+            check_snapshot(writer, step + 1, state, optimized, key)
+            for path in writer.paths:  # room in shared memory for the next way's files
+                os.unlink(path)
         for sync, key in ((False, "torch_save_s"), (True, "torch_save_fsync_s")):
             for _ in range(repeats):
                 train_step()
@@ -126,15 +134,43 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path) -> 
     finally:
         shutil.rmtree(memory, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    return {"model_mb": megabytes, "state_bytes": state_bytes(state), "batch": batch, **results}
+    return {"model_mb": megabytes, "state_bytes": state_bytes(state), "batch": batch, "device": str(device), **results}
+
+
+def check_snapshot(writer: SnapshotWriter, step: int, state: dict, optimized: frozenset, way: str) -> None:
+    """One more snapshot, of the state as it is now, holds every tensor bit for bit, else the
+    benchmark stops: a fast copy of the wrong bytes is no result."""
+    writer.write(step, state, optimized)
+    writer.wait_copied()
+    writer.wait()
+    saved = load_own(writer.folder, 0, step)
+    wrong = [where for where, now, kept in pairs_of_tensors(state, saved) if not torch.equal(now.detach().cpu(), kept)]
+    if wrong:
+        raise SystemExit(f"{way}: the snapshot of step {step} differs from the state at {', '.join(wrong[:5])}")
+
+
+def pairs_of_tensors(state, saved, where=""):
+    if isinstance(state, torch.Tensor):
+        yield where, state, saved
+    elif isinstance(state, dict):
+        for key in state:
+            yield from pairs_of_tensors(state[key], saved[key], f"{where}/{key}")
+    elif isinstance(state, (list, tuple)):
+        for i, item in enumerate(state):
+            yield from pairs_of_tensors(item, saved[i], f"{where}/{i}")
 
 
 def print_blocking(rows: list[dict]) -> None:
-    table = Table(title="Blocking time per checkpoint (median of the repeats, s): model + Adam state")
-    for header in ("model", "state", "step", "snapshot", "(commit, behind)", "snapshot, no overlap", "torch.save",
-                   "torch.save+fsync", "torch.save / snapshot", "torch.save / no overlap"):
+    unstaged = any("snapshot_unstaged_s" in row for row in rows)
+    table = Table(title=f"Blocking time per checkpoint (median of the repeats, s): model + Adam state on {rows[0]['device']}")
+    headers = ["model", "state", "step", "snapshot", "(commit, behind)", "snapshot, no overlap", "torch.save",
+               "torch.save+fsync", "torch.save / snapshot", "torch.save / no overlap"]
+    keys = ["step_s", "snapshot_s", "commit_s", "snapshot_no_overlap_s", "torch_save_s", "torch_save_fsync_s"]
+    if unstaged:
+        headers.insert(6, "snapshot, unstaged")
+        keys.insert(4, "snapshot_unstaged_s")
+    for header in headers:
         table.add_column(header, justify="left" if header == "model" else "right")
-    keys = ("step_s", "snapshot_s", "commit_s", "snapshot_no_overlap_s", "torch_save_s", "torch_save_fsync_s")
     for row in rows:
         medians = {k: statistics.median(row[k]) for k in keys}
         row["medians"] = medians
@@ -160,6 +196,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--every", type=lambda text: [int(k) for k in text.split(",")], default=[0, 1, 5],
                         help="part 2: the --snapshot-every values to run, comma-separated; 0 is the same script "
                              "restarting from its own disk checkpoint (default 0,1,5)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="part 1: where the model and its optimizer's state live (default cpu); with cuda a "
+                             "third way is timed: the snapshot copied straight, without a stream and pinned buffers")
     parser.add_argument("--skip-restart", action="store_true", help="only part 1")
     parser.add_argument("--json", default="-", help="where the JSON goes (default: stdout)")
     return parser.parse_args()
@@ -175,7 +214,7 @@ def main() -> int:
         rows = []
         for megabytes in sizes:
             console.print(f"[bold]{megabytes} MB model[/bold]: {args.repeats} checkpoints each way")
-            rows.append(blocking_times(megabytes, args.repeats, args.batch, args.disk_dir))
+            rows.append(blocking_times(megabytes, args.repeats, args.batch, args.disk_dir, torch.device(args.device)))
         print_blocking(rows)
         document["blocking"] = rows
         if not args.skip_restart:

@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class CommBackend:
-    """gloo: nothing to abort, dropping the real groups is enough."""
+    """gloo: nothing to abort, dropping the real groups is enough.
+
+    gloo carries CUDA tensors too (through host memory), as ``init_process_group("gloo")`` does: where
+    CUDA is present the real group serves both device types, so a model on a GPU trains over gloo.
+    """
 
     name = "gloo"
     #: the torch device type whose tensors the real groups carry
@@ -54,7 +58,11 @@ class CommBackend:
 
     def devices(self) -> tuple[str, ...]:
         """The device types the ftrun backend serves (CPU tensors always: scripts gather objects on it)."""
-        return tuple(dict.fromkeys((self.device_type, "cpu")))
+        return tuple(dict.fromkeys((self.device_type, "cpu", *self._extra_devices())))
+
+    def _extra_devices(self) -> tuple[str, ...]:
+        """Device types the real group also carries beyond its own (gloo: CUDA's, where CUDA is present)."""
+        return ("cuda",) if _cuda_present() else ()
 
     def connect(self, store, rank: int, size: int, timeout: float):
         """A real group of this backend over ``store`` (a generation's and a group's own prefix)."""
@@ -70,7 +78,9 @@ class CommBackend:
         group = self.dist.ProcessGroup(store, rank, size)
         kind = self.dist.ProcessGroup.BackendType.GLOO
         group._set_default_backend(kind)
-        group._register_backend(torch.device("cpu"), kind, self.dist.ProcessGroupGloo(store, rank, size, timeout))
+        gloo = self.dist.ProcessGroupGloo(store, rank, size, timeout)
+        for device_type in ("cpu", *self._extra_devices()):
+            group._register_backend(torch.device(device_type), kind, gloo)
         return group
 
     def interrupt(self) -> None:
@@ -101,6 +111,9 @@ class CommBackend:
 class NcclBackend(CommBackend):
     name = "nccl"
     device_type = "cuda"
+
+    def _extra_devices(self) -> tuple[str, ...]:
+        return ()
 
     def device(self):
         import torch
@@ -139,6 +152,9 @@ class NcclBackend(CommBackend):
 class HcclBackend(CommBackend):
     name = "hccl"
     device_type = "npu"
+
+    def _extra_devices(self) -> tuple[str, ...]:
+        return ()
 
     def device(self):
         import torch
@@ -192,6 +208,12 @@ def _default_backend_name() -> str:
     if torch.cuda.is_available():
         return "nccl"
     return "gloo"
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _socket_fds() -> set[int]:

@@ -37,6 +37,7 @@ from ftrun.snapshots.format import (
 )
 from ftrun.snapshots.keeper import TOKEN_FILE
 from ftrun.snapshots.plan import DISK, RestoreSource
+from ftrun.snapshots.staging import DeviceStaging
 from ftrun.snapshots.transfer import TransferError, get
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ log = logging.getLogger(__name__)
 class SnapshotWriter:
     """This rank's snapshots, every ``every`` committed steps, into ``folder`` (its agent's)."""
 
-    def __init__(self, folder: str, rank: int, world_size: int, sharded: bool, every: int, limit: int, copies: int):
+    def __init__(self, folder: str, rank: int, world_size: int, sharded: bool, every: int, limit: int, copies: int,
+                 staged: bool = True):
         self.folder, self.rank, self.world_size, self.sharded = folder, rank, world_size, sharded
         self.every, self.limit, self.copies = every, limit, copies
+        #: GPU tensors copied on a stream of their own through pinned buffers (False: straight, on the
+        #: training stream; the benchmark's comparison)
+        self.staging = DeviceStaging() if staged else None
         self.paths = [os.path.join(folder, f"rank-{rank:05d}.{i}") for i in (0, 1)]
         steps = [_complete_step(p) for p in self.paths]
         #: the file to write next: the one with the older snapshot (or none)
@@ -102,6 +107,8 @@ class SnapshotWriter:
         began = time.perf_counter()
         self.wait()
         layout = lay_out(states)
+        if self.staging is not None:
+            self.staging.mark_ready(layout.tensors)
         header = layout.header(WRITING, step, self.rank, self.world_size, self.sharded)
         if self.limit and header.total > self.limit:
             raise SnapshotTooLarge(
@@ -120,7 +127,7 @@ class SnapshotWriter:
             pages[HEADER_SIZE:HEADER_SIZE + len(layout.meta)] = layout.meta
             later = [i for i, t in enumerate(layout.tensors) if t.data_ptr() in behind]
             now = sorted(set(range(len(layout.tensors))) - set(later))
-            copy_tensors(pages, layout, header.data_offset, now)
+            copy_tensors(pages, layout, header.data_offset, now, self.staging)
         except BaseException:
             os.close(fd)
             raise
@@ -166,7 +173,7 @@ class SnapshotWriter:
         try:
             with pages:
                 try:
-                    copy_tensors(pages, layout, header.data_offset, later)
+                    copy_tensors(pages, layout, header.data_offset, later, self.staging)
                 finally:
                     self._copied.set()
                 crc = checksum(pages, HEADER_SIZE, header.total)

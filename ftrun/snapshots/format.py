@@ -249,20 +249,28 @@ def lay_out(states: dict) -> Layout:
     return Layout(meta, tensors, offsets, offset)
 
 
-def copy_tensors(target, layout: Layout, data_offset: int, indices) -> None:
+def copy_tensors(target, layout: Layout, data_offset: int, indices, staging=None) -> None:
     """Copy the tensors ``indices`` of the layout into ``target`` (a writable mapping of the file): one
-    copy each, straight from the tensor's memory (or its device) into the file's pages."""
+    copy each, straight from the tensor's memory into the file's pages; GPU tensors through
+    ``staging`` (a :class:`~ftrun.snapshots.staging.DeviceStaging` whose ``mark_ready`` was called)
+    where one is given, else from their device straight."""
     import torch
 
     pages = torch.frombuffer(target, dtype=torch.uint8)
+    staged = []
     for index in indices:
         tensor = layout.tensors[index]
         if tensor.numel() == 0:
             continue
         start = data_offset + layout.offsets[index]
-        nbytes = tensor.numel() * tensor.element_size()
-        pages[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    del pages  # the mapping can close once no tensor views it
+        into = pages[start:start + tensor.numel() * tensor.element_size()]
+        if staging is not None and staging.takes(tensor):
+            staged.append((into, tensor))
+        else:
+            into.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    if staged:
+        staging.copy(staged)
+    del pages, staged  # the mapping can close once no tensor views it
 
 
 def load_states(header: Header, blob: bytearray) -> dict:

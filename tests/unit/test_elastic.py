@@ -142,6 +142,37 @@ def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch
     assert backend.devices() == ("cuda", "cpu") and len(backend._live) == 1
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_gloo_serves_cuda_tensors_where_cuda_is_present(monkeypatch, cuda):
+    """A model on a GPU trained over gloo (job.ddp(), a repair's state) needs gloo registered for
+    CUDA tensors as init_process_group("gloo") registers it; on the GPU check it said "No backend
+    type associated with device type cuda" without."""
+    made = []
+
+    class ProcessGroup:
+        class BackendType:
+            GLOO = "GLOO"
+
+        def __init__(self, store, rank, size):
+            pass
+
+        def _set_default_backend(self, kind):
+            pass
+
+        def _register_backend(self, device, kind, backend):
+            made.append((str(device), kind, backend))
+
+    fake = types.SimpleNamespace(ProcessGroup=ProcessGroup, ProcessGroupGloo=lambda store, rank, size, timeout: "gloo")
+    monkeypatch.setattr("ftrun.elastic.backends._cuda_present", lambda: cuda)
+    monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
+    backend = CommBackend(dist=fake)
+    backend.connect("store", 0, 2, timeout=30)
+    expected = ["cpu", "cuda"] if cuda else ["cpu"]
+    assert made == [(device, "GLOO", "gloo") for device in expected]
+    assert backend.devices() == tuple(expected)
+    assert NcclBackend(dist=fake).devices() == ("cuda", "cpu")
+
+
 @pytest.fixture
 def fake_torch_npu(monkeypatch):
     calls = []
