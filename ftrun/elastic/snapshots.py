@@ -127,6 +127,8 @@ class SnapshotWriter:
             pages[HEADER_SIZE:HEADER_SIZE + len(layout.meta)] = layout.meta
             later = [i for i, t in enumerate(layout.tensors) if t.data_ptr() in behind]
             now = sorted(set(range(len(layout.tensors))) - set(later))
+            if not later:
+                _populate(pages)
             copy_tensors(pages, layout, header.data_offset, now, self.staging)
         except BaseException:
             os.close(fd)
@@ -173,6 +175,7 @@ class SnapshotWriter:
         try:
             with pages:
                 try:
+                    _populate(pages)
                     copy_tensors(pages, layout, header.data_offset, later, self.staging)
                 finally:
                     self._copied.set()
@@ -195,6 +198,20 @@ class SnapshotWriter:
             failed, self._failed = self._failed, None
             raise SnapshotError(f"rank {self.rank}'s last snapshot could not be completed: {failed}") from failed
         return True
+
+
+#: madvise's MADV_POPULATE_WRITE (Linux 5.14; Python names it from 3.13)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(pages: mmap.mmap) -> None:
+    """Map every page of the file in one call before the copy, instead of one page fault per 4 kB
+    (1 GiB into /dev/shm on 2 busy cores: 0.70-1.0 s copied through faults, 0.39-0.65 s populated
+    first). An older kernel refuses it, and the copy faults the pages in as before."""
+    try:
+        pages.madvise(MADV_POPULATE_WRITE)
+    except OSError:
+        pass
 
 
 def _complete_step(path: str) -> int:

@@ -84,7 +84,7 @@ def probe(checks: Checks, out: Path) -> None:
     checks.add("probe", "GPUs found, each healthy and usable",
                bool(devices) and all(d["health"] == "OK" and d["usable"] for d in devices),
                "; ".join(f"{d['index']}: {d['name']} {d['health']}" for d in devices))
-    from ftrun.devices.cuda import GPU_FIELDS, REMAP_FIELDS, _NvmlReader, _xid_event_set, parse_nvidia_smi_csv
+    from ftrun.devices.cuda import GPU_FIELDS, REMAP_FIELDS, _known, _NvmlReader, _xid_event_set, parse_nvidia_smi_csv
 
     try:
         import pynvml
@@ -105,8 +105,10 @@ def probe(checks: Checks, out: Path) -> None:
     checks.add("probe", "nvidia-smi's fields parsed", bool(smi_rows), json.dumps(smi_rows[0]) if smi_rows else smi.stderr[:200])
     if nvml_rows and smi_rows:
         fields = ("index", "pci.bus_id", "uuid", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending")
-        differ = [f for f in fields if nvml_rows[0].get(f, "").lower() != smi_rows[0].get(f, "").lower()]
-        checks.add("probe", "NVML and nvidia-smi read the same ECC/retired-page fields", not differ,
+        # as ftrun reads them: "[N/A]" from one and "[Not Supported]" from the other both say "unknown"
+        differ = [f for f in fields if (_known(nvml_rows[0].get(f)) or "").lower() != (_known(smi_rows[0].get(f)) or "").lower()]
+        checks.add("probe", "NVML and nvidia-smi give the same index, bus id, uuid, ECC and retired-page fields",
+                   not differ,
                    "differ: " + ", ".join(f"{f} {nvml_rows[0].get(f)!r} vs {smi_rows[0].get(f)!r}" for f in differ)
                    if differ else ", ".join(f"{f}={nvml_rows[0].get(f)}" for f in fields[3:]))
     checks.add("probe", "NVML critical-Xid events registered", None, "yes" if events else "no (polled fields only)")
