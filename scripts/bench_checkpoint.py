@@ -52,6 +52,7 @@ from rich.table import Table
 from bench_recovery import LAUNCHERS, Scenario, console, print_table, raise_keyboard_interrupt, run_scenario
 
 from ftrun.elastic.snapshots import SnapshotWriter, load_own
+from ftrun.snapshots.staging import DeviceStaging
 from ftrun.snapshots.keeper import memory_root
 
 WIDTH = 1024  # a layer of WIDTH x WIDTH float32 is 4 MiB
@@ -87,9 +88,9 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
     inputs = torch.randn(batch, WIDTH, device=device)
     memory = Path(tempfile.mkdtemp(prefix="bench-snapshots-", dir=memory_root()))
     disk = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=disk_dir))
-    ways = [(True, True, "snapshot_s"), (False, True, "snapshot_no_overlap_s")]
-    if device.type == "cuda":  # the same without the stream and pinned buffers of ftrun/snapshots/staging.py
-        ways.append((True, False, "snapshot_unstaged_s"))
+    ways = [(True, DeviceStaging, "snapshot_s"), (False, DeviceStaging, "snapshot_no_overlap_s")]
+    if device.type == "cuda":  # ftrun/snapshots/staging.py's stream without its pinned buffers, and neither
+        ways += [(True, lambda: DeviceStaging(pinned=False), "snapshot_stream_s"), (True, Unstaged, "snapshot_unstaged_s")]
     results: dict[str, list[float]] = {key: [] for _, _, key in ways}
     results.update({"commit_s": [], "torch_save_s": [], "torch_save_fsync_s": [], "step_s": []})
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -111,8 +112,8 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
                 os.fsync(f.fileno())
 
     try:
-        for overlap, staged, key in ways:
-            writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staged=staged)
+        for overlap, staging, key in ways:
+            writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staging=staging())
             for step in range(1, repeats + 2):
                 writer.write(step, state, optimized if overlap else frozenset())
                 train_step(writer.wait_copied)  # the next step: its optimizer waits for the copy
@@ -135,6 +136,17 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
         shutil.rmtree(memory, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     return {"model_mb": megabytes, "state_bytes": state_bytes(state), "batch": batch, "device": str(device), **results}
+
+
+class Unstaged(DeviceStaging):
+    """GPU tensors copied straight into the pages on the training stream, as a plain copy_ does."""
+
+    @staticmethod
+    def takes(tensor: torch.Tensor) -> bool:
+        return False
+
+    def mark_ready(self, tensors) -> None:
+        pass
 
 
 def check_snapshot(writer: SnapshotWriter, step: int, state: dict, optimized: frozenset, way: str) -> None:
@@ -167,8 +179,8 @@ def print_blocking(rows: list[dict]) -> None:
                "torch.save+fsync", "torch.save / snapshot", "torch.save / no overlap"]
     keys = ["step_s", "snapshot_s", "commit_s", "snapshot_no_overlap_s", "torch_save_s", "torch_save_fsync_s"]
     if unstaged:
-        headers.insert(6, "snapshot, unstaged")
-        keys.insert(4, "snapshot_unstaged_s")
+        headers[6:6] = ["snapshot, stream unpinned", "snapshot, unstaged"]
+        keys[4:4] = ["snapshot_stream_s", "snapshot_unstaged_s"]
     for header in headers:
         table.add_column(header, justify="left" if header == "model" else "right")
     for row in rows:
@@ -197,8 +209,9 @@ def parse_args() -> argparse.Namespace:
                         help="part 2: the --snapshot-every values to run, comma-separated; 0 is the same script "
                              "restarting from its own disk checkpoint (default 0,1,5)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="part 1: where the model and its optimizer's state live (default cpu); with cuda a "
-                             "third way is timed: the snapshot copied straight, without a stream and pinned buffers")
+                        help="part 1: where the model and its optimizer's state live (default cpu); with cuda two "
+                             "more ways are timed: the copy on a stream of its own without pinned buffers, and "
+                             "straight on the training stream")
     parser.add_argument("--skip-restart", action="store_true", help="only part 1")
     parser.add_argument("--json", default="-", help="where the JSON goes (default: stdout)")
     return parser.parse_args()

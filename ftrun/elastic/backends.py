@@ -26,6 +26,8 @@ import datetime
 import logging
 import os
 import socket
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -132,20 +134,38 @@ class NcclBackend(CommBackend):
         return group
 
     def interrupt(self) -> None:
-        for group in self._live:  # aborting a communicator releases the kernels waiting in it
-            self._abort(group)
+        _abort_all(self._live)  # aborting a communicator releases the kernels waiting in it
 
     def release(self, groups: list) -> None:
-        for group in groups:
-            self._abort(group)
+        _abort_all(groups)
         self._live = []
 
-    @staticmethod
-    def _abort(group) -> None:
-        try:
-            group.abort()
-        except Exception as e:  # a communicator already aborted, or broken by the fault
-            log.debug("aborting an NCCL communicator: %s", e)
+
+#: the longest a repair waits for its NCCL communicators to abort
+ABORT_DEADLINE = 60.0
+
+
+def _abort_all(groups: list) -> None:
+    """Abort every group's communicators at once: one abort takes about a second whatever the
+    communicator's size (1.05 s on an H100 and an H200, torch 2.11, NCCL 2.28, with or without torch's
+    NCCL monitoring), so one after another a repair would wait a second for each group of the mesh."""
+    threads = [threading.Thread(target=_abort, args=(group,), name=f"ftrun-nccl-abort-{i}", daemon=True)
+               for i, group in enumerate(groups)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + ABORT_DEADLINE
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(thread.is_alive() for thread in threads)
+    if stuck:
+        log.warning("%d NCCL communicators still aborting after %gs; the repair goes on without them", stuck, ABORT_DEADLINE)
+
+
+def _abort(group) -> None:
+    try:
+        group.abort()
+    except Exception as e:  # a communicator already aborted, or broken by the fault
+        log.debug("aborting an NCCL communicator: %s", e)
 
 
 

@@ -47,12 +47,11 @@ class SnapshotWriter:
     """This rank's snapshots, every ``every`` committed steps, into ``folder`` (its agent's)."""
 
     def __init__(self, folder: str, rank: int, world_size: int, sharded: bool, every: int, limit: int, copies: int,
-                 staged: bool = True):
+                 staging: DeviceStaging | None = None):
         self.folder, self.rank, self.world_size, self.sharded = folder, rank, world_size, sharded
         self.every, self.limit, self.copies = every, limit, copies
-        #: GPU tensors copied on a stream of their own through pinned buffers (False: straight, on the
-        #: training stream; the benchmark's comparison)
-        self.staging = DeviceStaging() if staged else None
+        #: how GPU tensors reach the file (None: the default, a stream of their own through pinned buffers)
+        self.staging = staging if staging is not None else DeviceStaging()
         self.paths = [os.path.join(folder, f"rank-{rank:05d}.{i}") for i in (0, 1)]
         steps = [_complete_step(p) for p in self.paths]
         #: the file to write next: the one with the older snapshot (or none)
@@ -107,8 +106,7 @@ class SnapshotWriter:
         began = time.perf_counter()
         self.wait()
         layout = lay_out(states)
-        if self.staging is not None:
-            self.staging.mark_ready(layout.tensors)
+        self.staging.mark_ready(layout.tensors)
         header = layout.header(WRITING, step, self.rank, self.world_size, self.sharded)
         if self.limit and header.total > self.limit:
             raise SnapshotTooLarge(

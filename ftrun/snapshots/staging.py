@@ -21,10 +21,15 @@ CHUNK_BYTES = 64 * 2**20
 
 
 class DeviceStaging:
-    """One rank's stream and pinned buffers for copying GPU tensors into snapshot files."""
+    """One rank's stream and pinned buffers for copying GPU tensors into snapshot files.
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+    ``pinned=False`` copies each tensor straight into the pages on the stream of its own (the driver
+    stages the bytes): the benchmark's comparison of the two.
+    """
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pinned: bool = True):
         self.chunk_bytes = chunk_bytes
+        self.pinned = pinned
         self._stream: torch.cuda.Stream | None = None
         self._buffers: list[torch.Tensor] = []
         self._filled: list[torch.cuda.Event] = []
@@ -54,6 +59,10 @@ class DeviceStaging:
         turn = 0
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._ready)
+            if not self.pinned:
+                for target, tensor in pairs:
+                    target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                return
             for target, tensor in pairs:
                 flat = tensor.detach().reshape(-1).view(torch.uint8)
                 for start in range(0, flat.numel(), self.chunk_bytes):
@@ -76,5 +85,7 @@ class DeviceStaging:
         if self._stream is not None and self._stream.device == device:
             return
         self._stream = torch.cuda.Stream(device)
+        if not self.pinned:
+            return
         self._buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._filled = [torch.cuda.Event() for _ in range(2)]

@@ -67,6 +67,20 @@ def measure(repeats: int) -> dict:
             del group
             gc.collect()
             times[way].append(time.perf_counter() - began)
+    # a mesh's groups: 4 communicators aborted one after another, then all at once as the repair does
+    for name, release in (("4 groups in turn", lambda gs: [g.abort() for g in gs]), ("4 groups at once", backend.release)):
+        for _ in range(repeats):
+            made += 4
+            four = [backend.connect(dist.PrefixStore(f"g{made}-{i}", store), 0, 1, timeout=60) for i in range(4)]
+            for group in four:
+                group.allreduce([torch.ones(1024, device="cuda")]).wait()
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            release(four)
+            backend._live.clear()
+            del four
+            gc.collect()
+            times.setdefault(name, []).append(time.perf_counter() - began)
     return {**{way: statistics.median(values) for way, values in times.items()}, "errors": errors}
 
 
@@ -74,6 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="-")
+    parser.add_argument("--quick", action="store_true", help="the default environment only")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner:
@@ -81,6 +96,8 @@ def main() -> int:
         return 0
     results = {}
     for name, env in ENVIRONMENTS.items():
+        if args.quick and env:
+            continue
         done = subprocess.run([sys.executable, __file__, "--inner", "--repeats", str(args.repeats)], capture_output=True,
                               text=True, timeout=300, env={**os.environ, **env})
         lines = done.stdout.strip().splitlines()
