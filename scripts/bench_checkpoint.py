@@ -11,6 +11,9 @@ step) is followed by a checkpoint, each way:
                      copy before the optimizer's step. Blocking = the call plus that wait. The checksum
                      runs behind the loop ("commit").
   snapshot, no overlap  the same with snapshot_overlap=False: every tensor copied before the call returns
+  snapshot, pinned buffers / default stream  (--device cuda) the GPU tensors copied through two pinned
+                     host buffers, and by a plain copy on the default stream (ftrun/snapshots/staging.py
+                     says why the default is neither)
   torch.save         torch.save of the same state to a file in --disk-dir, as a training loop does
   torch.save+fsync   the same, flushed to disk (what a checkpoint that survives a power cut costs)
 
@@ -89,20 +92,18 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
     memory = Path(tempfile.mkdtemp(prefix="bench-snapshots-", dir=memory_root()))
     disk = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=disk_dir))
     ways = [(True, DeviceStaging, "snapshot_s"), (False, DeviceStaging, "snapshot_no_overlap_s")]
-    if device.type == "cuda":  # ftrun/snapshots/staging.py's stream without its pinned buffers, and neither
-        ways += [(True, lambda: DeviceStaging(pinned=False), "snapshot_stream_s"), (True, Unstaged, "snapshot_unstaged_s")]
-    results: dict[str, list[float]] = {key: [] for _, _, key in ways}
+    if device.type == "cuda":  # ftrun/snapshots/staging.py's stream with pinned buffers, and the plain copy
+        ways += [(True, lambda: DeviceStaging(pinned=True), "snapshot_pinned_s"), (True, Unstaged, "snapshot_unstaged_s")]
+    results: dict[str, list[float]] = {k: [] for _, _, key in ways for k in (key, f"{key}_and_step")}
     results.update({"commit_s": [], "torch_save_s": [], "torch_save_fsync_s": [], "step_s": []})
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def train_step(before_optimizer=lambda: None) -> None:
-        began = time.perf_counter()
         model(inputs).square().mean().backward()
         before_optimizer()
         optimizer.step()
         optimizer.zero_grad()
         synchronize()
-        results["step_s"].append(time.perf_counter() - began)
 
     def save(sync: bool) -> None:
         with open(disk / "checkpoint.pt", "wb") as f:
@@ -115,20 +116,26 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
         for overlap, staging, key in ways:
             writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staging=staging())
             for step in range(1, repeats + 2):
+                began = time.perf_counter()
                 writer.write(step, state, optimized if overlap else frozenset())
                 train_step(writer.wait_copied)  # the next step: its optimizer waits for the copy
+                # the blocking time leaves out a copy's hold on the GPU's kernels; this does not
+                results[f"{key}_and_step"].append(time.perf_counter() - began)
                 results[key].append(writer.blocked[-1])
                 began = time.perf_counter()
                 writer.wait()
                 if key == "snapshot_s":
                     results["commit_s"].append(time.perf_counter() - began)
-            results[key].pop(0)  # the first write of each file allocates its pages: not the steady state
+            for times in (results[key], results[f"{key}_and_step"]):
+                times.pop(0)  # the first write of each file allocates its pages: not the steady state
             check_snapshot(writer, step + 1, state, optimized, key)
             for path in writer.paths:  # room in shared memory for the next way's files
                 os.unlink(path)
         for sync, key in ((False, "torch_save_s"), (True, "torch_save_fsync_s")):
             for _ in range(repeats):
+                began = time.perf_counter()
                 train_step()
+                results["step_s"].append(time.perf_counter() - began)
                 began = time.perf_counter()
                 save(sync)
                 results[key].append(time.perf_counter() - began)
@@ -179,8 +186,8 @@ def print_blocking(rows: list[dict]) -> None:
                "torch.save+fsync", "torch.save / snapshot", "torch.save / no overlap"]
     keys = ["step_s", "snapshot_s", "commit_s", "snapshot_no_overlap_s", "torch_save_s", "torch_save_fsync_s"]
     if unstaged:
-        headers[6:6] = ["snapshot, stream unpinned", "snapshot, unstaged"]
-        keys[4:4] = ["snapshot_stream_s", "snapshot_unstaged_s"]
+        headers[6:6] = ["snapshot, pinned buffers", "snapshot, default stream"]
+        keys[4:4] = ["snapshot_pinned_s", "snapshot_unstaged_s"]
     for header in headers:
         table.add_column(header, justify="left" if header == "model" else "right")
     for row in rows:
@@ -193,6 +200,15 @@ def print_blocking(rows: list[dict]) -> None:
                       f"{row['save_over_snapshot']:.1f}x", f"{row['save_over_no_overlap']:.1f}x")
     console.print(table)
     console.print("goal: the snapshot blocks the loop at least 10x less than a synchronous torch.save")
+    ways = [k for k in keys if k.startswith("snapshot")]
+    table = Table(title="What a snapshot adds to the step after it (median of snapshot + that step, less the plain step, s)")
+    for header in ("model", "plain step", *(k.removesuffix("_s").replace("_", " ") for k in ways)):
+        table.add_column(header, justify="left" if header == "model" else "right")
+    for row in rows:
+        row["added_to_step"] = {k: statistics.median(row[f"{k}_and_step"]) - row["medians"]["step_s"] for k in ways}
+        table.add_row(f"{row['model_mb']} MB", f"{row['medians']['step_s']:.4f}",
+                      *(f"{row['added_to_step'][k]:.4f}" for k in ways))
+    console.print(table)
 
 
 def parse_args() -> argparse.Namespace:
@@ -210,8 +226,8 @@ def parse_args() -> argparse.Namespace:
                              "restarting from its own disk checkpoint (default 0,1,5)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="part 1: where the model and its optimizer's state live (default cpu); with cuda two "
-                             "more ways are timed: the copy on a stream of its own without pinned buffers, and "
-                             "straight on the training stream")
+                             "more ways are timed: the copy through pinned buffers, and the plain copy on the "
+                             "default stream")
     parser.add_argument("--skip-restart", action="store_true", help="only part 1")
     parser.add_argument("--json", default="-", help="where the JSON goes (default: stdout)")
     return parser.parse_args()

@@ -1,13 +1,20 @@
-"""Copying a snapshot's GPU tensors into its file's pages without holding up training.
+"""Copying a snapshot's GPU tensors into its file's pages beside training, not in its way.
 
-A plain ``pages.copy_(cuda_tensor)`` into the file's (pageable) pages copies on the thread's
-current stream, the default one: it waits for every kernel queued before it, the kernels queued
-after it wait for the copy, and the driver stages the bytes through a buffer of its own. Here the
-copy runs on a CUDA stream of its own, into two pinned host buffers in turn: the device-to-host
-transfer of one chunk (DMA, on the copy engine) overlaps the host's copy of the chunk before into
-the file, and the training stream's kernels go on beside both. The stream starts from an event
-recorded on the training stream when the snapshot was asked for, so it copies the tensors as that
-step left them.
+A plain ``pages.copy_(cuda_tensor)`` from the snapshot's thread copies on the default stream: it
+waits for every kernel queued before it, and the training kernels queued after it wait for the
+copy. Here the copy runs on a CUDA stream of its own, which starts from an event recorded on the
+training stream when the snapshot was asked for (so it copies the tensors as that step left them)
+and goes on beside the training stream's kernels.
+
+Two ways to reach the pages, measured against each other by ``scripts/bench_checkpoint.py --device
+cuda`` (3 GiB of model and Adam state, what a snapshot blocked the loop, on an H200):
+  * straight into the (pageable) pages, the driver staging the bytes: 337 ms; the default.
+  * through two pinned host buffers in turn (``pinned=True``), each chunk's transfer overlapping the
+    host's copy of the one before into the pages: 443 ms, the host's second copy the bottleneck. On
+    an H100 before the pages were populated ahead of the copy it was the quicker (276 against 409 ms
+    for the plain copy), hence kept, and benchmarked beside the default.
+The plain copy on the default stream blocked 239 ms there, but holds the next step's kernels back
+for as long: ``bench_checkpoint.py`` reports what each way adds to the step after it.
 
 Only CUDA tensors go this way; every other tensor is copied as before.
 """
@@ -21,13 +28,9 @@ CHUNK_BYTES = 64 * 2**20
 
 
 class DeviceStaging:
-    """One rank's stream and pinned buffers for copying GPU tensors into snapshot files.
+    """One rank's stream (and, ``pinned``, two pinned buffers) for copying GPU tensors into snapshot files."""
 
-    ``pinned=False`` copies each tensor straight into the pages on the stream of its own (the driver
-    stages the bytes): the benchmark's comparison of the two.
-    """
-
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pinned: bool = True):
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pinned: bool = False):
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
         self._stream: torch.cuda.Stream | None = None

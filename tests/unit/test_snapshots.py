@@ -489,3 +489,34 @@ def test_persisted_files_load_with_torch_and_get_a_manifest_once_every_rank_is_t
     (root / "step-00000012" / "rank-00001.pt").write_bytes(b"damaged")
     with pytest.raises(SnapshotError, match="fails its checksum"):
         load_source(source, 12, str(snaps), Signer())
+
+
+def test_a_snapshot_hands_the_tensors_its_staging_takes_to_it_and_copies_the_rest_itself(tmp_path):
+    """GPU tensors reach the file through DeviceStaging (a CUDA stream of its own); on CPU a stand-in
+    staging takes the float64 tensors and copies them as the real one does, into the views it is given."""
+
+    class Staging:
+        def __init__(self):
+            self.ready, self.given = 0, []
+
+        def takes(self, tensor):
+            return tensor.dtype == torch.float64
+
+        def mark_ready(self, tensors):
+            self.ready += 1
+
+        def copy(self, pairs):
+            for target, tensor in pairs:
+                self.given.append(tensor)
+                target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+    staging = Staging()
+    writer = SnapshotWriter(str(tmp_path), 0, 1, False, every=1, limit=0, copies=1, staging=staging)
+    state = {"weights": torch.arange(6, dtype=torch.float64).reshape(2, 3), "step": torch.tensor([7]),
+             "buffer": torch.ones(4, dtype=torch.float32)}
+    writer.write(1, state, behind=frozenset({state["weights"].data_ptr()}))
+    writer.wait_copied()
+    writer.wait()
+    saved = load_own(str(tmp_path), 0, 1)
+    assert staging.ready == 1 and [t.data_ptr() for t in staging.given] == [state["weights"].data_ptr()]
+    assert all(torch.equal(saved[k], v) for k, v in state.items())
