@@ -76,7 +76,7 @@ class RemoteAgent:
     node_rank: int
     argv: tuple[str, ...]
     #: its --nproc-per-node, and its --devices when the hostfile picked some of the host's slots
-    nproc: str = "1"
+    nproc: str
     devices: tuple[int, ...] = ()
 
     @property
@@ -122,14 +122,15 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
                 nnodes: str, nproc: str | None, spares: Sequence[Host] = ()) -> list[RemoteAgent]:
     """One agent per host, node ranks in hostfile order, then the spares (node rank -1: they stand by).
 
-    ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's default).
+    ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's
+    default, LaunchConfig's).
     """
     agents = []
     for rank, host in enumerate([*hosts, *spares]):
         node_rank = rank if rank < len(hosts) else -1
         flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
                  "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
-        count, devices = nproc or "1", cast(tuple[int, ...], ())
+        count, devices = nproc or str(LaunchConfig.nproc_per_node), cast(tuple[int, ...], ())
         if nproc is None and host.slots is not None:
             count = str(len(host.slots))
             devices = host.slots if host.slots != tuple(range(len(host.slots))) else ()
