@@ -31,13 +31,13 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
-    from ftrun.devices import DeviceOptions, make_backend
+    from ftrun.devices import DeviceOptions, make_device_backend
     from ftrun.faults.levels import load_fault_table
     from ftrun.probe import probe
 
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
-    backend = make_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
+    backend = make_device_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
     report = probe(backend, table)
     if params["as_json"]:
         out.print_json(json.dumps(report.as_dict()))
