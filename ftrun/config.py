@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from ftrun.auth import read_token
+from ftrun.devices import DEVICE_KINDS, DeviceOptions
 from ftrun.errors import UsageError
 from ftrun.ports import PortRange, free_port, parse_port_range
 from ftrun.snapshots.format import size_text
@@ -33,7 +34,6 @@ RDZV_CONF_KEYS = (
     "join_timeout", "last_call_timeout", "is_host", "read_timeout", "close_timeout", "timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "store_type", "use_libuv",
 )
-DEFAULT_MASTER_PORT = 29500
 #: the most nodes, ranks per node, spares or standbys ftrun takes: more is a typo, and would only start
 #: processes (or count node ranks) until the machine gives out
 MAX_COUNT = 100_000
@@ -65,41 +65,53 @@ class StreamSpec:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Everything one ftrun agent needs to know, validated."""
+    """Everything one ftrun agent needs to know, validated.
 
-    entrypoint: tuple[str, ...]  # the worker command before the script arguments
-    script_args: tuple[str, ...]
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    node_rank: int  # -1: assigned at rendezvous
-    endpoint: Endpoint
+    Each field's default is its option's default, written here only: the CLI's flags and
+    :func:`build_launch_config` read it from :data:`DEFAULTS` (the flags in the text they take).
+    """
+
+    #: the worker command before the script arguments
+    entrypoint: tuple[str, ...] = ()
+    script_args: tuple[str, ...] = ()
+    #: --nnodes MIN:MAX
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    #: -1: assigned at rendezvous
+    node_rank: int = -1
+    #: the store; by default torchrun's static rendezvous (--master-addr, --master-port)
+    endpoint: Endpoint = Endpoint("127.0.0.1", 29500)
     #: True/False when the user decided who hosts the store; None: first to bind the port
-    is_host: bool | None
-    rdzv_backend: str
-    run_id: str
-    rdzv_timeout: float
-    last_call_timeout: float
-    recovery: str
-    max_restarts: int
-    monitor_interval: float
-    heartbeat_timeout: float
-    node_timeout: float
-    stop_timeout: float
-    repair_timeout: float
-    #: warm standby workers each agent keeps (torch already imported)
-    warm_standby: int
-    role: str
-    local_addr: str
-    log_dir: str
-    redirects: StreamSpec
-    tee: StreamSpec
-    local_ranks_filter: frozenset[int] | None
+    is_host: bool | None = None
+    rdzv_backend: str = "c10d"
+    #: --run-id ("default" when none is given, as under torchrun)
+    run_id: str = "default"
+    #: --rdzv-timeout (or --rdzv-conf join_timeout): seconds to wait for every node to join
+    rdzv_timeout: float = 600.0
+    #: --rdzv-conf last_call_timeout
+    last_call_timeout: float = 30.0
+    recovery: str = "job"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    heartbeat_timeout: float = 30.0
+    node_timeout: float = 30.0
+    stop_timeout: float = 5.0
+    repair_timeout: float = 60.0
+    #: warm standby workers each agent keeps (torch already imported); given none, build_launch_config
+    #: derives it from --recovery and --nproc-per-node
+    warm_standby: int = 0
+    role: str = "default"
+    local_addr: str = ""
+    log_dir: str = ""
+    redirects: StreamSpec = StreamSpec()
+    tee: StreamSpec = StreamSpec()
+    local_ranks_filter: frozenset[int] | None = None
     #: the device layer (ftrun.devices): auto, npu, cuda or cpu
-    device: str = "cpu"
-    npu_smi: str = "npu-smi"
+    device: str = "auto"
+    npu_smi: str = DeviceOptions.npu_smi
     #: seconds one device-tool call (npu-smi, nvidia-smi) may take
-    device_timeout: float = 10.0
+    device_timeout: float = DeviceOptions.timeout
     health_interval: float = 5.0
     #: a user file merged over ftrun's fault-level table, or ""
     fault_levels: str = ""
@@ -151,6 +163,15 @@ class LaunchConfig:
     def several_nodes(self) -> bool:
         """Other agents may join this job (more nodes, or spares)."""
         return self.max_nodes > 1 or self.spares > 0
+
+
+#: every option's default: the CLI's flags and build_launch_config read them here
+DEFAULTS = LaunchConfig()
+#: the defaults of the flags that a field is parsed from, as the flags write them (--nnodes 1, -r 0, ...)
+DEFAULT_NNODES = str(DEFAULTS.max_nodes)  # min_nodes is the same: one number
+DEFAULT_NPROC_PER_NODE = str(DEFAULTS.nproc_per_node)
+DEFAULT_STREAMS = str(DEFAULTS.redirects.default)  # --redirects and --tee
+DEFAULT_SIGNALS = ",".join(signal.Signals(number).name for number in DEFAULTS.signals_to_handle)
 
 
 class _DuplicateKey(Exception):
@@ -429,8 +450,6 @@ STATUS_MODES = ("auto", "live", "plain", "off")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 #: --log-layout: ftrun's own (names the node), or torchrun's exact folders and prefixes
 LOG_LAYOUTS = ("ftrun", "torchrun")
-#: torchrun's default --signals-to-handle
-DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def parse_signals(text: Any) -> tuple[int, ...]:
@@ -504,15 +523,15 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     """
     rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
     standalone = switch(raw, "standalone")
-    min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", "1"))
-    backend = choice(raw.get("rdzv_backend") or "c10d", RDZV_BACKENDS + ("etcd", "etcd-v2"), "--rdzv-backend")
+    min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", DEFAULT_NNODES))
+    backend = choice(raw.get("rdzv_backend") or DEFAULTS.rdzv_backend, RDZV_BACKENDS + ("etcd", "etcd-v2"), "--rdzv-backend")
     if backend.startswith("etcd"):
         raise UsageError(f"--rdzv-backend {backend} is not supported: ftrun uses c10d (a TCPStore) or static")
     master_port = raw.get("master_port")  # 0 is a bad port, not "the default"
-    master_port = whole_number(DEFAULT_MASTER_PORT if master_port is None else master_port, "--master-port", 1)
+    master_port = whole_number(DEFAULTS.endpoint.port if master_port is None else master_port, "--master-port", 1)
     check_port(master_port, "--master-port")
     run_id = str(raw.get("run_id") or "").strip()
-    node_rank = whole_number(raw.get("node_rank", -1), "--node-rank", -1)
+    node_rank = whole_number(raw.get("node_rank", DEFAULTS.node_rank), "--node-rank", -1)
 
     ports = parse_port_range(raw.get("worker_port_range"))
     is_host: bool | None = None
@@ -529,7 +548,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
             is_host = node_rank == 0
     else:
         # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
-        endpoint = Endpoint(check_address(str(raw.get("master_addr") or "127.0.0.1"), "--master-addr"), master_port)
+        endpoint = Endpoint(check_address(str(raw.get("master_addr") or DEFAULTS.endpoint.host), "--master-addr"), master_port)
         backend = "static" if max_nodes > 1 or backend == "static" else backend
         worker_port = master_port  # the workers' MASTER_PORT, as under torchrun (ftrun.store._open_static)
         if max_nodes == 1:
@@ -548,12 +567,12 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
 
     if raw.get("start_method"):  # accepted and unused (the CLI says so), but a typo is still one
         choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")
-    recovery = choice(raw.get("recovery") or "job", RECOVERY_LEVELS, "--recovery")
+    recovery = choice(raw.get("recovery") or DEFAULTS.recovery, RECOVERY_LEVELS, "--recovery")
     if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
         rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
     else:
-        rdzv_timeout = positive_seconds(rdzv_conf.get("join_timeout") or 600, "join_timeout")
-    nproc = parse_nproc(raw.get("nproc_per_node", "1"))
+        rdzv_timeout = positive_seconds(rdzv_conf.get("join_timeout") or DEFAULTS.rdzv_timeout, "join_timeout")
+    nproc = parse_nproc(raw.get("nproc_per_node", DEFAULT_NPROC_PER_NODE))
     entrypoint = build_entrypoint(
         str(raw.get("script") or ""), switch(raw, "module"), switch(raw, "no_python"), switch(raw, "run_path"),
         check_script,
@@ -568,26 +587,27 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         endpoint=endpoint,
         is_host=is_host,
         rdzv_backend=backend,
-        run_id=run_id or "default",
+        run_id=run_id or DEFAULTS.run_id,
         rdzv_timeout=rdzv_timeout,
-        last_call_timeout=positive_seconds(rdzv_conf.get("last_call_timeout", 30), "last_call_timeout", True),
+        last_call_timeout=positive_seconds(rdzv_conf.get("last_call_timeout", DEFAULTS.last_call_timeout),
+                                           "last_call_timeout", True),
         recovery=recovery,
-        max_restarts=whole_number(raw.get("max_restarts", 0), "--max-restarts"),
-        monitor_interval=positive_seconds(raw.get("monitor_interval", 0.1), "--monitor-interval"),
-        heartbeat_timeout=positive_seconds(raw.get("heartbeat_timeout", 30), "--heartbeat-timeout"),
-        node_timeout=positive_seconds(raw.get("node_timeout", 30), "--node-timeout"),
-        stop_timeout=positive_seconds(raw.get("stop_timeout", 5), "--stop-timeout", True),
-        repair_timeout=positive_seconds(raw.get("repair_timeout", 60), "--repair-timeout"),
+        max_restarts=whole_number(raw.get("max_restarts", DEFAULTS.max_restarts), "--max-restarts"),
+        monitor_interval=positive_seconds(raw.get("monitor_interval", DEFAULTS.monitor_interval), "--monitor-interval"),
+        heartbeat_timeout=positive_seconds(raw.get("heartbeat_timeout", DEFAULTS.heartbeat_timeout), "--heartbeat-timeout"),
+        node_timeout=positive_seconds(raw.get("node_timeout", DEFAULTS.node_timeout), "--node-timeout"),
+        stop_timeout=positive_seconds(raw.get("stop_timeout", DEFAULTS.stop_timeout), "--stop-timeout", True),
+        repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
         warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc),
-        role=str(raw.get("role") or "default"),
+        role=str(raw.get("role") or DEFAULTS.role),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
-        redirects=parse_streams(raw.get("redirects", "0"), "--redirects"),
-        tee=parse_streams(raw.get("tee", "0"), "--tee"),
+        redirects=parse_streams(raw.get("redirects", DEFAULT_STREAMS), "--redirects"),
+        tee=parse_streams(raw.get("tee", DEFAULT_STREAMS), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
         head_managed=bool(raw.get("ssh_agent")),
-        spares=whole_number(raw.get("spares") or 0, "--spares", maximum=MAX_COUNT),
-        status=choice(raw.get("status") or "auto", STATUS_MODES, "--status"),
+        spares=whole_number(raw.get("spares") or DEFAULTS.spares, "--spares", maximum=MAX_COUNT),
+        status=choice(raw.get("status") or DEFAULTS.status, STATUS_MODES, "--status"),
         store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),
         token=read_token(str(raw["token_file"])) if raw.get("token_file") else b"",
         snapshots=snapshot_options(raw, ports),
@@ -598,7 +618,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
         duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),
-        log_layout=choice(raw.get("log_layout") or "ftrun", LOG_LAYOUTS, "--log-layout"),
+        log_layout=choice(raw.get("log_layout") or DEFAULTS.log_layout, LOG_LAYOUTS, "--log-layout"),
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""),
         **device_options(raw),
     )
@@ -642,12 +662,14 @@ def check_writable_folder(folder: str, flag: str) -> None:
 
 def snapshot_options(raw: Mapping[str, Any], ports: PortRange | None = None) -> SnapshotOptions:
     """The snapshot flags, checked against each other and against this node's shared memory."""
-    every = whole_number(raw.get("snapshot_every") or 0, "--snapshot-every", maximum=MAX_COUNT)
-    replicas = whole_number(raw.get("snapshot_replicas", 1), "--snapshot-replicas", maximum=MAX_COUNT)
-    replicate_every = whole_number(raw.get("replicate_every", 10), "--replicate-every", 1, MAX_COUNT)
-    checkpoint_every = whole_number(raw.get("checkpoint_every", 100), "--checkpoint-every", 1, MAX_COUNT)
-    keep = whole_number(raw.get("keep_checkpoints", 3), "--keep-checkpoints", 1, MAX_COUNT)
-    interval = positive_seconds(raw.get("checkpoint_interval") or 0, "--checkpoint-interval", allow_zero=True)
+    defaults = DEFAULTS.snapshots
+    every = whole_number(raw.get("snapshot_every") or defaults.every, "--snapshot-every", maximum=MAX_COUNT)
+    replicas = whole_number(raw.get("snapshot_replicas", defaults.replicas), "--snapshot-replicas", maximum=MAX_COUNT)
+    replicate_every = whole_number(raw.get("replicate_every", defaults.replicate_every), "--replicate-every", 1, MAX_COUNT)
+    checkpoint_every = whole_number(raw.get("checkpoint_every", defaults.checkpoint_every), "--checkpoint-every", 1, MAX_COUNT)
+    keep = whole_number(raw.get("keep_checkpoints", defaults.keep), "--keep-checkpoints", 1, MAX_COUNT)
+    interval = positive_seconds(raw.get("checkpoint_interval") or defaults.checkpoint_interval, "--checkpoint-interval",
+                                allow_zero=True)
     folder = str(raw.get("checkpoint_dir") or "")
     save_on_failure = switch(raw, "save_on_failure")
     if folder and not every:
@@ -676,15 +698,13 @@ def snapshot_options(raw: Mapping[str, Any], ports: PortRange | None = None) -> 
 
 def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The device layer's options, checked (shared by the launcher and ``ftrun probe``)."""
-    from ftrun.devices import DEVICE_KINDS
-
     return dict(
-        device=choice(raw.get("device") or "auto", DEVICE_KINDS, "--device"),
-        npu_smi=str(raw.get("npu_smi") or "npu-smi"),
-        device_timeout=positive_seconds(raw.get("device_timeout", 10), "--device-timeout"),
-        health_interval=positive_seconds(raw.get("health_interval", 5), "--health-interval"),
+        device=choice(raw.get("device") or DEFAULTS.device, DEVICE_KINDS, "--device"),
+        npu_smi=str(raw.get("npu_smi") or DEFAULTS.npu_smi),
+        device_timeout=positive_seconds(raw.get("device_timeout", DEFAULTS.device_timeout), "--device-timeout"),
+        health_interval=positive_seconds(raw.get("health_interval", DEFAULTS.health_interval), "--health-interval"),
         fault_levels=_existing_file(raw.get("fault_levels") or "", "--fault-levels"),
-        hang_timeout=positive_seconds(raw.get("hang_timeout", 0), "--hang-timeout", True),
+        hang_timeout=positive_seconds(raw.get("hang_timeout", DEFAULTS.hang_timeout), "--hang-timeout", True),
         preflight=switch(raw, "preflight"),
         devices=parse_device_list(raw.get("devices") or ""),
         device_ips=_existing_file(raw.get("device_ips") or "", "--device-ips"),

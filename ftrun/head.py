@@ -75,8 +75,8 @@ class RemoteAgent:
     #: -1 for a spare
     node_rank: int
     argv: tuple[str, ...]
-    #: its --nproc-per-node, and its --devices when the hostfile picked some of the host's slots
-    nproc: str = "1"
+    #: its --nproc-per-node, and its --devices when the hostfile picked some of the host's devices
+    nproc: str
     devices: tuple[int, ...] = ()
 
     @property
@@ -122,17 +122,18 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
                 nnodes: str, nproc: str | None, spares: Sequence[Host] = ()) -> list[RemoteAgent]:
     """One agent per host, node ranks in hostfile order, then the spares (node rank -1: they stand by).
 
-    ``nproc`` None: each host runs as many ranks as it has slots (else --nproc-per-node's default).
+    ``nproc`` None: each host runs as many ranks as the hostfile gives it devices (else --nproc-per-node's
+    default, LaunchConfig's).
     """
     agents = []
     for rank, host in enumerate([*hosts, *spares]):
         node_rank = rank if rank < len(hosts) else -1
         flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
                  "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
-        count, devices = nproc or "1", cast(tuple[int, ...], ())
-        if nproc is None and host.slots is not None:
-            count = str(len(host.slots))
-            devices = host.slots if host.slots != tuple(range(len(host.slots))) else ()
+        count, devices = nproc or str(LaunchConfig.nproc_per_node), cast(tuple[int, ...], ())
+        if nproc is None and host.devices is not None:
+            count = str(len(host.devices))
+            devices = host.devices if host.devices != tuple(range(len(host.devices))) else ()
         flags += ["--nproc-per-node", count]
         if devices:
             flags += ["--devices", ",".join(map(str, devices))]

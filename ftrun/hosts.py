@@ -15,21 +15,26 @@ from ftrun.errors import UsageError
 #: (ssh would read it as an option)
 _HOST = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COUNT = re.compile(r"^[0-9]+$")
-#: a slot or node index int() reads at once (it refuses 4300 digits and more)
+#: a device or node index int() reads at once (it refuses 4300 digits and more)
 _INDEX = re.compile(r"^[0-9]{1,18}$")
-#: the most slots a host may give: more is a typo, and would fill memory with slot numbers
-MAX_SLOTS = 100_000
+#: the most devices a hostfile line may give (slots=N): more is a typo, and would fill memory with device ids
+MAX_HOST_DEVICES = 100_000
 #: the most hosts a node list may name (Slurm's largest clusters have some tens of thousands)
 MAX_HOSTS = 100_000
 
 
 @dataclass(frozen=True)
 class Host:
-    """One hostfile line, after ``--include``/``--exclude``."""
+    """One hostfile line, after ``--include``/``--exclude``.
+
+    A hostfile's ``slots`` (DeepSpeed's and MPI's word) are device indices: ``slots=4`` gives devices
+    0-3, one rank each. The file and the messages keep the users' word; the code says devices, since a
+    slot in ftrun's code is a node's place in the job (``NodeSlot``).
+    """
 
     name: str
-    #: the slots (device indices) ranks may use; None: as many as --nproc-per-node says
-    slots: tuple[int, ...] | None = None
+    #: the device indices ranks may use; None: as many as --nproc-per-node says
+    devices: tuple[int, ...] | None = None
     #: a standby node: joins the job but runs no ranks until it replaces a lost one
     spare: bool = False
 
@@ -63,26 +68,26 @@ def parse_hostfile(text: str, where: str) -> list[Host]:
 
 def _parse_host_line(line: str) -> Host:
     words = line.split()
-    name, slots, spare, max_slots = words[0], None, False, None
+    name, count, spare, most = words[0], None, False, None
     if ":" in name:  # Horovod: host:N
-        name, _, count = name.partition(":")
-        slots = _slot_count(count)
+        name, _, text = name.partition(":")
+        count = _device_count(text)
     check_host_name(name)
     for word in words[1:]:
         key, sep, value = word.partition("=")
         if word == "spare":
             spare = True
-        elif sep and key == "slots" and slots is None:
-            slots = _slot_count(value)
+        elif sep and key == "slots" and count is None:
+            count = _device_count(value)
         elif sep and key == "max_slots":  # Open MPI's; ftrun runs `slots` ranks
-            max_slots = _slot_count(value)
+            most = _device_count(value)
         elif sep and key == "slots":
             raise UsageError(f"host '{name}' gives its slots twice")
         else:
             raise UsageError(f"unexpected '{word}' (expected slots=N or spare)")
-    if slots is not None and max_slots is not None and slots > max_slots:
-        raise UsageError(f"host '{name}' gives slots={slots} above max_slots={max_slots}")
-    return Host(name, tuple(range(slots)) if slots is not None else None, spare)
+    if count is not None and most is not None and count > most:
+        raise UsageError(f"host '{name}' gives slots={count} above max_slots={most}")
+    return Host(name, tuple(range(count)) if count is not None else None, spare)
 
 
 def check_host_name(name: str) -> None:
@@ -100,16 +105,17 @@ def _labels_fit(host: str) -> bool:
     return True
 
 
-def _slot_count(text: str) -> int:
+def _device_count(text: str) -> int:
+    """A hostfile's ``slots=N``, ``max_slots=N`` or ``host:N``: how many devices."""
     if not _COUNT.match(text) or not text.strip("0"):
         raise UsageError(f"slots must be a whole number of at least 1, got '{text}'")
-    if not _INDEX.match(text) or int(text) > MAX_SLOTS:
-        raise UsageError(f"slots must be at most {MAX_SLOTS}, got '{text}'")
+    if not _INDEX.match(text) or int(text) > MAX_HOST_DEVICES:
+        raise UsageError(f"slots must be at most {MAX_HOST_DEVICES}, got '{text}'")
     return int(text)
 
 
 def parse_host_filter(text: str, flag: str) -> dict[str, tuple[int, ...] | None]:
-    """DeepSpeed's ``h1@h2:0,2`` (hosts joined by @, optional slot list): host -> slots, None = all.
+    """DeepSpeed's ``h1@h2:0,2`` (hosts joined by @, optional slot list): host -> devices, None = all.
 
     Host names may use Slurm's bracket ranges (``n[01-04]``).
     """
@@ -118,22 +124,22 @@ def parse_host_filter(text: str, flag: str) -> dict[str, tuple[int, ...] | None]
         part = part.strip()
         if not part:
             raise UsageError(f"{flag}: empty host in '{text}'")
-        name, sep, slot_text = part.partition(":")
-        slots = None
+        name, sep, devices_text = part.partition(":")
+        devices = None
         if sep:
-            parts = [s.strip() for s in slot_text.split(",")]
+            parts = [s.strip() for s in devices_text.split(",")]
             if not all(_INDEX.match(p) for p in parts):
-                raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{slot_text}'")
-            slots = tuple(sorted({int(p) for p in parts}))
+                raise UsageError(f"{flag}: slots of '{name}' must be whole numbers like 0,2, got '{devices_text}'")
+            devices = tuple(sorted({int(p) for p in parts}))
         for host in expand_nodelist(name, flag):
             if host in selected:
                 raise UsageError(f"{flag}: host '{host}' is named twice (give its slots once: {host}:0,1)")
-            selected[host] = slots
+            selected[host] = devices
     return selected
 
 
 def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> list[Host]:
-    """The hosts and slots left after ``--include`` or ``--exclude`` (not both)."""
+    """The hosts and devices left after ``--include`` or ``--exclude`` (not both)."""
     if include and exclude:
         raise UsageError("--include and --exclude cannot be combined")
     if not include and not exclude:
@@ -141,26 +147,26 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> lis
     flag = "--include" if include else "--exclude"
     wanted = parse_host_filter(include or exclude, flag)
     by_name = {h.name: h for h in hosts} | {h.address: h for h in hosts}
-    for name, slots in wanted.items():
+    for name, devices in wanted.items():
         if name not in by_name:
             raise UsageError(f"{flag}: host '{name}' is not in the hostfile")
-        known = by_name[name].slots
-        bad = [s for s in slots or () if known is not None and s not in known]
+        known = by_name[name].devices
+        bad = [d for d in devices or () if known is not None and d not in known]
         if bad:
             raise UsageError(f"{flag}: host '{name}' has no slot {bad[0]} (slots 0-{len(known) - 1})")
-        if slots is not None and known is None:
+        if devices is not None and known is None:
             raise UsageError(f"{flag}: host '{name}' has no slots= in the hostfile to choose from")
     chosen = []
     for host in hosts:
         named = host.name in wanted or host.address in wanted
-        chosen_slots = wanted.get(host.name, wanted.get(host.address))
+        chosen_devices = wanted.get(host.name, wanted.get(host.address))
         if include:
             if named:
-                chosen.append(Host(host.name, host.slots if chosen_slots is None else chosen_slots, host.spare))
+                chosen.append(Host(host.name, host.devices if chosen_devices is None else chosen_devices, host.spare))
         elif not named:
             chosen.append(host)
-        elif chosen_slots is not None:
-            left = tuple(s for s in host.slots if s not in chosen_slots)
+        elif chosen_devices is not None:
+            left = tuple(d for d in host.devices if d not in chosen_devices)
             if left:
                 chosen.append(Host(host.name, left, host.spare))
     if not chosen:

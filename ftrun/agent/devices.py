@@ -23,7 +23,7 @@ from ftrun.agent.health import DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
 from ftrun.config import LaunchConfig
-from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_backend
+from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_device_backend
 from ftrun.faults.levels import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
 from ftrun.messages import DeviceRecord, DeviceState
 
@@ -63,7 +63,7 @@ class NodeDevices:
     @classmethod
     def open(cls, config: LaunchConfig, table: FaultTable) -> "NodeDevices":
         options = DeviceOptions(npu_smi=config.npu_smi, timeout=config.device_timeout)
-        backend = make_backend(config.device, options)
+        backend = make_device_backend(config.device, options)
         devices: list[int] = []
         try:
             devices = [d.index for d in backend.discover()]

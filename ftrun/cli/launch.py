@@ -6,7 +6,11 @@ import click
 
 from ftrun import __version__
 from ftrun.config import (
+    DEFAULT_NNODES,
+    DEFAULT_NPROC_PER_NODE,
     DEFAULT_SIGNALS,
+    DEFAULT_STREAMS,
+    DEFAULTS,
     LOG_LAYOUTS,
     NUMA_MODES,
     RDZV_BACKENDS,
@@ -74,12 +78,13 @@ CLUSTER = "Cluster (SSH, Slurm)"
 
 def launch_options(fn):
     decorators = [
-        option("nnodes", group=NODES, default="1", show_default=True, help="Number of nodes, or MIN:MAX."),
-        option("spares", group=NODES, type=int, default=0, show_default=True,
+        option("nnodes", group=NODES, default=DEFAULT_NNODES, show_default=True, help="Number of nodes, or MIN:MAX."),
+        option("spares", group=NODES, type=int, default=DEFAULTS.spares, show_default=True,
                help="Spare nodes: agents that join beyond --nnodes stand by and take the place of a lost node."),
-        option("nproc-per-node", group=NODES, default="1", show_default=True,
+        option("nproc-per-node", group=NODES, default=DEFAULT_NPROC_PER_NODE, show_default=True,
                help="Workers per node: a number, or auto/cpu/gpu."),
-        option("node-rank", group=NODES, type=int, default=-1, help="This node's rank (assigned at rendezvous when not given)."),
+        option("node-rank", group=NODES, type=int, default=DEFAULTS.node_rank,
+               help="This node's rank (assigned at rendezvous when not given)."),
         option("standalone", group=NODES, is_flag=True, help="Single node: a local store on a free port, a fresh run id."),
         option("hostfile", group=CLUSTER, default="",
                help="Run from this head node: one agent per host over ssh (lines 'host slots=N [spare]' or "
@@ -104,7 +109,7 @@ def launch_options(fn):
         option("dry-run", group=CLUSTER, is_flag=True,
                help="Print the commands ftrun would run on each host (or for each local rank), then exit."),
         option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
-        option("rdzv-backend", group=RDZV, default="c10d", show_default=True,
+        option("rdzv-backend", group=RDZV, default=DEFAULTS.rdzv_backend, show_default=True,
                help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}."),
         option("rdzv-endpoint", group=RDZV, default="",
                help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
@@ -112,10 +117,10 @@ def launch_options(fn):
         option("rdzv-id", group=RDZV, default="", help="Same as --run-id (torchrun's name)."),
         option("rdzv-conf", group=RDZV, default="", help="key=value,... (join_timeout, last_call_timeout, is_host)."),
         option("rdzv-timeout", group=RDZV, type=float, default=None,
-               help="Seconds to wait for every node to join.  [default: 600]"),
-        option("master-addr", group=RDZV, default="127.0.0.1", show_default=True,
+               help=f"Seconds to wait for every node to join.  [default: {DEFAULTS.rdzv_timeout:g}]"),
+        option("master-addr", group=RDZV, default=DEFAULTS.endpoint.host, show_default=True,
                help="Store host for the static rendezvous."),
-        option("master-port", group=RDZV, type=int, default=29500, show_default=True,
+        option("master-port", group=RDZV, type=int, default=DEFAULTS.endpoint.port, show_default=True,
                help="Port of the static rendezvous, which the workers see as MASTER_PORT."),
         option("worker-port-range", group=RDZV, default="",
                help="LO-HI: the ports ftrun opens itself (the control and worker stores, snapshot servers) "
@@ -129,23 +134,24 @@ def launch_options(fn):
                help="File with the job's secret (owner-only): every control message is signed with it, and "
                     "unsigned ones are ignored. Give every node the same file. [default: a head node makes one "
                     "for its agents; a single node makes its own]"),
-        option("recovery", group=RECOVERY, default="job", show_default=True,
+        option("recovery", group=RECOVERY, default=DEFAULTS.recovery, show_default=True,
                help=f"Finest recovery level to try: {', '.join(RECOVERY_LEVELS)}."),
         option("max-restarts", group=RECOVERY, type=int, default=None,
-               help="Job-wide retry budget (alias: --fault-retry-times).  [default: 0]"),
+               help=f"Job-wide retry budget (alias: --fault-retry-times).  [default: {DEFAULTS.max_restarts}]"),
         option("fault-retry-times", group=RECOVERY, type=int, default=None, help="Same as --max-restarts (MindCluster's name)."),
-        option("monitor-interval", group=RECOVERY, type=float, default=0.1, show_default=True,
+        option("monitor-interval", group=RECOVERY, type=float, default=DEFAULTS.monitor_interval, show_default=True,
                help="Seconds between checks of the workers (on Linux a worker's death is seen at once, and a "
                     "command from the controller always is)."),
-        option("heartbeat-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
+        option("heartbeat-timeout", group=RECOVERY, type=float, default=DEFAULTS.heartbeat_timeout, show_default=True,
                help="Seconds without a heartbeat before a rank under ftrun.elastic counts as hung: its stack is "
                     "dumped, it is killed and recovered."),
-        option("hang-timeout", group=RECOVERY, type=float, default=0.0,
+        option("hang-timeout", group=RECOVERY, type=float, default=DEFAULTS.hang_timeout,
                help="Seconds without output and without CPU progress before a rank that does not use "
-                    "ftrun.elastic counts as hung; 0 turns this off.  [default: 0]"),
-        option("node-timeout", group=RECOVERY, type=float, default=30.0, show_default=True,
+                    "ftrun.elastic counts as hung; 0 turns this off.  "
+                    f"[default: {DEFAULTS.hang_timeout:g}]"),
+        option("node-timeout", group=RECOVERY, type=float, default=DEFAULTS.node_timeout, show_default=True,
                help="Seconds without an agent's keepalive before its node counts as lost."),
-        option("stop-timeout", group=RECOVERY, type=float, default=5.0, show_default=True,
+        option("stop-timeout", group=RECOVERY, type=float, default=DEFAULTS.stop_timeout, show_default=True,
                help="Seconds between SIGTERM and SIGKILL when stopping workers (alias: --shutdown-timeout)."),
         option("shutdown-timeout", group=RECOVERY, type=float, default=None,
                envvar=["PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
@@ -154,18 +160,18 @@ def launch_options(fn):
                help="Signals that stop the job, comma-separated. SIGINT and SIGTERM always do, and the "
                     "workers get SIGTERM; the workers get any other listed signal itself (SIGUSR1 for a Slurm "
                     "pre-emption), then SIGKILL after --stop-timeout."),
-        option("repair-timeout", group=RECOVERY, type=float, default=60.0, show_default=True,
+        option("repair-timeout", group=RECOVERY, type=float, default=DEFAULTS.repair_timeout, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
                help="Warm standby workers per node (torch already imported, about 300 MB of host memory each), "
                     "taken by replacement ranks and by a job-level restart's.  "
                     "[default: --nproc-per-node with --recovery process, else 0]"),
-        option("snapshot-every", group=CHECKPOINTS, type=int, default=0, show_default=True,
+        option("snapshot-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.every, show_default=True,
                help="Snapshot each rank's registered state into its node's shared memory after every K-th step "
                     "(ftrun.elastic); a job-level restart resumes from it. 0: no snapshots."),
-        option("snapshot-replicas", group=CHECKPOINTS, type=int, default=1, show_default=True,
+        option("snapshot-replicas", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.replicas, show_default=True,
                help="Peer nodes (the next in node order) that keep a copy of each rank's pinned snapshots."),
-        option("replicate-every", group=CHECKPOINTS, type=int, default=10, show_default=True,
+        option("replicate-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.replicate_every, show_default=True,
                help="Steps between pinned snapshots, the ones copied to peers and to disk (a multiple of "
                     "--snapshot-every)."),
         option("snapshot-memory", group=CHECKPOINTS, default=None,
@@ -174,23 +180,24 @@ def launch_options(fn):
         option("checkpoint-dir", group=CHECKPOINTS, default="",
                help="Folder the agents write pinned snapshots to, in the background (torch.save files and a "
                     "manifest per step)."),
-        option("checkpoint-every", group=CHECKPOINTS, type=int, default=100, show_default=True,
+        option("checkpoint-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.checkpoint_every, show_default=True,
                help="Steps between checkpoints on disk (a multiple of --replicate-every)."),
-        option("checkpoint-interval", group=CHECKPOINTS, type=float, default=0.0,
+        option("checkpoint-interval", group=CHECKPOINTS, type=float, default=DEFAULTS.snapshots.checkpoint_interval,
                help="Also write a checkpoint once the last one is this many seconds old (at the next pinned "
-                    "snapshot); 0: only every --checkpoint-every steps.  [default: 0]"),
-        option("keep-checkpoints", group=CHECKPOINTS, type=int, default=3, show_default=True,
+                    "snapshot); 0: only every --checkpoint-every steps.  "
+                    f"[default: {DEFAULTS.snapshots.checkpoint_interval:g}]"),
+        option("keep-checkpoints", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.keep, show_default=True,
                help="Checkpoints kept on disk; older ones are deleted."),
         option("save-on-failure", group=CHECKPOINTS, is_flag=True,
                help="When a fault stops ranks, write every rank's snapshots in memory (its two newest) to "
                     "--checkpoint-dir too."),
-        option("device", group=DEVICES, default="auto", show_default=True,
+        option("device", group=DEVICES, default=DEFAULTS.device, show_default=True,
                help="Device kind to watch and assign: auto (npu if npu-smi is on PATH, cuda if nvidia-smi is), "
                     "npu, cuda or cpu."),
-        option("npu-smi", group=DEVICES, default="npu-smi", show_default=True, help="The npu-smi program to run."),
-        option("device-timeout", group=DEVICES, type=float, default=10.0, show_default=True,
+        option("npu-smi", group=DEVICES, default=DEFAULTS.npu_smi, show_default=True, help="The npu-smi program to run."),
+        option("device-timeout", group=DEVICES, type=float, default=DEFAULTS.device_timeout, show_default=True,
                help="Seconds a device tool (npu-smi, nvidia-smi) may take before it is killed."),
-        option("health-interval", group=DEVICES, type=float, default=5.0, show_default=True,
+        option("health-interval", group=DEVICES, type=float, default=DEFAULTS.health_interval, show_default=True,
                help="Seconds between device health polls (in a thread of their own)."),
         option("fault-levels", group=DEVICES, default="",
                help="YAML file merged over ftrun's fault-level table (error codes, health, error strings)."),
@@ -211,15 +218,15 @@ def launch_options(fn):
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),
-        option("role", group=WORKER, default="default", show_default=True, help="Role name given to the workers."),
+        option("role", group=WORKER, default=DEFAULTS.role, show_default=True, help="Role name given to the workers."),
         option("start-method", group=WORKER, type=click.Choice(("spawn", "fork", "forkserver")), default=None,
                help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or a warm standby)."),
         option("log-dir", group=LOGS, default="", help="Folder for per-rank logs and error files."),
-        option("redirects", group=LOGS, short="-r", default="0", show_default=True,
+        option("redirects", group=LOGS, short="-r", default=DEFAULT_STREAMS, show_default=True,
                help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),
-        option("tee", group=LOGS, short="-t", default="0", show_default=True,
+        option("tee", group=LOGS, short="-t", default=DEFAULT_STREAMS, show_default=True,
                help="Copy streams to log files too, lines prefixed [rank N] on the console; values as -r."),
-        option("log-layout", group=LOGS, default="ftrun", show_default=True,
+        option("log-layout", group=LOGS, default=DEFAULTS.log_layout, show_default=True,
                help=f"Log folders and console prefixes: {', '.join(LOG_LAYOUTS)}. ftrun: DIR/RUN_ID/nodeN/attempt_G/RANK/ "
                     "and [rank N]; torchrun: DIR/RUN_ID_XXXXXXXX/attempt_G/LOCAL_RANK/ and [default0]:, as torchrun "
                     "writes them."),
@@ -233,7 +240,7 @@ def launch_options(fn):
                help="Accepted for torchrun's scripts: ftrun has no LogsSpecs plugins (see --log-dir, --tee)."),
         option("event-log-handler", group=LOGS, default="",
                help="Accepted for torchrun's scripts: ftrun writes its events to LOG_DIR/RUN_ID/events.jsonl."),
-        option("status", group=LOGS, default="auto", show_default=True,
+        option("status", group=LOGS, default=DEFAULTS.status, show_default=True,
                help="The job's status where the controller runs: live (ftrun top's interactive view when the "
                     "terminal is stdin too and textual is installed, pip install 'ftrun[top]'; else a view "
                     "redrawn in place), plain (log lines and a progress line every 30s), off, or auto (live on a "
@@ -295,7 +302,7 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
             from_file.pop("script_args", None)
         values.update((k, v) for k, v in from_file.items() if k not in given)
     if values.get("max_restarts") is None:
-        values["max_restarts"] = 0
+        values["max_restarts"] = DEFAULTS.max_restarts
     #: what the user set (flag, PET_* variable or config file), as against defaults
     values["given"] = frozenset(given | set(from_file))
     return values

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ftrun.cli.console import out
 from ftrun.cli.launch import DEVICES, option
+from ftrun.config import DEFAULTS
 from ftrun.errors import ExitCode
 
 HELP = """Show this node's devices: health, error codes, fault level and the action ftrun would take.
@@ -22,21 +23,21 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 
 
 @click.command(help=HELP, context_settings={"max_content_width": 110})
-@option("device", group=DEVICES, default="auto", show_default=True, help="auto, npu, cuda or cpu.")
-@option("npu-smi", group=DEVICES, default="npu-smi", show_default=True, help="The npu-smi program to run.")
-@option("device-timeout", group=DEVICES, type=float, default=10.0, show_default=True,
+@option("device", group=DEVICES, default=DEFAULTS.device, show_default=True, help="auto, npu, cuda or cpu.")
+@option("npu-smi", group=DEVICES, default=DEFAULTS.npu_smi, show_default=True, help="The npu-smi program to run.")
+@option("device-timeout", group=DEVICES, type=float, default=DEFAULTS.device_timeout, show_default=True,
         help="Seconds the device tool may take.")
 @option("fault-levels", group=DEVICES, default="", help="YAML file merged over ftrun's fault-level table.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
-    from ftrun.devices import DeviceOptions, make_backend
+    from ftrun.devices import DeviceOptions, make_device_backend
     from ftrun.faults.levels import load_fault_table
     from ftrun.probe import probe
 
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
-    backend = make_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
+    backend = make_device_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
     report = probe(backend, table)
     if params["as_json"]:
         out.print_json(json.dumps(report.as_dict()))

@@ -125,7 +125,7 @@ def detect_kind(options: DeviceOptions, env=os.environ) -> str:
     return "cpu"
 
 
-def make_backend(kind: str, options: DeviceOptions = DeviceOptions()) -> DeviceBackend:
+def make_device_backend(kind: str, options: DeviceOptions = DeviceOptions()) -> DeviceBackend:
     """The backend for ``kind`` (one of DEVICE_KINDS); its tools are looked for only when used."""
     if kind == "auto":
         kind = detect_kind(options)

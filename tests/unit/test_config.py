@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+import os
+import re
+import sys
+
+import click
 import pytest
 
 from ftrun.cli import launch_command
 from ftrun.cli.cluster import ClusterPlan
+from ftrun.cli.probe import probe_command
 from ftrun.config import (
+    DEFAULTS,
     Endpoint,
+    LaunchConfig,
     StreamSpec,
     build_launch_config,
+    parse_device_list,
     parse_endpoint,
+    parse_filters,
     parse_nnodes,
+    parse_nproc,
+    parse_rank_filter,
     parse_rdzv_conf,
+    parse_signals,
     parse_streams,
 )
 from ftrun.errors import UsageError
+from ftrun.ports import parse_port_range
 from tests.conftest import ROOT
 
 
@@ -187,3 +203,78 @@ def test_example_configs_are_valid(path, tmp_path, monkeypatch):
         monkeypatch.setenv("WANDB_API_KEY", "set-for-the-test")
         plan = ClusterPlan.from_values({**values, "rdzv_host": "head"}, launch_command)
         assert [agent.host.name for agent in plan.agents] == ["node01", "node02", "node03", "node04"]
+
+
+#: the field an option sets, where it is not the field of the option's name ("snapshots.every": a field's field)
+FIELD_OF = {
+    "nnodes": ("min_nodes", "max_nodes"), "master_addr": ("endpoint.host",), "master_port": ("endpoint.port",),
+    "ssh_agent": ("head_managed",), "snapshot_every": ("snapshots.every",), "snapshot_replicas": ("snapshots.replicas",),
+    "replicate_every": ("snapshots.replicate_every",), "checkpoint_dir": ("snapshots.checkpoint_dir",),
+    "checkpoint_every": ("snapshots.checkpoint_every",), "checkpoint_interval": ("snapshots.checkpoint_interval",),
+    "keep_checkpoints": ("snapshots.keep",), "save_on_failure": ("snapshots.save_on_failure",),
+}
+#: how a flag's value becomes its field's, where it is not the value itself
+FROM_FLAG = {
+    "nnodes": parse_nnodes, "nproc_per_node": parse_nproc, "redirects": lambda text: parse_streams(text, "-r"),
+    "tee": lambda text: parse_streams(text, "-t"), "signals_to_handle": parse_signals,
+    "local_ranks_filter": parse_rank_filter, "duplicate_stdout_filters": parse_filters,
+    "duplicate_stderr_filters": parse_filters, "devices": parse_device_list, "worker_port_range": parse_port_range,
+    "numa_binding": lambda value: value or "",  # None: not bound
+}
+#: options whose default is None and only their help says it ("[default: 600]")
+SAID_IN_HELP = {"rdzv_timeout", "max_restarts"}
+#: options that set no field of their own: where and how to run (head node, Slurm, the worker command),
+#: second names of another option, torchrun's flags that ftrun only accepts, and those a field is derived
+#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --recovery)
+NOT_A_FIELD = {
+    "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
+    "print_hosts", "dry_run", "standalone", "rdzv_endpoint", "rdzv_conf", "run_id", "rdzv_id", "fault_retry_times",
+    "shutdown_timeout", "token_file", "warm_standby", "snapshot_memory", "module", "no_python", "run_path",
+    "start_method", "logs_specs", "event_log_handler", "config", "version", "as_json",
+}
+
+
+@pytest.mark.parametrize("command", [launch_command, probe_command], ids=["ftrun", "ftrun probe"])
+def test_each_option_s_default_is_its_launch_config_field_s_default(command):
+    """The defaults live in LaunchConfig's fields: a flag that wrote its own would drift from them. An
+    option new here names its field in FIELD_OF, or says in NOT_A_FIELD why it sets none."""
+    ctx = click.Context(command)
+    for option in (p for p in command.params if isinstance(p, click.Option) and p.name not in NOT_A_FIELD):
+        paths = FIELD_OF.get(option.name, (option.name,))
+        assert all(hasattr(DEFAULTS, path.partition(".")[0]) for path in paths), f"--{option.name}: which field?"
+        field_default = operator.attrgetter(*paths)(DEFAULTS)
+        if option.name in SAID_IN_HELP:
+            said = re.search(r"\[default: ([^\]]+)\]", option.help or "")
+            assert option.default is None and said and float(said.group(1)) == field_default, option.name
+        else:
+            assert FROM_FLAG.get(option.name, _same)(option.get_default(ctx)) == field_default, option.name
+
+
+def _same(value):
+    return value
+
+def test_a_missing_device_option_is_the_launch_config_default():
+    from ftrun.config import device_options
+
+    assert dataclasses.replace(DEFAULTS, **device_options({})) == DEFAULTS
+
+
+@pytest.mark.parametrize("given", ["no flags", "an empty config file", "no options at all"])
+def test_a_config_of_no_options_is_launch_config_s_defaults(given, tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("PET_")]:
+        monkeypatch.delenv(name)
+    for name in ("FTRUN_CONFIG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    raw = {
+        "no flags": lambda: parse([str(script)]),
+        "an empty config file": lambda: parse(["--config", str(empty), str(script)]),
+        "no options at all": lambda: {"script": str(script)},
+    }[given]()
+    # what the script and the store's place make (no --rdzv-endpoint: torchrun's static rendezvous on
+    # --master-addr/--master-port, this single node hosting it, its workers seeing that MASTER_PORT)
+    derived = dict(entrypoint=(sys.executable, "-u", str(script)), is_host=True, worker_port=DEFAULTS.endpoint.port)
+    assert build_launch_config(raw) == dataclasses.replace(LaunchConfig(), **derived)

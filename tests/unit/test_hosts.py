@@ -289,7 +289,7 @@ def test_exclude_slots_keeps_the_rest_of_the_host(hosts, exclude, left):
     selected = {h.name: h for h in select_hosts(hosts, exclude=exclude)}
     assert list(selected) == ["n1", "n2", "alice@n3", "n4"]
     for name, slots in left.items():
-        assert selected[name].slots == slots
+        assert selected[name].devices == slots
     assert selected["n2"].spare and not selected["n1"].spare
 
 

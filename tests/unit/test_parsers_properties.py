@@ -160,7 +160,7 @@ def test_hostfile(text):
     hosts = fails_cleanly(lambda t: parse_hostfile(t, "hostfile h"), text)
     if hosts is not None:
         assert hosts and len({h.address for h in hosts}) == len(hosts)
-        assert all(not h.name.startswith("-") and (h.slots is None or h.slots) for h in hosts)
+        assert all(not h.name.startswith("-") and (h.devices is None or h.devices) for h in hosts)
 
 
 @FAST
