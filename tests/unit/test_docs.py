@@ -324,6 +324,12 @@ def test_no_file_tells_session_history(path):
     assert not found, f"{path.name} tells history (it belongs in commit messages): {found}"
 
 
+def test_the_history_check_spots_session_phrases():
+    told = ["this session's table", "55 ms in the last session's", "14 runs in two sessions before"]
+    assert all(SESSION_HISTORY.search(line) for line in told)
+    assert not SESSION_HISTORY.search("an agent whose ssh session ends mid-job counts as a lost node")
+
+
 def test_the_docs_are_the_files_the_readme_promises():
     names = {p.name for p in DOC_FILES}
     assert {"design.md", "worker-library.md", "parallelism.md", "snapshots.md", "detection.md", "scale.md",
@@ -370,7 +376,7 @@ def test_every_command_and_its_options_are_in_the_command_line_reference(name, c
     for param in command.params:
         if isinstance(param, click.Option) and not param.hidden:
             flag = next(o for o in param.opts if o.startswith("--") and "_" not in o)
-            assert re.search(rf"{re.escape(flag)}(?![\w-])", CLI_DOC), f"ftrun {name} {flag} is missing from docs/cli.md"
+            assert re.search(rf"{re.escape(flag)}(?![\w-])", CLI_DOC), f"ftrun {name} {flag} is not in docs/cli.md"
 
 
 @pytest.mark.parametrize("code", list(ExitCode), ids=[c.name for c in ExitCode])
