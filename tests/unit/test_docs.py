@@ -1,5 +1,7 @@
-"""The man page keeps up with the code: every visible flag, config key, exit code and worker variable of
-``ftrun`` is documented there, and every example config loads and explains its keys."""
+"""The documentation keeps up with the code. The man page: every visible flag, config key, exit code and
+worker variable of ``ftrun`` is documented there, and every example config loads and explains its keys.
+README.md and docs/: the README starts with the two commands and stays short, every link resolves, every
+flag, exit code and worker variable has its place in docs/, and no file tells session-by-session history."""
 
 from __future__ import annotations
 
@@ -230,3 +232,159 @@ def test_the_man_page_renders_without_warnings():
     result = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z", str(ROOT / "man" / "ftrun.1")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and not result.stderr, result.stderr
+
+
+# -- README.md and docs/ -------------------------------------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+DOC_FILES = sorted(DOCS.glob("*.md"))
+#: the README's first lines: the two commands that do everything on a fresh machine
+TWO_COMMANDS = [
+    "# ftrun",
+    "",
+    "```sh",
+    "bash scripts/demo.sh   # sets up .venv, runs a 2-node x 2-rank CPU job under ftrun with the live status view, "
+    "kills a rank, shows the recovery",
+    "bash scripts/test.sh   # sets up .venv, lints (ruff) and type-checks (mypy) ftrun/, runs the whole test suite in "
+    "two processes (what CI runs: .ci/run); arguments go to pytest",
+    "```",
+]
+README_MAX_LINES = 300
+#: what a file says when it tells how a figure or the code moved from one session to the next; history
+#: belongs in commit messages
+SESSION_HISTORY = re.compile(r"\b(this|last|previous|earlier|next) session\b|\bsessions? (before|ago)\b", re.I)
+#: a Markdown link's target: [text](target)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def headings(text: str) -> set[str]:
+    """The anchors GitHub makes for a Markdown text's headings (code blocks left out)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return {slug(title) for title in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links in ``path`` to a file that does not exist, or to an anchor its file lacks."""
+    text = path.read_text()
+    broken = []
+    for target in LINK.findall(re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        name, _, anchor = target.partition("#")
+        linked = (path.parent / name).resolve() if name else path
+        if not linked.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in headings(linked.read_text()):
+            broken.append(f"{target} (no such heading)")
+    return broken
+
+
+def test_the_readme_starts_with_the_two_commands():
+    assert README.splitlines()[:len(TWO_COMMANDS)] == TWO_COMMANDS
+
+
+def test_ci_runs_the_readme_s_test_command():
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readme_is_at_most_300_lines():
+    lines = len(README.splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference text to docs/"
+
+
+def test_the_readme_links_every_docs_file_and_the_man_page():
+    linked = {name for name in LINK.findall(README)}
+    missing = [f"docs/{p.name}" for p in DOC_FILES if not any(t.split("#")[0] == f"docs/{p.name}" for t in linked)]
+    assert not missing, f"README.md does not link {', '.join(missing)}"
+    assert "man/ftrun.1" in linked
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *DOC_FILES], ids=lambda p: p.name)
+def test_every_relative_link_resolves(path):
+    broken = broken_links(path)
+    assert not broken, f"{path.name}: {'; '.join(broken)}"
+
+
+def test_the_link_check_spots_a_missing_file_and_a_missing_heading(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## A section: `x`\n\n[ok](#a-section-x) [gone](nothing.md) [no](#elsewhere) "
+                    "[web](https://example.com)\n```\n[in code](nowhere.md)\n```\n")
+    assert broken_links(page) == ["nothing.md (no such file)", "#elsewhere (no such heading)"]
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *DOC_FILES], ids=lambda p: p.name)
+def test_no_file_tells_session_history(path):
+    found = [line.strip() for line in path.read_text().splitlines() if SESSION_HISTORY.search(line)]
+    assert not found, f"{path.name} tells history (it belongs in commit messages): {found}"
+
+
+def test_the_history_check_spots_session_phrases():
+    told = ["this session's table", "55 ms in the last session's", "14 runs in two sessions before"]
+    assert all(SESSION_HISTORY.search(line) for line in told)
+    assert not SESSION_HISTORY.search("an agent whose ssh session ends mid-job counts as a lost node")
+
+
+def test_the_docs_are_the_files_the_readme_promises():
+    names = {p.name for p in DOC_FILES}
+    assert {"design.md", "worker-library.md", "parallelism.md", "snapshots.md", "detection.md", "scale.md",
+            "benchmarks.md"} <= names
+
+
+def test_the_design_has_the_sections_the_code_cites():
+    design = (DOCS / "design.md").read_text()
+    for title in ("The parts", "Generations", "Recovery levels", "The repair, step by step", "Fault sources",
+                  "The worker environment", "Testing without accelerators"):
+        assert slug(title) in headings(design), f"docs/design.md has no section '{title}'"
+    code = "\n".join(p.read_text() for p in (ROOT / "ftrun").rglob("*.py"))
+    for cited in re.findall(r'design\.md"?\s*"([^"]+)"', code, re.I):
+        assert slug(cited) in headings(design), f"the code cites design.md \"{cited}\", which it lacks"
+
+
+def test_the_gpu_figures_have_their_place():
+    assert re.search(r"^## Measured on a GPU\n\nSee docs/benchmarks\.md#measured-on-a-gpu\.$", README, re.M)
+    assert "measured-on-a-gpu" in headings((DOCS / "benchmarks.md").read_text())
+
+
+def test_the_readme_names_the_single_point_of_failure():
+    assert "single point of failure" in README
+
+
+def test_the_man_page_points_at_every_docs_file():
+    text = section("SEE ALSO")
+    missing = [p.name for p in DOC_FILES if p.name.replace("-", "\\-") not in text]
+    assert not missing, f"man/ftrun.1 SEE ALSO does not name docs/{', docs/'.join(missing)}"
+
+
+CLI_DOC = (DOCS / "cli.md").read_text()
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=[o.name for o in OPTIONS])
+def test_every_flag_is_in_the_command_line_reference(option):
+    long_name = next(o for o in option.opts if o.startswith("--") and "_" not in o)
+    assert re.search(rf"{re.escape(long_name)}(?![\w-])", CLI_DOC), f"{long_name} is missing from docs/cli.md"
+
+
+@pytest.mark.parametrize("name, command", SUBCOMMANDS, ids=[name for name, _ in SUBCOMMANDS])
+def test_every_command_and_its_options_are_in_the_command_line_reference(name, command):
+    assert f"ftrun {name}" in CLI_DOC
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden:
+            flag = next(o for o in param.opts if o.startswith("--") and "_" not in o)
+            assert re.search(rf"{re.escape(flag)}(?![\w-])", CLI_DOC), f"ftrun {name} {flag} is not in docs/cli.md"
+
+
+@pytest.mark.parametrize("code", list(ExitCode), ids=[c.name for c in ExitCode])
+def test_every_exit_code_is_in_the_command_line_reference(code):
+    assert re.search(rf"^\| {int(code)} \|", CLI_DOC, re.M), f"exit code {int(code)} is not in docs/cli.md"
+
+
+def test_every_variable_set_for_workers_is_in_the_worker_library_reference(tmp_path, monkeypatch):
+    text = (DOCS / "worker-library.md").read_text()
+    missing = sorted(name for name in variables_set_for_workers(tmp_path, monkeypatch) if not mentions(text, name))
+    assert not missing, f"set for workers but not in docs/worker-library.md: {', '.join(missing)}"
