@@ -66,6 +66,11 @@ class GroupFailed(RuntimeError):
     """A collective of this step failed: the step's results are not to be used."""
 
 
+def first_line(error: BaseException) -> str:
+    """A failure in one line, for a log: a collective's error can run to a page of C++ context."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 class ElasticGroup(dist.ProcessGroup):
     """One process group of the script, the same object in every generation (see the module's text)."""
 
