@@ -99,9 +99,9 @@ class SnapshotSettings:
     #: every how many committed steps (FTRUN_SNAPSHOT_EVERY)
     every: int
     #: the most bytes one snapshot of the rank may take, 0 for no limit (FTRUN_SNAPSHOT_LIMIT)
-    limit: int = 0
+    limit: int
     #: how many copies of each snapshot the node keeps (FTRUN_SNAPSHOT_COPIES), for the limit's message
-    copies: int = 1
+    copies: int
 
     def to_environ(self) -> dict[str, str]:
         return {"FTRUN_SNAPSHOT_DIR": self.folder, "FTRUN_SNAPSHOT_EVERY": str(self.every),

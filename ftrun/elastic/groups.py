@@ -192,7 +192,7 @@ class GroupSet:
         """A collective of the step failed: the rest of the step is answered locally."""
         if self.failure is None:
             log.info("a collective failed (%s); the step goes on without communication until the repair",
-                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
+                     first_line(error))
             self.failure = error
 
     def interrupt(self) -> None:

@@ -13,15 +13,7 @@ import pytest
 
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.config import build_launch_config
-from ftrun.contract import (
-    DeviceAssignment,
-    Endpoint,
-    EndpointError,
-    Milestone,
-    SnapshotSettings,
-    WorkerEnv,
-    parse_endpoint,
-)
+from ftrun.contract import DeviceAssignment, Endpoint, EndpointError, Milestone, SnapshotSettings, WorkerEnv, parse_endpoint
 from tests.conftest import ROOT
 
 CONTRACT = ROOT / "ftrun" / "contract.py"
