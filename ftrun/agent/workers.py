@@ -458,7 +458,7 @@ def own_device_only(device_env: tuple[tuple[str, str], ...]) -> tuple[tuple[str,
     if assigned is None:
         return ()
     narrowed = {name: str(assigned.device) for name in values if name.endswith("_VISIBLE_DEVICES")}
-    seen_as_first = DeviceAssignment(assigned.device, index=0).to_environ()
-    return (*narrowed.items(), ("FTRUN_DEVICE_INDEX", seen_as_first["FTRUN_DEVICE_INDEX"]))
+    only_one_seen = DeviceAssignment(assigned.device, index=0)
+    return (*narrowed.items(), *only_one_seen.to_environ().items())
 
 
