@@ -121,8 +121,8 @@ class WorkerEnv:
     """What ftrun tells a worker through its environment: its ``FTRUN_*`` variables and the torchrun ones
     the worker library reads. The agent writes it (``to_environ``), ``ftrun.elastic`` reads it back.
 
-    Its parts come from three places of the agent: the rank and its generation (agent/workers.py), the
-    device (agent/devices.py) and the snapshots (snapshots/keeper.py).
+    The agent writes it in parts: the rank and its generation (agent/workers.py), the device
+    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/agent.py).
     """
 
     rank: int
