@@ -20,7 +20,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from ftrun import contract
 from ftrun.auth import read_token
+from ftrun.contract import Endpoint, EndpointError
 from ftrun.devices import DEVICE_KINDS, DeviceOptions
 from ftrun.errors import UsageError
 from ftrun.ports import PortRange, free_port, parse_port_range
@@ -41,15 +43,6 @@ MAX_COUNT = 100_000
 MAX_SECONDS = 1e9
 #: torchrun's port for a c10d endpoint given without one
 DEFAULT_RDZV_PORT = 29400
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -312,22 +305,11 @@ def _count_local_devices(kind: str) -> int:
 
 
 def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> Endpoint:
-    text = text.strip()
-    if not text:
-        raise UsageError(f"{flag} is empty")
-    host, sep, port_text = text.rpartition(":")
-    if not sep or text.endswith("]"):
-        host, port_text = text, str(default_port)
-    host = host.strip("[]")
-    if not host:
-        raise UsageError(f"{flag} '{text}' has no host name")
-    check_address(host, f"{flag} '{text}'")
+    """The contract's parser (ftrun.contract), its errors the user's: a usage error names the flag."""
     try:
-        port = int(port_text)
-    except ValueError:
-        raise UsageError(f"{flag} '{text}': port '{port_text}' is not a number") from None
-    check_port(port, flag)
-    return Endpoint(host, port)
+        return contract.parse_endpoint(text, default_port, flag)
+    except EndpointError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_address(host: str, where: str) -> str:

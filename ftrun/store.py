@@ -19,7 +19,7 @@ from typing import Callable, TypeVar
 import psutil
 
 from ftrun.auth import Forged, Signer
-from ftrun.config import Endpoint
+from ftrun.contract import Endpoint
 from ftrun.errors import RendezvousError, UsageError
 from ftrun.keys import CONTROL_STORE
 from ftrun.messages import from_json, to_json

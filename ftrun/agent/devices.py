@@ -23,6 +23,7 @@ from ftrun.agent.health import DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.placement import DeviceAllocator, DeviceSlot
 from ftrun.config import LaunchConfig
+from ftrun.contract import DeviceAssignment
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_device_backend
 from ftrun.faults.levels import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
 from ftrun.messages import DeviceRecord, DeviceState
@@ -197,11 +198,8 @@ class NodeDevices:
         """The worker's device variables: what it sees, and which of those is its own."""
         if slot is None:
             return ()
-        return (
-            (self.backend.visibility_var, ",".join(map(str, slot.visible))),
-            ("FTRUN_DEVICE", str(slot.device)),
-            ("FTRUN_DEVICE_INDEX", str(slot.index)),
-        )
+        visibility = (self.backend.visibility_var, ",".join(map(str, slot.visible)))
+        return (visibility, *DeviceAssignment(slot.device, slot.index).to_environ().items())
 
     # -- faults --------------------------------------------------------------------------------------
 

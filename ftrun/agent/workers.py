@@ -21,6 +21,7 @@ from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
 from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
+from ftrun.contract import DeviceAssignment, WorkerEnv
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
 from ftrun.messages import WorkerFailure, signal_name
@@ -408,17 +409,14 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
 
 
 def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
-    """torchrun's environment contract, plus ftrun's own FTRUN_* variables."""
+    """torchrun's environment contract, plus ftrun's own FTRUN_* variables (the worker's contract,
+    ``WorkerEnv``, writes the ranks and the world size)."""
     env = base_env(config)
     nproc = config.nproc_per_node
     env.update(
-        LOCAL_RANK=str(placement.local_rank),
-        RANK=str(placement.rank),
-        GROUP_RANK=str(placement.node_rank),
         ROLE_RANK=str(placement.rank),
         ROLE_NAME=config.role,
         LOCAL_WORLD_SIZE=str(nproc),
-        WORLD_SIZE=str(gen.world_size),
         GROUP_WORLD_SIZE=str(gen.node_count),
         ROLE_WORLD_SIZE=str(gen.world_size),
         MASTER_ADDR=gen.master_addr,
@@ -429,15 +427,20 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        FTRUN_RUN_ID=config.run_id,
-        FTRUN_GENERATION=str(gen.generation),
-        FTRUN_NODE_RANK=str(placement.node_rank),
-        FTRUN_CONTROL_STORE=gen.control_store,
-        FTRUN_RECOVERY=config.recovery,
-        FTRUN_HEARTBEAT_TIMEOUT=f"{config.heartbeat_timeout:g}",
-        FTRUN_REPLACEMENT="1" if gen.replacement else "0",
-        FTRUN_PREVIOUS_WORLD_SIZE=str(gen.previous_world_size or gen.world_size),
     )
+    env.update(WorkerEnv(
+        rank=placement.rank,
+        local_rank=placement.local_rank,
+        world_size=gen.world_size,
+        run_id=config.run_id,
+        generation=gen.generation,
+        control_store=gen.control_store,
+        replacement=gen.replacement,
+        heartbeat_timeout=config.heartbeat_timeout,
+        node_rank=placement.node_rank,
+        recovery=config.recovery,
+        previous_world_size=gen.previous_world_size or gen.world_size,
+    ).to_environ())
     env.update(gen.rank_tables)
     env.update(gen.snapshot_env)
     env.update(placement.device_env)
@@ -451,9 +454,11 @@ def own_device_only(device_env: tuple[tuple[str, str], ...]) -> tuple[tuple[str,
     then sees as device 0 (torchrun's rule, for CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES
     alike). Without a device assigned there is nothing to narrow."""
     values = dict(device_env)
-    if "FTRUN_DEVICE" not in values:
+    assigned = DeviceAssignment.from_environ(values)
+    if assigned is None:
         return ()
-    narrowed = {name: values["FTRUN_DEVICE"] for name in values if name.endswith("_VISIBLE_DEVICES")}
-    return (*narrowed.items(), ("FTRUN_DEVICE_INDEX", "0"))
+    narrowed = {name: str(assigned.device) for name in values if name.endswith("_VISIBLE_DEVICES")}
+    only_one_seen = DeviceAssignment(assigned.device, index=0)
+    return (*narrowed.items(), *only_one_seen.to_environ().items())
 
 

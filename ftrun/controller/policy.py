@@ -26,6 +26,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from ftrun.contract import Milestone
 from ftrun.errors import ExitCode
 from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 
@@ -71,17 +72,6 @@ TRANSITIONS = {
 class Level(enum.Enum):
     PROCESS = "process"
     JOB = "job"
-
-
-class Milestone(enum.Enum):
-    """What the controller counts in the store during a process-level repair.
-
-    (ENV_CLEAR ends on the agents' CLEARED reports instead: they reap the failed processes.)
-    """
-
-    STOPPED = "stopped"  # every healthy rank left the old process group
-    JOINED = "joined"  # every rank is in the new generation's process group
-    RESUMED = "resumed"  # every rank holds the consistent step's state and trains on
 
 
 #: the milestone that ends a process-level phase, and the phase after it

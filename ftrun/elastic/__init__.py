@@ -23,8 +23,9 @@ registered state into its node's shared memory every K steps, and a job-level re
 from there. Under plain torchrun the same script runs as usual.
 """
 
+from ftrun.contract import WorkerEnv
 from ftrun.elastic.ddp import ElasticDDP
-from ftrun.elastic.job import ElasticJob, StepGuard, WorkerEnv
+from ftrun.elastic.job import ElasticJob, StepGuard
 from ftrun.elastic.repair import RepairError
 
 

@@ -210,7 +210,7 @@ class HcclBackend(CommBackend):
 BACKENDS = {cls.name: cls for cls in (CommBackend, NcclBackend, HcclBackend)}
 
 
-def make_backend(name: str | None, local_rank: int = 0, dist=None) -> CommBackend:
+def make_comm_backend(name: str | None, local_rank: int = 0, dist=None) -> CommBackend:
     """The backend by torch's name; ``None`` picks nccl with CUDA, hccl with torch_npu, else gloo."""
     if name is None:
         name = _default_backend_name()

@@ -66,6 +66,11 @@ class GroupFailed(RuntimeError):
     """A collective of this step failed: the step's results are not to be used."""
 
 
+def first_line(error: BaseException) -> str:
+    """A failure in one line, for a log: a collective's error can run to a page of C++ context."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 class ElasticGroup(dist.ProcessGroup):
     """One process group of the script, the same object in every generation (see the module's text)."""
 
@@ -187,7 +192,7 @@ class GroupSet:
         """A collective of the step failed: the rest of the step is answered locally."""
         if self.failure is None:
             log.info("a collective failed (%s); the step goes on without communication until the repair",
-                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
+                     first_line(error))
             self.failure = error
 
     def interrupt(self) -> None:

@@ -25,14 +25,14 @@ REPLICA_NAMES = frozenset({"dp", "ddp", "data", "replicate", "dp_replicate"})
 
 
 @dataclass(frozen=True)
-class Layout:
+class ReplicaLayout:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     #: the dimensions along which ranks hold the same state
     replicate: tuple[str, ...]
 
     @classmethod
-    def declared(cls, dims: dict[str, int], replicate: tuple[str, ...] | None = None) -> "Layout":
+    def declared(cls, dims: dict[str, int], replicate: tuple[str, ...] | None = None) -> "ReplicaLayout":
         """From ``job.mesh({"dp": 2, "tp": 2})``; ``replicate`` names the replica dimensions
         (by default those called dp, ddp, data, replicate or dp_replicate)."""
         names = tuple(dims)
@@ -49,20 +49,20 @@ class Layout:
         return cls(tuple(dims.values()), names, tuple(replicate))
 
     @classmethod
-    def data_parallel(cls, world_size: int) -> "Layout":
+    def data_parallel(cls, world_size: int) -> "ReplicaLayout":
         return cls((world_size,), ("dp",), ("dp",))
 
     @classmethod
-    def sharded(cls, world_size: int) -> "Layout":
+    def sharded(cls, world_size: int) -> "ReplicaLayout":
         return cls((world_size,), ("shard",), ())
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def without(self, names: set[str]) -> "Layout":
+    def without(self, names: set[str]) -> "ReplicaLayout":
         """The same mesh with ``names`` no longer taken for replica dimensions."""
-        return Layout(self.shape, self.names, tuple(n for n in self.replicate if n not in names))
+        return ReplicaLayout(self.shape, self.names, tuple(n for n in self.replicate if n not in names))
 
     def replica_sets(self) -> list[tuple[int, ...]]:
         """Each set of ranks that hold the same state, in order of their lowest rank."""

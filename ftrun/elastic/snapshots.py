@@ -17,9 +17,10 @@ import mmap
 import os
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 from ftrun.auth import Signer
+from ftrun.contract import SNAPSHOT_TOKEN_FILE, SnapshotSettings
 from ftrun.snapshots.format import (
     COMPLETE,
     HEADER_SIZE,
@@ -35,7 +36,6 @@ from ftrun.snapshots.format import (
     size_text,
     verified,
 )
-from ftrun.snapshots.keeper import TOKEN_FILE
 from ftrun.snapshots.plan import DISK, RestoreSource
 from ftrun.snapshots.staging import DeviceStaging
 from ftrun.snapshots.transfer import TransferError, get
@@ -50,7 +50,7 @@ class SnapshotWriter:
                  staging: DeviceStaging | None = None):
         self.folder, self.rank, self.world_size, self.sharded = folder, rank, world_size, sharded
         self.every, self.limit, self.copies = every, limit, copies
-        #: how GPU tensors reach the file (None: the default, a stream of their own through pinned buffers)
+        #: how GPU tensors reach the file (None: the default, a CUDA stream of their own)
         self.staging = staging if staging is not None else DeviceStaging()
         self.paths = [os.path.join(folder, f"rank-{rank:05d}.{i}") for i in (0, 1)]
         steps = [_complete_step(p) for p in self.paths]
@@ -67,13 +67,12 @@ class SnapshotWriter:
         self.blocked: list[float] = []
 
     @classmethod
-    def from_environ(cls, rank: int, world_size: int, sharded: bool, env: Mapping[str, str] = os.environ):
-        """The writer ftrun's agent set up for this rank; None without snapshots."""
-        folder, every = env.get("FTRUN_SNAPSHOT_DIR"), int(env.get("FTRUN_SNAPSHOT_EVERY") or 0)
-        if not folder or every <= 0:
+    def from_settings(cls, settings: SnapshotSettings | None, rank: int, world_size: int,
+                      sharded: bool) -> "SnapshotWriter | None":
+        """The writer ftrun's agent set up for this rank (its worker environment's); None without snapshots."""
+        if settings is None:
             return None
-        return cls(folder, rank, world_size, sharded, every, int(env.get("FTRUN_SNAPSHOT_LIMIT") or 0),
-                   int(env.get("FTRUN_SNAPSHOT_COPIES") or 1))
+        return cls(settings.folder, rank, world_size, sharded, settings.every, settings.limit, settings.copies)
 
     def resume_at(self, step: int) -> None:
         """The rank went back to ``step`` (a restore or a rollback): its snapshots of later steps belong
@@ -238,7 +237,7 @@ def load_own(folder: str, rank: int, step: int) -> dict:
 def snapshot_signer(folder: str) -> Signer:
     """The job's token, which the agent left in its snapshot folder (for the plan and for peers)."""
     try:
-        with open(os.path.join(folder, TOKEN_FILE), "rb") as f:
+        with open(os.path.join(folder, SNAPSHOT_TOKEN_FILE), "rb") as f:
             return Signer(f.read().strip())
     except OSError:
         return Signer()

@@ -218,7 +218,7 @@ def _fill(value, tensors: list):
 
 
 @dataclass
-class Layout:
+class SnapshotLayout:
     """A state laid out for a snapshot file: its structure, its tensors and where each one goes."""
 
     meta: bytes
@@ -231,7 +231,7 @@ class Layout:
         return Header(state, step, rank, world_size, sharded, len(self.meta), self.data_len, crc, written_at)
 
 
-def lay_out(states: dict) -> Layout:
+def lay_out(states: dict) -> SnapshotLayout:
     """Split ``states`` into its structure and its tensors, and place the tensors in the file."""
     tensors: list = []
     skeleton = _strip(states, tensors)
@@ -246,10 +246,10 @@ def lay_out(states: dict) -> Layout:
         plain_loads(meta)  # what cannot be read back is refused now, not at the restore
     except (SnapshotError, pickle.PicklingError, AttributeError, TypeError) as e:
         raise SnapshotError(f"cannot snapshot the registered state: {e}") from None
-    return Layout(meta, tensors, offsets, offset)
+    return SnapshotLayout(meta, tensors, offsets, offset)
 
 
-def copy_tensors(target, layout: Layout, data_offset: int, indices, staging=None) -> None:
+def copy_tensors(target, layout: SnapshotLayout, data_offset: int, indices, staging=None) -> None:
     """Copy the tensors ``indices`` of the layout into ``target`` (a writable mapping of the file): one
     copy each, straight from the tensor's memory into the file's pages; GPU tensors through
     ``staging`` (a :class:`~ftrun.snapshots.staging.DeviceStaging` whose ``mark_ready`` was called)

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.auth import Signer
+from ftrun.contract import SNAPSHOT_TOKEN_FILE, SnapshotSettings
 from ftrun.ports import PortRange
 from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified
 from ftrun.snapshots.persist import write_atomically
@@ -43,7 +44,6 @@ from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
 log = logging.getLogger(__name__)
 #: how often the agent's snapshot thread looks for new snapshots
 TICK = 0.05
-TOKEN_FILE = "token"
 #: checks remembered before those of replaced files are forgotten
 VERIFIED_KEPT = 256
 
@@ -145,7 +145,7 @@ class SnapshotKeeper:
     def start(self) -> None:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         os.chmod(self.folder, 0o700)
-        write_atomically(os.path.join(self.folder, TOKEN_FILE), self._token, durable=False)
+        write_atomically(os.path.join(self.folder, SNAPSHOT_TOKEN_FILE), self._token, durable=False)
         limit = max(self.options.limit(self.nproc), HEADER_SIZE)
         self._server = SnapshotServer(self._bind, self.signer, self._read, self._receive, limit, self.options.ports)
         self.address = f"{self._advertise}:{self._server.port}"
@@ -188,12 +188,8 @@ class SnapshotKeeper:
 
     def worker_env(self) -> dict[str, str]:
         """What a rank needs to write its snapshots here."""
-        return {
-            "FTRUN_SNAPSHOT_DIR": self.folder,
-            "FTRUN_SNAPSHOT_EVERY": str(self.options.every),
-            "FTRUN_SNAPSHOT_LIMIT": str(self.options.limit(self.nproc)),
-            "FTRUN_SNAPSHOT_COPIES": str(self.options.copies()),
-        }
+        return SnapshotSettings(self.folder, self.options.every, self.options.limit(self.nproc),
+                                self.options.copies()).to_environ()
 
     def set_peers(self, peers: list[tuple[int, str]]) -> None:
         with self._lock:
@@ -369,7 +365,7 @@ class SnapshotKeeper:
         """A file a rank on another node asked for: only this node's snapshots and checkpoint files."""
         real = os.path.realpath(path)
         roots = [self.folder] + ([os.path.realpath(self.options.checkpoint_dir)] if self.options.checkpoint_dir else [])
-        if not any(real.startswith(root + os.sep) for root in roots) or os.path.basename(real) == TOKEN_FILE:
+        if not any(real.startswith(root + os.sep) for root in roots) or os.path.basename(real) == SNAPSHOT_TOKEN_FILE:
             raise TransferError(f"{path} is not a snapshot this node serves")
         try:
             with open(real, "rb") as f:

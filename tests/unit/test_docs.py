@@ -20,6 +20,7 @@ from ftrun.cli import _subcommands, launch_command
 from ftrun.cli.cluster import ClusterPlan
 from ftrun.cli.launch import ALIASES, NOT_IN_CONFIG
 from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, STATUS_MODES, build_launch_config
+from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
 from ftrun.devices import DEVICE_KINDS
 from ftrun.devices.cuda import CudaBackend
 from ftrun.devices.npu import NpuBackend
@@ -141,6 +142,10 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
     for source in sorted((ROOT / "ftrun" / "agent").glob("*.py")):
         names |= set(re.findall(r'\(\s*"([A-Z][A-Z0-9_]+)",', source.read_text()))
     names |= {CudaBackend.visibility_var, NpuBackend.visibility_var}
+    # the worker's contract in full: with a device, snapshots and a rank table (which the agent adds in parts)
+    names |= set(WorkerEnv(rank=3, local_rank=1, world_size=4, run_id="job", generation=1, control_store="head:29400",
+                           replacement=False, heartbeat_timeout=30, ranktable="ranktable.json",
+                           device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1)).to_environ())
     return names
 
 

@@ -9,9 +9,8 @@ import types
 import pytest
 
 from ftrun.agent import standby
-from ftrun.elastic.backends import CommBackend, HcclBackend, NcclBackend, make_backend
-from ftrun.elastic.job import WorkerEnv
-from ftrun.elastic.layout import Layout
+from ftrun.elastic.backends import CommBackend, HcclBackend, NcclBackend, make_comm_backend
+from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.rollback import NO_STATE, RollbackPlan, Transfer, choose_rollback
 
 
@@ -60,12 +59,12 @@ def test_rollback_plan_names_each_receiver_s_source():
     ],
 )
 def test_replica_sets_from_the_declared_mesh(dims, replicate, sets):
-    assert Layout.declared(dims, replicate).replica_sets() == sets
+    assert ReplicaLayout.declared(dims, replicate).replica_sets() == sets
 
 
 def test_a_dimension_the_model_is_sharded_over_is_no_replica_dimension():
     # FSDP2 over a mesh its script called "dp": the parameters say Shard on it
-    assert Layout.declared({"dp": 4}).without({"dp"}).replica_sets() == [(0,), (1,), (2,), (3,)]
+    assert ReplicaLayout.declared({"dp": 4}).without({"dp"}).replica_sets() == [(0,), (1,), (2,), (3,)]
 
 
 @pytest.mark.parametrize(
@@ -78,7 +77,7 @@ def test_a_dimension_the_model_is_sharded_over_is_no_replica_dimension():
 )
 def test_bad_meshes_are_refused_in_one_line(dims, replicate, message):
     with pytest.raises(ValueError, match=message):
-        Layout.declared(dims, replicate)
+        ReplicaLayout.declared(dims, replicate)
 
 
 class FakeGroup:
@@ -245,23 +244,10 @@ def test_hccl_interrupt_stops_the_device(fake_torch_npu):
 
 
 def test_backend_names():
-    assert isinstance(make_backend("nccl", dist=types.SimpleNamespace()), NcclBackend)
-    assert make_backend("gloo", dist=types.SimpleNamespace()).name == "gloo"
+    assert isinstance(make_comm_backend("nccl", dist=types.SimpleNamespace()), NcclBackend)
+    assert make_comm_backend("gloo", dist=types.SimpleNamespace()).name == "gloo"
     with pytest.raises(ValueError, match="unknown backend"):
-        make_backend("mpi", dist=types.SimpleNamespace())
-
-
-def test_worker_env_outside_ftrun_is_none():
-    assert WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1"}) is None
-
-
-def test_worker_env_reads_the_ftrun_contract():
-    env = WorkerEnv.from_environ({
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "FTRUN_RUN_ID": "job", "FTRUN_GENERATION": "2",
-        "FTRUN_CONTROL_STORE": "head:29400", "FTRUN_REPLACEMENT": "1", "FTRUN_HEARTBEAT_TIMEOUT": "9",
-    })
-    assert (env.rank, env.local_rank, env.world_size, env.generation, env.replacement) == (3, 1, 4, 2, True)
-    assert env.heartbeat_timeout == 9.0
+        make_comm_backend("mpi", dist=types.SimpleNamespace())
 
 
 @pytest.mark.parametrize(
@@ -341,24 +327,38 @@ def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
 def test_interrupted_step_puts_running_statistics_back():
     import torch
 
-    from ftrun.elastic import ElasticJob
+    from ftrun.elastic.state import TrainingState
 
-    job = types.SimpleNamespace(env=None, _objects={"model": torch.nn.BatchNorm1d(3)}, _wrappers=[])
-    before = job._objects["model"].running_mean.clone()
-    ElasticJob._begin_step(job)
-    job._objects["model"](torch.randn(8, 3) + 5)  # the forward of a step that a fault then interrupts
-    assert not torch.equal(job._objects["model"].running_mean, before)
-    ElasticJob._restore_buffers(job)
-    assert torch.equal(job._objects["model"].running_mean, before)
+    state = TrainingState(ReplicaLayout.data_parallel(1))
+    model = torch.nn.BatchNorm1d(3)
+    state.register("model", model)
+    before = model.running_mean.clone()
+    state.begin_step()
+    model(torch.randn(8, 3) + 5)  # the forward of a step that a fault then interrupts
+    assert not torch.equal(model.running_mean, before)
+    state.restore_buffers()
+    assert torch.equal(model.running_mean, before)
 
 
 @pytest.mark.parametrize("previous, now, calls", [("3", 2, [(3, 2)]), ("2", 3, [(2, 3)]), ("2", 2, []), ("", 2, [])])
-def test_on_resize_tells_the_script_when_the_world_changed_size(monkeypatch, previous, now, calls):
+def test_on_resize_tells_the_script_when_the_world_changed_size(previous, now, calls):
+    from types import SimpleNamespace
+
+    from ftrun.contract import WorkerEnv
+    from ftrun.elastic import ElasticJob
+
+    env = WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": str(now), "FTRUN_RUN_ID": "job", "FTRUN_GENERATION": "1",
+                                  "FTRUN_CONTROL_STORE": "head:29400", "FTRUN_PREVIOUS_WORLD_SIZE": previous})
+    seen = []
+    ElasticJob.on_resize(SimpleNamespace(world_size=now, env=env), lambda old, new: seen.append((old, new)))
+    assert seen == calls
+
+
+def test_on_resize_is_never_called_under_plain_torchrun():
     from types import SimpleNamespace
 
     from ftrun.elastic import ElasticJob
 
-    monkeypatch.setenv("FTRUN_PREVIOUS_WORLD_SIZE", previous)
     seen = []
-    ElasticJob.on_resize(SimpleNamespace(world_size=now), lambda old, new: seen.append((old, new)))
-    assert seen == calls
+    ElasticJob.on_resize(SimpleNamespace(world_size=2, env=None), lambda old, new: seen.append((old, new)))
+    assert seen == []

@@ -189,14 +189,12 @@ def test_the_dimensions_a_model_is_sharded_over_are_read_from_its_dtensors(mesh)
 
 def settle(monkeypatch, *, made=0, foreign=(), sharded_over=(), declared=None, sharded=False):
     from ftrun.elastic import job as job_module
-    from ftrun.elastic.layout import Layout
+    from ftrun.elastic.layout import ReplicaLayout
 
     monkeypatch.setattr(job_module, "_sharded_dims", lambda obj: set(sharded_over))
-    job = types.SimpleNamespace(
-        env=types.SimpleNamespace(world_size=4), sharded=sharded, _objects={"model": object()},
-        _layout=Layout.declared(declared) if declared else None,
-        groups=types.SimpleNamespace(foreign_groups=lambda: list(foreign), groups=[object()] * (1 + made)))
-    layout, refusal = job_module.ElasticJob._settle_layout(job)
+    groups = types.SimpleNamespace(foreign_groups=lambda: list(foreign), groups=[object()] * (1 + made))
+    layout, refusal = job_module.settle_layout(4, {"model": object()},
+                                               ReplicaLayout.declared(declared) if declared else None, sharded, groups)
     return layout.replica_sets(), refusal
 
 

@@ -115,7 +115,7 @@ def test_workers_get_the_forwarded_signal_itself_and_sigterm_for_a_plain_stop(re
 @pytest.mark.parametrize("var", ["CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"])
 def test_virtual_local_rank_narrows_the_visible_devices_to_the_rank_s_own(var):
     device_env = ((var, "0,2,5"), ("FTRUN_DEVICE", "5"), ("FTRUN_DEVICE_INDEX", "2"))
-    assert dict(own_device_only(device_env)) == {var: "5", "FTRUN_DEVICE_INDEX": "0"}
+    assert dict(own_device_only(device_env)) == {var: "5", "FTRUN_DEVICE": "5", "FTRUN_DEVICE_INDEX": "0"}
 
 
 def test_virtual_local_rank_without_a_device_changes_no_device_variable():

@@ -1,0 +1,197 @@
+"""What the launcher and the worker library agree on: the endpoint of a store, the worker's environment,
+the milestones of a repair, the snapshot folder's token.
+
+This module depends on nothing but the standard library, so that anything may import it and nothing
+can pull it into an import circle: the worker library, which runs inside the user's training process,
+reads its contract here without loading the launcher (tests/unit/test_contract.py holds the rule).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EndpointError(ValueError):
+    """An endpoint's text that names no host and port (the launcher reports it as a usage error)."""
+
+
+def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> Endpoint:
+    """``host:port``, ``host`` (then ``default_port``) or ``[v6-address]:port``; ``flag`` names the
+    text's origin in the error."""
+    text = text.strip()
+    if not text:
+        raise EndpointError(f"{flag} is empty")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or text.endswith("]"):
+        host, port_text = text, str(default_port)
+    host = host.strip("[]")
+    if not host:
+        raise EndpointError(f"{flag} '{text}' has no host name")
+    try:
+        host.encode("idna")  # socket calls raise UnicodeError, not gaierror, for a name they cannot take
+    except UnicodeError:
+        raise EndpointError(f"{flag} '{text}': '{host}' is not a host name or address") from None
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise EndpointError(f"{flag} '{text}': port '{port_text}' is not a number") from None
+    if not 0 < port < 65536:
+        raise EndpointError(f"{flag}: port {port} is outside 1-65535")
+    return Endpoint(host, port)
+
+
+class Milestone(enum.Enum):
+    """What the ranks count in the store during a process-level repair, each rank once per generation.
+
+    The controller waits on three of them to end a phase (ENV_CLEAR ends on the agents' CLEARED reports
+    instead: they reap the failed processes); ARRIVED is the ranks' own.
+    """
+
+    STOPPED = "stopped"  # every healthy rank left the old process group
+    ARRIVED = "arrived"  # the rank reached the new generation: the last to arrive marks its groups ready
+    JOINED = "joined"  # every rank is in the new generation's process group
+    RESUMED = "resumed"  # every rank holds the consistent step's state and trains on
+
+
+#: the file in an agent's snapshot folder that holds the job's token (its ranks sign with it)
+SNAPSHOT_TOKEN_FILE = "token"
+
+
+@dataclass(frozen=True)
+class DeviceAssignment:
+    """The rank's device, as the agent's device allocator placed it (none on CPU)."""
+
+    #: the device's logical id on the node (FTRUN_DEVICE)
+    device: int
+    #: the same device as the worker's runtime counts it, among those it sees (FTRUN_DEVICE_INDEX); it
+    #: differs from LOCAL_RANK after a rank moved off an isolated device
+    index: int
+
+    def to_environ(self) -> dict[str, str]:
+        return {"FTRUN_DEVICE": str(self.device), "FTRUN_DEVICE_INDEX": str(self.index)}
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "DeviceAssignment | None":
+        index = env.get("FTRUN_DEVICE_INDEX")
+        if not index:
+            return None
+        return cls(int(env.get("FTRUN_DEVICE") or index), int(index))
+
+
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """Where and how often a rank snapshots its state into its agent's shared memory (--snapshot-every)."""
+
+    #: the agent's folder in shared memory (FTRUN_SNAPSHOT_DIR)
+    folder: str
+    #: every how many committed steps (FTRUN_SNAPSHOT_EVERY)
+    every: int
+    #: the most bytes one snapshot of the rank may take, 0 for no limit (FTRUN_SNAPSHOT_LIMIT)
+    limit: int
+    #: how many copies of each snapshot the node keeps (FTRUN_SNAPSHOT_COPIES), for the limit's message
+    copies: int
+
+    def to_environ(self) -> dict[str, str]:
+        return {"FTRUN_SNAPSHOT_DIR": self.folder, "FTRUN_SNAPSHOT_EVERY": str(self.every),
+                "FTRUN_SNAPSHOT_LIMIT": str(self.limit), "FTRUN_SNAPSHOT_COPIES": str(self.copies)}
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "SnapshotSettings | None":
+        """None when the rank takes no snapshots."""
+        folder, every = env.get("FTRUN_SNAPSHOT_DIR"), int(env.get("FTRUN_SNAPSHOT_EVERY") or 0)
+        if not folder or every <= 0:
+            return None
+        return cls(folder, every, int(env.get("FTRUN_SNAPSHOT_LIMIT") or 0), int(env.get("FTRUN_SNAPSHOT_COPIES") or 1))
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ftrun tells a worker through its environment: its ``FTRUN_*`` variables and the torchrun ones
+    the worker library reads. The agent writes it (``to_environ``), ``ftrun.elastic`` reads it back.
+
+    The agent writes it in parts: the rank and its generation (agent/workers.py), the device
+    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/agent.py).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    run_id: str
+    generation: int
+    #: the control store's ``host:port``: its presence is what says the worker runs under ftrun
+    control_store: str
+    #: process level: this worker replaces a failed rank and receives the training state
+    replacement: bool
+    heartbeat_timeout: float
+    #: the node's place in the generation's layout (torchrun's GROUP_RANK)
+    node_rank: int = 0
+    #: --recovery (process or job)
+    recovery: str = ""
+    #: the world size of the generation before (a scale-in or a grow-back changes it); 0: unknown
+    previous_world_size: int = 0
+    #: the path of ftrun's rank table of the generation (FTRUN_RANKTABLE), "" without one
+    ranktable: str = ""
+    device: DeviceAssignment | None = None
+    snapshots: SnapshotSettings | None = None
+
+    @property
+    def device_index(self) -> int:
+        """The rank's device among those it sees: ftrun's choice, else LOCAL_RANK (torchrun's rule)."""
+        return self.device.index if self.device is not None else self.local_rank
+
+    def to_environ(self) -> dict[str, str]:
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "FTRUN_RUN_ID": self.run_id,
+            "FTRUN_GENERATION": str(self.generation),
+            "FTRUN_NODE_RANK": str(self.node_rank),
+            "FTRUN_CONTROL_STORE": self.control_store,
+            "FTRUN_RECOVERY": self.recovery,
+            "FTRUN_HEARTBEAT_TIMEOUT": f"{self.heartbeat_timeout:g}",
+            "FTRUN_REPLACEMENT": "1" if self.replacement else "0",
+            "FTRUN_PREVIOUS_WORLD_SIZE": str(self.previous_world_size),
+        }
+        if self.ranktable:
+            env["FTRUN_RANKTABLE"] = self.ranktable
+        if self.device is not None:
+            env.update(self.device.to_environ())
+        if self.snapshots is not None:
+            env.update(self.snapshots.to_environ())
+        return env
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> "WorkerEnv | None":
+        """None when the script runs outside ftrun (plain torchrun, or a single process)."""
+        if not env.get("FTRUN_CONTROL_STORE"):
+            return None
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env["WORLD_SIZE"]),
+            run_id=env["FTRUN_RUN_ID"],
+            generation=int(env["FTRUN_GENERATION"]),
+            control_store=env["FTRUN_CONTROL_STORE"],
+            replacement=env.get("FTRUN_REPLACEMENT") == "1",
+            heartbeat_timeout=float(env.get("FTRUN_HEARTBEAT_TIMEOUT", "30")),
+            node_rank=int(env.get("GROUP_RANK", "0")),
+            recovery=env.get("FTRUN_RECOVERY", ""),
+            previous_world_size=int(env.get("FTRUN_PREVIOUS_WORLD_SIZE") or 0),
+            ranktable=env.get("FTRUN_RANKTABLE", ""),
+            device=DeviceAssignment.from_environ(env),
+            snapshots=SnapshotSettings.from_environ(env),
+        )

@@ -1,0 +1,137 @@
+"""The worker contract (ftrun/contract.py): what the agent writes is what the worker library reads, and
+the module stands on the standard library alone, so the worker library loads nothing of the launcher."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.config import build_launch_config
+from ftrun.contract import DeviceAssignment, Endpoint, EndpointError, Milestone, SnapshotSettings, WorkerEnv, parse_endpoint
+from tests.conftest import ROOT
+
+CONTRACT = ROOT / "ftrun" / "contract.py"
+
+
+def imported_modules(path) -> set[str]:
+    """The top-level package of every module ``path`` imports, at any depth of its code."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # a relative import is one of the project's own
+                found.add("." * node.level + (node.module or ""))
+            else:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_contract_imports_the_standard_library_alone():
+    imported = imported_modules(CONTRACT)
+    assert imported, "no import found: the check reads the wrong file"
+    outside = sorted(name for name in imported if name not in sys.stdlib_module_names and name != "__future__")
+    assert not outside, f"ftrun/contract.py imports {', '.join(outside)}: it may depend on the standard library only"
+
+
+def test_the_worker_library_loads_nothing_of_the_launcher():
+    code = "import json, sys, ftrun.elastic; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    loaded = json.loads(out.splitlines()[-1])
+    assert "ftrun.elastic.job" in loaded and "ftrun.contract" in loaded
+    launcher = [name for name in loaded if name.split(".")[:2] in (["ftrun", "config"], ["ftrun", "agent"],
+                                                                   ["ftrun", "controller"])]
+    assert not launcher, f"importing ftrun.elastic loads {', '.join(launcher)}"
+    assert "yaml" not in loaded  # the launcher's config files are none of a training rank's business
+
+
+FULL = WorkerEnv(rank=5, local_rank=1, world_size=8, run_id="job", generation=3, control_store="head:29400",
+                 replacement=True, heartbeat_timeout=12.5, node_rank=2, recovery="process", previous_world_size=6,
+                 ranktable="/tmp/ranktable.json", device=DeviceAssignment(device=6, index=1),
+                 snapshots=SnapshotSettings(folder="/dev/shm/ftrun-x", every=10, limit=1 << 20, copies=2))
+
+
+@pytest.mark.parametrize("env", [
+    FULL,
+    WorkerEnv(rank=0, local_rank=0, world_size=1, run_id="r", generation=0, control_store="127.0.0.1:1",
+              replacement=False, heartbeat_timeout=30.0),
+], ids=["every-part", "cpu-without-snapshots"])
+def test_the_worker_environment_reads_back_as_written(env):
+    environ = env.to_environ()
+    assert all(isinstance(value, str) for value in environ.values())
+    assert WorkerEnv.from_environ(environ) == env
+
+
+def test_what_the_agent_writes_is_what_the_worker_library_reads(tmp_path, monkeypatch):
+    for name in [name for name in os.environ if name.startswith("FTRUN_")]:
+        monkeypatch.delenv(name)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = build_launch_config({"script": str(script), "nproc_per_node": "2", "rdzv_endpoint": "head:29400",
+                                  "device": "cpu", "recovery": "process"})
+    device = DeviceAssignment(device=6, index=1)
+    snapshots = SnapshotSettings(folder=str(tmp_path), every=10, limit=4096, copies=2)
+    gen = GenerationEnv(generation=3, restart_count=1, world_size=8, node_count=4, master_addr="head",
+                        master_port=29501, control_store="head:29400", max_restarts=3, replacement=True,
+                        previous_world_size=6, snapshot_env=tuple(snapshots.to_environ().items()))
+    placement = WorkerPlacement(1, 5, 2, "node2", device_env=(("CUDA_VISIBLE_DEVICES", "4,6"),
+                                                              *device.to_environ().items()))
+    read = WorkerEnv.from_environ(worker_env(config, placement, gen, str(tmp_path / "error.json")))
+    assert read == WorkerEnv(rank=5, local_rank=1, world_size=8, run_id=config.run_id, generation=3,
+                             control_store="head:29400", replacement=True, heartbeat_timeout=config.heartbeat_timeout,
+                             node_rank=2, recovery="process", previous_world_size=6, device=device,
+                             snapshots=snapshots)
+
+
+def test_outside_ftrun_there_is_no_worker_environment():
+    assert WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1"}) is None
+
+
+def test_the_worker_environment_reads_the_ftrun_contract():
+    env = WorkerEnv.from_environ({
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "FTRUN_RUN_ID": "job", "FTRUN_GENERATION": "2",
+        "FTRUN_CONTROL_STORE": "head:29400", "FTRUN_REPLACEMENT": "1", "FTRUN_HEARTBEAT_TIMEOUT": "9",
+    })
+    assert (env.rank, env.local_rank, env.world_size, env.generation, env.replacement) == (3, 1, 4, 2, True)
+    assert env.heartbeat_timeout == 9.0
+    assert env.device_index == 1  # no device assigned: LOCAL_RANK, as under torchrun
+    assert (env.device, env.snapshots, env.previous_world_size) == (None, None, 0)
+
+
+def test_the_device_index_is_ftrun_s_choice_once_a_rank_moved():
+    assert FULL.device_index == 1 and FULL.local_rank == 1
+    moved = WorkerEnv.from_environ({**FULL.to_environ(), "FTRUN_DEVICE": "7", "FTRUN_DEVICE_INDEX": "0"})
+    assert moved.device == DeviceAssignment(7, 0) and moved.device_index == 0
+
+
+@pytest.mark.parametrize("every", ["", "0"])
+def test_no_snapshots_without_a_folder_and_a_period(every):
+    assert SnapshotSettings.from_environ({"FTRUN_SNAPSHOT_DIR": "/dev/shm/x", "FTRUN_SNAPSHOT_EVERY": every}) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("head:29400", Endpoint("head", 29400)), ("head", Endpoint("head", 7)), ("[::1]:1234", Endpoint("::1", 1234)),
+])
+def test_parse_endpoint(text, expected):
+    assert parse_endpoint(text, 7) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "FTRUN_CONTROL_STORE is empty"), (":1", "has no host name"), ("head:x", "port 'x' is not a number"),
+    ("head:0", "port 0 is outside 1-65535"), ("a" * 64 + ":1", "is not a host name or address"),
+])
+def test_a_bad_endpoint_is_a_value_error_naming_its_origin(text, message):
+    with pytest.raises(EndpointError, match=message):
+        parse_endpoint(text, 7, "FTRUN_CONTROL_STORE")
+    assert issubclass(EndpointError, ValueError)
+
+
+def test_the_milestones_are_the_strings_the_ranks_count():
+    assert [m.value for m in Milestone] == ["stopped", "arrived", "joined", "resumed"]
