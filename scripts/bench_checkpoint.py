@@ -38,7 +38,6 @@ Human-readable tables go to stderr, JSON to --json (stdout with "-", the default
 """
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -50,13 +49,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from bench_recovery import LAUNCHERS, Scenario, console, print_table, raise_keyboard_interrupt, run_scenario
+from benchlib import emit_json
 from rich.table import Table
 
-from bench_recovery import LAUNCHERS, Scenario, console, print_table, raise_keyboard_interrupt, run_scenario
-
 from ftrun.elastic.snapshots import SnapshotWriter, load_own
-from ftrun.snapshots.staging import DeviceStaging
 from ftrun.snapshots.keeper import memory_root
+from ftrun.snapshots.staging import DeviceStaging
 
 WIDTH = 1024  # a layer of WIDTH x WIDTH float32 is 4 MiB
 
@@ -264,12 +263,7 @@ def main() -> int:
         return 130
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
-    text = json.dumps(document, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        Path(args.json).write_text(text + "\n")
-        console.print(f"JSON written to {args.json}")
+    emit_json(document, args.json)
     return 0
 
 

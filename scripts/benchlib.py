@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: ports, programs, and leaving no process behind."""
+"""What the benchmark scripts share: ports, programs, their JSON, and leaving no process behind."""
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def emit_json(document, where: str) -> None:
+    """The results as JSON: on standard output for "-", else into the file ``where`` (and said on stderr)."""
+    text = json.dumps(document, indent=2)
+    if where == "-":
+        print(text)
+    else:
+        Path(where).write_text(text + "\n")
+        print(f"JSON written to {where}", file=sys.stderr)
 
 
 def find_program(name: str, who: str) -> str:

@@ -14,11 +14,14 @@ import datetime
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for benchlib
+from benchlib import emit_json, free_port  # noqa: E402
 
 ENVIRONMENTS = {
     "default": {},
@@ -26,12 +29,6 @@ ENVIRONMENTS = {
     "watchdog off": {"TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
 }
 WAYS = ("abort", "shutdown", "backend abort", "drop")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(repeats: int) -> dict:
@@ -103,12 +100,7 @@ def main() -> int:
         lines = done.stdout.strip().splitlines()
         results[name] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-800:]}
         print(name, results[name], file=sys.stderr, flush=True)
-    text = json.dumps(results, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit_json(results, args.json)
     return 0
 
 

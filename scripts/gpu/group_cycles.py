@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import datetime
 import os
-import socket
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,13 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from ftrun.elastic.backends import BACKENDS
 from ftrun.elastic.groups import GroupSet, init_default_group, install
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for benchlib
+from benchlib import emit_json, free_port  # noqa: E402
+
 WIDTH = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model(device: torch.device) -> torch.nn.Module:
@@ -69,7 +66,7 @@ def main() -> int:
     device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=60))
     backend = BACKENDS[args.backend](local_rank=0)
     groups = GroupSet(backend, store, lambda generation: f"g{generation}/pg", timeout=60)
     install(groups, backend.devices())
@@ -108,7 +105,8 @@ def main() -> int:
         synchronize()
         done = time.perf_counter()
         rows.append({"cycle": cycle, "release_s": released - began, "reform_and_step_s": done - released,
-                     "cycle_s": done - began, "groups_connected": len(connected), "threads": threads(), "python_threads": threading.active_count(),
+                     "cycle_s": done - began, "groups_connected": len(connected), "threads": threads(),
+                     "python_threads": threading.active_count(),
                      "gpu_allocated": torch.cuda.memory_allocated() if device.type == "cuda" else 0,
                      "gpu_reserved": torch.cuda.memory_reserved() if device.type == "cuda" else 0})
         print(f"cycle {cycle}: {rows[-1]['cycle_s'] * 1000:.1f} ms, {rows[-1]['threads']} threads, "
@@ -136,14 +134,9 @@ def main() -> int:
     }
     groups.release()
     dist.destroy_process_group()
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    else:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    ok = result["modules_train"] and result["every_cycle_reconnected"] and not result["leaks_threads"] and not result["leaks_gpu_memory"]
-    return 0 if ok else 1
+    emit_json(result, args.json)
+    healthy = result["modules_train"] and result["every_cycle_reconnected"]
+    return 0 if healthy and not result["leaks_threads"] and not result["leaks_gpu_memory"] else 1
 
 
 if __name__ == "__main__":
