@@ -397,3 +397,9 @@ def test_every_variable_set_for_workers_is_in_the_worker_library_reference(tmp_p
     text = (DOCS / "worker-library.md").read_text()
     missing = sorted(name for name in variables_set_for_workers(tmp_path, monkeypatch) if not mentions(text, name))
     assert not missing, f"set for workers but not in docs/worker-library.md: {', '.join(missing)}"
+
+
+def test_every_module_the_docs_name_exists():
+    named = {path for doc in [ROOT / "README.md", *DOC_FILES] for path in re.findall(r"ftrun/[\w/]+\.py", doc.read_text())}
+    missing = sorted(path for path in named if not (ROOT / path).is_file())
+    assert named and not missing, f"the docs name modules that are not there: {', '.join(missing)}"
