@@ -121,7 +121,7 @@ class JobKeys:
 
     @property
     def layout(self) -> str:
-        """The nodes as they are now (a Layout): which agent holds each node rank, after any takeover or
+        """The nodes as they are now (a NodeLayout): which agent holds each node rank, after any takeover or
         resize; the rank tables are built from it. An agent reads it whole once, then its changes."""
         return f"{self.root}/layout"
 
@@ -132,7 +132,7 @@ class JobKeys:
         return f"{self.root}/layout/version"
 
     def layout_change(self, version: int) -> str:
-        """The LayoutChange from version ``version`` - 1 to ``version``."""
+        """The NodeLayoutChange from version ``version`` - 1 to ``version``."""
         return f"{self.root}/layout/change/{version}"
 
     def agent_status(self, agent_id: str) -> str:

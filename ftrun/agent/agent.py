@@ -43,7 +43,7 @@ from ftrun.messages import (
     Command,
     CommandKind,
     JoinRecord,
-    Layout,
+    NodeLayout,
     NodeSlot,
     NodeStatus,
     Placement,
@@ -126,7 +126,7 @@ class Agent:
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
-        self.layout = Layout()
+        self.layout = NodeLayout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
         #: ftrun top: what the output was last published for, when, and the last stack request served

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys, board_interval
-from ftrun.messages import Command, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
+from ftrun.messages import Command, JoinRecord, NodeLayout, NodeLayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 
@@ -179,7 +179,7 @@ class NodeProtocol:
         self._status_due = 0.0
         self._status_shape: tuple = ()
         #: the layout as last read (``layout``)
-        self._layout = Layout()
+        self._layout = NodeLayout()
 
     def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
@@ -190,7 +190,7 @@ class NodeProtocol:
         self.status_interval = board_interval(placement.world_size, 0.0)
         return placement, slot
 
-    def layout(self, published: int = -1) -> Layout:
+    def layout(self, published: int = -1) -> NodeLayout:
         """The nodes as the controller placed them last: the whole layout the first time, then only
         the changes since the layout held (a takeover's: one node). ``published``: the version a
         command said (``Command.layout``); held, it costs no round trip; else one (the version) while
@@ -203,14 +203,14 @@ class NodeProtocol:
             if version == held.version:
                 return held
             if held.version < version <= held.version + LAYOUT_CHANGES:
-                changes = self.store.messages(LayoutChange, [keys.layout_change(v)
+                changes = self.store.messages(NodeLayoutChange, [keys.layout_change(v)
                                                              for v in range(held.version + 1, version + 1)])
                 if None not in changes:
                     for change in changes:
                         self._layout = self._layout.changed(change)
                     return self._layout
         # none held yet, too far behind, or a change ignored as forged: the whole
-        self._layout = self.store.try_get(Layout, keys.layout) or held
+        self._layout = self.store.try_get(NodeLayout, keys.layout) or held
         return self._layout
 
     def keepalive(self, status: NodeStatus | None = None, now: float | None = None) -> None:

@@ -39,7 +39,7 @@ from ftrun.messages import (
     Command,
     CommandKind,
     JoinRecord,
-    Layout,
+    NodeLayout,
     NodeSlot,
     OperatorAction,
     OperatorRequest,
@@ -204,7 +204,7 @@ class Controller:
         #: the world size of the last generation started (0 before the first)
         self._started_world = 0
         #: the layout last written (``_write_layout``)
-        self._layout = Layout()
+        self._layout = NodeLayout()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -478,7 +478,7 @@ class Controller:
         held = self._layout
         if nodes == held.nodes:
             return  # a restart of the same nodes: the agents' layouts stand
-        layout = Layout(nodes, held.version + 1)
+        layout = NodeLayout(nodes, held.version + 1)
         keys, store = self.keys, self.store
         change = keys.layout_change(layout.version)
         store.set_each([keys.layout, change, keys.layout_version],

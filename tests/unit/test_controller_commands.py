@@ -14,7 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Layout, NodeSlot, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
 
@@ -122,4 +122,4 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     assert (first.previous_world_size, first.layout) == (0, 1)
     assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
     assert (repair.previous_world_size, repair.layout) == (2, 2)  # the same world as the generation before
-    assert controller.store.get(Layout, controller.keys.layout).nodes == (controller.nodes[0],)
+    assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.nodes[0],)

@@ -18,7 +18,7 @@ from ftrun.controller.policy import Level
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.errors import RendezvousError
 from ftrun.messages import (
-    Command, CommandKind, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, RankState,
+    Command, CommandKind, JoinRecord, NodeLayout, NodeLayoutChange, NodeSlot, NodeStatus, Placement, RankState,
 )
 from ftrun.rendezvous import RendezvousPolicy, gather, join
 from ftrun.store import ControlStore
@@ -183,10 +183,10 @@ def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(j
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(3))
     controller._write_layout(nodes)
     before = len(agent_store.named)
-    assert protocol.layout() == Layout(nodes, 1)
+    assert protocol.layout() == NodeLayout(nodes, 1)
     assert KEYS.layout in agent_store.named[before:]  # the whole, the first time
 
-    def read() -> tuple[Layout, list[str]]:
+    def read() -> tuple[NodeLayout, list[str]]:
         before = len(agent_store.named)
         layout = protocol.layout()
         return layout, agent_store.named[before:]
@@ -199,8 +199,8 @@ def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(j
     taken = (nodes[0], spare, nodes[2])
     controller._write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
-    assert controller.store.get(LayoutChange, KEYS.layout_change(2)) == LayoutChange(2, (spare,))
+    assert layout == NodeLayout(taken, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
+    assert controller.store.get(NodeLayoutChange, KEYS.layout_change(2)) == NodeLayoutChange(2, (spare,))
     before = agent_store.requests
     assert protocol.layout(published=2) == layout and agent_store.requests == before  # a command said it: held
     # node 1 lost, then the scale-in that renumbers the ranks after it: two versions behind, read at once
@@ -208,27 +208,27 @@ def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(j
     controller._write_layout((nodes[0], nodes[2]))
     controller._write_layout(shrunk)
     layout, asked = read()
-    assert layout == Layout(shrunk, 4) and KEYS.layout not in asked
-    assert controller.store.get(LayoutChange, KEYS.layout_change(4)) == LayoutChange(4, (shrunk[1],))
+    assert layout == NodeLayout(shrunk, 4) and KEYS.layout not in asked
+    assert controller.store.get(NodeLayoutChange, KEYS.layout_change(4)) == NodeLayoutChange(4, (shrunk[1],))
     # further behind than LAYOUT_CHANGES versions, or a change that does not open: the whole again
     monkeypatch.setattr(protocol_module, "LAYOUT_CHANGES", 1)
     controller._write_layout(nodes)
     controller._write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 6) and KEYS.layout in asked
+    assert layout == NodeLayout(taken, 6) and KEYS.layout in asked
     controller._write_layout(nodes)
     controller.store.set_text(KEYS.layout_change(7), '{"mac": "0", "body": "{}"}')
     layout, asked = read()
-    assert layout == Layout(nodes, 7) and KEYS.layout in asked
+    assert layout == NodeLayout(nodes, 7) and KEYS.layout in asked
 
 
 def test_a_layout_made_from_its_changes_is_the_layout():
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(4))
     shapes = [nodes, (nodes[0], NodeSlot(1, "spare", "h9", 2, 2)) + nodes[2:], (nodes[0],) + nodes[2:],
               nodes[:2] + (NodeSlot(5, "late", "h5", 4, 4),), (), nodes]
-    held = Layout()
+    held = NodeLayout()
     for version, shape in enumerate(shapes, 1):
-        layout = Layout(shape, version)
+        layout = NodeLayout(shape, version)
         change = layout.change_from(held)
         assert held.changed(change) == layout
         assert len(change.nodes) == sum(1 for n in shape if n not in held.nodes)  # only what differs travels
