@@ -66,6 +66,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: how often (seconds) each agent sends its keepalive (its ``node_heartbeat``, with its node's status) and
+#: reads the controller's; the controller reads the agents' keepalives and beats its own at the same pace
+AGENT_HEARTBEAT_INTERVAL = 0.5
 #: the status board costs O(ranks) to build, serialise and write: a big job's is rebuilt at most this many
 #: ranks' worth a second (a job of up to 2,048 ranks: at every keepalive), and at once when the phase or
 #: the generation changes, so that the controller's steady CPU does not grow with the job

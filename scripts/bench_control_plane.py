@@ -88,7 +88,7 @@ from ftrun.snapshots.plan import MEMORY, REPLICA, HeldSnapshot, SnapshotInventor
 from ftrun.store import ControlStore, connect_store, host_store  # noqa: E402
 
 RUN_ID = "bench"
-#: the agents' defaults (ftrun/agent/agent.py HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
+#: the agents' defaults (ftrun/keys.py AGENT_HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
 KEEPALIVE, MONITOR_INTERVAL, RANK_BEAT = 0.5, 0.1, 1.0
 READY, GO, FAIL, LOSE, END = "bench/ready", "bench/go", "bench/fail", "bench/lose", "bench/end"
 #: the workers say they run the worker library (its "joined" milestone); then one more rank fails

@@ -38,7 +38,7 @@ from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.folders import private_dirs
 from ftrun.interrupts import Interrupts
-from ftrun.keys import JobKeys
+from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -61,7 +61,6 @@ from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_st
 from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
-HEARTBEAT_INTERVAL = 0.5
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
 #: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
 ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
@@ -305,13 +304,13 @@ class Agent:
 
     def _wait_for_spares(self) -> None:
         """Idle spares are not part of the exit's acknowledgements: keep the store up until they have
-        read the EXIT too (they poll every HEARTBEAT_INTERVAL), so that they leave with the job's status
+        read the EXIT too (they poll every AGENT_HEARTBEAT_INTERVAL), so that they leave with the job's status
         rather than with "lost the controller"."""
         idle = len(self.controller.spares)
         deadline = time.monotonic() + SPARE_LINGER
         try:
             while idle and self.store.counter(self.keys.spares_left) < idle and time.monotonic() < deadline:
-                time.sleep(HEARTBEAT_INTERVAL / 5)
+                time.sleep(AGENT_HEARTBEAT_INTERVAL / 5)
         except StoreUnavailable:
             pass
 
@@ -358,7 +357,7 @@ class Agent:
                         self._refresh_layout(command.layout)
                         log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
                         return None
-                select.select([self._wakeup], [], [], HEARTBEAT_INTERVAL)
+                select.select([self._wakeup], [], [], AGENT_HEARTBEAT_INTERVAL)
                 self._wakeup.drain()
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
@@ -374,7 +373,7 @@ class Agent:
                 now = time.monotonic()
                 if now >= next_beat:
                     self._keepalive(group, now, judge_hangs=interrupted_at is None)
-                    next_beat = now + HEARTBEAT_INTERVAL
+                    next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 for event in self.devices.tick(w.placement.local_rank for w in group.running):
                     for local_rank in self.devices.apply(event):
                         group.fail(local_rank, "device", event.reason)
@@ -393,7 +392,7 @@ class Agent:
                 ended = group.poll()
                 if ended:  # the status the report below is read with holds the ranks' last steps
                     self._keepalive(group, now, judge_hangs=False)
-                    next_beat = now + HEARTBEAT_INTERVAL
+                    next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 failed = [w for w in ended if w.returncode != 0]
                 if failed and interrupted_at is None:
                     self._report_failed(group, failed)

@@ -34,7 +34,7 @@ from ftrun.controller.policy import (
 )
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
-from ftrun.keys import BELL_SEPARATOR, JOBS_COUNT, RENDEZVOUS_RING, JobKeys, board_interval, job_entry
+from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, BELL_SEPARATOR, JOBS_COUNT, RENDEZVOUS_RING, JobKeys, board_interval, job_entry
 from ftrun.messages import (
     Command,
     CommandKind,
@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 #: tick is one read of the report counter, whatever the job's size
 BUSY_TICK = 0.01
 IDLE_TICK = 0.02
-HEARTBEAT_INTERVAL = 0.5
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
 #: with snapshots, how often (seconds) the controller reads what the nodes hold: for the status's restorable
@@ -332,14 +331,14 @@ class Controller:
             now = time.monotonic()
             if now >= next_beat:
                 self.store.add(self.keys.controller_heartbeat)
-                next_beat = now + HEARTBEAT_INTERVAL
+                next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._check_nodes(now)
                 self._check_spares(now)
                 self._admit_late_arrivals()
                 self._grow()
                 self._check_library()
                 if now >= self._next_board or (self.view.phase, self.view.generation) != self._board_shows:
-                    self._next_board = now + board_interval(self.view.world_size, HEARTBEAT_INTERVAL)
+                    self._next_board = now + board_interval(self.view.world_size, AGENT_HEARTBEAT_INTERVAL)
                     self._board_shows = (self.view.phase, self.view.generation)
                     self._refresh_status()
                 for request in self.store.read_from(self.keys.operator_count, self.keys.operator_request,
