@@ -308,7 +308,7 @@ class Head:
                     continue
                 session.handled = True
                 why = session.why()
-                if controller.rendezvous is None:
+                if controller.rendezvous_result is None:
                     controller.stop_requested.set()
                     code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else _agent_code(session.proc.returncode)
                     return code, why
@@ -318,7 +318,7 @@ class Head:
             return controller.view.exit_code, controller.view.reason
         if self.interrupts.requested:
             return self.interrupts.exit_code, "interrupted during the rendezvous"
-        result = controller.rendezvous
+        result = controller.rendezvous_result
         if result is not None and result.error:
             return result.exit_code or ExitCode.RENDEZVOUS, result.error
         return ExitCode.JOB_FAILED, "the controller stopped"

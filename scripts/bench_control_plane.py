@@ -392,14 +392,14 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
 
     controller.lose_node = timed_lose_node  # type: ignore[method-assign]
     published: list[tuple[str, float]] = []
-    publish = controller._publish
+    publish = controller.publisher.commands
 
     def timed_publish(commands) -> None:
         began = time.perf_counter()
         publish(commands)
         published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
 
-    controller._publish = timed_publish  # type: ignore[method-assign]
+    controller.publisher.commands = timed_publish  # type: ignore[method-assign]
     controller.start()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

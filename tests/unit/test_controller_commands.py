@@ -50,10 +50,10 @@ def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_tol
     controller._on_report(failed(3))
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.PROCESS)
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the healthy ranks leave now
-    controller._release_held()
+    controller.publisher.release_held()
     assert published(controller) == []  # the replacement waits for more reports
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
 
 
@@ -64,7 +64,7 @@ def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doo
     assert (controller.view.phase, controller.view.level, controller.view.no_replica) == (Phase.STOPPING, Level.JOB,
                                                                                           True)
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     # no REPLACE ever reached an agent: the restart's ranks find every standby warm
     assert [c.kind for c in published(controller)] == [CommandKind.STOP]
 
@@ -117,7 +117,7 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     controller._apply((shrunk, [Command(CommandKind.START, 1)]))
     controller._apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     first, second, repair = published(controller)
     assert (first.previous_world_size, first.layout) == (0, 1)
     assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
