@@ -89,6 +89,20 @@ class JobOutcome:
     controller: Controller | None
 
 
+@dataclass
+class Supervision:
+    """Where the supervision loop stands between two turns."""
+
+    #: when the next keepalive is due (monotonic)
+    next_beat: float = 0.0
+    #: when this node was interrupted (Ctrl-C, SIGTERM), or None: it then reports no more failures
+    interrupted_at: float | None = None
+    #: whether the node said that all its ranks succeeded (once a generation)
+    reported_success: bool = False
+    #: after a failure report: until then, the loop looks for the controller's answer often
+    answer_due: float = 0.0
+
+
 @dataclass(frozen=True)
 class PendingSpawn:
     """Workers a command asked for that wait for a usable device (one is being reset)."""
@@ -109,10 +123,11 @@ class Agent:
         self.interrupts = Interrupts()
         self.controller: Controller | None = None
         #: the live status view or progress lines, where this agent hosts the controller
-        self.view: StatusView | AttachedTop | None = None
+        self.display: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
-        self.rendezvous: Placement | None = None
+        #: this agent's place, as the rendezvous gave it
+        self.placement: Placement | None = None
         self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
         self.table: FaultTable | None = None
         self.devices: NodeDevices | None = None
@@ -141,6 +156,15 @@ class Agent:
         self._peer_addresses: dict[str, str] = {}
         #: every message this agent sends or reads (built once the store is open)
         self.protocol: NodeProtocol | None = None
+        self._supervision = Supervision()
+        #: how each of the controller's commands is carried out (``_supervise``)
+        self._carry_out = {
+            CommandKind.EXIT: self._carry_out_exit,
+            CommandKind.TAKEOVER: self._carry_out_takeover,
+            CommandKind.STOP: self._carry_out_stop,
+            CommandKind.START: self._carry_out_start,
+            CommandKind.REPLACE: self._carry_out_replace,
+        }
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -167,8 +191,8 @@ class Agent:
         try:
             return self._run()
         finally:
-            if self.view is not None:
-                self.view.stop()
+            if self.display is not None:
+                self.display.stop()
             if self.protocol is not None and self.protocol.watch is not None:
                 self.protocol.watch.close(self.store)
 
@@ -200,7 +224,7 @@ class Agent:
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
                             host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
-            self.rendezvous, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
+            self.placement, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
         except FtrunError:
             if self.interrupts.requested:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
@@ -217,8 +241,8 @@ class Agent:
                     return self._finish(*ended)
             log.info(
                 "node %d of %d, ranks %d-%d of %d",
-                self.slot.node_rank, self.rendezvous.node_count, self.slot.first_rank,
-                self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
+                self.slot.node_rank, self.placement.node_count, self.slot.first_rank,
+                self.slot.first_rank + self.slot.nproc - 1, self.placement.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
             self._start_snapshots(ops)
@@ -290,7 +314,7 @@ class Agent:
         config = self.config
         self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
         self.controller.start()
-        self.view = controller_view(self.controller, config.status, self._token)
+        self.display = controller_view(self.controller, config.status, self._token)
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:
@@ -337,7 +361,7 @@ class Agent:
     def _stand_by(self, group: WorkerGroup) -> tuple[int, str] | None:
         """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
         Returns how the job ended, when it ended first."""
-        log.info("standing by as a spare node (the job has %d nodes)", self.rendezvous.node_count)
+        log.info("standing by as a spare node (the job has %d nodes)", self.placement.node_count)
         group.fill_standbys()
         try:
             while True:
@@ -363,84 +387,109 @@ class Agent:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
     def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
-        config = self.config
-        next_beat = 0.0
-        interrupted_at = None
-        reported_success = False
-        answer_due = 0.0  # after a failure report: until then, look for the controller's answer often
+        """The supervision loop: tend the node, report what its ranks did, carry out the controller's
+        commands, wait; until a command ends it (or an interrupt that the controller does not answer)."""
+        loop = self._supervision = Supervision()
         try:
             while True:
                 now = time.monotonic()
-                if now >= next_beat:
-                    self._keepalive(group, now, judge_hangs=interrupted_at is None)
-                    next_beat = now + AGENT_HEARTBEAT_INTERVAL
-                for event in self.devices.tick(w.placement.local_rank for w in group.running):
-                    for local_rank in self.devices.apply(event):
-                        group.fail(local_rank, "device", event.reason)
-                self._retry_pending(group)
-                if self._refill_at and now >= self._refill_at:
-                    self._refill_at = 0.0
-                    group.fill_standbys()
-                if self.interrupts.requested and interrupted_at is None:
-                    interrupted_at = now
-                    group.stop_signal = self.interrupts.worker_signal
-                    self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
-                                 detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
-                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                self._tend(group, now)
+                if loop.interrupted_at is not None and now - loop.interrupted_at > INTERRUPT_GRACE:
                     return self.interrupts.exit_code, "interrupted; the controller did not answer"
-
-                ended = group.poll()
-                if ended:  # the status the report below is read with holds the ranks' last steps
-                    self._keepalive(group, now, judge_hangs=False)
-                    next_beat = now + AGENT_HEARTBEAT_INTERVAL
-                failed = [w for w in ended if w.returncode != 0]
-                if failed and interrupted_at is None:
-                    self._report_failed(group, failed)
-                    answer_due = now + ANSWER_WAIT
-                if ended and group.all_succeeded and not reported_success:
-                    reported_success = True
-                    self._report(ReportKind.SUCCEEDED, group.generation)
-
+                self._report_ended(group, now)
                 for command in self.protocol.commands():
-                    answer_due = 0.0
-                    if command.kind in (CommandKind.EXIT, CommandKind.STOP):
-                        self._pending = None
-                    if command.kind is CommandKind.EXIT:
-                        group.stop(config.stop_timeout)
-                        self._report(ReportKind.EXITED, command.generation)
-                        return command.exit_code, command.reason
-                    if command.kind is CommandKind.TAKEOVER and command.node_rank == self.slot.node_rank:
-                        # this node was declared lost (silent past --node-timeout) and handed to a spare
-                        group.stop(config.stop_timeout)
-                        return ExitCode.JOB_FAILED, (f"this node was declared lost and node {self.slot.node_rank} "
-                                                     f"given to a spare ({command.reason}); leaving")
-                    if command.kind is CommandKind.STOP:
-                        log.warning("stopping generation %d: %s", command.generation, command.reason)
-                        # ranks that failed on their own before this stop, or as it came
-                        failed = [w for w in group.poll() if w.returncode != 0]
-                        # the restart's ranks take warm interpreters that import torch while this one stops
-                        group.fill_standbys(at_least=self.slot.nproc)
-                        failed += group.stop(config.stop_timeout, keep_standbys=True)
-                        if failed and interrupted_at is None:
-                            self._report_failed(group, failed)
-                        self._snapshots_after_stop()
-                        self.protocol.acknowledge_stop(command.generation)
-                    elif command.kind is CommandKind.START:
-                        reported_success = False
-                        if not self._refresh_layout(command.layout):
-                            group.stop(config.stop_timeout)
-                            return ExitCode.JOB_FAILED, (f"node {self.slot.node_rank} was declared lost and left "
-                                                         "out of the job; leaving")
-                        if command.generation > 0:
-                            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
-                                        command.restart_count, command.max_restarts)
-                        self._start_workers(group, command)
-                    elif command.kind is CommandKind.REPLACE:
-                        reported_success = False
-                        self._replace_ranks(group, command)
-                group.wait(ANSWER_TICK if time.monotonic() < answer_due else config.monitor_interval, self._wakeup)
+                    loop.answer_due = 0.0
+                    ended = self._carry_out[command.kind](group, command)
+                    if ended is not None:
+                        return ended
+                answer_soon = time.monotonic() < loop.answer_due
+                group.wait(ANSWER_TICK if answer_soon else self.config.monitor_interval, self._wakeup)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+
+    def _tend(self, group: WorkerGroup, now: float) -> None:
+        """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm
+        standbys, and an interrupt (reported once: the controller answers it)."""
+        loop = self._supervision
+        if now >= loop.next_beat:
+            self._keepalive(group, now, judge_hangs=loop.interrupted_at is None)
+            loop.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        for event in self.devices.tick(w.placement.local_rank for w in group.running):
+            for local_rank in self.devices.apply(event):
+                group.fail(local_rank, "device", event.reason)
+        self._retry_pending(group)
+        if self._refill_at and now >= self._refill_at:
+            self._refill_at = 0.0
+            group.fill_standbys()
+        if self.interrupts.requested and loop.interrupted_at is None:
+            loop.interrupted_at = now
+            group.stop_signal = self.interrupts.worker_signal
+            self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
+                         detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
+
+    def _report_ended(self, group: WorkerGroup, now: float) -> None:
+        """Ranks that ended since the last turn: the failed ones reported (and the controller's answer
+        looked for often for a while), the node's success once a generation."""
+        loop = self._supervision
+        ended = group.poll()
+        if not ended:
+            return
+        # the status the report below is read with holds the ranks' last steps
+        self._keepalive(group, now, judge_hangs=False)
+        loop.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        failed = [w for w in ended if w.returncode != 0]
+        if failed and loop.interrupted_at is None:
+            self._report_failed(group, failed)
+            loop.answer_due = now + ANSWER_WAIT
+        if group.all_succeeded and not loop.reported_success:
+            loop.reported_success = True
+            self._report(ReportKind.SUCCEEDED, group.generation)
+
+    # -- the controller's commands: each returns how the node's part of the job ended, or None -------
+
+    def _carry_out_exit(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._pending = None
+        group.stop(self.config.stop_timeout)
+        self._report(ReportKind.EXITED, command.generation)
+        return command.exit_code, command.reason
+
+    def _carry_out_takeover(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        if command.node_rank != self.slot.node_rank:
+            return None  # another node's place, given to a spare
+        # this node was declared lost (silent past --node-timeout) and handed to a spare
+        group.stop(self.config.stop_timeout)
+        return ExitCode.JOB_FAILED, (f"this node was declared lost and node {self.slot.node_rank} "
+                                     f"given to a spare ({command.reason}); leaving")
+
+    def _carry_out_stop(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._pending = None
+        log.warning("stopping generation %d: %s", command.generation, command.reason)
+        # ranks that failed on their own before this stop, or as it came
+        failed = [w for w in group.poll() if w.returncode != 0]
+        # the restart's ranks take warm interpreters that import torch while this one stops
+        group.fill_standbys(at_least=self.slot.nproc)
+        failed += group.stop(self.config.stop_timeout, keep_standbys=True)
+        if failed and self._supervision.interrupted_at is None:
+            self._report_failed(group, failed)
+        self._snapshots_after_stop()
+        self.protocol.acknowledge_stop(command.generation)
+        return None
+
+    def _carry_out_start(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._supervision.reported_success = False
+        if not self._refresh_layout(command.layout):
+            group.stop(self.config.stop_timeout)
+            return ExitCode.JOB_FAILED, f"node {self.slot.node_rank} was declared lost and left out of the job; leaving"
+        if command.generation > 0:
+            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
+                        command.restart_count, command.max_restarts)
+        self._start_workers(group, command)
+        return None
+
+    def _carry_out_replace(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._supervision.reported_success = False
+        self._replace_ranks(group, command)
+        return None
 
     def _report_failed(self, group: WorkerGroup, failed: list[Worker]) -> None:
         failures = tuple(group.failure(w, self.table, self.oom) for w in failed)

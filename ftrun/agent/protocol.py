@@ -55,7 +55,7 @@ class Watch:
         self._wake = wake
         #: set once the watch has its connection (or failed); the agent's place is written (or failed)
         self.connected = threading.Event()
-        self.rendezvous = threading.Event()
+        self.rendezvous_decided = threading.Event()
         #: the agent's place as its rendezvous bell carried it (sealed; empty when it rang without)
         self.placed = b""
         #: commands known to be written: the count when the watch began, plus those each ring carried
@@ -76,7 +76,7 @@ class Watch:
             self.connected.set()
             self.placed = self._await(store, keys.doorbell(self.agent_id, RENDEZVOUS_RING))
             self.published = int(store.add(keys.command_count, 0))  # rung for the commands after these
-            self.rendezvous.set()
+            self.rendezvous_decided.set()
             self._wake()
             while not self._closed:
                 index = self.published
@@ -90,7 +90,7 @@ class Watch:
         except Exception as e:  # the store went (the job ended), or it never answered
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.connected.set()
-            self.rendezvous.set()
+            self.rendezvous_decided.set()
             self._wake()
 
     @staticmethod
@@ -118,7 +118,7 @@ class Watch:
         if not self._thread.is_alive():
             return
         ring = self.published
-        rings = [RENDEZVOUS_RING] if not self.rendezvous.is_set() else []
+        rings = [RENDEZVOUS_RING] if not self.rendezvous_decided.is_set() else []
         try:
             for key in [self.keys.doorbell(self.agent_id, r) for r in rings + [ring, ring + 1]]:
                 store.set_text(key, "")
@@ -185,7 +185,7 @@ class NodeProtocol:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
         watch = self.watch
         placement, slot = join(self.store, self.keys, record, timeout, stop,
-                               watch.rendezvous if watch is not None else None, lambda: watch.placed)
+                               watch.rendezvous_decided if watch is not None else None, lambda: watch.placed)
         self.node_rank = slot.node_rank
         self.status_interval = board_interval(placement.world_size, 0.0)
         return placement, slot

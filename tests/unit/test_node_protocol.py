@@ -73,7 +73,7 @@ def job():
     watch = Watch(lambda: client(raw.port), KEYS, AGENT)
     protocol = NodeProtocol(ControlStore(agent_store, store.endpoint, False, signer), KEYS, AGENT, 10.0, watch)
     protocol.node_rank = 0
-    assert watch.rendezvous.wait(5)
+    assert watch.rendezvous_decided.wait(5)
     yield controller, protocol, agent_store
     watch.close(protocol.store)
 
