@@ -536,7 +536,7 @@ def _quickest(make: Callable[[], object]) -> tuple[float, object]:
 def _rank_table(controller: Controller, nodes: int) -> dict:
     """The quickest write: each ends in an fsync, which a busy disk alone can hold up for 100 ms,
     whatever the table's size."""
-    layout = tuple(sorted(controller.nodes.values(), key=lambda n: n.node_rank))
+    layout = tuple(sorted(controller.roster.nodes.values(), key=lambda n: n.node_rank))
     with tempfile.TemporaryDirectory() as folder:
         milliseconds, path = _quickest(lambda: write_table(folder, FTRUN_TABLE, ftrun_table(RUN_ID, 1, layout, 0, {})))
         size = os.path.getsize(path)

@@ -330,7 +330,7 @@ class Agent:
         """Idle spares are not part of the exit's acknowledgements: keep the store up until they have
         read the EXIT too (they poll every AGENT_HEARTBEAT_INTERVAL), so that they leave with the job's status
         rather than with "lost the controller"."""
-        idle = len(self.controller.spares)
+        idle = len(self.controller.roster.spares)
         deadline = time.monotonic() + SPARE_LINGER
         try:
             while idle and self.store.counter(self.keys.spares_left) < idle and time.monotonic() < deadline:

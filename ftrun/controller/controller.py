@@ -2,9 +2,9 @@
 
 The loop reads (reports, keepalives, milestones, operator requests), asks the policy
 (``policy.py``: pure transitions), and applies each decision: its narrator tells it
-(``narrator.py``), its publisher writes its commands (``publisher.py``). The other parts it keeps
-are small: which agent holds each node and who stands by as a spare, the worker store of each
-generation (``worker_store.py``), and what the nodes' snapshots hold (``restore_points.py``).
+(``narrator.py``), its publisher writes its commands (``publisher.py``). Beside them: who holds each
+node and which spares stand by (``roster.py``), each generation's worker store (``worker_store.py``),
+and what the nodes' snapshots hold (``restore_points.py``).
 """
 
 from __future__ import annotations
@@ -41,23 +41,14 @@ from ftrun.controller.policy import (
 )
 from ftrun.controller.publisher import Publisher
 from ftrun.controller.restore_points import RestorePoints
+from ftrun.controller.roster import Roster
 from ftrun.controller.worker_store import WorkerStores
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys, board_interval
-from ftrun.messages import (
-    Command,
-    CommandKind,
-    JoinRecord,
-    NodeSlot,
-    OperatorAction,
-    OperatorRequest,
-    RendezvousResult,
-    Report,
-    ReportKind,
-)
+from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, RendezvousResult, Report, ReportKind
 from ftrun.ports import PortRange
-from ftrun.rendezvous import RendezvousPolicy, gather, node_slot
+from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.store import ControlStore, StoreUnavailable, bind_address
 
@@ -81,24 +72,6 @@ class RecoveryPolicy:
     repair_timeout: float
     #: how long a repair's REPLACE commands are held back for more failure reports (see Controller._ready_replace)
     gather_timeout: float = 0.03
-
-
-class Keepalives:
-    """When each keepalive counter last moved, by this process's clock (so hosts need no clock sync)."""
-
-    def __init__(self):
-        self._seen: dict[str, tuple[int, float]] = {}
-
-    def quiet_for(self, key: str, count: int, now: float) -> float:
-        """Seconds since ``key``'s counter last changed; 0 when it just did (or is new)."""
-        seen, since = self._seen.get(key, (None, now))
-        if count != seen:
-            self._seen[key] = (count, now)
-            return 0.0
-        return now - since
-
-    def forget(self, key: str) -> None:
-        self._seen.pop(key, None)
 
 
 class Controller:
@@ -129,13 +102,11 @@ class Controller:
         #: who is which node, as the rendezvous decided (None while it is under way)
         self.rendezvous_result: RendezvousResult | None = None
         self.stop_requested = threading.Event()
-        #: node rank -> the node as it is now (a spare's agent after a takeover)
-        self.nodes: dict[int, NodeSlot] = {}
-        #: idle spare agents
-        self.spares: list[NodeSlot] = []
+        #: who holds each node, and which spares stand by
+        self.roster = Roster(store, keys)
         events = events or EventLog()
         self.narrator = Narrator(events, lambda g: self.store.counter(self.keys.milestone(g, Milestone.JOINED.value)))
-        self.publisher = Publisher(store, keys, lambda: [s.agent_id for s in [*self.nodes.values(), *self.spares]])
+        self.publisher = Publisher(store, keys, self.roster.agents)
         self.board = StatusBoard(store, keys, events, keys.run_id)
         self.restore_points = RestorePoints(store, keys, self.snapshots, self.narrator)
         #: each generation's worker store, listening where ``bind`` says ("": the address advertised_host names)
@@ -144,17 +115,13 @@ class Controller:
         #: when the status board is due again, and the (phase, generation) it last showed
         self._next_board = 0.0
         self._board_shows: tuple | None = None
-        #: when the job entered its current phase (monotonic), for the view's "for 1.2s"
+        #: when the job entered its current phase (monotonic), for the status's "for 1.2s"
         self._phase_since = time.monotonic()
         #: news from the process hosting the controller, applied in the controller's thread
         self._news: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: the agents' reports read so far, and the operator's requests (sequences)
         self._next_report = 0
         self._next_operator = 0
-        #: the nodes' and spares' keepalive counters, as this controller last saw them move
-        self._keepalives = Keepalives()
-        #: join records answered so far (the rendezvous's, then late arrivals)
-        self._arrivals_seen = 0
         #: the world size of the last generation started (0 before the first)
         self._started_world = 0
         #: how each kind of command is made ready to publish (None: held back for now)
@@ -225,8 +192,7 @@ class Controller:
         self._news.put(lambda: self._host_gone(host, detail))
 
     def _host_gone(self, host: str, detail: str) -> None:
-        self.spares = [s for s in self.spares if s.host != host]
-        node = next((n.node_rank for n in self.nodes.values() if n.host == host), None)
+        node = self.roster.forget_host(host)
         if node is not None and node in self.view.present:
             log.error(detail)
             self.lose_node(node, detail)
@@ -239,7 +205,8 @@ class Controller:
                                                      self.host_agent_id, self.stop_requested)
             if result.error:
                 return
-            self._take_places(result)
+            self.roster.take_places(result)
+            self.publisher.write_layout(result.nodes)
             self.view = JobView(
                 node_count=len(result.nodes),
                 max_restarts=self.policy.max_restarts,
@@ -295,7 +262,7 @@ class Controller:
     def _keepalive(self, now: float) -> None:
         self.publisher.heartbeat()
         self._check_nodes(now)
-        self._check_spares(now)
+        self.roster.drop_silent_spares(now, self.policy.node_timeout)
         self._admit_late_arrivals()
         self._grow()
         self._check_library()
@@ -310,8 +277,8 @@ class Controller:
                 self._on_operator(request)
 
     def _refresh_status(self, final: bool = False) -> None:
-        saved = self.restore_points.refresh(self.view, self._present(), final)
-        snapshot = self.board.refresh(self.view, self.nodes, self.spares, self._phase_since, saved)
+        saved = self.restore_points.refresh(self.view, self.roster.present(self.view), final)
+        snapshot = self.board.refresh(self.view, self.roster.nodes, self.roster.spares, self._phase_since, saved)
         self.publisher.status(snapshot)
         self.board.publish_for_top()
 
@@ -344,7 +311,7 @@ class Controller:
         previous, self._started_world = self._started_world, self._publish_layout()
         self.publisher.ranks_started = command.generation
         if command.generation > 0 and self.snapshots.enabled:
-            restore = self.restore_points.choose(command.generation, self.view, self._present())
+            restore = self.restore_points.choose(command.generation, self.view, self.roster.present(self.view))
             counts, sources = self.publisher.restore_plans(command.generation, restore)
             self.narrator.restore(command.generation, restore, counts, sources)
         return dataclasses.replace(command, previous_world_size=previous, worker_store=self.worker_stores.fresh())
@@ -365,11 +332,7 @@ class Controller:
 
     def _ready_takeover(self, command: Command, before: JobView | None) -> Command:
         """The spare holds the node from now on."""
-        spare = next(s for s in self.spares if s.agent_id == command.agent_id)
-        self.spares.remove(spare)
-        lost = self.nodes.get(command.node_rank)
-        self.nodes[command.node_rank] = dataclasses.replace(spare, node_rank=command.node_rank,
-                                                            first_rank=lost.first_rank if lost else -1)
+        spare, lost = self.roster.hand_over(command.agent_id, command.node_rank)
         self._publish_layout()
         self.narrator.took_over(command.generation, command.node_rank, spare, lost)
         return command
@@ -381,56 +344,26 @@ class Controller:
 
     # -- the nodes ----------------------------------------------------------------------------------
 
-    def _take_places(self, result: RendezvousResult) -> None:
-        self.nodes = {slot.node_rank: slot for slot in result.nodes}
-        self.spares = list(result.spares)
-        self._arrivals_seen = len(self.nodes) + len(self.spares)
-        self.publisher.write_layout(result.nodes)
-        if self.spares:
-            log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
-                     ", ".join(s.host for s in self.spares))
-
-    def _present(self) -> list[NodeSlot]:
-        """The nodes that hold a place in the job now, in node order."""
-        return [self.nodes[node] for node in sorted(self.view.present & set(self.nodes))]
-
     def _publish_layout(self) -> int:
-        """The nodes that hold a place in the job now, global ranks numbered over them in node order;
-        their world size."""
-        first_rank, nodes = 0, []
-        for slot in self._present():
-            if slot.first_rank != first_rank:
-                slot = self.nodes[slot.node_rank] = dataclasses.replace(slot, first_rank=first_rank)
-            nodes.append(slot)
-            first_rank += slot.nproc
-        self.publisher.write_layout(tuple(nodes))
-        return first_rank
+        """The layout of the nodes in the job now, written when it changed; their world size."""
+        nodes = self.roster.renumber(self.view)
+        self.publisher.write_layout(nodes)
+        return sum(slot.nproc for slot in nodes)
 
     def _check_nodes(self, now: float) -> None:
-        nodes = sorted(self.view.present)
-        keys = [self.keys.node_heartbeat(node) for node in nodes]
-        for node, key, count in zip(nodes, keys, self.store.counters(keys)):  # one round trip for every node
-            if self._keepalives.quiet_for(key, count, now) > self.policy.node_timeout:
-                host = self.nodes[node].host
-                detail = f"node {node} ({host}) lost: no keepalive from its agent for {self.policy.node_timeout:g}s"
-                log.error(detail)
-                self.lose_node(node, detail)
-                self._keepalives.forget(key)  # a spare that took the node gets its own node_timeout
+        timeout = self.policy.node_timeout
+        for node in self.roster.silent_nodes(self.view, now, timeout):
+            detail = f"node {node} ({self.roster.nodes[node].host}) lost: no keepalive from its agent for {timeout:g}s"
+            log.error(detail)
+            self.lose_node(node, detail)
 
     def lose_node(self, node: int, detail: str) -> None:
         """A node's agent is gone: a spare takes its place when one is idle (and the policy agrees)."""
-        slot = self.nodes[node]
+        slot = self.roster.nodes[node]
         self.narrator.node_lost(self.view.generation, slot, detail)
-        spare = next((s for s in self.spares if s.nproc == slot.nproc), None)
+        spare = self.roster.spare_for(slot.nproc)
         ranks = tuple(range(slot.first_rank, slot.first_rank + slot.nproc))
         self._apply(on_node_lost(self.view, node, detail, spare.agent_id if spare else "", ranks))
-
-    def _check_spares(self, now: float) -> None:
-        for spare in list(self.spares):
-            key = self.keys.spare_heartbeat(spare.agent_id)
-            if self._keepalives.quiet_for(key, self.store.counter(key), now) > self.policy.node_timeout:
-                log.warning("spare %s lost: no keepalive for %gs", spare.host, self.policy.node_timeout)
-                self.spares.remove(spare)
 
     def _room_to_grow(self) -> bool:
         """Fewer nodes than --nnodes MAX: after a scale-in, or when some were late for the rendezvous."""
@@ -438,26 +371,22 @@ class Controller:
 
     def _grow(self) -> None:
         """An idle spare and room for a node: it joins the job as a node of its own."""
-        if not self.spares or not self._room_to_grow() or self.view.phase is not Phase.RUNNING:
+        if not self.roster.spares or not self._room_to_grow() or self.view.phase is not Phase.RUNNING:
             return
-        spare = self.spares[0]
+        spare = self.roster.spares[0]
         node_rank = min(self.view.vacant) if self.view.vacant else self.view.node_count
         self._apply(on_node_joined(self.view, node_rank, spare.agent_id, spare.nproc, spare.host))
 
     def _admit_late_arrivals(self) -> None:
         """Agents that joined after the rendezvous: spares while the job wants more, else refused."""
-        admitted = {s.agent_id for s in self.spares} | {n.agent_id for n in self.nodes.values()}
-        for join in self.store.read_from(self.keys.arrivals, self.keys.join, JoinRecord, self._arrivals_seen):
-            self._arrivals_seen += 1
-            if join is None or join.agent_id in admitted:
-                continue
-            if len(self.spares) < self.rendezvous_policy.spares or self._room_to_grow():
-                self.spares.append(node_slot(join, -1, -1))
+        for join in self.roster.arrivals():
+            if len(self.roster.spares) < self.rendezvous_policy.spares or self._room_to_grow():
+                self.roster.add_spare(join)
                 self.publisher.admit_spare(join.agent_id)
                 log.info("%s joined as a spare node", join.host)
             else:
                 spares = self.rendezvous_policy.spares
-                self.publisher.refuse(join.agent_id, f"the job already has its {len(self.nodes)} nodes and "
+                self.publisher.refuse(join.agent_id, f"the job already has its {len(self.roster.nodes)} nodes and "
                                                      f"{spares} spare{'s' if spares != 1 else ''}")
 
     # -- what the agents and the ranks say ----------------------------------------------------------
@@ -475,12 +404,13 @@ class Controller:
             self._apply(on_stopped(self.view, stopped[1]))
 
     def _on_report(self, report: Report) -> None:
-        owner = self.nodes.get(report.node_rank)
+        owner = self.roster.nodes.get(report.node_rank)
         if report.agent_id and owner is not None and report.agent_id != owner.agent_id:
             log.warning("ignoring a %s report from %s: node %d now belongs to %s", report.kind.value,
                         report.agent_id, report.node_rank, owner.agent_id)
             return
-        if report.kind is ReportKind.NODE_UNUSABLE and owner is not None and any(s.nproc == owner.nproc for s in self.spares):
+        spare = self.roster.spare_for(owner.nproc) if owner is not None else None
+        if report.kind is ReportKind.NODE_UNUSABLE and spare is not None:
             self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
             return
         self._apply(on_report(self.view, report))
@@ -491,8 +421,8 @@ class Controller:
         view = self.view
         if view.phase is not Phase.STOPPING or view.level is not Level.JOB:
             return None
-        waiting = [(node, self.nodes[node].agent_id) for node in sorted(view.present - view.acknowledged)
-                   if node in self.nodes]
+        nodes = self.roster.nodes
+        waiting = [(node, nodes[node].agent_id) for node in sorted(view.present - view.acknowledged) if node in nodes]
         if not waiting:
             return None
         acks = self.store.all_set(Report, [self.keys.stopped(view.generation, agent) for _, agent in waiting])
@@ -537,10 +467,10 @@ class Controller:
 
     def _on_operator(self, request: OperatorRequest) -> None:
         """A person's request from ``ftrun top``: told with who asked and the answer, then applied."""
-        slot = next((n for n in self.nodes.values() if n.first_rank <= request.rank < n.first_rank + n.nproc), None)
+        slot = self.roster.holder_of_rank(request.rank)
         if request.action is OperatorAction.DRAIN:
-            slot = self.nodes.get(request.node_rank)
-        spare = next((s for s in self.spares if slot is not None and s.nproc == slot.nproc), None)
+            slot = self.roster.nodes.get(request.node_rank)
+        spare = self.roster.spare_for(slot.nproc) if slot is not None else None
         refusal = operator_refusal(self.view, request, self.store.signer.enabled, spare.agent_id if spare else "")
         if slot is None and not refusal and request.action is not OperatorAction.STOP:
             refusal = "no node holds it"

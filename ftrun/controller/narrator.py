@@ -2,9 +2,9 @@
 each fault, decision, phase and repair, with the phase breakdown of each repair.
 
 The narrator decides nothing and writes nothing to the control store. The controller hands it the
-job's view before and after each decision, and what it did about it; every text the controller shows
-a person is composed here, so that the lines read alike and are tested without a store
-(``tests/unit/test_narrator.py``).
+job's view before and after each decision, and what it did about it; every event the controller
+records is composed here, with the log line that tells it, so that they read alike and are tested
+without a store (``tests/unit/test_narrator.py``).
 """
 
 from __future__ import annotations

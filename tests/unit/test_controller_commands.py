@@ -73,7 +73,7 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
                                                                                                   monkeypatch):
     from ftrun.agent.protocol import NodeProtocol
 
-    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller.view = dataclasses.replace(controller.view, recovery=Level.JOB, library_ranks=0)
     controller._on_report(failed(3))
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.JOB)
@@ -110,7 +110,7 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
 
 
 def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_sees_no_resize(controller):
-    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller._apply((controller.view, [Command(CommandKind.START, 0)]))
     # node 1 lost, no spare: the job goes on with node 0 alone (a scale-in restarts every rank)
     shrunk = dataclasses.replace(controller.view, lost=frozenset({1}), world_size=2)
@@ -122,4 +122,4 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     assert (first.previous_world_size, first.layout) == (0, 1)
     assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
     assert (repair.previous_world_size, repair.layout) == (2, 2)  # the same world as the generation before
-    assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.nodes[0],)
+    assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.roster.nodes[0],)

@@ -67,7 +67,7 @@ def job():
     controller = Controller(store, KEYS, RendezvousPolicy(1, 1, 0.0, 5.0), "agent-0", "127.0.0.1",
                             RecoveryPolicy(max_restarts=3, recovery=Level.JOB, node_timeout=10.0, stop_timeout=5.0,
                                            repair_timeout=60.0))
-    controller.nodes[0] = NodeSlot(0, AGENT, "h1", 2, 0)
+    controller.roster.nodes[0] = NodeSlot(0, AGENT, "h1", 2, 0)
     store.set_text(KEYS.doorbell(AGENT, RENDEZVOUS_RING), "")
     agent_store = client(raw.port)
     watch = Watch(lambda: client(raw.port), KEYS, AGENT)
