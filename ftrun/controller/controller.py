@@ -280,7 +280,7 @@ class Controller:
         saved = self.restore_points.refresh(self.view, self.roster.present(self.view), final)
         snapshot = self.board.refresh(self.view, self.roster.nodes, self.roster.spares, self._phase_since, saved)
         self.publisher.status(snapshot)
-        self.board.publish_for_top()
+        self.publisher.for_top(*self.board.for_top())
 
     def _job_finished(self, view: JobView) -> None:
         try:

@@ -1,11 +1,11 @@
 """What the controller writes to the control store: its heartbeat, the job's entry in the list of jobs,
 the node layout and its versions, commands (with every agent's doorbell), the repair announcements
-to the ranks, restore plans, admissions and the status.
+to the ranks, restore plans, admissions, the status and what ``ftrun top`` reads beside it.
 
-Every write of the controller's goes through its one ``Publisher`` (the status board's event batches
-and rank history aside: ``board.py``), which keeps what it last wrote (the layout and its version, the
-newest generation announced) so that it writes each thing once, and in an order the readers rely on.
-One object, so that a controller that must hold a lease to write has one place to check it.
+Every write of the controller's goes through its one ``Publisher``, which keeps what it last wrote
+(the layout and its version, the newest generation announced) so that it writes each thing once, and
+in the order the readers rely on. One object, so that a controller that must hold a lease to write
+has one place to check it.
 The cost of each write, for N nodes of P ranks, is in ``ftrun/keys.py``.
 """
 
@@ -55,6 +55,16 @@ class Publisher:
 
     def status(self, snapshot: dict) -> None:
         self.store.set_text(self.keys.status, json.dumps(snapshot, separators=(",", ":")))
+
+    def for_top(self, events: list[dict], history: dict | None) -> None:
+        """What ``ftrun top`` reads beyond the status: the events logged since the last time, as one
+        batch (nothing when there are none), and each rank's short history (when there is a new one)."""
+        if events:
+            self.store.set_text(self.keys.event_batch(self.store.counter(self.keys.event_count)),
+                                json.dumps(events, separators=(",", ":")))
+            self.store.add(self.keys.event_count)
+        if history is not None:
+            self.store.set_text(self.keys.rank_history, json.dumps(history, separators=(",", ":")))
 
     def status_final(self) -> None:
         """The status will not change again: wakes its watchers before the store goes."""

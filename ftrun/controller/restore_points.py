@@ -28,9 +28,9 @@ class RestorePoints:
     """What the nodes' snapshots hold, job-wide."""
 
     def __init__(self, store: ControlStore, keys: JobKeys, options: SnapshotOptions, narrator: Narrator):
-        self.store = store
-        self.keys = keys
+        self.store, self.keys = store, keys
         self.options = options
+        #: tells each checkpoint as it is complete
         self.narrator = narrator
         #: the newest step whose checkpoint is on disk for every rank
         self._checkpointed = -1

@@ -5,6 +5,7 @@ writes as an agent does)."""
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 import pytest
@@ -99,3 +100,15 @@ def test_a_late_agent_is_admitted_as_a_spare_and_its_watch_rung_or_told_why_not(
     assert store.raw.check([KEYS.doorbell("late", RENDEZVOUS_RING)])
     assert store.try_text(KEYS.admission("later"), signed=True) == "the job already has its 2 nodes and 1 spare"
     assert not store.raw.check([KEYS.doorbell("later", RENDEZVOUS_RING)])
+
+
+def test_ftrun_top_s_feed_is_one_batch_per_call_with_news_and_the_history_when_there_is_one(publisher):
+    store = publisher.store
+    publisher.for_top([], None)  # nothing new: nothing written
+    assert store.counter(KEYS.event_count) == 0 and not store.raw.check([KEYS.rank_history])
+    publisher.for_top([{"kind": "fault"}, {"kind": "decision"}], {"0": [[1, 5, 0.2]]})
+    publisher.for_top([{"kind": "repair_done"}], None)
+    assert [json.loads(store.try_text(KEYS.event_batch(i))) for i in (0, 1)] == [
+        [{"kind": "fault"}, {"kind": "decision"}], [{"kind": "repair_done"}]]
+    assert store.counter(KEYS.event_count) == 2
+    assert json.loads(store.try_text(KEYS.rank_history)) == {"0": [[1, 5, 0.2]]}
