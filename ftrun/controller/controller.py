@@ -260,6 +260,8 @@ class Controller:
             time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
 
     def _keepalive(self, now: float) -> None:
+        """Once an AGENT_HEARTBEAT_INTERVAL: beat, look at the nodes and spares, the library's word, the
+        status, and ftrun top's requests."""
         self.publisher.heartbeat()
         self._check_nodes(now)
         self.roster.drop_silent_spares(now, self.policy.node_timeout)
