@@ -105,7 +105,7 @@ class Controller:
         #: who holds each node, and which spares stand by
         self.roster = Roster(store, keys)
         events = events or EventLog()
-        self.narrator = Narrator(events, lambda g: self.store.counter(self.keys.milestone(g, Milestone.JOINED.value)))
+        self.narrator = Narrator(events, self._joined)
         self.publisher = Publisher(store, keys, self.roster.agents)
         self.board = StatusBoard(store, keys, events, keys.run_id)
         self.restore_points = RestorePoints(store, keys, self.snapshots, self.narrator)
@@ -440,12 +440,15 @@ class Controller:
         if view.recovery is not Level.PROCESS or view.phase is not Phase.RUNNING or view.refusal:
             return
         if not view.process_level_ready:
-            self._apply(on_library_ranks(view, self.store.counter(self.keys.milestone(view.generation,
-                                                                                      Milestone.JOINED.value))))
+            self._apply(on_library_ranks(view, self._joined(view.generation)))
         else:
             refusal = self.store.try_text(self.keys.process_level_refused)
             if refusal:
                 self._apply(on_process_level_refused(view, refusal))
+
+    def _joined(self, generation: int) -> int:
+        """How many ranks joined the generation's process group: ranks under ftrun.elastic say so."""
+        return self.store.counter(self.keys.milestone(generation, Milestone.JOINED.value))
 
     def _check_repair(self) -> None:
         """During a process-level repair: count the ranks' milestones, watch the deadline."""
