@@ -53,11 +53,12 @@ class Narrator:
         self.events = events
         self._joined = joined
         self.repair = RepairClock()
-        #: a job-level restart waiting for its ranks to join (its generation); whether the generation
-        #: before it used ftrun.elastic (else there is nothing to wait for); whether the fall back to job
-        #: level for want of the library was said (once a job)
+        #: the generation of a job-level restart whose ranks are still joining their group (else None)
         self.restarting: int | None = None
+        #: whether the generation before the restart ran ftrun.elastic: else no rank will join a group,
+        #: and the restart is over as its workers start
         self._library_seen = False
+        #: the fall back to job level for want of the library is said once a job
         self._said_no_library = False
 
     @property
