@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import os
 import select
@@ -28,7 +27,8 @@ from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
-from ftrun.agent.stacks import dump_stack, stack_lines
+from ftrun.agent.stacks import dump_stack
+from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
@@ -39,18 +39,7 @@ from ftrun.faults.process import OomWatch
 from ftrun.folders import private_dirs
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
-from ftrun.messages import (
-    Command,
-    CommandKind,
-    JoinRecord,
-    NodeLayout,
-    NodeSlot,
-    NodeStatus,
-    Placement,
-    RankState,
-    ReportKind,
-    StackRequest,
-)
+from ftrun.messages import Command, CommandKind, JoinRecord, NodeLayout, NodeSlot, NodeStatus, Placement, RankState, ReportKind
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import linger_for_readers
@@ -68,11 +57,6 @@ ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
 REFILL_AFTER = 5.0
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
-#: ``ftrun top``: a node's output lines are published at most this often (seconds), and only when they changed;
-#: a stack request is looked for this often
-OUTPUT_EVERY, STACK_POLL_EVERY = 2.0, 1.0
-#: lines of a rank's stack published at most
-STACK_LINES = 200
 #: after a failed rendezvous, how long the store's host waits for the other agents to read why
 RENDEZVOUS_LINGER = 5.0
 #: at the end of the job, how long the store's host waits for idle spares to read the EXIT
@@ -143,10 +127,8 @@ class Agent:
         self.layout = NodeLayout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
-        #: ftrun top: what the output was last published for, when, and the last stack request served
-        self._output_seen: tuple = ()
-        self._next_output = self._next_stack_poll = 0.0
-        self._stack_served = ""
+        #: the node's output and stacks for ftrun top (built once the store is open)
+        self.top_feed: TopFeed | None = None
         #: the node's snapshots (--snapshot-every), and the inventory last published
         self.snapshots: SnapshotKeeper | None = None
         self._inventory: SnapshotInventory | None = None
@@ -211,6 +193,7 @@ class Agent:
         self._wakeup = Wakeup()
         watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self._wakeup)
         self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
+        self.top_feed = TopFeed(self.store, self.keys, self.agent_id)
         if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
             config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
         if self.store.is_host:
@@ -524,50 +507,10 @@ class Agent:
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
         self.protocol.keepalive(status, now)
-        self._publish_output(group)
-        self._serve_stack(group)
+        self.top_feed.publish(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:
             self._publish_inventory()
             self._find_peers()
-
-    def _publish_output(self, group: WorkerGroup) -> None:
-        """Each rank's last lines, for ``ftrun top``: written only when some rank printed since the last time."""
-        now = time.monotonic()
-        seen = tuple((w.placement.rank, w.pid, w.out.lines + w.err.lines) for w in group.workers)
-        if seen == self._output_seen or now < self._next_output:
-            return
-        self._output_seen, self._next_output = seen, now + OUTPUT_EVERY
-        lines = {str(w.placement.rank): list(w.out.recent or ()) for w in group.workers}
-        self.store.set_text(self.keys.agent_output(self.agent_id), json.dumps(lines, separators=(",", ":")))
-
-    def _serve_stack(self, group: WorkerGroup) -> None:
-        """``ftrun top`` asked for a rank's stack: dump it in a thread of its own (it may take seconds) and
-        publish the text."""
-        if time.monotonic() < self._next_stack_poll:
-            return
-        self._next_stack_poll = time.monotonic() + STACK_POLL_EVERY
-        request = self.store.try_get(StackRequest, self.keys.stack_request(self.agent_id))
-        if request is None or request.nonce == self._stack_served:
-            return
-        self._stack_served = request.nonce
-        worker = next((w for w in group.running if w.placement.rank == request.rank), None)
-        if worker is None:
-            self._publish_stack(request, "", [f"rank {request.rank} has no running process on this node"])
-            return
-        beats = self.store.counter(self.keys.rank_heartbeat(request.rank))
-
-        def dump():
-            how, lines = stack_lines(worker, uses_library=beats > 0)
-            self._publish_stack(request, how, lines)
-
-        threading.Thread(target=dump, name=f"ftrun-stack-rank{request.rank}", daemon=True).start()
-
-    def _publish_stack(self, request: StackRequest, how: str, lines: list[str]) -> None:
-        text = json.dumps({"nonce": request.nonce, "how": how, "lines": lines[-STACK_LINES:]})
-        try:
-            self.store.set_text(self.keys.rank_stack(request.rank), text)
-        except StoreUnavailable:
-            pass  # the job is ending
 
     def _started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against
