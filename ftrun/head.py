@@ -246,7 +246,7 @@ class Head:
         self.interrupts = Interrupts()
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
-        self.view: StatusView | AttachedTop | None = None
+        self.display: StatusView | AttachedTop | None = None
         #: the job's secret: the user's --token-file, else one made for this job
         self.token = config.token or new_token()
 
@@ -277,8 +277,8 @@ class Head:
             if self.controller is not None:
                 self.controller.stop_requested.set()
                 self.controller.join(config.stop_timeout + 5)
-            if self.view is not None:
-                self.view.stop()
+            if self.display is not None:
+                self.display.stop()
         if self.controller.view is None and code != ExitCode.OK:
             raise FtrunError(reason, ExitCode(code))  # the job never started: one error line, as an agent would say it
         return HeadOutcome(code, reason, self.controller)
@@ -291,7 +291,7 @@ class Head:
         store = ControlStore(server, config.endpoint, is_host=True, signer=Signer(self.token))
         controller = Controller.for_config(store, config, "", config.endpoint.host)
         controller.start()
-        self.view = controller_view(controller, config.status, self.token)
+        self.display = controller_view(controller, config.status, self.token)
         return controller
 
     def _watch(self) -> tuple[int, str]:
@@ -309,7 +309,7 @@ class Head:
                     continue
                 session.handled = True
                 why = session.why()
-                if controller.rendezvous is None:
+                if controller.rendezvous_result is None:
                     controller.stop_requested.set()
                     code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else _agent_code(session.proc.returncode)
                     return code, why
@@ -319,7 +319,7 @@ class Head:
             return controller.view.exit_code, controller.view.reason
         if self.interrupts.requested:
             return self.interrupts.exit_code, "interrupted during the rendezvous"
-        result = controller.rendezvous
+        result = controller.rendezvous_result
         if result is not None and result.error:
             return result.exit_code or ExitCode.RENDEZVOUS, result.error
         return ExitCode.JOB_FAILED, "the controller stopped"

@@ -66,6 +66,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: how often (seconds) each agent sends its keepalive (its ``node_heartbeat``, with its node's status) and
+#: reads the controller's; the controller reads the agents' keepalives and beats its own at the same pace
+AGENT_HEARTBEAT_INTERVAL = 0.5
 #: the status board costs O(ranks) to build, serialise and write: a big job's is rebuilt at most this many
 #: ranks' worth a second (a job of up to 2,048 ranks: at every keepalive), and at once when the phase or
 #: the generation changes, so that the controller's steady CPU does not grow with the job
@@ -121,7 +124,7 @@ class JobKeys:
 
     @property
     def layout(self) -> str:
-        """The nodes as they are now (a Layout): which agent holds each node rank, after any takeover or
+        """The nodes as they are now (a NodeLayout): which agent holds each node rank, after any takeover or
         resize; the rank tables are built from it. An agent reads it whole once, then its changes."""
         return f"{self.root}/layout"
 
@@ -132,7 +135,7 @@ class JobKeys:
         return f"{self.root}/layout/version"
 
     def layout_change(self, version: int) -> str:
-        """The LayoutChange from version ``version`` - 1 to ``version``."""
+        """The NodeLayoutChange from version ``version`` - 1 to ``version``."""
         return f"{self.root}/layout/change/{version}"
 
     def agent_status(self, agent_id: str) -> str:

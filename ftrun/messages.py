@@ -142,7 +142,7 @@ class NodeSlot:
 
 
 @dataclass(frozen=True)
-class Layout:
+class NodeLayout:
     """Which agent holds which node rank now: the rendezvous's nodes, updated at each takeover."""
 
     nodes: tuple[NodeSlot, ...] = ()
@@ -153,22 +153,22 @@ class Layout:
     def world_size(self) -> int:
         return sum(n.nproc for n in self.nodes)
 
-    def change_from(self, older: Layout) -> LayoutChange:
+    def change_from(self, older: NodeLayout) -> NodeLayoutChange:
         """What an agent that holds ``older`` (this layout's version less one) reads to hold this one."""
         before = {n.node_rank: n for n in older.nodes}
         now = {n.node_rank for n in self.nodes}
-        return LayoutChange(self.version, tuple(n for n in self.nodes if before.get(n.node_rank) != n),
-                            tuple(sorted(set(before) - now)))
+        return NodeLayoutChange(self.version, tuple(n for n in self.nodes if before.get(n.node_rank) != n),
+                                tuple(sorted(set(before) - now)))
 
-    def changed(self, change: LayoutChange) -> Layout:
+    def changed(self, change: NodeLayoutChange) -> NodeLayout:
         """This layout with ``change`` (the next version's) made."""
         nodes = {n.node_rank: n for n in self.nodes if n.node_rank not in change.removed}
         nodes.update((n.node_rank, n) for n in change.nodes)
-        return Layout(tuple(nodes[rank] for rank in sorted(nodes)), change.version)
+        return NodeLayout(tuple(nodes[rank] for rank in sorted(nodes)), change.version)
 
 
 @dataclass(frozen=True)
-class LayoutChange:
+class NodeLayoutChange:
     """The nodes that differ between two layouts one version apart: a takeover's is one node, so that
     an agent that holds the layout reads O(1) bytes at a later generation instead of the whole."""
 

@@ -88,7 +88,7 @@ from ftrun.snapshots.plan import MEMORY, REPLICA, HeldSnapshot, SnapshotInventor
 from ftrun.store import ControlStore, connect_store, host_store  # noqa: E402
 
 RUN_ID = "bench"
-#: the agents' defaults (ftrun/agent/agent.py HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
+#: the agents' defaults (ftrun/keys.py AGENT_HEARTBEAT_INTERVAL, --monitor-interval), the library's heartbeat
 KEEPALIVE, MONITOR_INTERVAL, RANK_BEAT = 0.5, 0.1, 1.0
 READY, GO, FAIL, LOSE, END = "bench/ready", "bench/go", "bench/fail", "bench/lose", "bench/end"
 #: the workers say they run the worker library (its "joined" milestone); then one more rank fails
@@ -392,14 +392,14 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
 
     controller.lose_node = timed_lose_node  # type: ignore[method-assign]
     published: list[tuple[str, float]] = []
-    publish = controller._publish
+    publish = controller.publisher.commands
 
     def timed_publish(commands) -> None:
         began = time.perf_counter()
         publish(commands)
         published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
 
-    controller._publish = timed_publish  # type: ignore[method-assign]
+    controller.publisher.commands = timed_publish  # type: ignore[method-assign]
     controller.start()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -536,7 +536,7 @@ def _quickest(make: Callable[[], object]) -> tuple[float, object]:
 def _rank_table(controller: Controller, nodes: int) -> dict:
     """The quickest write: each ends in an fsync, which a busy disk alone can hold up for 100 ms,
     whatever the table's size."""
-    layout = tuple(sorted(controller.nodes.values(), key=lambda n: n.node_rank))
+    layout = tuple(sorted(controller.roster.nodes.values(), key=lambda n: n.node_rank))
     with tempfile.TemporaryDirectory() as folder:
         milliseconds, path = _quickest(lambda: write_table(folder, FTRUN_TABLE, ftrun_table(RUN_ID, 1, layout, 0, {})))
         size = os.path.getsize(path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import os
 import select
@@ -28,7 +27,8 @@ from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
-from ftrun.agent.stacks import dump_stack, stack_lines
+from ftrun.agent.stacks import dump_stack
+from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
@@ -38,19 +38,8 @@ from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.folders import private_dirs
 from ftrun.interrupts import Interrupts
-from ftrun.keys import JobKeys
-from ftrun.messages import (
-    Command,
-    CommandKind,
-    JoinRecord,
-    Layout,
-    NodeSlot,
-    NodeStatus,
-    Placement,
-    RankState,
-    ReportKind,
-    StackRequest,
-)
+from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
+from ftrun.messages import Command, CommandKind, JoinRecord, NodeLayout, NodeSlot, NodeStatus, Placement, RankState, ReportKind
 from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import linger_for_readers
@@ -61,7 +50,6 @@ from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_st
 from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
-HEARTBEAT_INTERVAL = 0.5
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
 #: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
 ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
@@ -69,11 +57,6 @@ ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
 REFILL_AFTER = 5.0
 #: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
 INTERRUPT_GRACE = 10.0
-#: ``ftrun top``: a node's output lines are published at most this often (seconds), and only when they changed;
-#: a stack request is looked for this often
-OUTPUT_EVERY, STACK_POLL_EVERY = 2.0, 1.0
-#: lines of a rank's stack published at most
-STACK_LINES = 200
 #: after a failed rendezvous, how long the store's host waits for the other agents to read why
 RENDEZVOUS_LINGER = 5.0
 #: at the end of the job, how long the store's host waits for idle spares to read the EXIT
@@ -88,6 +71,20 @@ class JobOutcome:
     reason: str
     #: the controller, on the agent that hosted it: its view holds the job-wide summary
     controller: Controller | None
+
+
+@dataclass
+class Supervision:
+    """Where the supervision loop stands between two turns."""
+
+    #: when the next keepalive is due (monotonic)
+    next_beat: float = 0.0
+    #: when this node was interrupted (Ctrl-C, SIGTERM), or None: it then reports no more failures
+    interrupted_at: float | None = None
+    #: whether the node said that all its ranks succeeded (once a generation)
+    reported_success: bool = False
+    #: after a failure report: until then, the loop looks for the controller's answer often
+    answer_due: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,10 +107,11 @@ class Agent:
         self.interrupts = Interrupts()
         self.controller: Controller | None = None
         #: the live status view or progress lines, where this agent hosts the controller
-        self.view: StatusView | AttachedTop | None = None
+        self.display: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
         self.slot: NodeSlot | None = None
-        self.rendezvous: Placement | None = None
+        #: this agent's place, as the rendezvous gave it
+        self.placement: Placement | None = None
         self._tmp_log_dir: tempfile.TemporaryDirectory | None = None
         self.table: FaultTable | None = None
         self.devices: NodeDevices | None = None
@@ -126,13 +124,11 @@ class Agent:
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
-        self.layout = Layout()
+        self.layout = NodeLayout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
-        #: ftrun top: what the output was last published for, when, and the last stack request served
-        self._output_seen: tuple = ()
-        self._next_output = self._next_stack_poll = 0.0
-        self._stack_served = ""
+        #: the node's output and stacks for ftrun top (built once the store is open)
+        self.top_feed: TopFeed | None = None
         #: the node's snapshots (--snapshot-every), and the inventory last published
         self.snapshots: SnapshotKeeper | None = None
         self._inventory: SnapshotInventory | None = None
@@ -142,6 +138,15 @@ class Agent:
         self._peer_addresses: dict[str, str] = {}
         #: every message this agent sends or reads (built once the store is open)
         self.protocol: NodeProtocol | None = None
+        self._supervision = Supervision()
+        #: how each of the controller's commands is carried out (``_supervise``)
+        self._carry_out = {
+            CommandKind.EXIT: self._carry_out_exit,
+            CommandKind.TAKEOVER: self._carry_out_takeover,
+            CommandKind.STOP: self._carry_out_stop,
+            CommandKind.START: self._carry_out_start,
+            CommandKind.REPLACE: self._carry_out_replace,
+        }
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -168,8 +173,8 @@ class Agent:
         try:
             return self._run()
         finally:
-            if self.view is not None:
-                self.view.stop()
+            if self.display is not None:
+                self.display.stop()
             if self.protocol is not None and self.protocol.watch is not None:
                 self.protocol.watch.close(self.store)
 
@@ -188,6 +193,7 @@ class Agent:
         self._wakeup = Wakeup()
         watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self._wakeup)
         self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
+        self.top_feed = TopFeed(self.store, self.keys, self.agent_id)
         if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
             config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
         if self.store.is_host:
@@ -201,7 +207,7 @@ class Agent:
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
                             host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
         try:
-            self.rendezvous, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
+            self.placement, self.slot = self.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
         except FtrunError:
             if self.interrupts.requested:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
@@ -218,8 +224,8 @@ class Agent:
                     return self._finish(*ended)
             log.info(
                 "node %d of %d, ranks %d-%d of %d",
-                self.slot.node_rank, self.rendezvous.node_count, self.slot.first_rank,
-                self.slot.first_rank + self.slot.nproc - 1, self.rendezvous.world_size,
+                self.slot.node_rank, self.placement.node_count, self.slot.first_rank,
+                self.slot.first_rank + self.slot.nproc - 1, self.placement.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
             self._start_snapshots(ops)
@@ -291,7 +297,7 @@ class Agent:
         config = self.config
         self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
         self.controller.start()
-        self.view = controller_view(self.controller, config.status, self._token)
+        self.display = controller_view(self.controller, config.status, self._token)
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:
@@ -305,13 +311,13 @@ class Agent:
 
     def _wait_for_spares(self) -> None:
         """Idle spares are not part of the exit's acknowledgements: keep the store up until they have
-        read the EXIT too (they poll every HEARTBEAT_INTERVAL), so that they leave with the job's status
+        read the EXIT too (they poll every AGENT_HEARTBEAT_INTERVAL), so that they leave with the job's status
         rather than with "lost the controller"."""
-        idle = len(self.controller.spares)
+        idle = len(self.controller.roster.spares)
         deadline = time.monotonic() + SPARE_LINGER
         try:
             while idle and self.store.counter(self.keys.spares_left) < idle and time.monotonic() < deadline:
-                time.sleep(HEARTBEAT_INTERVAL / 5)
+                time.sleep(AGENT_HEARTBEAT_INTERVAL / 5)
         except StoreUnavailable:
             pass
 
@@ -338,7 +344,7 @@ class Agent:
     def _stand_by(self, group: WorkerGroup) -> tuple[int, str] | None:
         """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
         Returns how the job ended, when it ended first."""
-        log.info("standing by as a spare node (the job has %d nodes)", self.rendezvous.node_count)
+        log.info("standing by as a spare node (the job has %d nodes)", self.placement.node_count)
         group.fill_standbys()
         try:
             while True:
@@ -358,90 +364,115 @@ class Agent:
                         self._refresh_layout(command.layout)
                         log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
                         return None
-                select.select([self._wakeup], [], [], HEARTBEAT_INTERVAL)
+                select.select([self._wakeup], [], [], AGENT_HEARTBEAT_INTERVAL)
                 self._wakeup.drain()
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
 
     def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
-        config = self.config
-        next_beat = 0.0
-        interrupted_at = None
-        reported_success = False
-        answer_due = 0.0  # after a failure report: until then, look for the controller's answer often
+        """The supervision loop: tend the node, report what its ranks did, carry out the controller's
+        commands, wait; until a command ends it (or an interrupt that the controller does not answer)."""
+        loop = self._supervision = Supervision()
         try:
             while True:
                 now = time.monotonic()
-                if now >= next_beat:
-                    self._keepalive(group, now, judge_hangs=interrupted_at is None)
-                    next_beat = now + HEARTBEAT_INTERVAL
-                for event in self.devices.tick(w.placement.local_rank for w in group.running):
-                    for local_rank in self.devices.apply(event):
-                        group.fail(local_rank, "device", event.reason)
-                self._retry_pending(group)
-                if self._refill_at and now >= self._refill_at:
-                    self._refill_at = 0.0
-                    group.fill_standbys()
-                if self.interrupts.requested and interrupted_at is None:
-                    interrupted_at = now
-                    group.stop_signal = self.interrupts.worker_signal
-                    self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
-                                 detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
-                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                self._tend(group, now)
+                if loop.interrupted_at is not None and now - loop.interrupted_at > INTERRUPT_GRACE:
                     return self.interrupts.exit_code, "interrupted; the controller did not answer"
-
-                ended = group.poll()
-                if ended:  # the status the report below is read with holds the ranks' last steps
-                    self._keepalive(group, now, judge_hangs=False)
-                    next_beat = now + HEARTBEAT_INTERVAL
-                failed = [w for w in ended if w.returncode != 0]
-                if failed and interrupted_at is None:
-                    self._report_failed(group, failed)
-                    answer_due = now + ANSWER_WAIT
-                if ended and group.all_succeeded and not reported_success:
-                    reported_success = True
-                    self._report(ReportKind.SUCCEEDED, group.generation)
-
+                self._report_ended(group, now)
                 for command in self.protocol.commands():
-                    answer_due = 0.0
-                    if command.kind in (CommandKind.EXIT, CommandKind.STOP):
-                        self._pending = None
-                    if command.kind is CommandKind.EXIT:
-                        group.stop(config.stop_timeout)
-                        self._report(ReportKind.EXITED, command.generation)
-                        return command.exit_code, command.reason
-                    if command.kind is CommandKind.TAKEOVER and command.node_rank == self.slot.node_rank:
-                        # this node was declared lost (silent past --node-timeout) and handed to a spare
-                        group.stop(config.stop_timeout)
-                        return ExitCode.JOB_FAILED, (f"this node was declared lost and node {self.slot.node_rank} "
-                                                     f"given to a spare ({command.reason}); leaving")
-                    if command.kind is CommandKind.STOP:
-                        log.warning("stopping generation %d: %s", command.generation, command.reason)
-                        # ranks that failed on their own before this stop, or as it came
-                        failed = [w for w in group.poll() if w.returncode != 0]
-                        # the restart's ranks take warm interpreters that import torch while this one stops
-                        group.fill_standbys(at_least=self.slot.nproc)
-                        failed += group.stop(config.stop_timeout, keep_standbys=True)
-                        if failed and interrupted_at is None:
-                            self._report_failed(group, failed)
-                        self._snapshots_after_stop()
-                        self.protocol.acknowledge_stop(command.generation)
-                    elif command.kind is CommandKind.START:
-                        reported_success = False
-                        if not self._refresh_layout(command.layout):
-                            group.stop(config.stop_timeout)
-                            return ExitCode.JOB_FAILED, (f"node {self.slot.node_rank} was declared lost and left "
-                                                         "out of the job; leaving")
-                        if command.generation > 0:
-                            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
-                                        command.restart_count, command.max_restarts)
-                        self._start_workers(group, command)
-                    elif command.kind is CommandKind.REPLACE:
-                        reported_success = False
-                        self._replace_ranks(group, command)
-                group.wait(ANSWER_TICK if time.monotonic() < answer_due else config.monitor_interval, self._wakeup)
+                    loop.answer_due = 0.0
+                    ended = self._carry_out[command.kind](group, command)
+                    if ended is not None:
+                        return ended
+                answer_soon = time.monotonic() < loop.answer_due
+                group.wait(ANSWER_TICK if answer_soon else self.config.monitor_interval, self._wakeup)
         except StoreUnavailable as e:
             return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+
+    def _tend(self, group: WorkerGroup, now: float) -> None:
+        """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm
+        standbys, and an interrupt (reported once: the controller answers it)."""
+        loop = self._supervision
+        if now >= loop.next_beat:
+            self._keepalive(group, now, judge_hangs=loop.interrupted_at is None)
+            loop.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        for event in self.devices.tick(w.placement.local_rank for w in group.running):
+            for local_rank in self.devices.apply(event):
+                group.fail(local_rank, "device", event.reason)
+        self._retry_pending(group)
+        if self._refill_at and now >= self._refill_at:
+            self._refill_at = 0.0
+            group.fill_standbys()
+        if self.interrupts.requested and loop.interrupted_at is None:
+            loop.interrupted_at = now
+            group.stop_signal = self.interrupts.worker_signal
+            self._report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
+                         detail=f"{self.interrupts.name} on node {self.slot.node_rank} ({self.host})")
+
+    def _report_ended(self, group: WorkerGroup, now: float) -> None:
+        """Ranks that ended since the last turn: the failed ones reported (and the controller's answer
+        looked for often for a while), the node's success once a generation."""
+        loop = self._supervision
+        ended = group.poll()
+        if not ended:
+            return
+        # the status the report below is read with holds the ranks' last steps
+        self._keepalive(group, now, judge_hangs=False)
+        loop.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        failed = [w for w in ended if w.returncode != 0]
+        if failed and loop.interrupted_at is None:
+            self._report_failed(group, failed)
+            loop.answer_due = now + ANSWER_WAIT
+        if group.all_succeeded and not loop.reported_success:
+            loop.reported_success = True
+            self._report(ReportKind.SUCCEEDED, group.generation)
+
+    # -- the controller's commands: each returns how the node's part of the job ended, or None -------
+
+    def _carry_out_exit(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._pending = None
+        group.stop(self.config.stop_timeout)
+        self._report(ReportKind.EXITED, command.generation)
+        return command.exit_code, command.reason
+
+    def _carry_out_takeover(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        if command.node_rank != self.slot.node_rank:
+            return None  # another node's place, given to a spare
+        # this node was declared lost (silent past --node-timeout) and handed to a spare
+        group.stop(self.config.stop_timeout)
+        return ExitCode.JOB_FAILED, (f"this node was declared lost and node {self.slot.node_rank} "
+                                     f"given to a spare ({command.reason}); leaving")
+
+    def _carry_out_stop(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._pending = None
+        log.warning("stopping generation %d: %s", command.generation, command.reason)
+        # ranks that failed on their own before this stop, or as it came
+        failed = [w for w in group.poll() if w.returncode != 0]
+        # the restart's ranks take warm interpreters that import torch while this one stops
+        group.fill_standbys(at_least=self.slot.nproc)
+        failed += group.stop(self.config.stop_timeout, keep_standbys=True)
+        if failed and self._supervision.interrupted_at is None:
+            self._report_failed(group, failed)
+        self._snapshots_after_stop()
+        self.protocol.acknowledge_stop(command.generation)
+        return None
+
+    def _carry_out_start(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._supervision.reported_success = False
+        if not self._refresh_layout(command.layout):
+            group.stop(self.config.stop_timeout)
+            return ExitCode.JOB_FAILED, f"node {self.slot.node_rank} was declared lost and left out of the job; leaving"
+        if command.generation > 0:
+            log.warning("restarting workers as generation %d (restart %d of %d)", command.generation,
+                        command.restart_count, command.max_restarts)
+        self._start_workers(group, command)
+        return None
+
+    def _carry_out_replace(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
+        self._supervision.reported_success = False
+        self._replace_ranks(group, command)
+        return None
 
     def _report_failed(self, group: WorkerGroup, failed: list[Worker]) -> None:
         failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
@@ -476,50 +507,10 @@ class Agent:
         standbys = sum(1 for p in group.standbys if p.poll() is None)
         status = NodeStatus(self.agent_id, self.host, group.generation, ranks, standbys, self.devices.states())
         self.protocol.keepalive(status, now)
-        self._publish_output(group)
-        self._serve_stack(group)
+        self.top_feed.publish(group)
         if self.snapshots is not None and self.slot.node_rank >= 0:
             self._publish_inventory()
             self._find_peers()
-
-    def _publish_output(self, group: WorkerGroup) -> None:
-        """Each rank's last lines, for ``ftrun top``: written only when some rank printed since the last time."""
-        now = time.monotonic()
-        seen = tuple((w.placement.rank, w.pid, w.out.lines + w.err.lines) for w in group.workers)
-        if seen == self._output_seen or now < self._next_output:
-            return
-        self._output_seen, self._next_output = seen, now + OUTPUT_EVERY
-        lines = {str(w.placement.rank): list(w.out.recent or ()) for w in group.workers}
-        self.store.set_text(self.keys.agent_output(self.agent_id), json.dumps(lines, separators=(",", ":")))
-
-    def _serve_stack(self, group: WorkerGroup) -> None:
-        """``ftrun top`` asked for a rank's stack: dump it in a thread of its own (it may take seconds) and
-        publish the text."""
-        if time.monotonic() < self._next_stack_poll:
-            return
-        self._next_stack_poll = time.monotonic() + STACK_POLL_EVERY
-        request = self.store.try_get(StackRequest, self.keys.stack_request(self.agent_id))
-        if request is None or request.nonce == self._stack_served:
-            return
-        self._stack_served = request.nonce
-        worker = next((w for w in group.running if w.placement.rank == request.rank), None)
-        if worker is None:
-            self._publish_stack(request, "", [f"rank {request.rank} has no running process on this node"])
-            return
-        beats = self.store.counter(self.keys.rank_heartbeat(request.rank))
-
-        def dump():
-            how, lines = stack_lines(worker, uses_library=beats > 0)
-            self._publish_stack(request, how, lines)
-
-        threading.Thread(target=dump, name=f"ftrun-stack-rank{request.rank}", daemon=True).start()
-
-    def _publish_stack(self, request: StackRequest, how: str, lines: list[str]) -> None:
-        text = json.dumps({"nonce": request.nonce, "how": how, "lines": lines[-STACK_LINES:]})
-        try:
-            self.store.set_text(self.keys.rank_stack(request.rank), text)
-        except StoreUnavailable:
-            pass  # the job is ending
 
     def _started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against

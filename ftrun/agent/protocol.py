@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys, board_interval
-from ftrun.messages import Command, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
+from ftrun.messages import Command, JoinRecord, NodeLayout, NodeLayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
 
@@ -55,7 +55,7 @@ class Watch:
         self._wake = wake
         #: set once the watch has its connection (or failed); the agent's place is written (or failed)
         self.connected = threading.Event()
-        self.rendezvous = threading.Event()
+        self.rendezvous_decided = threading.Event()
         #: the agent's place as its rendezvous bell carried it (sealed; empty when it rang without)
         self.placed = b""
         #: commands known to be written: the count when the watch began, plus those each ring carried
@@ -76,7 +76,7 @@ class Watch:
             self.connected.set()
             self.placed = self._await(store, keys.doorbell(self.agent_id, RENDEZVOUS_RING))
             self.published = int(store.add(keys.command_count, 0))  # rung for the commands after these
-            self.rendezvous.set()
+            self.rendezvous_decided.set()
             self._wake()
             while not self._closed:
                 index = self.published
@@ -90,7 +90,7 @@ class Watch:
         except Exception as e:  # the store went (the job ended), or it never answered
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.connected.set()
-            self.rendezvous.set()
+            self.rendezvous_decided.set()
             self._wake()
 
     @staticmethod
@@ -118,7 +118,7 @@ class Watch:
         if not self._thread.is_alive():
             return
         ring = self.published
-        rings = [RENDEZVOUS_RING] if not self.rendezvous.is_set() else []
+        rings = [RENDEZVOUS_RING] if not self.rendezvous_decided.is_set() else []
         try:
             for key in [self.keys.doorbell(self.agent_id, r) for r in rings + [ring, ring + 1]]:
                 store.set_text(key, "")
@@ -179,18 +179,18 @@ class NodeProtocol:
         self._status_due = 0.0
         self._status_shape: tuple = ()
         #: the layout as last read (``layout``)
-        self._layout = Layout()
+        self._layout = NodeLayout()
 
     def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
         watch = self.watch
         placement, slot = join(self.store, self.keys, record, timeout, stop,
-                               watch.rendezvous if watch is not None else None, lambda: watch.placed)
+                               watch.rendezvous_decided if watch is not None else None, lambda: watch.placed)
         self.node_rank = slot.node_rank
         self.status_interval = board_interval(placement.world_size, 0.0)
         return placement, slot
 
-    def layout(self, published: int = -1) -> Layout:
+    def layout(self, published: int = -1) -> NodeLayout:
         """The nodes as the controller placed them last: the whole layout the first time, then only
         the changes since the layout held (a takeover's: one node). ``published``: the version a
         command said (``Command.layout``); held, it costs no round trip; else one (the version) while
@@ -203,14 +203,14 @@ class NodeProtocol:
             if version == held.version:
                 return held
             if held.version < version <= held.version + LAYOUT_CHANGES:
-                changes = self.store.messages(LayoutChange, [keys.layout_change(v)
+                changes = self.store.messages(NodeLayoutChange, [keys.layout_change(v)
                                                              for v in range(held.version + 1, version + 1)])
                 if None not in changes:
                     for change in changes:
                         self._layout = self._layout.changed(change)
                     return self._layout
         # none held yet, too far behind, or a change ignored as forged: the whole
-        self._layout = self.store.try_get(Layout, keys.layout) or held
+        self._layout = self.store.try_get(NodeLayout, keys.layout) or held
         return self._layout
 
     def keepalive(self, status: NodeStatus | None = None, now: float | None = None) -> None:

@@ -10,7 +10,6 @@ Plain data only (dicts, lists, numbers, strings), so both read the same thing.
 from __future__ import annotations
 
 import collections
-import json
 import time
 
 from ftrun.controller.policy import REPAIR_PHASES, JobView, Phase
@@ -117,24 +116,19 @@ class StatusBoard:
         self._log_progress(view, now, step, rate)
         return self.snapshot
 
-    def publish_for_top(self) -> None:
-        """What ``ftrun top`` reads beyond the snapshot: the events logged since the last call (one batch;
-        nothing when there are none), and every HISTORY_EVERY seconds each rank's short history."""
+    def for_top(self) -> tuple[list[dict], dict | None]:
+        """What ``ftrun top`` reads beyond the snapshot (the controller's publisher writes it): the events
+        logged since the last call, and every HISTORY_EVERY seconds each rank's short history (else None)."""
         events = self.events.events[self._events_published:]
-        if events:
-            self._events_published += len(events)
-            self.store.set_text(self.keys.event_batch(self.store.counter(self.keys.event_count)),
-                                json.dumps(events, separators=(",", ":")))
-            self.store.add(self.keys.event_count)
+        self._events_published += len(events)
         now = time.monotonic()
         if now < self._next_history or not self.snapshot:
-            return
+            return events, None
         self._next_history = now + HISTORY_EVERY
         for rank in self.snapshot["ranks"]:
             samples = self._history.setdefault(rank["rank"], collections.deque(maxlen=HISTORY_LENGTH))
             samples.append([round(self.snapshot["elapsed"]), rank["step"], rank["heartbeat_age"]])
-        self.store.set_text(self.keys.rank_history, json.dumps({str(r): list(h) for r, h in self._history.items()},
-                                                               separators=(",", ":")))
+        return events, {str(r): list(h) for r, h in self._history.items()}
 
     def _total_steps(self) -> int | None:
         """The script's step count, once the worker library has said it (``job.steps(total)``): read

@@ -5,7 +5,7 @@ and one event and returns the next view and the commands to publish. The
 controller thread (``controller.py``) turns store contents into events and
 applies the results.
 
-Process level (DESIGN.md "The repair, step by step"): a fault moves RUNNING to
+Process level (docs/design.md, "The repair, step by step"): a fault moves RUNNING to
 STOPPING and names the ranks to replace; the phases then follow the milestones
 the ranks and agents reach (healthy ranks left the old group, failed processes
 reaped, the new group formed, state rolled back) until RUNNING again. Job level:

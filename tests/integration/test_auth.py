@@ -11,7 +11,7 @@ import pytest
 
 from ftrun.auth import Signer
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Layout, Report, ReportKind, WorkerFailure, to_json
+from ftrun.messages import Command, CommandKind, NodeLayout, Report, ReportKind, WorkerFailure, to_json
 from tests.conftest import WORKERS, free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def test_forged_messages_are_ignored_and_logged_and_the_job_is_unaffected(launch
         append(keys.report_count, keys.report, to_json(Report(
             ReportKind.WORKER_FAILED, 1, 0, (WorkerFailure(3, 1, 1, "h", 1, 1),)))): "unsigned",
     }
-    store.set(keys.layout, to_json(Layout()))  # an empty rank table for the next generation, if it were read
+    store.set(keys.layout, to_json(NodeLayout()))  # an empty rank table for the next generation, if it were read
 
     assert launcher.wait() == [0, 0], launcher.output()
     results = launcher.results()

@@ -14,7 +14,7 @@ from ftrun.auth import Forged, Signer, read_token
 from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, JoinRecord, Layout, Placement, to_json
+from ftrun.messages import Command, CommandKind, JoinRecord, NodeLayout, Placement, to_json
 from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.store import ControlStore, bind_address, host_store
 
@@ -66,8 +66,8 @@ def test_store_ignores_forged_messages_and_logs_each_key_once(store, caplog):
     ours.read_from(KEYS.command_count, KEYS.command, Command, 0)
     warnings = [r.getMessage() for r in caplog.records if "ignoring a message" in r.getMessage()]
     assert len(warnings) == 3 and "wrongly signed" in warnings[0] and "unsigned" in warnings[1]
-    store.set(KEYS.layout, to_json(Layout()))
-    assert ours.try_get(Layout, KEYS.layout) is None
+    store.set(KEYS.layout, to_json(NodeLayout()))
+    assert ours.try_get(NodeLayout, KEYS.layout) is None
     ours.set_text(KEYS.admission("a"), "spare", signed=True)
     assert ours.try_text(KEYS.admission("a"), signed=True) == "spare"
     store.set(KEYS.admission("b"), "spare")
@@ -77,7 +77,7 @@ def test_store_ignores_forged_messages_and_logs_each_key_once(store, caplog):
 def test_a_message_that_is_not_json_is_ignored_even_unsigned(store):
     plain = ControlStore(store, Endpoint("127.0.0.1", store.port), True)
     store.set(KEYS.layout, b"{not json")
-    assert plain.try_get(Layout, KEYS.layout) is None  # a crash of the controller would be worse
+    assert plain.try_get(NodeLayout, KEYS.layout) is None  # a crash of the controller would be worse
 
 
 def write_token(path, data: bytes, mode: int = 0o600) -> str:

@@ -14,7 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, Layout, NodeSlot, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
 
@@ -50,10 +50,10 @@ def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_tol
     controller._on_report(failed(3))
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.PROCESS)
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the healthy ranks leave now
-    controller._release_held()
+    controller.publisher.release_held()
     assert published(controller) == []  # the replacement waits for more reports
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
 
 
@@ -64,7 +64,7 @@ def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doo
     assert (controller.view.phase, controller.view.level, controller.view.no_replica) == (Phase.STOPPING, Level.JOB,
                                                                                           True)
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     # no REPLACE ever reached an agent: the restart's ranks find every standby warm
     assert [c.kind for c in published(controller)] == [CommandKind.STOP]
 
@@ -73,7 +73,7 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
                                                                                                   monkeypatch):
     from ftrun.agent.protocol import NodeProtocol
 
-    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller.view = dataclasses.replace(controller.view, recovery=Level.JOB, library_ranks=0)
     controller._on_report(failed(3))
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.JOB)
@@ -110,16 +110,16 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
 
 
 def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_sees_no_resize(controller):
-    controller.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller._apply((controller.view, [Command(CommandKind.START, 0)]))
     # node 1 lost, no spare: the job goes on with node 0 alone (a scale-in restarts every rank)
     shrunk = dataclasses.replace(controller.view, lost=frozenset({1}), world_size=2)
     controller._apply((shrunk, [Command(CommandKind.START, 1)]))
     controller._apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
     time.sleep(HOLD)
-    controller._release_held()
+    controller.publisher.release_held()
     first, second, repair = published(controller)
     assert (first.previous_world_size, first.layout) == (0, 1)
     assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
     assert (repair.previous_world_size, repair.layout) == (2, 2)  # the same world as the generation before
-    assert controller.store.get(Layout, controller.keys.layout).nodes == (controller.nodes[0],)
+    assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.roster.nodes[0],)

@@ -18,7 +18,7 @@ from ftrun.controller.policy import Level
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.errors import RendezvousError
 from ftrun.messages import (
-    Command, CommandKind, JoinRecord, Layout, LayoutChange, NodeSlot, NodeStatus, Placement, RankState,
+    Command, CommandKind, JoinRecord, NodeLayout, NodeLayoutChange, NodeSlot, NodeStatus, Placement, RankState,
 )
 from ftrun.rendezvous import RendezvousPolicy, gather, join
 from ftrun.store import ControlStore
@@ -67,13 +67,13 @@ def job():
     controller = Controller(store, KEYS, RendezvousPolicy(1, 1, 0.0, 5.0), "agent-0", "127.0.0.1",
                             RecoveryPolicy(max_restarts=3, recovery=Level.JOB, node_timeout=10.0, stop_timeout=5.0,
                                            repair_timeout=60.0))
-    controller.nodes[0] = NodeSlot(0, AGENT, "h1", 2, 0)
+    controller.roster.nodes[0] = NodeSlot(0, AGENT, "h1", 2, 0)
     store.set_text(KEYS.doorbell(AGENT, RENDEZVOUS_RING), "")
     agent_store = client(raw.port)
     watch = Watch(lambda: client(raw.port), KEYS, AGENT)
     protocol = NodeProtocol(ControlStore(agent_store, store.endpoint, False, signer), KEYS, AGENT, 10.0, watch)
     protocol.node_rank = 0
-    assert watch.rendezvous.wait(5)
+    assert watch.rendezvous_decided.wait(5)
     yield controller, protocol, agent_store
     watch.close(protocol.store)
 
@@ -88,7 +88,7 @@ def wait_for(condition, seconds: float = 5.0) -> None:
 def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     controller, protocol, agent_store = job
     stop = Command(CommandKind.STOP, 0, reason="rank 3 failed", layout=0)  # none written in this job yet
-    controller._publish([stop])
+    controller.publisher.commands([stop])
     wait_for(lambda: protocol.watch.published == 1)
     before = agent_store.requests
     assert list(protocol.commands()) == [stop]
@@ -106,7 +106,7 @@ def test_the_doorbell_carries_the_command_so_the_agent_reads_nothing_back(job):
     # a lost node's decision: its two commands ring the bell once, and the watch holds both
     takeover = Command(CommandKind.TAKEOVER, 1, node_rank=1, agent_id="spare", reason="node 1 lost", layout=0)
     stop = Command(CommandKind.STOP, 1, reason="node 1 lost", layout=0)
-    controller._publish([takeover, stop])
+    controller.publisher.commands([takeover, stop])
     wait_for(lambda: protocol.watch.published == 4)
     assert list(protocol.commands()) == [takeover, stop]
     assert agent_store.requests == before + 1
@@ -181,54 +181,54 @@ def test_the_rendezvous_bell_carries_the_agent_s_own_place_so_it_reads_nothing_b
 def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(job, monkeypatch):
     controller, protocol, agent_store = job
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(3))
-    controller._write_layout(nodes)
+    controller.publisher.write_layout(nodes)
     before = len(agent_store.named)
-    assert protocol.layout() == Layout(nodes, 1)
+    assert protocol.layout() == NodeLayout(nodes, 1)
     assert KEYS.layout in agent_store.named[before:]  # the whole, the first time
 
-    def read() -> tuple[Layout, list[str]]:
+    def read() -> tuple[NodeLayout, list[str]]:
         before = len(agent_store.named)
         layout = protocol.layout()
         return layout, agent_store.named[before:]
 
-    controller._write_layout(nodes)  # a restart of the same nodes publishes nothing
+    controller.publisher.write_layout(nodes)  # a restart of the same nodes publishes nothing
     layout, asked = read()
     assert layout.version == 1 and asked == [KEYS.layout_version]  # its version, in one request: no change
     # a takeover: one node's change
     spare = NodeSlot(1, "spare", "h9", 2, 2)
     taken = (nodes[0], spare, nodes[2])
-    controller._write_layout(taken)
+    controller.publisher.write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
-    assert controller.store.get(LayoutChange, KEYS.layout_change(2)) == LayoutChange(2, (spare,))
+    assert layout == NodeLayout(taken, 2) and KEYS.layout not in asked and KEYS.layout_change(2) in asked
+    assert controller.store.get(NodeLayoutChange, KEYS.layout_change(2)) == NodeLayoutChange(2, (spare,))
     before = agent_store.requests
     assert protocol.layout(published=2) == layout and agent_store.requests == before  # a command said it: held
     # node 1 lost, then the scale-in that renumbers the ranks after it: two versions behind, read at once
     shrunk = (nodes[0], NodeSlot(2, "agent-2", "h2", 2, 2))
-    controller._write_layout((nodes[0], nodes[2]))
-    controller._write_layout(shrunk)
+    controller.publisher.write_layout((nodes[0], nodes[2]))
+    controller.publisher.write_layout(shrunk)
     layout, asked = read()
-    assert layout == Layout(shrunk, 4) and KEYS.layout not in asked
-    assert controller.store.get(LayoutChange, KEYS.layout_change(4)) == LayoutChange(4, (shrunk[1],))
+    assert layout == NodeLayout(shrunk, 4) and KEYS.layout not in asked
+    assert controller.store.get(NodeLayoutChange, KEYS.layout_change(4)) == NodeLayoutChange(4, (shrunk[1],))
     # further behind than LAYOUT_CHANGES versions, or a change that does not open: the whole again
     monkeypatch.setattr(protocol_module, "LAYOUT_CHANGES", 1)
-    controller._write_layout(nodes)
-    controller._write_layout(taken)
+    controller.publisher.write_layout(nodes)
+    controller.publisher.write_layout(taken)
     layout, asked = read()
-    assert layout == Layout(taken, 6) and KEYS.layout in asked
-    controller._write_layout(nodes)
+    assert layout == NodeLayout(taken, 6) and KEYS.layout in asked
+    controller.publisher.write_layout(nodes)
     controller.store.set_text(KEYS.layout_change(7), '{"mac": "0", "body": "{}"}')
     layout, asked = read()
-    assert layout == Layout(nodes, 7) and KEYS.layout in asked
+    assert layout == NodeLayout(nodes, 7) and KEYS.layout in asked
 
 
 def test_a_layout_made_from_its_changes_is_the_layout():
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(4))
     shapes = [nodes, (nodes[0], NodeSlot(1, "spare", "h9", 2, 2)) + nodes[2:], (nodes[0],) + nodes[2:],
               nodes[:2] + (NodeSlot(5, "late", "h5", 4, 4),), (), nodes]
-    held = Layout()
+    held = NodeLayout()
     for version, shape in enumerate(shapes, 1):
-        layout = Layout(shape, version)
+        layout = NodeLayout(shape, version)
         change = layout.change_from(held)
         assert held.changed(change) == layout
         assert len(change.nodes) == sum(1 for n in shape if n not in held.nodes)  # only what differs travels
