@@ -9,7 +9,7 @@ there, and scripts that use plain env:// get a fresh worker store per generation
 stale keys (pytorch issues 135712 and 167288); ftrun's cannot see any.
 
 What each message path costs, for N nodes of P ranks (W = N x P), in store round trips (scripts/
-bench_control_plane.py measures them; README "Scale"). A ``multi_set`` of many keys goes in messages of
+bench_control_plane.py measures them; docs/scale.md). A ``multi_set`` of many keys goes in messages of
 at most 64 keys and 64 kB, a ``multi_get`` in requests of at most 1,024 keys: the store's server takes
 time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEYS``).
 
@@ -54,7 +54,7 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
   reads the version (one round trip) and only the changes since the layout it holds (two: O(1) bytes
   for a takeover, O(N) for a resize, which renumbers the ranks). The whole layout is read once per
   agent, at its first START: each agent's rank tables name every rank, so that is O(N) bytes per
-  agent and O(N^2) from the store in all, once per job (README "Scale": what would carry it at
+  agent and O(N^2) from the store in all, once per job (docs/scale.md: what would carry it at
   10,000 nodes). Each agent writes a rank table of O(W) entries locally.
 * restore plan: one ``restore_plan`` per node, written in one ``multi_set``: O(P x (1 + R)) entries for
   sharded state (R replicas), O(P + REPLICATED_SPARES) for replicated state; O(W x (1 + R)) in all,

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable
 
+from ftrun.contract import Milestone
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import (
@@ -24,7 +25,6 @@ from ftrun.controller.policy import (
     REPAIR_PHASES,
     JobView,
     Level,
-    Milestone,
     Phase,
     on_library_ranks,
     on_milestone,

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
+from ftrun.contract import Milestone
 from ftrun.controller.policy import (
     IllegalTransition,
     JobView,
     Level,
-    Milestone,
     Phase,
     on_milestone,
     on_node_joined,
