@@ -75,7 +75,7 @@ from benchlib import free_port, kill_everything  # noqa: E402
 
 from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.agent.workers import STOP_POLL  # noqa: E402
-from ftrun.config import Endpoint  # noqa: E402
+from ftrun.contract import Endpoint, Milestone  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
 from ftrun.keys import JobKeys  # noqa: E402
@@ -355,7 +355,7 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
             library = True
             for agent in agents:
                 if agent.running:
-                    director.add(keys.milestone(agent.generation, "joined"), len(agent.ranks))
+                    director.add(keys.milestone(agent.generation, Milestone.JOINED.value), len(agent.ranks))
         ops_value.value = ops.value
         if director.check([END]):
             break

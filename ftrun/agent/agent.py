@@ -541,12 +541,12 @@ class Agent:
 
     def _start_workers(self, group: WorkerGroup, command: Command) -> None:
         try:
-            slots = self.devices.slots(self.slot.nproc)
+            assigned = self.devices.assign(self.slot.nproc)
         except NoDevice as e:
             self._wait_for_device(command, tuple(range(self.slot.nproc)), e)
             return
         cpus = self.devices.binding()
-        placements = [self._placement(i, self.devices.env(slots.get(i)), cpus.get(i, ()))
+        placements = [self._placement(i, self.devices.env(assigned.get(i)), cpus.get(i, ()))
                       for i in range(self.slot.nproc)]
         self._pending = None
         self.protocol.prepare_ranks([p.rank for p in placements])
@@ -559,12 +559,12 @@ class Agent:
         gen = self._generation_env(command, replacement=True)
         for done, local_rank in enumerate(local_ranks):
             try:
-                slot = self.devices.slot_for_respawn(local_rank)
+                device = self.devices.device_for_respawn(local_rank)
             except NoDevice as e:
                 self._wait_for_device(command, local_ranks[done:], e)
                 return
             cpus = self.devices.binding().get(local_rank, ())
-            group.respawn(self._placement(local_rank, self.devices.env(slot), cpus), gen)
+            group.respawn(self._placement(local_rank, self.devices.env(device), cpus), gen)
             self._started([group.workers[local_rank]])
         self._pending = None
         # the standbys taken are made again once the repair is over: a new one's torch import would

@@ -21,7 +21,7 @@ from typing import Iterable
 
 from ftrun.agent.health import DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.numa import HostCpus, bind_ranks
-from ftrun.agent.placement import DeviceAllocator, DeviceSlot
+from ftrun.agent.placement import DeviceAllocator, RankDevice
 from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_device_backend
@@ -138,19 +138,19 @@ class NodeDevices:
 
     # -- placing ranks -------------------------------------------------------------------------------
 
-    def slots(self, nproc: int) -> dict[int, DeviceSlot]:
+    def assign(self, nproc: int) -> dict[int, RankDevice]:
         """Devices for a fresh start of every local rank (NoDevice when too few are usable)."""
         return self.allocator.assign_all(nproc) if self.allocator is not None else {}
 
-    def slot_for_respawn(self, local_rank: int) -> DeviceSlot | None:
+    def device_for_respawn(self, local_rank: int) -> RankDevice | None:
         """The device a respawned rank goes to (NoDevice when none is usable now)."""
         if self.allocator is None:
             return None
         before = self.allocator.assigned.get(local_rank)
-        slot = self.allocator.reassign(local_rank)
-        if before is not None and slot.device != before:
-            log.warning("local rank %d moves from device %d to device %d", local_rank, before, slot.device)
-        return slot
+        placed = self.allocator.reassign(local_rank)
+        if before is not None and placed.device != before:
+            log.warning("local rank %d moves from device %d to device %d", local_rank, before, placed.device)
+        return placed
 
     @property
     def resetting(self) -> bool:
@@ -194,12 +194,12 @@ class NodeDevices:
         """Local rank -> the logical device it runs on now."""
         return dict(self.allocator.assigned) if self.allocator is not None else {}
 
-    def env(self, slot: DeviceSlot | None) -> tuple[tuple[str, str], ...]:
+    def env(self, placed: RankDevice | None) -> tuple[tuple[str, str], ...]:
         """The worker's device variables: what it sees, and which of those is its own."""
-        if slot is None:
+        if placed is None:
             return ()
-        visibility = (self.backend.visibility_var, ",".join(map(str, slot.visible)))
-        return (visibility, *DeviceAssignment(slot.device, slot.index).to_environ().items())
+        visibility = (self.backend.visibility_var, ",".join(map(str, placed.visible)))
+        return (visibility, *DeviceAssignment(placed.device, placed.index).to_environ().items())
 
     # -- faults --------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ class NoDevice(Exception):
 
 
 @dataclass(frozen=True)
-class DeviceSlot:
+class RankDevice:
     """Where one rank runs, and what it is told about it."""
 
     #: the device's logical id on the node
@@ -53,15 +53,15 @@ class DeviceAllocator:
             device in unfit for unfit in (self.isolated, self.preseparated, self.resetting)
         )
 
-    def assign_all(self, local_ranks: int) -> dict[int, DeviceSlot]:
+    def assign_all(self, local_ranks: int) -> dict[int, RankDevice]:
         """A fresh start: the lowest usable devices, in order, to local ranks 0..n-1."""
         free = [d for d in self.devices if self.usable(d)]
         if len(free) < local_ranks:
             raise NoDevice(self._shortage(local_ranks, free))
         self.assigned = dict(enumerate(free[:local_ranks]))
-        return {rank: self.slot(rank) for rank in self.assigned}
+        return {rank: self.device_of(rank) for rank in self.assigned}
 
-    def reassign(self, local_rank: int) -> DeviceSlot:
+    def reassign(self, local_rank: int) -> RankDevice:
         """A respawned rank: its own device if that is still fit for new work, else a free usable one."""
         current = self.assigned.get(local_rank)
         if current is None or not self.usable(current):
@@ -70,10 +70,10 @@ class DeviceAllocator:
             if not free:
                 raise NoDevice(self._shortage(1, free, local_rank))
             self.assigned[local_rank] = free[0]
-        return self.slot(local_rank)
+        return self.device_of(local_rank)
 
-    def slot(self, local_rank: int) -> DeviceSlot:
-        return DeviceSlot(self.assigned[local_rank], tuple(sorted(set(self.assigned.values()))))
+    def device_of(self, local_rank: int) -> RankDevice:
+        return RankDevice(self.assigned[local_rank], tuple(sorted(set(self.assigned.values()))))
 
     def ranks_on(self, device: int) -> list[int]:
         return sorted(r for r, d in self.assigned.items() if d == device)

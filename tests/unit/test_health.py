@@ -82,23 +82,23 @@ def node_devices(backend, devices: list[int]) -> NodeDevices:
 
 def test_separate_npu_isolates_the_device_and_names_its_ranks(fake_npu):
     node = node_devices(fake_npu("A2", npu_state(3)), [0, 1, 2])
-    node.slots(2)
+    node.assign(2)
     w = watch()
     w.observe(node.backend.poll(), now=0)
     [event] = w.observe([status(1, Health.ALARM, "DEADBEEF")], now=1)
     assert node.apply(event) == [1]
-    assert node.env(node.slot_for_respawn(1)) == (
+    assert node.env(node.device_for_respawn(1)) == (
         ("ASCEND_RT_VISIBLE_DEVICES", "0,2"), ("FTRUN_DEVICE", "2"), ("FTRUN_DEVICE_INDEX", "1"))
 
 
 def test_reset_waits_until_the_device_is_idle_then_makes_it_usable_again(fake_npu):
     backend = fake_npu("A2", npu_state(2, health="Alarm", codes=["8C03A000"]))
     node = node_devices(backend, [0, 1])
-    node.slots(2)
+    node.assign(2)
     node.on_worker_error(0, FaultLevel.RESTART_NPU, "HBM MULTI BIT ECC ERROR")
     assert node.resetting
     with pytest.raises(NoDevice, match="device 0 being reset"):
-        node.slot_for_respawn(0)
+        node.device_for_respawn(0)
     node.tick(running=[0, 1])  # local rank 0 still runs on it: no reset yet
     time.sleep(0.3)
     assert json.loads(fake_npu.state_file.read_text())["npus"][0]["chips"][0].get("resets") is None
@@ -107,7 +107,7 @@ def test_reset_waits_until_the_device_is_idle_then_makes_it_usable_again(fake_np
         node.tick(running=[1])
         time.sleep(0.05)
     assert not node.resetting
-    assert node.slot_for_respawn(0).device == 0
+    assert node.device_for_respawn(0).device == 0
     assert json.loads(fake_npu.state_file.read_text())["npus"][0]["chips"][0]["resets"] == 1
 
 

@@ -2,19 +2,19 @@
 
 import pytest
 
-from ftrun.agent.placement import DeviceAllocator, DeviceSlot, NoDevice
+from ftrun.agent.placement import DeviceAllocator, RankDevice, NoDevice
 
 
 def test_fresh_start_gives_the_lowest_devices_in_local_rank_order():
     slots = DeviceAllocator([2, 0, 1, 3]).assign_all(3)
-    assert slots == {0: DeviceSlot(0, (0, 1, 2)), 1: DeviceSlot(1, (0, 1, 2)), 2: DeviceSlot(2, (0, 1, 2))}
+    assert slots == {0: RankDevice(0, (0, 1, 2)), 1: RankDevice(1, (0, 1, 2)), 2: RankDevice(2, (0, 1, 2))}
     assert [slots[r].index for r in range(3)] == [0, 1, 2]  # index == LOCAL_RANK at a fresh start
 
 
 def test_respawn_on_a_healthy_device_keeps_it():
     allocator = DeviceAllocator([0, 1, 2])
     allocator.assign_all(2)
-    assert allocator.reassign(1) == DeviceSlot(1, (0, 1))
+    assert allocator.reassign(1) == RankDevice(1, (0, 1))
 
 
 def test_transition_isolated_device_moves_its_rank_to_the_free_one():

@@ -237,7 +237,7 @@ def test_binding_without_a_topology_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="ftrun"):
         devices.read_affinity("node")
     assert any("exit code 2" in r.message and "not bound" in r.message for r in caplog.records)
-    devices.slots(2)
+    devices.assign(2)
     assert devices.binding() == {}
 
 
