@@ -181,15 +181,18 @@ def test_the_rendezvous_bell_carries_the_agent_s_own_place_so_it_reads_nothing_b
 def test_an_agent_reads_the_whole_layout_once_then_only_each_version_s_changes(job, monkeypatch):
     controller, protocol, agent_store = job
     nodes = tuple(NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in range(3))
-    controller.publisher.write_layout(nodes)
-    before = len(agent_store.named)
-    assert protocol.layout() == NodeLayout(nodes, 1)
-    assert KEYS.layout in agent_store.named[before:]  # the whole, the first time
 
     def read() -> tuple[NodeLayout, list[str]]:
+        # the controller's writes wait for no answer: one round trip on its connection has the server
+        # apply them before the agent asks (an agent reads the layout after a doorbell that comes later)
+        controller.store.raw.check([KEYS.layout_version])
         before = len(agent_store.named)
         layout = protocol.layout()
         return layout, agent_store.named[before:]
+
+    controller.publisher.write_layout(nodes)
+    layout, asked = read()
+    assert layout == NodeLayout(nodes, 1) and KEYS.layout in asked  # the whole, the first time
 
     controller.publisher.write_layout(nodes)  # a restart of the same nodes publishes nothing
     layout, asked = read()
