@@ -1,7 +1,8 @@
 """The job's event log: every fault, decision, phase and repair as one JSON object.
 
 The controller is the only writer. It keeps the events in memory (the status view and the summary
-read them there) and, with ``--log-dir``, appends each as a line to ``<log-dir>/<run-id>/events.jsonl``
+read them there) and, with ``--log-dir``, appends each as a line to ``events.jsonl`` in the run's log folder,
+``<log-dir>/<run-id>/`` (``<log-dir>/<run-id>_<suffix>/`` with ``--log-layout torchrun``)
 (``ftrun report`` reads that file later). Every event has these fields:
 
 ``t``           wall-clock seconds; never decreases within the log, even if the clock steps back

@@ -26,7 +26,7 @@ from ftrun.auth import Signer, new_token
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
 from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError, UsageError
-from ftrun.folders import private_dirs
+from ftrun.folders import run_folder
 from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
 from ftrun.orphans import die_with_parent
@@ -239,10 +239,11 @@ class HeadOutcome:
 class Head:
     """Hosts the store and the controller, runs one ssh session per host, watches them."""
 
-    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent], log_dir: str):
+    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent]):
         self.config = config
         self.agents = agents
-        self.log_dir = log_dir
+        #: the run's folder under --log-dir (ftrun.folders.run_folder): each host's output and the event log
+        self.log_dir = ""
         self.interrupts = Interrupts()
         self.sessions: list[Session] = []
         self.controller: Controller | None = None
@@ -255,8 +256,8 @@ class Head:
 
     def run(self) -> HeadOutcome:
         config = self.config
-        if self.log_dir:
-            private_dirs(self.log_dir)
+        if config.log_dir:
+            self.log_dir = run_folder(config.log_dir, config.run_id, config.log_layout)
         log.info("starting %d agent%s over ssh; the store and the controller on %s", len(self.agents),
                  "s" if len(self.agents) != 1 else "", config.endpoint)
         hurry = False
@@ -289,7 +290,7 @@ class Head:
         if server is None:
             raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
         store = ControlStore(server, config.endpoint, is_host=True, signer=Signer(self.token))
-        controller = Controller.for_config(store, config, "", config.endpoint.host)
+        controller = Controller.for_config(store, config, "", config.endpoint.host, self.log_dir)
         controller.start()
         self.display = controller_view(controller, config.status, self.token)
         return controller

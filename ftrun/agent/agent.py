@@ -36,7 +36,7 @@ from ftrun.controller.controller import Controller
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
-from ftrun.folders import private_dirs
+from ftrun.folders import private_dirs, run_folder
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeLayout, NodeSlot, NodeStatus, Placement, RankState, ReportKind
@@ -123,6 +123,8 @@ class Agent:
         self._refill_at = 0.0
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
+        #: the run's folder under --log-dir, once made ("" without one)
+        self._run_folder_path: str | None = None
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
         self.layout = NodeLayout()
         #: global rank -> how many times this agent started its process (the status view's restarts)
@@ -295,7 +297,8 @@ class Agent:
 
     def _start_controller(self) -> None:
         config = self.config
-        self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host)
+        self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host,
+                                                self._run_folder())
         self.controller.start()
         self.display = controller_view(self.controller, config.status, self._token)
 
@@ -321,13 +324,20 @@ class Agent:
         except StoreUnavailable:
             pass
 
+    def _run_folder(self) -> str:
+        """This run's folder under --log-dir, made once: the controller's event log and the node's logs
+        share it (torchrun's layout: the one DIR/RUN_ID_XXXXXXXX of the run); "" without --log-dir."""
+        if self._run_folder_path is None:
+            config = self.config
+            self._run_folder_path = run_folder(config.log_dir, config.run_id, config.log_layout) if config.log_dir else ""
+        return self._run_folder_path
+
     def _log_dir(self) -> str:
         config = self.config
         if config.log_dir and config.log_layout == "torchrun":
-            private_dirs(config.log_dir)  # torchrun's: a fresh DIR/RUN_ID_XXXXXXXX per run (owner-only)
-            return tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
+            return self._run_folder()  # torchrun's: attempt_G/LOCAL_RANK/ right in the run's folder
         if config.log_dir:
-            path = os.path.join(config.log_dir, config.run_id, f"node{self.slot.node_rank}")
+            path = os.path.join(self._run_folder(), f"node{self.slot.node_rank}")
             private_dirs(path)
             return path
         if (config.redirects.default or config.redirects.per_rank or config.tee.default or config.tee.per_rank

@@ -78,7 +78,7 @@ def _write(line: str) -> None:
 
 def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
     plan = ClusterPlan.from_values(values, command)
-    head = Head(plan.config, plan.agents, plan.log_dir)
+    head = Head(plan.config, plan.agents)
     head.install_signal_handlers()
     return head.run()
 
@@ -91,11 +91,10 @@ def _ranks(agent: RemoteAgent) -> str:
 class ClusterPlan:
     """A hostfile job, worked out on the head node: its hosts, store and each host's ssh command."""
 
-    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent], log_dir: str):
+    def __init__(self, config: LaunchConfig, agents: list[RemoteAgent]):
         self.config = config
         #: the nodes' agents in node-rank order, then the spares'
         self.agents = agents
-        self.log_dir = log_dir
 
     @classmethod
     def from_values(cls, values: dict, command: click.Command | None, check_script: bool = True) -> "ClusterPlan":
@@ -148,8 +147,7 @@ class ClusterPlan:
         ssh = SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))
         nproc = str(values["nproc_per_node"]) if "nproc_per_node" in given else None
         agents = plan_agents(active, spec, ssh, endpoint, run_id, nnodes, nproc, spares)
-        log_dir = os.path.join(config.log_dir, run_id) if config.log_dir else ""
-        return cls(config, agents, log_dir)
+        return cls(config, agents)
 
 
 def _ssh_option(text: str) -> str:

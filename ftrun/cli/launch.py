@@ -229,7 +229,7 @@ def launch_options(fn):
         option("log-layout", group=LOGS, default=DEFAULTS.log_layout, show_default=True,
                help=f"Log folders and console prefixes: {', '.join(LOG_LAYOUTS)}. ftrun: DIR/RUN_ID/nodeN/attempt_G/RANK/ "
                     "and [rank N]; torchrun: DIR/RUN_ID_XXXXXXXX/attempt_G/LOCAL_RANK/ and [default0]:, as torchrun "
-                    "writes them."),
+                    "writes them, the event log in that one folder too."),
         option("local-ranks-filter", group=LOGS, default="", help="Show only these local ranks' output on the console (0,1)."),
         option("duplicate-stdout-filters", group=LOGS, default="",
                help="Also copy workers' stdout lines that hold any of these words (a,b; ',,' for a comma) to "
@@ -239,7 +239,8 @@ def launch_options(fn):
         option("logs-specs", group=LOGS, default="",
                help="Accepted for torchrun's scripts: ftrun has no LogsSpecs plugins (see --log-dir, --tee)."),
         option("event-log-handler", group=LOGS, default="",
-               help="Accepted for torchrun's scripts: ftrun writes its events to LOG_DIR/RUN_ID/events.jsonl."),
+               help="Accepted for torchrun's scripts: ftrun writes its events to events.jsonl in the run's log "
+                    "folder (LOG_DIR/RUN_ID/; with --log-layout torchrun, LOG_DIR/RUN_ID_XXXXXXXX/)."),
         option("status", group=LOGS, default=DEFAULTS.status, show_default=True,
                help="The job's status where the controller runs: live (ftrun top's interactive view when the "
                     "terminal is stdin too and textual is installed, pip install 'ftrun[top]'; else a view "

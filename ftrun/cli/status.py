@@ -22,7 +22,8 @@ Reads the job's control store and changes nothing. Exits 0, 2 on bad input, 3 wh
 be reached or holds no ftrun job.
 """
 
-REPORT_HELP = """Print the end-of-job summary again from an event log (--log-dir DIR writes DIR/RUN_ID/events.jsonl).
+REPORT_HELP = """Print the end-of-job summary again from an event log (--log-dir DIR writes DIR/RUN_ID/events.jsonl;
+--log-layout torchrun, DIR/RUN_ID_XXXXXXXX/events.jsonl).
 
 \b
   ftrun report logs/train7/events.jsonl

@@ -135,9 +135,11 @@ class Controller:
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
-    def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str) -> "Controller":
-        """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``)."""
-        path = os.path.join(config.log_dir, config.run_id, EVENTS_FILE) if config.log_dir else ""
+    def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str,
+                   run_folder: str = "") -> "Controller":
+        """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``); its event log
+        goes in ``run_folder``, the run's folder under ``--log-dir`` (``ftrun.folders.run_folder``), if any."""
+        path = os.path.join(run_folder, EVENTS_FILE) if run_folder else ""
         return cls(
             store=store,
             keys=JobKeys(config.run_id),

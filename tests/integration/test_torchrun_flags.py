@@ -136,8 +136,11 @@ def test_torchrun_log_layout_writes_torchrun_s_folders_and_prefixes(launcher, tm
                            "--warm-standby", "0", "--status", "off", str(script)])
     assert launcher.wait([node]) == [0], node.output
 
-    runs = [p.name for p in logs.iterdir() if p.is_dir() and p.name != "shapes"]  # shapes/: the event log
+    runs = [p.name for p in logs.iterdir()]  # one folder per run, as torchrun's, and nothing beside it
     assert len(runs) == 1 and re.fullmatch(r"shapes_\w{8}", runs[0]), runs
+    events = logs / runs[0] / "events.jsonl"  # the event log in it, beside attempt_0/
+    assert "job_finished" in [json.loads(line)["kind"] for line in events.read_text().splitlines()]
+    assert sorted(p.name for p in (logs / runs[0]).iterdir()) == ["attempt_0", "events.jsonl", "ranktable.json"]
     for local_rank in (0, 1):
         folder = logs / runs[0] / "attempt_0" / str(local_rank)
         assert (folder / "stdout.log").read_text() == f"hello from {local_rank}\n"

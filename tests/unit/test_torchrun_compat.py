@@ -4,6 +4,7 @@ came with torch 2.13 do what they say: signals, virtual local ranks, filters, NU
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from ftrun.devices import CpuBackend, DeviceToolError
 from ftrun.devices.topology import parse_affinity_matrix, parse_cpu_list
 from ftrun.errors import UsageError
 from ftrun.faults.levels import load_fault_table
+from ftrun.folders import run_folder
 from ftrun.interrupts import Interrupts
 from ftrun.ports import PortRange, listen_in_range, parse_port_range
 from tests.conftest import ROOT
@@ -304,3 +306,13 @@ def test_log_layout_and_the_prefix_template_reach_the_config(tmp_path, monkeypat
     assert (cfg.log_layout, cfg.log_line_prefix_template) == ("torchrun", "[${rank}]")
     with pytest.raises(UsageError, match="--log-layout"):
         config(tmp_path, log_layout="deepspeed")
+
+
+def test_the_run_folder_holds_the_whole_run_torchrun_s_a_fresh_one_per_process(tmp_path):
+    """Where the agent, the head node and the controller's event log put one run under --log-dir."""
+    logs = tmp_path / "logs"
+    assert run_folder(str(logs), "job", "ftrun") == str(logs / "job") == run_folder(str(logs), "job", "ftrun")
+    first, second = run_folder(str(logs), "job", "torchrun"), run_folder(str(logs), "job", "torchrun")
+    assert first != second and all(re.fullmatch(r"job_\w{8}", os.path.basename(p)) for p in (first, second))
+    assert sorted(p.name for p in logs.iterdir()) == sorted(["job", os.path.basename(first), os.path.basename(second)])
+    assert all((os.stat(p).st_mode & 0o777) == 0o700 for p in (logs, logs / "job", first, second))
