@@ -1,5 +1,5 @@
 """What the launcher and the worker library agree on: the endpoint of a store, the worker's environment,
-the milestones of a repair, the snapshot folder's token.
+the milestones of a repair and why one falls back to job level, the snapshot folder's token.
 
 This module depends on nothing but the standard library, so that anything may import it and nothing
 can pull it into an import circle: the worker library, which runs inside the user's training process,
@@ -9,6 +9,7 @@ reads its contract here without loading the launcher (tests/unit/test_contract.p
 from __future__ import annotations
 
 import enum
+import json
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -63,6 +64,49 @@ class Milestone(enum.Enum):
     ARRIVED = "arrived"  # the rank reached the new generation: the last to arrive marks its groups ready
     JOINED = "joined"  # every rank is in the new generation's process group
     RESUMED = "resumed"  # every rank holds the consistent step's state and trains on
+
+
+class Fallback(enum.Enum):
+    """Why the ranks' rollback cannot finish a process-level repair, so the job falls back to a
+    job-level restart. An expected outcome, not a bug: the ranks tell the controller which (with a
+    :class:`RollbackFailure`) and wait to be stopped, and the controller says it once, with what would
+    have avoided it (``controller/narrator.py``). Each value is the reason as a person reads it."""
+
+    #: some replica set lost every rank, and the ranks take no snapshots to go back to
+    NO_SNAPSHOTS = "no healthy replica holds the training state, and the ranks take no snapshots"
+    #: the same, and no step's snapshot is held by every rank (the fault came before the first one)
+    NO_COMMON_SNAPSHOT = ("no healthy replica holds the training state, and no step's snapshot is held in "
+                          "memory by every rank")
+    #: the snapshot every rank was to go back to could not be read
+    SNAPSHOT_UNREADABLE = "no healthy replica holds the training state, and a snapshot to go back to is unreadable"
+
+
+@dataclass(frozen=True)
+class RollbackFailure:
+    """What a rank tells the controller when its rollback falls back to job level (``JobKeys.rollback_failure``)."""
+
+    cause: Fallback
+    #: whether the script's layout has a replica dimension (replica sets of more than one rank)
+    replicas: bool = False
+    #: the error behind it, for SNAPSHOT_UNREADABLE
+    detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        return f"{self.cause.value} ({self.detail})" if self.detail else self.cause.value
+
+    def to_text(self) -> str:
+        # plain JSON, unsigned: a rank without snapshots holds no token to sign with
+        return json.dumps({"cause": self.cause.name, "replicas": self.replicas, "detail": self.detail})
+
+    @classmethod
+    def from_text(cls, text: str) -> "RollbackFailure | None":
+        """None for a text that is not one (the controller then reads it as the reason itself)."""
+        try:
+            data = json.loads(text)
+            return cls(Fallback[data["cause"]], bool(data.get("replicas")), str(data.get("detail", "")))
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 #: the file in an agent's snapshot folder that holds the job's token (its ranks sign with it)

@@ -20,7 +20,9 @@ level; detect, stop, restart at job level) and ``total`` (repair_done), ``step``
 job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration``, ``restarts_used``,
 ``max_restarts`` (job_finished), ``budget_left`` and ``target_generation`` (decision), ``world_size``
 (job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started),
-``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint), ``action``, ``who`` and ``accepted`` (operator).
+``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint), ``cause`` and ``remedy`` (repair_failed:
+why the ranks found no state to go back to and what would have kept the repair at process level, each
+"" when none), ``action``, ``who`` and ``accepted`` (operator).
 """
 
 from __future__ import annotations

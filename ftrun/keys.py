@@ -253,7 +253,8 @@ class JobKeys:
         return f"{self.root}/process_level_refused"
 
     def rollback_failure(self, generation: int) -> str:
-        """Why the generation's rollback could not happen (no healthy replica holds the state)."""
+        """Why the generation's rollback could not happen (a RollbackFailure: no healthy replica holds the
+        state), set by the ranks that found it; the controller falls back to job level once it reads it."""
         return f"{self.generation(generation)}/rollback_failure"
 
     # ftrun top: what an operator asks of the job, and what the view reads beyond the status

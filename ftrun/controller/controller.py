@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from ftrun.contract import Milestone
+from ftrun.contract import Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import (
@@ -457,9 +457,10 @@ class Controller:
         view = self.view
         if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
             return
-        problem = self.store.try_text(self.keys.rollback_failure(view.generation))
-        if problem:
-            self._apply(on_repair_failed(view, problem))
+        said = self.store.try_text(self.keys.rollback_failure(view.generation))
+        if said:
+            failure = RollbackFailure.from_text(said)
+            self._apply(on_repair_failed(view, failure.reason if failure else said, failure))
             return
         if time.time() - self.narrator.repair_decided_at > self.policy.repair_timeout:
             phase = view.phase.value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ftrun.contract import Fallback, RollbackFailure
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.errors import ExitCode
 from ftrun.events import EventLog
@@ -21,6 +22,18 @@ from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, Restore, merged_
 
 log = logging.getLogger(__name__)
 PROCESS_PHASES = (Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
+
+
+def fallback_remedy(failure: RollbackFailure) -> str:
+    """What would have let the ranks put the state back at process level ("" when nothing the user sets would)."""
+    ways = []
+    if failure.cause is Fallback.NO_SNAPSHOTS:
+        ways.append("--snapshot-every K")  # each rank goes back to its own snapshot
+    elif failure.cause is Fallback.NO_COMMON_SNAPSHOT:
+        ways.append("a smaller --snapshot-every K")  # the fault came before every rank held one
+    if not failure.replicas:  # a replacement receives its state from a replica
+        ways.append("a replica dimension (job.mesh({...}, replicate=(...)))")
+    return " or ".join(ways)
 
 
 class RepairClock:
@@ -107,8 +120,7 @@ class Narrator:
         elif before.level is Level.PROCESS and after.level is Level.JOB and after.no_replica:
             self._decision(after)  # the process-level repair under way is given up: every rank failed
         elif before.level is Level.PROCESS and after.level is Level.JOB and after.phase is Phase.STOPPING:
-            self.events.emit("repair_failed", after.generation, f"{after.reason}; falling back to job level",
-                             level=Level.JOB.value)
+            self._fell_back(after)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
             start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
@@ -148,6 +160,17 @@ class Narrator:
                 log.warning("not every rank runs ftrun.elastic (%d of %d said hello): using job-level recovery",
                             after.library_ranks, after.world_size)
         self._decision(after)
+
+    def _fell_back(self, after: JobView) -> None:
+        """The process-level repair under way gives way to a job-level restart: said here once for the
+        whole job (the ranks that found it print nothing), with what would have avoided it."""
+        line = f"process-level repair of generation {after.generation} falls back to job level: {after.reason}"
+        remedy = fallback_remedy(after.fallback) if after.fallback is not None else ""
+        if remedy:
+            line += f"; {remedy} would keep it at process level"
+        log.warning(line)
+        self.events.emit("repair_failed", after.generation, line, level=Level.JOB.value,
+                         cause=after.fallback.cause.name.lower() if after.fallback is not None else "", remedy=remedy)
 
     def _decision(self, after: JobView) -> None:
         """The level the job's recovery takes (the first decision, or the move to job level once every

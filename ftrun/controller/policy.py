@@ -26,7 +26,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from ftrun.contract import Milestone
+from ftrun.contract import Milestone, RollbackFailure
 from ftrun.errors import ExitCode
 from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 
@@ -124,6 +124,9 @@ class JobView:
     #: the job-level restart under way was decided because every rank of the generation failed (no
     #: healthy replica left), not because a process-level repair failed
     no_replica: bool = False
+    #: the job-level restart under way was decided because the ranks' rollback found no state to go
+    #: back to (they said why; the narrator tells it, with what would have avoided it)
+    fallback: RollbackFailure | None = None
     exit_code: int = 0
     reason: str = ""
 
@@ -211,13 +214,14 @@ def on_milestone(view: JobView, milestone: Milestone) -> Decision:
     return _advance_clear(view.move(after)), []
 
 
-def on_repair_failed(view: JobView, detail: str) -> Decision:
-    """A process-level repair cannot finish (deadline, no healthy replica): fall back to job level."""
+def on_repair_failed(view: JobView, detail: str, fallback: RollbackFailure | None = None) -> Decision:
+    """A process-level repair cannot finish (deadline; ``fallback``: the ranks found no state to go
+    back to, ``detail`` its reason): fall back to job level."""
     if view.phase not in REPAIR_PHASES or view.level is not Level.PROCESS:
         return view, []
     if view.budget_left <= 0:
         return _exit(view, ExitCode.JOB_FAILED, f"{detail}; retry budget spent, no job-level fallback left")
-    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail)
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail, fallback=fallback)
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{detail}; falling back to job level")]
 
 
@@ -443,6 +447,7 @@ def _restart_when_stopped(view: JobView) -> Decision:
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
         no_replica=False,
+        fallback=None,
         library_ranks=0,
         replacing=frozenset(),
         clearing=frozenset(),

@@ -15,12 +15,12 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
 from ftrun.auth import Signer
-from ftrun.contract import Milestone, WorkerEnv, parse_endpoint
+from ftrun.contract import Milestone, RollbackFailure, WorkerEnv, parse_endpoint
 from ftrun.elastic.groups import GroupSet, first_line
 from ftrun.keys import JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
@@ -41,6 +41,11 @@ EXIT_STUCK = 75
 #: how long close(), or the interpreter's end, waits for the heartbeat and the repair watch: one still
 #: connecting to the store is waited for as long as a connect may take
 LET_GO_DEADLINE = CONNECT_TIMEOUT + 1.0
+#: how long a rank whose rollback fell back to job level waits for its agent to stop it (the controller
+#: reads the failure within a tick and the agents stop their ranks at once: well under a second)
+FALLBACK_WAIT = 60.0
+#: how often that rank looks for a newer repair meanwhile (one store read: every rank of the job waits so)
+FALLBACK_POLL = 0.2
 #: what a generation's group_ready key says once every rank arrived (else: superseded)
 GROUP_READY = "ready"
 
@@ -184,8 +189,25 @@ class ControlLink:
             raise TimeoutError(f"generation {generation}: not every rank arrived within {timeout:g}s") from None
         return self.store.try_text(ready) == GROUP_READY
 
-    def rollback_failed(self, generation: int, reason: str) -> None:
-        self.store.set_text(self.keys.rollback_failure(generation), reason)
+    def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
+        """Tell the controller why this rank's rollback falls back to job level: it says so once, for every rank."""
+        self.store.set_text(self.keys.rollback_failure(generation), failure.to_text())
+
+    def await_stop(self, generation: int, failure: RollbackFailure) -> NoReturn:
+        """After :meth:`rollback_failed`: wait for the agent to stop this rank for the job-level restart
+        (its SIGTERM ends the process, which the agent expects of a stop). No traceback: the controller
+        says why, once. If no stop comes within FALLBACK_WAIT (the controller is gone), leave with one line."""
+        deadline = time.monotonic() + FALLBACK_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(FALLBACK_POLL)
+            newer = self.target()
+            if newer > generation:
+                # a rank died before the controller read the failure, and it announced a newer repair:
+                # that one cannot put the state back either, so it falls back at once too
+                generation = newer
+                self.rollback_failed(generation, failure)
+        raise SystemExit(f"ftrun.elastic: rank {self.rank}: {failure.reason}; no job-level restart came within "
+                         f"{FALLBACK_WAIT:g}s")
 
     # -- what the controller and the status view are told ----------------------------------------------
 

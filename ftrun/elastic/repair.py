@@ -9,7 +9,9 @@
 4. **rollback**: every rank says which step it fully committed and which snapshots it holds;
    :func:`~ftrun.elastic.rollback.choose_rollback` picks the step and, in each replica set, who
    sends the state to whom (point to point); with no healthy replica for some set, every rank goes
-   back to the newest step all of them hold a snapshot of.
+   back to the newest step all of them hold a snapshot of. With none (no snapshots, or none every rank
+   holds), the repair falls back to job level: each rank tells the controller why and waits for its
+   agent to stop it, with no traceback; the controller says it once (:meth:`Repair.fall_back`).
 5. **continue**: the rank says ``resumed`` and its loop goes on from that step.
 
 A fault during the repair (a replacement dies) makes the controller announce a newer generation;
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ftrun.contract import Milestone
+from ftrun.contract import Fallback, Milestone, RollbackFailure
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
@@ -40,7 +42,8 @@ HELD = 2
 
 
 class RepairError(RuntimeError):
-    """The repair could not finish on this rank; ftrun falls back to job level."""
+    """The repair could not finish on this rank (its group did not form in time): the process ends, and
+    the controller falls back to job level."""
 
 
 class Repair:
@@ -143,22 +146,28 @@ class Repair:
         in their agents' memory (a replacement finds its predecessor's snapshots there)."""
         state = self.state
         if state.snapshots is None:
-            self.fail(generation, "no healthy replica holds the training state")
+            self.fall_back(generation, Fallback.NO_SNAPSHOTS)
         common = set.intersection(*({s for s in row[1:] if s != NO_STATE} for row in rows))
         if not common:
-            self.fail(generation, "no healthy replica holds the training state, and no step whose snapshot "
-                                  "every rank holds in memory")
+            self.fall_back(generation, Fallback.NO_COMMON_SNAPSHOT)
         step = max(common)
         if state.committed != step:
             try:
                 state.load(load_own(state.snapshots.folder, self.link.rank, step))
             except SnapshotError as e:
-                self.fail(generation, str(e))
+                self.fall_back(generation, Fallback.SNAPSHOT_UNREADABLE, str(e))
         return step
 
-    def fail(self, generation: int, reason: str):
-        self.link.rollback_failed(generation, reason)
-        raise RepairError(reason)
+    def fall_back(self, generation: int, cause: Fallback, detail: str = "") -> NoReturn:
+        """The state cannot be put back at process level: an expected outcome of the layout and the
+        flags, not a bug. Every rank finds it alike (they decide on the same gathered rows), tells the
+        controller, which says it once with what would avoid it, and waits for the job-level restart
+        to stop it: no rank prints a traceback."""
+        replicas = any(len(members) > 1 for members in self.state.layout.replica_sets())
+        failure = RollbackFailure(cause, replicas, detail)
+        self.link.rollback_failed(generation, failure)
+        log.debug("rank %d: %s; waiting for the job-level restart", self.link.rank, failure.reason)
+        self.link.await_stop(generation, failure)
 
     def send_state(self, plan: RollbackPlan, device) -> None:
         """Point to point, each source to its receivers: the cost does not grow with the job's size."""

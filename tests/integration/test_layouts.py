@@ -8,6 +8,8 @@ and no step is redone where a replica holds the lost state (at most K with snaps
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import WORKERS, Launcher
@@ -26,9 +28,10 @@ FLAGS = {
 }
 
 
-def run(launcher: Launcher, layout: str, **env) -> list[int]:
+def run(launcher: Launcher, layout: str, flags: tuple[str, ...] | None = None, **env) -> list[int]:
+    """``flags``: in place of the layout's own (FLAGS)."""
     flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60", "--warm-standby", "0",
-             *FLAGS.get(layout, ())]
+             *(FLAGS.get(layout, ()) if flags is None else flags)]
     launcher.start_job(2, 2, [SCRIPT], flags=flags, env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))
     return launcher.wait()
 
@@ -97,6 +100,25 @@ def test_full_shard_without_a_replica_rolls_every_rank_back_to_the_snapshot(laun
     assert run(launcher, "fsdp", FAULT="1:5:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free("fsdp"), redone=SNAPSHOT_EVERY)
     assert any(len(commits(launcher, rank)) > STEPS for rank in range(4))  # the snapshot's step and after, again
+
+
+def test_full_shard_without_snapshots_falls_back_to_job_level_said_once_by_the_controller(launcher, fault_free):
+    # init(sharded=True) and no --snapshot-every: nothing can put rank 1's shard back at process level. The
+    # ranks find that at the rollback and wait quietly for the restart; the controller says it, once
+    logs = launcher.tmp / "logs"
+    assert run(launcher, "fsdp", flags=("--log-dir", str(logs)), FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    output = launcher.output()
+    line = ("process-level repair of generation 1 falls back to job level: no healthy replica holds the training "
+            "state, and the ranks take no snapshots; --snapshot-every K or a replica dimension "
+            "(job.mesh({...}, replicate=(...))) would keep it at process level")
+    assert output.count(line) == 1, output
+    events = [json.loads(e) for e in (logs / launcher.mark / "events.jsonl").read_text().splitlines()]
+    assert [e["detail"] for e in events if e["kind"] == "repair_failed"] == [line]
+    assert "Traceback" not in output and "RepairError" not in output  # the ranks' stderr is in the nodes' output
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free("fsdp")  # restarted from step 0
+    assert "2 of 3 restarts used" in output  # the repair, then the job-level restart
 
 
 def test_a_rank_lost_during_the_repair_carries_it_into_the_next_generation(launcher, fault_free):

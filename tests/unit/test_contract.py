@@ -13,7 +13,17 @@ import pytest
 
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.config import build_launch_config
-from ftrun.contract import DeviceAssignment, Endpoint, EndpointError, Milestone, SnapshotSettings, WorkerEnv, parse_endpoint
+from ftrun.contract import (
+    DeviceAssignment,
+    Endpoint,
+    EndpointError,
+    Fallback,
+    Milestone,
+    RollbackFailure,
+    SnapshotSettings,
+    WorkerEnv,
+    parse_endpoint,
+)
 from tests.conftest import ROOT
 
 CONTRACT = ROOT / "ftrun" / "contract.py"
@@ -135,3 +145,10 @@ def test_a_bad_endpoint_is_a_value_error_naming_its_origin(text, message):
 
 def test_the_milestones_are_the_strings_the_ranks_count():
     assert [m.value for m in Milestone] == ["stopped", "arrived", "joined", "resumed"]
+
+
+def test_a_rollback_failure_reads_back_from_its_text_and_an_older_plain_reason_does_not():
+    failure = RollbackFailure(Fallback.SNAPSHOT_UNREADABLE, replicas=True, detail="step 4 fails its checksum")
+    assert RollbackFailure.from_text(failure.to_text()) == failure
+    assert failure.reason.endswith("a snapshot to go back to is unreadable (step 4 fails its checksum)")
+    assert RollbackFailure.from_text("no healthy replica holds the training state") is None

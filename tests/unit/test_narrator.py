@@ -4,9 +4,13 @@ over the policy's own views, with no store and no clock but the times given."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
+import pytest
+
+from ftrun.contract import Fallback, RollbackFailure
 from ftrun.controller.narrator import Narrator
-from ftrun.controller.policy import JobView, Level, Phase, on_report
+from ftrun.controller.policy import JobView, Level, Phase, on_repair_failed, on_report
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 from ftrun.snapshots.plan import Restore
@@ -134,3 +138,42 @@ def test_a_restore_says_its_step_and_where_the_ranks_read_it():
     assert [e["detail"] for e in events.events] == [
         "generation 2 restores step 40 (3 from memory, 1 from replica)",
         "generation 3 starts without a snapshot to restore: no snapshot yet"]
+
+
+def in_rollback() -> JobView:
+    """A process-level repair of rank 3 into generation 1, at its rollback."""
+    stopping, _ = on_report(job(), rank_3_failed())
+    return dataclasses.replace(stopping, phase=Phase.ROLLBACK)
+
+
+@pytest.mark.parametrize("failure, remedy", [
+    (RollbackFailure(Fallback.NO_SNAPSHOTS, replicas=False),
+     "--snapshot-every K or a replica dimension (job.mesh({...}, replicate=(...)))"),
+    (RollbackFailure(Fallback.NO_SNAPSHOTS, replicas=True), "--snapshot-every K"),
+    (RollbackFailure(Fallback.NO_COMMON_SNAPSHOT, replicas=True), "a smaller --snapshot-every K"),
+    (RollbackFailure(Fallback.SNAPSHOT_UNREADABLE, replicas=True, detail="step 4 fails its checksum"), ""),
+], ids=["sharded-no-snapshots", "replicas-no-snapshots", "no-common-snapshot", "unreadable"])
+def test_a_fallback_the_ranks_found_is_said_once_with_what_would_avoid_it(caplog, failure, remedy):
+    narrator, events = told()
+    rollback = in_rollback()
+    fallen, _ = on_repair_failed(rollback, failure.reason, failure)
+    with caplog.at_level(logging.WARNING, logger="ftrun.controller.narrator"):
+        assert narrator.decided(rollback, fallen, FAULT_AT + 1)
+    (event,) = [e for e in events.events if e["kind"] == "repair_failed"]
+    line = f"process-level repair of generation 1 falls back to job level: {failure.reason}"
+    assert event["detail"] == (f"{line}; {remedy} would keep it at process level" if remedy else line)
+    assert (event["cause"], event["remedy"], event["level"]) == (failure.cause.name.lower(), remedy, "job")
+    assert [r.getMessage() for r in caplog.records] == [event["detail"]]  # one line, the event's
+
+
+def test_a_repair_past_its_deadline_falls_back_with_its_reason_and_no_remedy(caplog):
+    narrator, events = told()
+    rollback = in_rollback()
+    fallen, _ = on_repair_failed(rollback, "the repair did not finish within 6s (stuck in rollback)")
+    with caplog.at_level(logging.WARNING, logger="ftrun.controller.narrator"):
+        narrator.decided(rollback, fallen, FAULT_AT + 1)
+    (event,) = [e for e in events.events if e["kind"] == "repair_failed"]
+    assert event["detail"] == ("process-level repair of generation 1 falls back to job level: the repair did not "
+                               "finish within 6s (stuck in rollback)")
+    assert (event["cause"], event["remedy"]) == ("", "")
+    assert [r.getMessage() for r in caplog.records] == [event["detail"]]

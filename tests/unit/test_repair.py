@@ -7,13 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftrun.contract import Milestone
+from ftrun.contract import Fallback, Milestone, RollbackFailure
 from ftrun.elastic.backends import CommBackend
 from ftrun.elastic.groups import GroupSet, install
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.repair import Repair, RepairError
 from ftrun.elastic.snapshots import SnapshotWriter
 from ftrun.elastic.state import TrainingState
+
+
+class Stopped(BaseException):
+    """The agent's SIGTERM, which ends a rank that waits for the job-level restart."""
 
 
 class FakeLink:
@@ -30,7 +34,7 @@ class FakeLink:
         self.announced = announced
         self.reached: list[tuple[int, Milestone]] = []
         self.ready: list[int] = []
-        self.failures: dict[int, str] = {}
+        self.failures: dict[int, RollbackFailure] = {}
         self.timed_out = False
 
     def reach(self, generation: int, milestone: Milestone) -> int:
@@ -51,8 +55,11 @@ class FakeLink:
     def await_target(self, above: int, timeout: float) -> int | None:
         return self.announced if self.announced > above else None
 
-    def rollback_failed(self, generation: int, reason: str) -> None:
-        self.failures[generation] = reason
+    def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
+        self.failures[generation] = failure
+
+    def await_stop(self, generation: int, failure: RollbackFailure):
+        raise Stopped(generation, failure)
 
 
 @pytest.fixture
@@ -156,13 +163,26 @@ def test_a_half_applied_step_goes_back_to_the_rank_s_own_snapshot(groups, tmp_pa
     assert link.reached[-1] == (1, Milestone.RESUMED)
 
 
-def test_with_no_healthy_replica_and_no_snapshot_the_repair_fails_to_job_level(groups):
+def test_with_no_healthy_replica_and_no_snapshot_the_rank_tells_the_controller_and_waits_to_be_stopped(groups):
+    # an expected fallback, not a bug: no RepairError (a traceback on every rank), the controller says why
     state, _, _ = training(needs_state=True)
     link = FakeLink(spawned_for=1)
     repair = started(groups, state, link, generation=1)
-    with pytest.raises(RepairError, match="no healthy replica holds the training state"):
+    with pytest.raises(Stopped):
         repair.recover(1, joined=True)
-    assert link.failures == {1: "no healthy replica holds the training state"}  # the controller reads why
+    assert link.failures == {1: RollbackFailure(Fallback.NO_SNAPSHOTS, replicas=False)}
+    assert link.failures[1].reason == "no healthy replica holds the training state, and the ranks take no snapshots"
+    assert link.repairing and (1, Milestone.RESUMED) not in link.reached
+
+
+def test_with_no_healthy_replica_and_no_snapshot_held_yet_the_rank_falls_back_the_same_way(groups, tmp_path):
+    snapshots = SnapshotWriter(str(tmp_path), rank=0, world_size=1, sharded=False, every=5, limit=0, copies=1)
+    state, _, _ = training(snapshots, needs_state=True)  # a replacement before the first snapshot
+    link = FakeLink(spawned_for=1)
+    repair = started(groups, state, link, generation=1)
+    with pytest.raises(Stopped):
+        repair.recover(1, joined=True)
+    assert link.failures == {1: RollbackFailure(Fallback.NO_COMMON_SNAPSHOT, replicas=False)}
 
 
 def test_a_rollback_interrupted_by_a_newer_generation_starts_over_in_it(groups):
