@@ -334,6 +334,10 @@ def settle_layout(world: int, objects: Mapping[str, Any], declared: ReplicaLayou
         return declared.without(sharded_over), ""
     if sharded:
         return _default_layout(world, True), ""
+    shown = _layout_from_placements(objects, world)
+    if shown is not None:  # a mesh made with torch's own API (init_device_mesh), read from the state on it
+        log.info("the registered state lies on the mesh %s", shown.describe())
+        return shown, ""
     made = len(groups.groups) - 1  # besides the default group
     if made or sharded_over:
         what = f"{made} process group{'s' if made != 1 else ''} of its own" if made else "sharded DTensors"
@@ -354,6 +358,23 @@ def _dump_stack_on_signal() -> None:
 def _default_layout(world_size: int, sharded: bool) -> ReplicaLayout:
     """Until the first steps() settles it: pure data parallelism, or every rank alone with sharded=True."""
     return ReplicaLayout.sharded(world_size) if sharded else ReplicaLayout.data_parallel(world_size)
+
+
+def _layout_from_placements(objects: Mapping[str, Any], world: int) -> ReplicaLayout | None:
+    """The layout that the registered modules' parameters show when every one of them is a DTensor on
+    one mesh of the whole job in rank order (as ``init_device_mesh`` makes it): its replica dimensions
+    are those every parameter is ``Replicate`` over (HSDP's, whatever their names). None where they
+    show nothing of the kind: no DTensors, plain parameters beside them, several meshes, or a mesh of
+    part of the job (tensor parallelism's sub-mesh: its data-parallel peers are not on it)."""
+    params: list[Any] = [p for obj in objects.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()]
+    if not params or not all(is_dtensor(p) for p in params):  # DTensors from here on
+        return None
+    mesh = params[0].device_mesh
+    if any(p.device_mesh != mesh for p in params) or mesh.mesh.flatten().tolist() != list(range(world)):
+        return None
+    names = mesh.mesh_dim_names or tuple(f"#{i}" for i in range(mesh.ndim))
+    replicate = tuple(name for i, name in enumerate(names) if all(p.placements[i].is_replicate() for p in params))
+    return ReplicaLayout(tuple(mesh.mesh.shape), tuple(names), replicate)
 
 
 def _sharded_dims(obj) -> set[str]:

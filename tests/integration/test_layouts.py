@@ -96,6 +96,14 @@ def test_a_lost_rank_gets_its_state_from_its_replica_set(launcher, fault_free, l
         assert "DDP expects same model" not in launcher.output()
 
 
+def test_hsdp_over_torch_s_own_mesh_is_repaired_from_its_replica_as_if_declared(launcher, fault_free):
+    # init_device_mesh with a replica dimension called "rep", no job.mesh(): the parameters' placements
+    # (Replicate over "rep", Shard over "shard") say which ranks hold copies. The same training as "hsdp"
+    assert run(launcher, "hsdp-torch", FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free("hsdp"))
+    assert "without job.mesh()" not in launcher.output()
+
+
 def test_full_shard_without_a_replica_rolls_every_rank_back_to_the_snapshot(launcher, fault_free):
     assert run(launcher, "fsdp", FAULT="1:5:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free("fsdp"), redone=SNAPSHOT_EVERY)

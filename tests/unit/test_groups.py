@@ -216,3 +216,79 @@ def test_the_layout_a_repair_goes_by_or_why_it_cannot(monkeypatch, case, sets, r
     got_sets, got_refusal = settle(monkeypatch, **case)
     assert got_sets == sets
     assert got_refusal.startswith(refusal) and bool(got_refusal) == bool(refusal)
+
+
+class _Mesh:
+    """What _layout_from_placements reads of a DeviceMesh."""
+
+    def __init__(self, ranks, names):
+        self.mesh = torch.tensor(ranks)
+        self.mesh_dim_names = names
+        self.ndim = self.mesh.ndim
+
+    def __eq__(self, other):
+        return self.mesh.tolist() == other.mesh.tolist() and self.mesh_dim_names == other.mesh_dim_names
+
+
+class _Placement:
+    def __init__(self, replicate: bool):
+        self.replicate = replicate
+
+    def is_replicate(self):
+        return self.replicate
+
+    def is_shard(self):
+        return not self.replicate
+
+
+class _DTensor:
+    def __init__(self, mesh, *replicate):
+        self.device_mesh, self.placements = mesh, [_Placement(r) for r in replicate]
+
+
+class _Holding(torch.nn.Module):
+    def __init__(self, *params):
+        super().__init__()
+        self.held = params
+
+    def parameters(self, recurse=True):
+        return iter(self.held)
+
+
+WHOLE = _Mesh([[0, 1], [2, 3]], ("rep", "shard"))
+
+
+@pytest.mark.parametrize(
+    "params, replicate",
+    [
+        ([_DTensor(WHOLE, True, False), _DTensor(WHOLE, True, False)], ("rep",)),  # HSDP, whatever the name
+        ([_DTensor(WHOLE, True, False), _DTensor(WHOLE, True, True)], ("rep",)),  # one parameter replicated too
+        ([_DTensor(WHOLE, False, False)], ()),  # sharded over both: each rank alone
+        ([_DTensor(_Mesh([[0, 1], [2, 3]], None), True, False)], ("#0",)),  # a mesh without names
+        ([_DTensor(_Mesh([0, 1], ("tp",)), False)], None),  # tensor parallelism's sub-mesh: its peers are not on it
+        ([_DTensor(_Mesh([[0, 2], [1, 3]], ("rep", "shard")), True, False)], None),  # not in rank order
+        ([_DTensor(WHOLE, True, False), _DTensor(_Mesh([[0, 1], [2, 3]], ("a", "b")), True, False)], None),  # two meshes
+        ([_DTensor(WHOLE, True, False), torch.nn.Parameter(torch.ones(1))], None),  # a plain parameter beside them
+        ([], None),
+    ],
+)
+def test_a_mesh_made_with_torch_is_read_from_the_placements_of_the_registered_parameters(monkeypatch, params, replicate):
+    from ftrun.elastic import job as job_module
+
+    monkeypatch.setattr(job_module, "is_dtensor", lambda value: isinstance(value, _DTensor))
+    layout = job_module._layout_from_placements({"model": _Holding(*params), "step": object()}, 4)
+    assert (layout.replicate if layout else None) == replicate
+    if layout is not None:
+        assert layout.shape == (2, 2)
+
+
+def test_the_layout_the_placements_show_is_the_one_a_repair_goes_by(monkeypatch):
+    from ftrun.elastic import job as job_module
+
+    monkeypatch.setattr(job_module, "is_dtensor", lambda value: isinstance(value, _DTensor))
+    groups = types.SimpleNamespace(foreign_groups=lambda: [], groups=[object()] * 3)
+    model = _Holding(_DTensor(WHOLE, True, False))
+    layout, refusal = job_module.settle_layout(4, {"model": model}, None, False, groups)
+    assert layout.replica_sets() == [(0, 2), (1, 3)] and refusal == ""
+    layout, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)  # init(sharded=True) says otherwise
+    assert layout.replica_sets() == [(0,), (1,), (2,), (3,)]

@@ -3,6 +3,8 @@
   ddp      torch's DistributedDataParallel (with a BatchNorm: its buffers travel too)
   fsdp     FSDP2 ``fully_shard`` over a 1-D mesh: every rank holds its own shard (snapshots restore it)
   hsdp     FSDP2 over a 2-D mesh (replicate 2 x shard 2): HSDP
+  hsdp-torch  the same over torch's own init_device_mesh (rep 2 x shard 2), no job.mesh(): ftrun reads the
+           replica dimension from the parameters' placements
   tp       DTensor tensor parallel (tp 2) x ``job.ddp`` data parallel (dp 2)
   pp       a 2-stage ``torch.distributed.pipelining`` GPipe schedule x ``job.ddp`` data parallel (dp 2),
            the gradients of both microbatches averaged once after the schedule
@@ -58,13 +60,18 @@ def build(job, layout: str):
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, lambda step: model(batch(step, rank)).pow(2).mean().backward()
-    if layout == "hsdp":
+    if layout in ("hsdp", "hsdp-torch"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = job.mesh({"replicate": 2, "shard": 2})
+        if layout == "hsdp":
+            mesh = job.mesh({"replicate": 2, "shard": 2})
+        else:  # torchtitan's way: torch's own mesh, and a replica dimension's name ftrun does not know
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
         model = mlp()
         fully_shard(model, mesh=mesh)
-        return model, lambda step: model(batch(step, mesh["replicate"].get_local_rank())).pow(2).mean().backward()
+        seed = mesh[mesh.mesh_dim_names[0]].get_local_rank()
+        return model, lambda step: model(batch(step, seed)).pow(2).mean().backward()
     if layout in ("tp", "unknown"):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
