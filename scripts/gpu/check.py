@@ -36,8 +36,7 @@ PARTS = ("probe", "placement", "repair", "nccl", "snapshot", "overhead")
 class Checks:
     """The table's rows: part, what was checked, whether it held, the figure."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self):
         self.rows: list[dict] = []
 
     def add(self, part: str, what: str, ok: bool | None, figure: str = "") -> bool:
@@ -302,7 +301,7 @@ def main() -> int:
         parser.error(f"unknown part {', '.join(unknown)}: choose from {', '.join(PARTS)}")
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    checks = Checks(args.out)
+    checks = Checks()
     found = versions()
     steps = {"probe": lambda: probe(checks, args.out), "placement": lambda: placement(checks, args.out),
              "repair": lambda: repair(checks, args.out, args.steps, args.kill_step),

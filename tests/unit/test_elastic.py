@@ -127,15 +127,12 @@ def test_nccl_communicators_abort_at_once_not_one_after_another():
     assert met == [True, True, True]
 
 
-def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch):
-    made = []
-
-    class Options:
-        pass
+def recording_process_group(made: list) -> type:
+    """A stand-in for torch's ProcessGroup that records how a backend builds a real group into ``made``."""
 
     class ProcessGroup:
         class BackendType:
-            NCCL = "NCCL"
+            NCCL, GLOO = "NCCL", "GLOO"
 
         def __init__(self, store, rank, size):
             made.append(("group", store, rank, size))
@@ -145,6 +142,17 @@ def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch
 
         def _register_backend(self, device, kind, backend):
             made.append(("register", str(device), kind, backend))
+
+    return ProcessGroup
+
+
+def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch):
+    made = []
+
+    class Options:
+        pass
+
+    ProcessGroup = recording_process_group(made)
 
     def nccl(store, rank, size, options):
         return ("nccl", rank, size, options._timeout.total_seconds())
@@ -163,27 +171,14 @@ def test_gloo_serves_cuda_tensors_where_cuda_is_present(monkeypatch, cuda):
     """A model on a GPU trained over gloo (job.ddp(), a repair's state: the GPU check's repair)
     needs gloo registered for CUDA tensors, as init_process_group("gloo") registers it."""
     made = []
-
-    class ProcessGroup:
-        class BackendType:
-            GLOO = "GLOO"
-
-        def __init__(self, store, rank, size):
-            pass
-
-        def _set_default_backend(self, kind):
-            pass
-
-        def _register_backend(self, device, kind, backend):
-            made.append((str(device), kind, backend))
-
-    fake = types.SimpleNamespace(ProcessGroup=ProcessGroup, ProcessGroupGloo=lambda store, rank, size, timeout: "gloo")
+    fake = types.SimpleNamespace(ProcessGroup=recording_process_group(made),
+                                 ProcessGroupGloo=lambda store, rank, size, timeout: "gloo")
     monkeypatch.setattr("ftrun.elastic.backends._cuda_present", lambda: cuda)
     monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
     backend = CommBackend(dist=fake)
     backend.connect("store", 0, 2, timeout=30)
     expected = ["cpu", "cuda"] if cuda else ["cpu"]
-    assert made == [(device, "GLOO", "gloo") for device in expected]
+    assert [m for m in made if m[0] == "register"] == [("register", device, "GLOO", "gloo") for device in expected]
     assert backend.devices() == tuple(expected)
     assert NcclBackend(dist=fake).devices() == ("cuda", "cpu")
 
