@@ -1,0 +1,297 @@
+"""etcd's v3 API through its JSON gateway, on the standard library: the client of ``--rdzv-backend etcd``.
+
+Only the calls the control plane makes: read, put, a transaction, a lease, and one watch at a time. Each
+call tries the members in turn, starting with the one that answered last, until one answers or the
+call's deadline passes (:class:`EtcdUnavailable`: every member unreachable, or the cluster without a
+quorum). Why no library: ``scripts/bench_etcd_clients.py`` measured them against this, and
+``docs/high-availability.md`` says what it found.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ftrun.contract import Endpoint
+
+#: the v3 API's path on etcd 3.4 and newer
+API = "/v3"
+#: how long one call may take, every member tried, before the cluster counts as unreachable
+CALL_DEADLINE = 10.0
+#: a member that does not answer within this is taken for unreachable, and the next one is tried
+MEMBER_TIMEOUT = 3.0
+#: the pause between two rounds over the members, while none answers
+RETRY_PAUSE = 0.1
+
+
+class EtcdError(Exception):
+    """etcd answered no: a refused request (auth, a malformed call)."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No member answered within the deadline: all unreachable, or the cluster lost its quorum."""
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """How to reach the cluster: its members, and TLS and auth as ``--rdzv-conf`` names them (torchrun's
+    etcd rendezvous's names: ``cacert``, ``cert``, ``key``; ``user`` and ``password`` for etcd's auth)."""
+
+    endpoints: tuple[Endpoint, ...]
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cacert or self.cert)
+
+    def describe(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _kv(raw: dict) -> KeyValue:
+    return KeyValue(base64.b64decode(raw["key"]).decode(), base64.b64decode(raw.get("value", "")),
+                    int(raw.get("create_revision", 0)), int(raw.get("mod_revision", 0)), int(raw.get("lease", 0)))
+
+
+def prefix_end(prefix: str) -> str:
+    """The end of the key range of every key starting with ``prefix`` (etcd's range_end)."""
+    raw = prefix.encode()
+    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+# -- what a transaction compares and does -------------------------------------------------------------
+
+def created_at(key: str, revision: int) -> dict:
+    """The key exists and was created at ``revision`` (0: the key does not exist)."""
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": str(revision)}
+
+
+def value_is(key: str, value: str | bytes) -> dict:
+    return {"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)}
+
+
+def put(key: str, value: str | bytes, lease: int = 0) -> dict:
+    request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        request["lease"] = str(lease)
+    return {"request_put": request}
+
+
+def read(key: str) -> dict:
+    return {"request_range": {"key": _b64(key)}}
+
+
+def delete(key: str) -> dict:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    #: the key-values the branch taken read (``read`` operations), in order
+    read: tuple[KeyValue | None, ...]
+    revision: int
+
+
+class EtcdClient:
+    """One client, shared by threads: each thread keeps its own connection."""
+
+    def __init__(self, options: EtcdOptions, deadline: float = CALL_DEADLINE):
+        if not options.endpoints:
+            raise EtcdError("no etcd endpoint given")
+        self.options = options
+        self.deadline = deadline
+        self._local = threading.local()
+        #: the member that answered last: the next call starts there
+        self._current = 0
+        self._token = ""
+        self._token_lock = threading.Lock()
+        self._ssl = self._ssl_context() if options.tls else None
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.options.cacert or None)
+        if self.options.cert:
+            context.load_cert_chain(self.options.cert, self.options.key or None)
+        return context
+
+    # -- the key-value calls -------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        kvs = self._call("/kv/range", {"key": _b64(key)}).get("kvs") or []
+        return _kv(kvs[0]) if kvs else None
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        answer = self._call("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+        return [_kv(raw) for raw in answer.get("kvs") or []]
+
+    def put(self, key: str, value: str | bytes, lease: int = 0) -> int:
+        """Write ``key``; returns the cluster's revision after the write."""
+        request = put(key, value, lease)["request_put"]
+        return int(self._call("/kv/put", request)["header"]["revision"])
+
+    def delete_prefix(self, prefix: str) -> int:
+        answer = self._call("/kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+        return int(answer.get("deleted", 0))
+
+    def txn(self, compare: Iterable[dict], success: Iterable[dict], failure: Iterable[dict] = ()) -> TxnResult:
+        answer = self._call("/kv/txn", {"compare": list(compare), "success": list(success), "failure": list(failure)})
+        read: list[KeyValue | None] = []
+        for response in answer.get("responses") or []:
+            if "response_range" in response:
+                kvs = response["response_range"].get("kvs") or []
+                read.append(_kv(kvs[0]) if kvs else None)
+        return TxnResult(bool(answer.get("succeeded")), tuple(read), int(answer["header"]["revision"]))
+
+    # -- leases -----------------------------------------------------------------------------------------
+
+    def grant(self, ttl: float) -> int:
+        """A lease of ``ttl`` seconds (etcd counts whole seconds: at least one)."""
+        return int(self._call("/lease/grant", {"TTL": max(1, round(ttl))})["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew the lease; returns the seconds it has left (0: it lapsed, and its keys are gone)."""
+        answer = self._call("/lease/keepalive", {"ID": str(lease)})
+        return int((answer.get("result") or answer).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        """Give the lease up now: its keys go at once."""
+        try:
+            self._call("/lease/revoke", {"ID": str(lease)})
+        except EtcdError as e:
+            if "not found" not in str(e):
+                raise
+
+    # -- watching -------------------------------------------------------------------------------------------
+
+    def wait_change(self, key: str, after_revision: int, timeout: float) -> bool:
+        """Wait until ``key`` changes (is written or deleted) after ``after_revision``, for at most
+        ``timeout`` seconds; True if it did. One member is watched: if it goes, the wait ends early (False)."""
+        body = {"create_request": {"key": _b64(key), "start_revision": str(after_revision + 1)}}
+        endpoint = self.options.endpoints[self._current]
+        connection = self._connect(endpoint, timeout=max(0.05, timeout))
+        end = time.monotonic() + timeout
+        try:
+            connection.request("POST", API + "/watch", json.dumps(body), self._headers())
+            response = connection.getresponse()
+            if response.status != 200:
+                return False
+            while time.monotonic() < end:
+                connection.sock.settimeout(max(0.05, end - time.monotonic()))
+                line = response.readline()
+                if not line:
+                    return False
+                result = json.loads(line).get("result") or {}
+                if result.get("events"):
+                    return True
+        except (OSError, http.client.HTTPException, ValueError):
+            return False
+        finally:
+            connection.close()
+        return False
+
+    # -- the wire ---------------------------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = self._token
+        return headers
+
+    def _connect(self, endpoint: Endpoint, timeout: float = MEMBER_TIMEOUT) -> http.client.HTTPConnection:
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout, context=self._ssl)
+        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+
+    def _connection(self, index: int) -> http.client.HTTPConnection:
+        connections = self._local.__dict__.setdefault("connections", {})
+        if index not in connections:
+            connections[index] = self._connect(self.options.endpoints[index])
+        return connections[index]
+
+    def _drop(self, index: int) -> None:
+        connection = self._local.__dict__.get("connections", {}).pop(index, None)
+        if connection is not None:
+            connection.close()
+
+    def _call(self, path: str, body: dict) -> dict:
+        if self.options.user and not self._token:
+            self._authenticate()
+        answer = self._post(path, body)
+        if "error" in answer and "token" in answer["error"] and self.options.user:
+            self._authenticate()  # the token expired (simple tokens last minutes): once more with a new one
+            answer = self._post(path, body)
+        if "error" in answer:
+            raise EtcdError(f"etcd refused {path}: {answer['error']}")
+        return answer
+
+    def _authenticate(self) -> None:
+        with self._token_lock:
+            self._token = ""
+            answer = self._post("/auth/authenticate", {"name": self.options.user, "password": self.options.password})
+            if "token" not in answer:
+                raise EtcdError(f"etcd refused user {self.options.user!r}: {answer.get('error', answer)}")
+            self._token = answer["token"]
+
+    def _post(self, path: str, body: dict) -> dict:
+        """One call, at the first member that answers; a member's "no leader" or "timed out" answer counts
+        as no answer (the cluster has no quorum there), and is tried again until the deadline."""
+        data = json.dumps(body)
+        end = time.monotonic() + self.deadline
+        count = len(self.options.endpoints)
+        last = "no member tried"
+        while True:
+            for step in range(count):
+                index = (self._current + step) % count
+                try:
+                    connection = self._connection(index)
+                    connection.request("POST", API + path, data, self._headers())
+                    response = connection.getresponse()
+                    answer = json.loads(response.read() or b"{}")
+                except (OSError, http.client.HTTPException, ValueError) as e:
+                    self._drop(index)
+                    last = f"{self.options.endpoints[index]}: {e or type(e).__name__}"
+                    continue
+                error = str(answer.get("error", "")) if isinstance(answer, dict) else ""
+                if response.status >= 500 or "leader" in error or "timed out" in error:
+                    last = f"{self.options.endpoints[index]}: {error or response.status}"
+                    continue
+                self._current = index
+                return answer
+            if time.monotonic() > end:
+                raise EtcdUnavailable(f"no etcd member answered within {self.deadline:.0f}s ({last})")
+            time.sleep(RETRY_PAUSE)
+
+
+def reachable(options: EtcdOptions, deadline: float) -> str:
+    """"" if the cluster answers a read within ``deadline``; else why not, in a line."""
+    try:
+        EtcdClient(options, deadline).get("ftrun/ping")
+    except EtcdError as e:
+        return str(e)
+    except socket.gaierror as e:
+        return f"cannot resolve an etcd member: {e}"
+    return ""
