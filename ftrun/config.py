@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -25,17 +26,26 @@ from ftrun.auth import read_token
 from ftrun.contract import Endpoint, EndpointError
 from ftrun.devices import DEVICE_KINDS, DeviceOptions
 from ftrun.errors import UsageError
+from ftrun.etcd import EtcdOptions
 from ftrun.ports import PortRange, free_port, parse_port_range
 from ftrun.snapshots.format import size_text
 from ftrun.snapshots.keeper import SnapshotOptions, memory_root
 
 RECOVERY_LEVELS = ("process", "job")
-RDZV_BACKENDS = ("c10d", "static")
-#: --rdzv-conf keys: ftrun uses join_timeout, last_call_timeout and is_host; torchrun's others are accepted
+RDZV_BACKENDS = ("c10d", "static", "etcd")
+#: torchrun's names of the etcd backend (its v2 one among them): ftrun's speaks etcd's v3 API
+ETCD_SPELLINGS = ("etcd", "etcd-v2", "etcd-v3")
+#: --rdzv-conf keys for the etcd backend, as torchrun's etcd rendezvous names them (user and password:
+#: etcd's own authentication)
+ETCD_CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password")
+#: --rdzv-conf keys: ftrun uses join_timeout, last_call_timeout, is_host and the etcd ones; torchrun's
+#: others are accepted
 RDZV_CONF_KEYS = (
     "join_timeout", "last_call_timeout", "is_host", "read_timeout", "close_timeout", "timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "store_type", "use_libuv",
-)
+) + ETCD_CONF_KEYS
+#: etcd's client port, for an --rdzv-endpoint member given without one
+DEFAULT_ETCD_PORT = 2379
 #: the most nodes, ranks per node, spares or standbys ftrun takes: more is a typo, and would only start
 #: processes (or count node ranks) until the machine gives out
 MAX_COUNT = 100_000
@@ -78,6 +88,11 @@ class LaunchConfig:
     #: True/False when the user decided who hosts the store; None: first to bind the port
     is_host: bool | None = None
     rdzv_backend: str = "c10d"
+    #: --rdzv-backend etcd: the cluster that holds the job's control state and elects its controller
+    etcd: EtcdOptions | None = None
+    #: --store-timeout: how long the job goes on without its control store (etcd without a quorum)
+    #: before it stops
+    store_timeout: float = 300.0
     #: --run-id ("default" when none is given, as under torchrun)
     run_id: str = "default"
     #: --rdzv-timeout (or --rdzv-conf join_timeout): seconds to wait for every node to join
@@ -498,6 +513,29 @@ def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool,
     return (sys.executable, "-u", script)
 
 
+def etcd_options(raw: Mapping[str, Any], conf: Mapping[str, str], standalone: bool) -> EtcdOptions:
+    """--rdzv-backend etcd: its members (--rdzv-endpoint h1:2379,h2:2379,...) and --rdzv-conf's TLS and auth."""
+    if standalone:
+        raise UsageError("--standalone hosts its own store on this machine: drop --rdzv-backend etcd")
+    text = str(raw.get("rdzv_endpoint") or "").strip()
+    if not text:
+        raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint: the etcd members, host:port,host:port,...")
+    members = tuple(parse_endpoint(member, DEFAULT_ETCD_PORT) for member in text.split(",") if member.strip())
+    protocol = choice(conf.get("protocol") or ("https" if conf.get("cacert") else "http"), ("http", "https"),
+                      "--rdzv-conf protocol")
+    for name in ("cacert", "cert", "key"):
+        if conf.get(name) and not os.path.isfile(conf[name]):
+            raise UsageError(f"--rdzv-conf {name}: no such file: {conf[name]}")
+    if conf.get("key") and not conf.get("cert"):
+        raise UsageError("--rdzv-conf key needs cert (the client certificate it goes with)")
+    if bool(conf.get("user")) != bool(conf.get("password")):
+        raise UsageError("--rdzv-conf user and password go together")
+    if protocol == "https" and not conf.get("cacert"):
+        raise UsageError("--rdzv-conf protocol=https needs cacert (the CA that signed the etcd members' certificates)")
+    return EtcdOptions(members, conf.get("cacert", ""), conf.get("cert", ""), conf.get("key", ""),
+                       conf.get("user", ""), conf.get("password", ""))
+
+
 def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> LaunchConfig:
     """Check every raw option value and derive the launch configuration.
 
@@ -506,9 +544,9 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
     standalone = switch(raw, "standalone")
     min_nodes, max_nodes = parse_nnodes(raw.get("nnodes", DEFAULT_NNODES))
-    backend = choice(raw.get("rdzv_backend") or DEFAULTS.rdzv_backend, RDZV_BACKENDS + ("etcd", "etcd-v2"), "--rdzv-backend")
-    if backend.startswith("etcd"):
-        raise UsageError(f"--rdzv-backend {backend} is not supported: ftrun uses c10d (a TCPStore) or static")
+    backend = choice(raw.get("rdzv_backend") or DEFAULTS.rdzv_backend, RDZV_BACKENDS + ETCD_SPELLINGS, "--rdzv-backend")
+    backend = "etcd" if backend in ETCD_SPELLINGS else backend
+    etcd = etcd_options(raw, rdzv_conf, standalone) if backend == "etcd" else None
     master_port = raw.get("master_port")  # 0 is a bad port, not "the default"
     master_port = whole_number(DEFAULTS.endpoint.port if master_port is None else master_port, "--master-port", 1)
     check_port(master_port, "--master-port")
@@ -524,6 +562,9 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         endpoint = Endpoint("localhost", free_port(ports))
         run_id = run_id or uuid.uuid4().hex[:12]
         is_host = True
+    elif etcd is not None:
+        # the control store is hosted by whichever agent etcd elects: this is where this one would listen
+        endpoint = Endpoint(check_address(str(raw.get("local_addr") or ""), "--local-addr") or socket.gethostname(), 0)
     elif raw.get("rdzv_endpoint"):
         endpoint = parse_endpoint(str(raw["rdzv_endpoint"]), DEFAULT_RDZV_PORT)
         if backend == "static":
@@ -569,6 +610,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         endpoint=endpoint,
         is_host=is_host,
         rdzv_backend=backend,
+        etcd=etcd,
+        store_timeout=positive_seconds(raw.get("store_timeout", DEFAULTS.store_timeout), "--store-timeout"),
         run_id=run_id or DEFAULTS.run_id,
         rdzv_timeout=rdzv_timeout,
         last_call_timeout=positive_seconds(rdzv_conf.get("last_call_timeout", DEFAULTS.last_call_timeout),

@@ -187,10 +187,18 @@ class EtcdClient:
 
     # -- watching -------------------------------------------------------------------------------------------
 
-    def wait_change(self, key: str, after_revision: int, timeout: float) -> bool:
-        """Wait until ``key`` changes (is written or deleted) after ``after_revision``, for at most
-        ``timeout`` seconds; True if it did. One member is watched: if it goes, the wait ends early (False)."""
-        body = {"create_request": {"key": _b64(key), "start_revision": str(after_revision + 1)}}
+    def revision(self) -> int:
+        """The cluster's revision now."""
+        return int(self._call("/kv/range", {"key": _b64("\0"), "count_only": True})["header"]["revision"])
+
+    def wait_change(self, key: str, after_revision: int, timeout: float, prefix: bool = False) -> bool:
+        """Wait until ``key`` (with ``prefix``: any key under it) changes (is written or deleted) after
+        ``after_revision``, for at most ``timeout`` seconds; True if it did. One member is watched: if it
+        goes, the wait ends early (False)."""
+        request = {"key": _b64(key), "start_revision": str(after_revision + 1)}
+        if prefix:
+            request["range_end"] = _b64(prefix_end(key))
+        body = {"create_request": request}
         endpoint = self.options.endpoints[self._current]
         connection = self._connect(endpoint, timeout=max(0.05, timeout))
         end = time.monotonic() + timeout

@@ -49,6 +49,7 @@ KINDS = (
     "repair_done",  # training resumed: the repair's phase breakdown and its total time
     "repair_failed",  # a process-level repair could not finish: job-level fallback
     "takeover",  # a spare node took a lost node's place
+    "controller_moved",  # --rdzv-backend etcd: another agent holds the controller (the one before lost its lease)
     "resized",  # the job went on with fewer nodes, or grew back
     "progress",  # the lowest committed step across ranks, and the training rate
     "restore",  # a job-level restart resumes from snapshots: the step, and where each rank reads it

@@ -34,6 +34,10 @@ def _plain(value):
         return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
+    if isinstance(value, frozenset):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
@@ -93,6 +97,9 @@ def _converter(kind) -> Callable[[Any], Any]:
     if typing.get_origin(kind) is tuple:
         item = _converter(typing.get_args(kind)[0])
         return lambda value: tuple(item(v) for v in value) if isinstance(value, list) else value
+    if typing.get_origin(kind) is frozenset:
+        item = _converter(typing.get_args(kind)[0])
+        return lambda value: frozenset(item(v) for v in value) if isinstance(value, list) else value
     return _same
 
 

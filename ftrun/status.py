@@ -34,7 +34,7 @@ HEALTH_STYLE = {"ok": "green", "resetting": "yellow", "preseparated": "yellow", 
 EVENT_LABEL = {"generation_started": "generation", "node_lost": "node lost", "repair_done": "repaired",
                "repair_failed": "repair failed", "job_finished": "finished", "job_started": "started"}
 EVENT_STYLE = {"fault": "red", "node_lost": "red", "repair_failed": "bold red", "repair_done": "green",
-               "decision": "yellow", "takeover": "cyan", "resized": "cyan", "job_finished": "bold",
+               "decision": "yellow", "takeover": "cyan", "controller_moved": "cyan", "resized": "cyan", "job_finished": "bold",
                "operator": "magenta"}
 
 

@@ -72,7 +72,8 @@ def job_summary(events: list[dict]) -> list[str]:
                      f"{repairs['median_s']:.2f}s")
     if f["repairs_failed"]:
         lines.append(f"process-level repairs that fell back to job level: {f['repairs_failed']}")
-    for title, kind in (("nodes replaced by a spare", "takeover"), ("job resized", "resized")):
+    for title, kind in (("nodes replaced by a spare", "takeover"), ("controller moved", "controller_moved"),
+                        ("job resized", "resized")):
         happened = [e["detail"] for e in events if e["kind"] == kind]
         if happened:
             lines.append(f"{title} ({len(happened)}):")

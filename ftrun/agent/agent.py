@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from ftrun.agent.control_plane import EtcdControlPlane
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
@@ -33,6 +34,7 @@ from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, 
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.controller import Controller
+from ftrun.controller.journal import Journal
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
@@ -106,6 +108,10 @@ class Agent:
         self.agent_id = f"{self.host}:{os.getpid()}"
         self.interrupts = Interrupts()
         self.controller: Controller | None = None
+        #: --rdzv-backend etcd: this agent's candidacy and the way to the controller's store
+        self.etcd: EtcdControlPlane | None = None
+        #: the node's workers, once supervised
+        self._group: WorkerGroup | None = None
         #: the live status view or progress lines, where this agent hosts the controller
         self.display: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
@@ -188,21 +194,23 @@ class Agent:
         # a single node makes its own token: no other agent needs it
         self._token = config.token or (b"" if config.several_nodes else new_token())
         signer = self._signer = Signer(self._token)
-        self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
-                                        config.store_bind, config.several_nodes, config.worker_port,
-                                        config.worker_port_range)
-        endpoint = self.store.endpoint
+        journal = None
+        if config.etcd is not None:
+            self.etcd = EtcdControlPlane(config, self.agent_id, self.host, signer)
+            found = self.etcd.find(config.rdzv_timeout, joined=False)
+            self.store, journal = found.store, found.journal
+        else:
+            self.store = open_control_store(config.endpoint, config.is_host, config.rdzv_timeout, signer,
+                                            config.store_bind, config.several_nodes, config.worker_port,
+                                            config.worker_port_range)
         self._wakeup = Wakeup()
-        watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self._wakeup)
-        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
-        self.top_feed = TopFeed(self.store, self.keys, self.agent_id)
-        if self.store.endpoint != config.endpoint:  # the static rendezvous: --master-port is the workers'
-            config = self.config = dataclasses.replace(config, endpoint=self.store.endpoint)
+        self._connect()
         if self.store.is_host:
             if not signer.enabled:
                 log.warning("control messages are not signed: anyone who reaches %s can steer this job "
-                            "(give every node the same --token-file)", config.endpoint)
-            self._start_controller()
+                            "(give every node the same --token-file)", self.store.endpoint)
+            self._start_controller(journal)
+        config = self.config
         log.info("joined the store at %s%s", config.endpoint, " (hosting it and the controller)" if self.store.is_host else "")
         ips = load_device_ips(config.device_ips) if config.device_ips else {}
         host_ip = host_address(self.host)
@@ -295,12 +303,52 @@ class Agent:
             peers.append((node_rank, self._peer_addresses[agent_id]))
         self.snapshots.set_peers(peers)
 
-    def _start_controller(self) -> None:
+    def _connect(self) -> None:
+        """Talk to the control store ``self.store``: the watch of this agent's doorbell, its messages, the
+        top feed; the workers started from now on are told where it is."""
+        config, endpoint = self.config, self.store.endpoint
+        watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self._wakeup)
+        node_rank = self.protocol.node_rank if self.protocol is not None else -1
+        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
+        self.protocol.node_rank = node_rank
+        self.top_feed = TopFeed(self.store, self.keys, self.agent_id)
+        if endpoint != config.endpoint:  # the static rendezvous (--master-port is the workers'), or etcd's leader
+            self.config = dataclasses.replace(config, endpoint=endpoint)
+
+    def _start_controller(self, journal: Journal | None = None) -> None:
         config = self.config
+        leadership = self.etcd.leadership if self.etcd is not None else None
         self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host,
-                                                self._run_folder())
+                                                self._run_folder(), leadership, journal)
         self.controller.start()
-        self.display = controller_view(self.controller, config.status, self._token)
+        if self.display is None:
+            self.display = controller_view(self.controller, config.status, self._token)
+
+    def _follow(self, why: str) -> tuple[int, str] | None:
+        """--rdzv-backend etcd: the control store went (its node is lost, or this agent's controller
+        stepped down). Find the controller in etcd, or become it, and go on there with the workers
+        untouched; how the job ended when it ended meanwhile."""
+        failed = str(self.store.endpoint)
+        log.warning("lost the control store at %s (%s); looking for the controller in etcd", failed, why)
+        if self.controller is not None:
+            self.controller.stop_requested.set()
+            self.controller.join(self.config.stop_timeout)
+            self.controller = None
+        if self.protocol is not None and self.protocol.watch is not None:
+            self.protocol.watch.close(self.store)
+        found = self.etcd.find(self.config.store_timeout, joined=True, failed=failed)
+        if found.ended is not None:
+            return found.ended
+        self.store = found.store
+        self._connect()
+        self.layout = NodeLayout()  # the new store's layout is read whole
+        self._inventory = None  # published again in the new store
+        self._peer_addresses = {}
+        if found.leads:
+            self._start_controller(found.journal)
+        self.protocol.prepare_ranks([w.placement.rank for w in self._group.running] if self._group else [])
+        log.warning("going on with the controller at %s", self.store.endpoint)
+        return None
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:
@@ -308,6 +356,8 @@ class Agent:
             self.controller.stop_requested.set()
             self.controller.join(self.config.stop_timeout + 15)
             self._wait_for_spares()
+        if self.etcd is not None:
+            self.etcd.leave()
         if self._tmp_log_dir is not None:
             self._tmp_log_dir.cleanup()
         return JobOutcome(code, reason, self.controller)
@@ -377,14 +427,19 @@ class Agent:
                 select.select([self._wakeup], [], [], AGENT_HEARTBEAT_INTERVAL)
                 self._wakeup.drain()
         except StoreUnavailable as e:
-            return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+            if self.etcd is None:
+                return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+            return self._follow(str(e)) or self._stand_by(group)
 
     def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
         """The supervision loop: tend the node, report what its ranks did, carry out the controller's
         commands, wait; until a command ends it (or an interrupt that the controller does not answer)."""
         loop = self._supervision = Supervision()
+        self._group = group
         try:
             while True:
+                if self.controller is not None and self.controller.stepped_down.is_set():
+                    raise StoreUnavailable("this agent's controller stepped down: another agent leads now")
                 now = time.monotonic()
                 self._tend(group, now)
                 if loop.interrupted_at is not None and now - loop.interrupted_at > INTERRUPT_GRACE:
@@ -398,7 +453,9 @@ class Agent:
                 answer_soon = time.monotonic() < loop.answer_due
                 group.wait(ANSWER_TICK if answer_soon else self.config.monitor_interval, self._wakeup)
         except StoreUnavailable as e:
-            return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+            if self.etcd is None:
+                return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+            return self._follow(str(e)) or self._supervise(group)
 
     def _tend(self, group: WorkerGroup, now: float) -> None:
         """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import NoReturn
 
 from rich.console import Console
@@ -33,5 +34,7 @@ class ConsoleLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             console.print(f"ftrun: {escape(record.getMessage())}", style=self.STYLES.get(record.levelno))
+            if record.exc_info and logging.getLogger().isEnabledFor(logging.DEBUG):  # FTRUN_LOG_LEVEL=DEBUG
+                console.print(escape("".join(traceback.format_exception(*record.exc_info))), style="dim")
         except Exception:
             self.handleError(record)

@@ -110,12 +110,18 @@ def launch_options(fn):
                help="Print the commands ftrun would run on each host (or for each local rank), then exit."),
         option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
         option("rdzv-backend", group=RDZV, default=DEFAULTS.rdzv_backend, show_default=True,
-               help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}."),
+               help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}.  c10d's store lives on one node, and losing "
+                    "that node ends the job; with etcd any node may go (see README \"High availability\")."),
         option("rdzv-endpoint", group=RDZV, default="",
-               help="HOST:PORT of the store; the agent on HOST that binds it first hosts it."),
+               help="HOST:PORT of the store; the agent on HOST that binds it first hosts it.  With etcd: its "
+                    "members, HOST:PORT,HOST:PORT,..."),
         option("run-id", group=RDZV, default="", help="Job id shared by every node (alias: --rdzv-id)."),
         option("rdzv-id", group=RDZV, default="", help="Same as --run-id (torchrun's name)."),
-        option("rdzv-conf", group=RDZV, default="", help="key=value,... (join_timeout, last_call_timeout, is_host)."),
+        option("rdzv-conf", group=RDZV, default="",
+               help="key=value,... (join_timeout, last_call_timeout, is_host; with etcd: cacert, cert, key, "
+                    "user, password, protocol)."),
+        option("store-timeout", group=RDZV, type=float, default=DEFAULTS.store_timeout, show_default=True,
+               help="With etcd: seconds the job trains on while etcd has no quorum, before it stops."),
         option("rdzv-timeout", group=RDZV, type=float, default=None,
                help=f"Seconds to wait for every node to join.  [default: {DEFAULTS.rdzv_timeout:g}]"),
         option("master-addr", group=RDZV, default=DEFAULTS.endpoint.host, show_default=True,

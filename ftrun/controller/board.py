@@ -166,7 +166,7 @@ class StatusBoard:
                          steps_per_s=round(rate, 3))
 
 
-_SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed", "takeover", "resized",
+_SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed", "takeover", "controller_moved", "resized",
                 "generation_started", "job_finished")
 
 

@@ -19,6 +19,8 @@ from typing import Callable
 
 from ftrun.contract import Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
+from ftrun.controller.journal import Journal
+from ftrun.controller.leadership import Leadership, LeadershipLost
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import (
     MILESTONE_OF,
@@ -44,6 +46,7 @@ from ftrun.controller.restore_points import RestorePoints
 from ftrun.controller.roster import Roster
 from ftrun.controller.worker_store import WorkerStores
 from ftrun.errors import ExitCode
+from ftrun.etcd import EtcdUnavailable
 from ftrun.events import EVENTS_FILE, EventLog
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys, board_interval
 from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, RendezvousResult, Report, ReportKind
@@ -60,6 +63,8 @@ BUSY_TICK = 0.01
 IDLE_TICK = 0.02
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
+#: between two tries of a journal write while etcd has no quorum
+JOURNAL_RETRY = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,8 @@ class RecoveryPolicy:
     repair_timeout: float
     #: how long a repair's REPLACE commands are held back for more failure reports (see Controller._ready_replace)
     gather_timeout: float = 0.03
+    #: --rdzv-backend etcd: how long the job goes on while etcd does not answer, before it stops
+    store_timeout: float = 300.0
 
 
 class Controller:
@@ -90,6 +97,8 @@ class Controller:
         snapshots: SnapshotOptions | None = None,
         worker_port: int = 0,
         ports: PortRange | None = None,
+        leadership: Leadership | None = None,
+        resume: Journal | None = None,
     ):
         self.store = store
         self.keys = keys
@@ -132,11 +141,21 @@ class Controller:
             CommandKind.STOP: self._ready_stop,
             CommandKind.EXIT: self._ready_stop,
         }
+        #: --rdzv-backend etcd: this controller's office (its writes to etcd hold only while it leads), and
+        #: the journal of the controller before it, which it goes on from (None: it starts the job)
+        self.leadership = leadership
+        self._resume = resume
+        self.advertised_host = advertised_host
+        #: set once this controller found another leads now: it changes nothing more
+        self.stepped_down = threading.Event()
+        #: etcd did not answer for --store-timeout: why the job stops ("" while it answers)
+        self._etcd_lost = ""
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
     def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str,
-                   run_folder: str = "") -> "Controller":
+                   run_folder: str = "", leadership: Leadership | None = None,
+                   resume: Journal | None = None) -> "Controller":
         """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``); its event log
         goes in ``run_folder``, the run's folder under ``--log-dir`` (``ftrun.folders.run_folder``), if any."""
         path = os.path.join(run_folder, EVENTS_FILE) if run_folder else ""
@@ -153,12 +172,15 @@ class Controller:
                 node_timeout=config.node_timeout,
                 stop_timeout=config.stop_timeout,
                 repair_timeout=config.repair_timeout,
+                store_timeout=config.store_timeout,
             ),
             events=EventLog(path),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
             snapshots=config.snapshots,
             worker_port=config.worker_port,
             ports=config.worker_port_range,
+            leadership=leadership,
+            resume=resume,
         )
 
     # -- the hosting process's handle ---------------------------------------------------------------
@@ -203,24 +225,33 @@ class Controller:
 
     def _run(self) -> None:
         try:
-            result = self.rendezvous_result = gather(self.store, self.keys, self.rendezvous_policy,
-                                                     self.host_agent_id, self.stop_requested)
-            if result.error:
-                return
-            self.roster.take_places(result)
-            self.publisher.write_layout(result.nodes)
-            self.view = JobView(
-                node_count=len(result.nodes),
-                max_restarts=self.policy.max_restarts,
-                world_size=result.world_size,
-                recovery=self.policy.recovery,
-                min_nodes=self.rendezvous_policy.min_nodes,
-            )
-            self.narrator.job_started(self.keys.run_id, result, self.view)
-            self.publisher.list_job()
-            self._apply(start(self.view))
+            if self._resume is not None:
+                self._take_over(self._resume)
+            else:
+                result = self.rendezvous_result = gather(self.store, self.keys, self.rendezvous_policy,
+                                                         self.host_agent_id, self.stop_requested)
+                if result.error:
+                    return
+                self.roster.take_places(result)
+                self.publisher.write_layout(result.nodes)
+                self.view = JobView(
+                    node_count=len(result.nodes),
+                    max_restarts=self.policy.max_restarts,
+                    world_size=result.world_size,
+                    recovery=self.policy.recovery,
+                    min_nodes=self.rendezvous_policy.min_nodes,
+                )
+                self.narrator.job_started(self.keys.run_id, result, self.view)
+                self.publisher.list_job()
+                self._apply(start(self.view))
             self._loop()
             self._refresh_status()
+        except LeadershipLost as e:
+            # another agent leads now (this one was stopped past its lease): it changes nothing more, and
+            # its agent follows the new controller like any other
+            log.error("the controller steps down: %s", e)
+            self.stepped_down.set()
+            self.view = None
         except StoreUnavailable as e:
             log.error("controller lost its store: %s", e)
             if self.view is not None:
@@ -242,6 +273,8 @@ class Controller:
         next_beat = 0.0
         exit_deadline = None
         while self.view.phase is not Phase.DONE:
+            if self.leadership is not None and self.leadership.lost.is_set():
+                raise LeadershipLost("this agent's lease lapsed: another may lead now")
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
@@ -265,6 +298,7 @@ class Controller:
         """Once an AGENT_HEARTBEAT_INTERVAL: beat, look at the nodes and spares, the library's word, the
         status, and ftrun top's requests."""
         self.publisher.heartbeat()
+        self._check_etcd(now)
         self._check_nodes(now)
         self.roster.drop_silent_spares(now, self.policy.node_timeout)
         self._admit_late_arrivals()
@@ -305,7 +339,72 @@ class Controller:
             if self.view.phase is Phase.EXITING:
                 self._job_finished(self.view)
         ready = [self._ready[command.kind](command, before) for command in commands]
+        self._write_journal()  # before the commands: a successor goes on from here
         self.publisher.commands([command for command in ready if command is not None])
+
+    # -- the journal (--rdzv-backend etcd) -----------------------------------------------------------
+
+    def _write_journal(self) -> None:
+        """The job's state, in etcd, if this controller still leads (else LeadershipLost). While etcd has
+        no quorum the decision waits, the keepalive going on (no other agent can lead meanwhile); past
+        --store-timeout the job stops."""
+        if self.leadership is None or self.view is None or self._etcd_lost:
+            return
+        moves = self._resume.moves + 1 if self._resume is not None else 0
+        journal = Journal(self.host_agent_id, self.advertised_host, self.view, self.rendezvous_result,
+                          tuple(self.roster.nodes[n] for n in sorted(self.roster.nodes)), tuple(self.roster.spares),
+                          self._started_world, moves)
+        since = time.monotonic()
+        while True:
+            try:
+                self.leadership.publish(self.leadership.keys.journal, journal)
+                return
+            except EtcdUnavailable as e:
+                self.narrator.etcd_unreachable(self.view.generation, str(e))
+                if time.monotonic() - since > self.policy.store_timeout:
+                    self._etcd_lost = self._etcd_lost_reason(str(e))
+                    return
+                self.publisher.heartbeat()  # the agents must not take this controller for gone
+                time.sleep(JOURNAL_RETRY)
+
+    def _etcd_lost_reason(self, detail: str) -> str:
+        return f"the control store (etcd) was unreachable for {self.policy.store_timeout:g}s: {detail}"
+
+    def _check_etcd(self, now: float) -> None:
+        """--rdzv-backend etcd: say once that etcd does not answer; stop the job past --store-timeout."""
+        if self.leadership is None or self.view.phase in (Phase.EXITING, Phase.DONE):
+            return
+        since = self.leadership.unreachable_since
+        if since and not self._etcd_lost:
+            self.narrator.etcd_unreachable(self.view.generation, "its lease could not be renewed")
+            if now - since > self.policy.store_timeout:
+                self._etcd_lost = self._etcd_lost_reason("its lease could not be renewed")
+        elif not since and self.narrator.etcd_down:
+            self.narrator.etcd_back(self.view.generation)
+        if self._etcd_lost:
+            self._apply(on_stop(self.view, ExitCode.JOB_FAILED, self._etcd_lost))
+
+    def _take_over(self, journal: Journal) -> None:
+        """Go on from the journal of the controller before: its job, roster and layout, published in this
+        controller's store; the node that hosted it counts as lost (its lease lapsed: it was silent
+        for --node-timeout), and a spare takes its place as for any lost node."""
+        self.rendezvous_result = journal.rendezvous
+        self.roster.take_places(journal.rendezvous)
+        self.roster.nodes = {slot.node_rank: slot for slot in journal.nodes}
+        self.roster.spares = list(journal.spares)
+        self.view = journal.view
+        self._started_world = journal.started_world
+        self.publisher.ranks_started = journal.view.generation
+        self.worker_stores.fresh()  # the next generation's, on this node (the last one's went with its node)
+        self._publish_layout()
+        self.publisher.list_job()
+        self.narrator.took_office(journal, self.host_agent_id, self.advertised_host)
+        self._write_journal()
+        lost = journal.held_by(journal.leader)
+        if lost is not None and lost.node_rank in self.view.present:
+            self.lose_node(lost.node_rank, f"node {lost.node_rank} ({lost.host}) lost with the controller it hosted")
+        else:
+            self.roster.spares = [s for s in self.roster.spares if s.agent_id != journal.leader]
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:
         """A generation starts: the layout (a scale-in or a grow-back renumbers the global ranks), the

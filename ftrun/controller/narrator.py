@@ -66,6 +66,8 @@ class Narrator:
         self.events = events
         self._joined = joined
         self.repair = RepairClock()
+        #: --rdzv-backend etcd: etcd is unreachable, and was said to be
+        self.etcd_down = False
         #: the generation of a job-level restart whose ranks are still joining their group (else None)
         self.restarting: int | None = None
         #: whether the generation before the restart ran ftrun.elastic: else no rank will join a group,
@@ -90,6 +92,27 @@ class Narrator:
                          f"{view.recovery.value}-level recovery, {view.max_restarts} restarts",
                          run_id=run_id, world_size=result.world_size, nodes=nodes, spares=spares,
                          recovery=view.recovery.value, max_restarts=view.max_restarts)
+
+    def took_office(self, journal, agent_id: str, host: str) -> None:
+        """This controller goes on from ``journal`` (``journal.Journal``), its predecessor's (--rdzv-backend etcd)."""
+        line = f"the controller moved from {journal.host} to {host}: {journal.host}'s lease lapsed"
+        log.warning(line)
+        self.events.emit("controller_moved", journal.view.generation, line, host=host, agent=agent_id,
+                         previous_host=journal.host, previous_agent=journal.leader, moves=journal.moves + 1)
+
+    def etcd_unreachable(self, generation: int, detail: str) -> None:
+        """etcd has no quorum (or is cut off): said once until it answers again."""
+        if self.etcd_down:
+            return
+        self.etcd_down = True
+        line = f"the control store (etcd) is unreachable: {detail}; training goes on, decisions wait for it"
+        log.error(line)
+        self.events.emit("decision", generation, line, action="wait_for_etcd")
+
+    def etcd_back(self, generation: int) -> None:
+        self.etcd_down = False
+        log.warning("the control store (etcd) answers again")
+        self.events.emit("decision", generation, "the control store (etcd) answers again", action="etcd_back")
 
     def job_finished(self, view: JobView, duration: float, step: int | None) -> None:
         outcome = "succeeded" if view.exit_code == ExitCode.OK else f"failed (exit code {view.exit_code})"

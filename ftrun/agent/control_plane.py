@@ -1,0 +1,159 @@
+"""An agent's way to the job's control store under ``--rdzv-backend etcd``: lead, or follow the leader.
+
+The control store (a TCPStore: every agent's keepalives and reports, every rank's heartbeat and repair)
+is hosted by whichever agent holds the leader key in etcd (``controller/leadership.py``), on a port of
+its own, and etcd says where (the relay key). When that agent's node goes, its lease lapses after
+``--node-timeout``; each agent that loses the store comes here again: one of them takes the lead, hosts a
+new store and goes on from the journal its predecessor wrote; the others connect to it. The ranks find
+the new store in a file their agent rewrites (``FTRUN_CONTROL_STORE_FILE``), so that ranks never talk to
+etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+from ftrun.auth import Signer
+from ftrun.contract import Endpoint, parse_endpoint
+from ftrun.controller.journal import Journal
+from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, read_relay
+from ftrun.errors import ExitCode, FtrunError
+from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable
+from ftrun.messages import from_json
+from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
+
+log = logging.getLogger(__name__)
+#: how long one look for a new leader waits on etcd before it looks again
+LOOK_AGAIN = 1.0
+
+
+class ControlPlaneLost(FtrunError):
+    """etcd stayed unreachable (no quorum) past --store-timeout: the job stops."""
+
+    exit_code = ExitCode.JOB_FAILED
+
+
+@dataclass(frozen=True)
+class Found:
+    """The control store this agent uses now."""
+
+    #: None once the job has ended (``ended``)
+    store: ControlStore | None
+    #: this agent leads: it hosts the store and runs the controller
+    leads: bool
+    #: the leader's journal when this agent took over a running job (None: a fresh job, or a follower)
+    journal: Journal | None
+    #: the job ended while this agent looked (a follower reads it from the journal): (exit code, reason)
+    ended: tuple[int, str] | None = None
+
+
+class EtcdControlPlane:
+    """One agent's side of the etcd backend: its candidacy, and the file that tells its ranks where
+    the control store is."""
+
+    def __init__(self, config, agent_id: str, host: str, signer: Signer):
+        self.config = config
+        self.agent_id = agent_id
+        self.host = host
+        self.signer = signer
+        self.client = EtcdClient(config.etcd)
+        self.keys = EtcdKeys(config.run_id)
+        self.leadership = Leadership(self.client, self.keys, agent_id, config.node_timeout)
+        self._folder = tempfile.TemporaryDirectory(prefix="ftrun-control-")
+        #: the file this node's ranks read the control store's address from
+        self.store_file = os.path.join(self._folder.name, "control-store")
+
+    def find(self, deadline: float, joined: bool, failed: str = "") -> Found:
+        """The control store to use now, waiting up to ``deadline`` seconds while etcd has no quorum or
+        no leader has published its store yet. ``joined``: this agent is in the job already (it takes
+        over from the journal if it leads; a fresh agent that leads starts the job afresh). ``failed``:
+        the address of the store that just went (a leader still listed there is waited out)."""
+        end = time.monotonic() + deadline
+        unreachable = ""
+        while True:
+            try:
+                found = self._look(joined, failed)
+                if unreachable:
+                    log.warning("the control store (etcd at %s) answers again", self.config.etcd.describe())
+                if found is not None:
+                    if found.store is not None:
+                        self._tell_ranks(found.store.endpoint)
+                    return found
+            except EtcdUnavailable as e:
+                if not unreachable:
+                    unreachable = str(e)
+                    log.error("the control store (etcd at %s) is unreachable: %s; trying for %gs more",
+                              self.config.etcd.describe(), e, max(0.0, end - time.monotonic()))
+            if time.monotonic() > end:
+                raise ControlPlaneLost(f"the control store (etcd at {self.config.etcd.describe()}) was unreachable "
+                                       f"for {deadline:g}s: {unreachable or 'no controller published its store'}")
+            self._wait_for_relay(min(LOOK_AGAIN, max(0.05, end - time.monotonic())))
+
+    def _look(self, joined: bool, failed: str) -> Found | None:
+        if self.leadership.try_lead():
+            journal = self._journal()
+            if not joined:
+                journal = None  # a fresh launch: whatever an earlier run of this id left is not this job's
+                self.client.delete_prefix(self.keys.journal)
+            elif journal is not None and journal.over:
+                self.leadership.resign()
+                return _ended(journal)
+            return Found(self._host(), True, journal)
+        leader, relay = self.leadership.leader(), read_relay(self.client, self.keys)
+        if leader is None or relay is None or relay.term != leader.create_revision or relay.endpoint == failed:
+            if joined:
+                journal = self._journal()
+                if journal is not None and journal.over:
+                    return _ended(journal)
+            return None  # no leader yet, or it has not published its store
+        endpoint = parse_endpoint(relay.endpoint, 0, "the relay in etcd")
+        try:  # a fresh agent waits as long as for any rendezvous; one in the job, as long as for a node
+            raw = connect_store(endpoint, max(self.config.node_timeout, PROBE_DEADLINE) if joined else self.config.rdzv_timeout)
+        except Exception as e:
+            log.warning("the controller's store at %s did not answer: %s", relay.endpoint, e)
+            return None
+        log.info("following the controller on %s (its store at %s)", relay.host, relay.endpoint)
+        return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer), False, None)
+
+    def _host(self) -> ControlStore:
+        """Host a fresh control store on a free port, and say where in etcd (as the leader)."""
+        config = self.config
+        address = bind_address(self.host, config.store_bind, True)
+        server = _store_server(self.host, address, 0, config.worker_port_range)
+        endpoint = Endpoint(self.host, server.port)
+        self.leadership.publish(self.keys.relay, Relay(str(endpoint), self.agent_id, self.host, self.leadership.term))
+        log.info("hosting the control store at %s and the controller", endpoint)
+        return ControlStore(server, endpoint, is_host=True, signer=self.signer)
+
+    def _journal(self) -> Journal | None:
+        kv = self.client.get(self.keys.journal)
+        return from_json(Journal, kv.value) if kv is not None else None
+
+    def _wait_for_relay(self, timeout: float) -> None:
+        """Until one of the run's keys changes (a leader's lease lapsed, a new one published its store), or
+        ``timeout``."""
+        try:
+            self.client.wait_change(self.keys.root, self.client.revision(), timeout, prefix=True)
+        except EtcdError:
+            time.sleep(min(timeout, 0.2))
+
+    def _tell_ranks(self, endpoint: Endpoint) -> None:
+        """Rewrite the file the ranks follow (atomically: a rank never reads half an address)."""
+        part = self.store_file + ".part"
+        with open(part, "w") as f:
+            f.write(str(endpoint))
+        os.replace(part, self.store_file)
+
+    def leave(self) -> None:
+        """The job is over for this agent: give the lead up at once (an orderly exit)."""
+        if self.leadership.term:
+            self.leadership.resign()
+        self._folder.cleanup()
+
+
+def _ended(journal: Journal) -> Found:
+    return Found(None, False, journal, (journal.view.exit_code, journal.view.reason))

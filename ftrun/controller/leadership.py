@@ -1,0 +1,160 @@
+"""Which agent is the controller, under ``--rdzv-backend etcd``: the one holding a key on an etcd lease.
+
+Every agent, spares included, is a candidate. The first to create the run's leader key (a transaction
+that finds it missing) holds it as long as its lease lives: it renews the lease every third of
+``--node-timeout``; the lease lapses when the node dies, and an orderly exit gives it up at once. The
+leader writes the job's control state to etcd, each write a transaction that holds only while the key
+it created is still there (compared by its create revision, its *term*): a leader that lost its lease
+while it was stopped can change nothing, finds so at its next write, and steps down.
+
+Everything here is written under one prefix per run id (:class:`EtcdKeys`); nothing a rank does reaches
+etcd: in steady state the leader renews its lease (one write every ``node_timeout / 3``), and each
+other agent holds one watch on the leader key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, created_at, put
+from ftrun.messages import from_json, to_json
+
+log = logging.getLogger(__name__)
+#: renewals per lease period: a lease survives two lost renewals
+RENEWALS_PER_TTL = 3
+
+
+class LeadershipLost(Exception):
+    """This agent's lease lapsed, or another agent leads now: its writes are refused."""
+
+
+@dataclass(frozen=True)
+class EtcdKeys:
+    """The run's keys in etcd, under ``ftrun/<run id>/``."""
+
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        return f"ftrun/{self.run_id}/"
+
+    @property
+    def leader(self) -> str:
+        """The controller's agent id, on its lease."""
+        return self.root + "leader"
+
+    @property
+    def journal(self) -> str:
+        """The controller's state (``journal.Journal``), written at each decision before its commands."""
+        return self.root + "journal"
+
+    @property
+    def relay(self) -> str:
+        """Where the current controller's control store listens (:class:`Relay`)."""
+        return self.root + "relay"
+
+
+@dataclass(frozen=True)
+class Relay:
+    """The control store the agents and ranks use now: hosted by the controller's agent."""
+
+    endpoint: str
+    leader: str
+    host: str
+    #: the leader key's create revision when this controller took office
+    term: int
+
+
+class Leadership:
+    """One candidate: takes the leader key when it is free, keeps its lease, writes only while it leads."""
+
+    def __init__(self, client: EtcdClient, keys: EtcdKeys, candidate: str, ttl: float):
+        self.client = client
+        self.keys = keys
+        self.candidate = candidate
+        self.ttl = ttl
+        #: the leader key's create revision while this candidate leads; 0 otherwise
+        self.term = 0
+        self._lease = 0
+        #: set when the lease lapsed or a conditioned write was refused
+        self.lost = threading.Event()
+        #: since when (monotonic) no renewal went through because etcd did not answer; 0 while it answers.
+        #: Without a quorum no other candidate can take the lead either: the lease is not lost for it
+        #: (etcd extends every lease when it elects its next leader), and the controller goes on
+        self.unreachable_since = 0.0
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    @property
+    def leads(self) -> bool:
+        return self.term > 0 and not self.lost.is_set()
+
+    def leader(self) -> KeyValue | None:
+        """The leader key as etcd holds it now (None: no leader)."""
+        return self.client.get(self.keys.leader)
+
+    def try_lead(self) -> bool:
+        """Take the leader key if no one holds it; True if this candidate leads now."""
+        if self.leads:
+            return True
+        lease = self.client.grant(self.ttl)
+        result = self.client.txn([created_at(self.keys.leader, 0)], [put(self.keys.leader, self.candidate, lease)])
+        if not result.succeeded:
+            self.client.revoke(lease)
+            return False
+        self._lease, self.term = lease, result.revision
+        self.lost.clear()
+        self._stop.clear()
+        self._keeper = threading.Thread(target=self._keep, name="ftrun-lease", daemon=True)
+        self._keeper.start()
+        log.info("leading the job's control plane (term %d)", self.term)
+        return True
+
+    def write(self, ops: list[dict]) -> None:
+        """``ops`` (``ftrun.etcd.put``/``delete``), done only while this candidate leads: else
+        :class:`LeadershipLost` (and the candidate counts as having stepped down)."""
+        if not self.leads:
+            raise LeadershipLost("this agent no longer leads the job")
+        if not self.client.txn([created_at(self.keys.leader, self.term)], ops).succeeded:
+            self.lost.set()
+            raise LeadershipLost("another agent leads the job now: this one's writes are refused")
+
+    def publish(self, key: str, message) -> None:
+        self.write([put(key, to_json(message))])
+
+    def resign(self) -> None:
+        """Give the lease up (an orderly exit): the next candidate takes over at once."""
+        self._stop.set()
+        lease, self._lease, self.term = self._lease, 0, 0
+        if lease:
+            try:
+                self.client.revoke(lease)
+            except EtcdError as e:
+                log.warning("could not give up the controller's lease: %s", e)
+        if self._keeper is not None:
+            self._keeper.join(self.client.deadline)
+
+    def _keep(self) -> None:
+        """Renew the lease every ttl / RENEWALS_PER_TTL, until etcd says it lapsed (this process was
+        stopped, or cut off, for longer than the ttl: another candidate may lead now)."""
+        while not self._stop.wait(self.ttl / RENEWALS_PER_TTL):
+            try:
+                left = self.client.keepalive(self._lease)
+            except EtcdUnavailable:
+                self.unreachable_since = self.unreachable_since or time.monotonic()
+                continue
+            except EtcdError:
+                left = 0  # "lease not found"
+            self.unreachable_since = 0.0
+            if left <= 0:
+                log.error("the controller's lease lapsed (term %d): another agent may lead now", self.term)
+                self.lost.set()
+                return
+
+
+def read_relay(client: EtcdClient, keys: EtcdKeys) -> Relay | None:
+    kv = client.get(keys.relay)
+    return from_json(Relay, kv.value) if kv is not None else None
