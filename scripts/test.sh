@@ -2,7 +2,8 @@
 # Sets up .venv (scripts/setup.sh) and runs the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The SSH-mode tests start a real sshd on loopback; the partition test cuts a veth link with `ip`;
+# The SSH-mode tests start a real sshd on loopback; the high-availability tests a 3-member etcd cluster
+# (Debian's etcd-server); the partition test cuts a veth link with `ip`;
 # the HTML report test renders the report in headless Chromium; the status view test draws it in a
 # tmux pane. Installed here when this runs as root
 # on Debian or Ubuntu (as CI does); elsewhere those tests skip and say why.
@@ -11,8 +12,9 @@ command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || missing+=(iproute2)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v tmux >/dev/null || missing+=(tmux)
+command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || missing+=(etcd-server)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "installing ${missing[*]} for the SSH, partition, HTML report and status view tests"
+    echo "installing ${missing[*]} for the SSH, etcd, partition, HTML report and status view tests"
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null 2>&1 ||
         echo "could not install ${missing[*]}: those tests will skip"
 fi

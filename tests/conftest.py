@@ -213,3 +213,13 @@ def pytest_unconfigure(config):
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             stream.flush()
         os._exit(_exit_status[0])
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A 3-member etcd cluster of the test's own on loopback (``tests/etcd.py``)."""
+    from tests.etcd import start_cluster
+
+    cluster = start_cluster(tmp_path / "etcd")
+    yield cluster
+    cluster.stop()

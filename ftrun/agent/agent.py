@@ -500,6 +500,8 @@ class Agent:
     def _carry_out_exit(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
         self._pending = None
         group.stop(self.config.stop_timeout)
+        if command.exit_code != ExitCode.OK:
+            self._save_on_failure()  # an exit straight from training (a stop asked for, etcd lost for good)
         self._report(ReportKind.EXITED, command.generation)
         return command.exit_code, command.reason
 
