@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
@@ -24,59 +22,10 @@ from ftrun.elastic.groups import GroupSet
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.store_location import MovableStore, StoreGone, StoreLocation
 from ftrun.keys import JobKeys
+from tests.conftest import name_store
 
 #: generous deadlines, against hangs only (a child imports torch on a busy machine)
 DEADLINE = 60.0
-HOST_STORE = """
-import sys, time
-from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-print(store.port, flush=True)
-time.sleep(3600)
-"""
-
-
-class StoreHost:
-    """A store hosted in a child process, started at once; its endpoint is read when first asked for, so
-    that several children import torch side by side."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", HOST_STORE], stdout=subprocess.PIPE, text=True)
-        self._endpoint: Endpoint | None = None
-
-    @property
-    def endpoint(self) -> Endpoint:
-        if self._endpoint is None:
-            self._endpoint = Endpoint("127.0.0.1", int(self.process.stdout.readline()))
-        return self._endpoint
-
-    def kill(self) -> None:
-        """As its node is lost."""
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
-@pytest.fixture
-def host_store():
-    """Start a store in a child process (a StoreHost). Every child is killed and reaped."""
-    hosts: list[StoreHost] = []
-
-    def start() -> StoreHost:
-        hosts.append(StoreHost())
-        return hosts[-1]
-
-    yield start
-    for host in hosts:
-        host.process.kill()
-        host.process.wait()
-        host.process.stdout.close()
-
-
-def name_store(file: Path, endpoint: Endpoint) -> None:
-    """What the agent does: the file's whole content, replaced atomically."""
-    temporary = file.with_name(file.name + ".tmp")
-    temporary.write_text(str(endpoint))
-    os.replace(temporary, file)
 
 
 def client(endpoint: Endpoint) -> TCPStore:
@@ -130,8 +79,9 @@ def test_a_location_gives_up_in_one_line_when_the_file_names_no_other_store(tmp_
         location.successor(gone)
 
 
-def test_without_a_file_the_store_never_moves(host_store):
-    connection = StoreLocation(host_store().endpoint).connect(timeout=DEADLINE)
+def test_without_a_file_the_store_never_moves():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    connection = StoreLocation(Endpoint("127.0.0.1", server.port)).connect(timeout=DEADLINE)
     assert isinstance(connection, TCPStore)
 
 
@@ -168,7 +118,6 @@ def test_a_link_carries_on_through_the_successor_s_store(host_store, tmp_path):
     try:
         in_a = client(a)
         wait_until(lambda: in_a.check([keys.rank_heartbeat(0)]), "a heartbeat in store A")
-        del in_a
         host_a.kill()
 
         def succeed() -> None:  # the successor agent: its new store, with its announcement, named in the file
