@@ -72,8 +72,8 @@ class StoreLocation:
         return self._endpoint
 
     def connect(self, timeout: float):
-        """A connection to the store: one that follows the store when it may move, else a plain TCPStore
-        client (trying for ``timeout`` seconds)."""
+        """A connection to the store: a plain TCPStore client, trying for ``timeout`` seconds, or, when the
+        store may move, one that follows it, trying (and following the file) for the location's ``timeout``."""
         if not self.file:
             return connect_store(self._endpoint, timeout=timeout)
         return MovableStore(self)

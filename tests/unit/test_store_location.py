@@ -67,6 +67,20 @@ def test_a_location_moves_once_the_file_names_another_store(tmp_path):
     assert location.back_at > 0
 
 
+def test_a_store_not_yet_listening_is_tried_again_until_the_file_names_another_or_time_runs_out(tmp_path):
+    file = tmp_path / "control_store"
+    old, slow, other = Endpoint("10.0.0.1", 29400), Endpoint("10.0.0.2", 29500), Endpoint("10.0.0.3", 29600)
+    name_store(file, slow)
+    location = StoreLocation(old, str(file), timeout=0.3)
+    assert location.endpoint == slow  # the file named it already at the start
+    assert location.try_again(slow) == slow  # named, and time is left: the same store once more
+    name_store(file, other)
+    assert location.try_again(slow) == other
+    time.sleep(0.3)
+    with pytest.raises(SystemExit, match="named no other within 0.3s"):  # the clock ran from the first failure
+        location.try_again(other)
+
+
 def test_a_location_gives_up_in_one_line_when_the_file_names_no_other_store(tmp_path):
     file = tmp_path / "control_store"
     gone = Endpoint("10.0.0.1", 29400)
