@@ -189,6 +189,12 @@ class WorkerEnv:
     ranktable: str = ""
     device: DeviceAssignment | None = None
     snapshots: SnapshotSettings | None = None
+    #: the path of a node-local file whose whole content is the current control store's ``host:port``
+    #: (FTRUN_CONTROL_STORE_FILE), for a control store that may move to another node (the controller's
+    #: successor hosts a new one); the agent replaces it atomically. "": the store never moves
+    control_store_file: str = ""
+    #: how long a rank whose control store is gone waits for the file to name another (FTRUN_STORE_TIMEOUT)
+    store_timeout: float = 300.0
 
     @property
     def device_index(self) -> int:
@@ -216,6 +222,9 @@ class WorkerEnv:
             env.update(self.device.to_environ())
         if self.snapshots is not None:
             env.update(self.snapshots.to_environ())
+        if self.control_store_file:
+            env["FTRUN_CONTROL_STORE_FILE"] = self.control_store_file
+            env["FTRUN_STORE_TIMEOUT"] = f"{self.store_timeout:g}"
         return env
 
     @classmethod
@@ -238,4 +247,6 @@ class WorkerEnv:
             ranktable=env.get("FTRUN_RANKTABLE", ""),
             device=DeviceAssignment.from_environ(env),
             snapshots=SnapshotSettings.from_environ(env),
+            control_store_file=env.get("FTRUN_CONTROL_STORE_FILE", ""),
+            store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or 300.0),
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ftrun.contract import Endpoint
 from ftrun.devices import DeviceOptions
 from ftrun.devices.npu import NpuBackend
 
@@ -223,3 +224,58 @@ def etcd(tmp_path):
     cluster = start_cluster(tmp_path / "etcd")
     yield cluster
     cluster.stop()
+
+
+# -- control stores that a test kills as a lost node would go ---------------------------------------------
+
+#: a child process that hosts a TCPStore on loopback and prints its port
+HOST_STORE = """
+import sys, time
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(3600)
+"""
+
+
+class StoreHost:
+    """A store hosted in a child process, started at once; its endpoint is read when first asked for, so
+    that several children import torch side by side."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", HOST_STORE], stdout=subprocess.PIPE, text=True)
+        self._endpoint: Endpoint | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        if self._endpoint is None:
+            self._endpoint = Endpoint("127.0.0.1", int(self.process.stdout.readline()))
+        return self._endpoint
+
+    def kill(self) -> None:
+        """As its node is lost."""
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture
+def host_store():
+    """Start a store in a child process (a StoreHost). Every child is killed and reaped."""
+    hosts: list[StoreHost] = []
+
+    def start() -> StoreHost:
+        hosts.append(StoreHost())
+        return hosts[-1]
+
+    yield start
+    for host in hosts:
+        host.process.kill()
+        host.process.wait()
+        host.process.stdout.close()
+
+
+def name_store(file: Path, endpoint: Endpoint) -> None:
+    """What the agent does: the file's whole content, replaced atomically."""
+    temporary = file.with_name(file.name + ".tmp")
+    temporary.write_text(str(endpoint))
+    os.replace(temporary, file)

@@ -1,11 +1,12 @@
 """The rank's line to the control plane: its heartbeat, the repair watch, the targets and milestones of
 a repair, and what it tells the controller and the status view.
 
-Under ftrun a :class:`ControlLink` holds the control store and two threads, each on a connection of its
-own: the heartbeat (the agent takes a rank whose heartbeat stops for hung) and the repair watch, which
-sleeps on the store until the next generation is announced and then makes sure the main thread leaves
-the collective it may be blocked in. Under plain torchrun a :class:`NullLink` stands in: nothing is
-announced, and a failed collective ends the process as torchrun expects.
+Under ftrun a :class:`ControlLink` holds the control store (its connections follow it when it moves:
+store_location.py) and two threads, each on a connection of its own: the heartbeat (the agent takes a
+rank whose heartbeat stops for hung) and the repair watch, which sleeps on the store until the next
+generation is announced and then makes sure the main thread leaves the collective it may be blocked in.
+Under plain torchrun a :class:`NullLink` stands in: nothing is announced, and a failed collective ends
+the process as torchrun expects.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch.distributed as dist
 from ftrun.auth import Signer
 from ftrun.contract import Milestone, RollbackFailure, WorkerEnv, parse_endpoint
 from ftrun.elastic.groups import GroupSet, first_line
+from ftrun.elastic.store_location import StoreLocation
 from ftrun.keys import JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.store import CONNECT_TIMEOUT, ControlStore, connect_store
+from ftrun.store import CONNECT_TIMEOUT, ControlStore
 
 log = logging.getLogger("ftrun.elastic")
 #: how often a rank writes its heartbeat and its committed step (the agent's and the controller's
@@ -102,8 +104,10 @@ class ControlLink:
         self.collective_timeout = collective_timeout
         #: after a collective raises, how long to wait for the controller to announce a repair
         self.fault_wait = fault_wait
-        self._endpoint = parse_endpoint(env.control_store, 0, "FTRUN_CONTROL_STORE")
-        self.store = ControlStore(connect_store(self._endpoint, timeout=collective_timeout), self._endpoint,
+        #: where the control store is: it moves when the controller's node is lost (FTRUN_CONTROL_STORE_FILE)
+        self.location = StoreLocation(parse_endpoint(env.control_store, 0, "FTRUN_CONTROL_STORE"),
+                                      env.control_store_file, env.store_timeout, env.rank)
+        self.store = ControlStore(self.location.connect(collective_timeout), self.location.endpoint,
                                   is_host=False, signer=signer)
         #: the generation this rank's groups belong to (-1: none yet)
         self.generation = -1
@@ -161,12 +165,15 @@ class ControlLink:
         return int(text) if text else 0
 
     def await_target(self, above: int, timeout: float) -> int | None:
-        """The first generation announced above ``above`` within ``timeout`` seconds, or None."""
+        """The first generation announced above ``above`` within ``timeout`` seconds, or None. While the
+        control store is away (its node lost, a successor's not yet named) the clock stops: the successor
+        announces its repair only once its store is up, so ``timeout`` counts from then."""
         deadline = time.monotonic() + timeout
         while True:
-            target = self.target()
+            target = self.target()  # waits here while the store moves
             if target > above:
                 return target
+            deadline = max(deadline, self.location.back_at + timeout)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
@@ -261,8 +268,7 @@ class ControlLink:
         client runs one operation at a time: behind the main thread's wait for a slow replacement to
         form the group, the heartbeat would stop and the agent would take this healthy rank for hung."""
         try:
-            store = ControlStore(connect_store(self._endpoint, timeout=self.collective_timeout), self._endpoint,
-                                 is_host=False)
+            store = ControlStore(self.location.connect(self.collective_timeout), self.location.endpoint, is_host=False)
         except Exception:
             return
         while not self._closed.wait(WORKER_HEARTBEAT_INTERVAL):
@@ -270,7 +276,7 @@ class ControlLink:
                 store.add(self.keys.rank_heartbeat(self.rank))
                 store.set_text(self.keys.rank_progress(self.rank), str(progress()))
             except Exception:
-                return  # the controller is gone; the agent stops this process
+                return  # the store is gone and did not move: the agent stops this process
 
     def _watch(self) -> None:
         """Sleep on the store until the next generation is announced, then make sure this rank joins.
@@ -281,7 +287,7 @@ class ControlLink:
         does not free it, leave, so that the repair replaces this rank instead of waiting for it.
         """
         try:
-            store = connect_store(self._endpoint, timeout=self.collective_timeout)
+            store = self.location.connect(self.collective_timeout)
         except Exception:
             return
         while True:
@@ -292,7 +298,8 @@ class ControlLink:
             try:
                 store.wait([self._watch_key], datetime.timedelta(seconds=WATCH_TIMEOUT))
             except dist.DistNetworkError:
-                # the store is gone: nothing more can be announced, and every further wait would fail at once
+                # the store is gone and did not move (a store that moves is followed inside the wait):
+                # nothing more can be announced, and every further wait would fail at once
                 return
             except Exception:
                 continue  # nothing announced within the wait's deadline: wait again

@@ -145,7 +145,8 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
     # the worker's contract in full: with a device, snapshots and a rank table (which the agent adds in parts)
     names |= set(WorkerEnv(rank=3, local_rank=1, world_size=4, run_id="job", generation=1, control_store="head:29400",
                            replacement=False, heartbeat_timeout=30, ranktable="ranktable.json",
-                           device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1)).to_environ())
+                           device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1),
+                           control_store_file="/tmp/x/control_store").to_environ())
     return names
 
 

@@ -10,6 +10,8 @@ Faults come from the environment and hit only original ranks (never a replacemen
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
 PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
+STOP_FILE=path: once that file holds a step count, the loop ends when that many steps are committed
+(STEPS then only bounds it; every rank reads the same count, so all stop at the same step).
 BATCHNORM=1 puts a BatchNorm1d (running statistics: buffers that ElasticDDP broadcasts) in the model.
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, OUT_DIR/progress-rank<r> after each step (the
 step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, a digest of the
@@ -69,6 +71,15 @@ def step_sleep(step: int) -> float:
     return float(os.environ.get("STEP_SLEEP", "0.05"))
 
 
+def stop_requested(committed: int) -> bool:
+    """STOP_FILE holds a step count that ``committed`` has reached."""
+    path = os.environ.get("STOP_FILE")
+    try:
+        return bool(path) and committed >= int(open(path).read())
+    except (OSError, ValueError):
+        return False
+
+
 def model_layers() -> list[torch.nn.Module]:
     if os.environ.get("BATCHNORM") == "1":
         return [torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
@@ -102,6 +113,8 @@ def main() -> None:
             f.write(str(job.step))
         if os.environ.get("PRINT_STEPS") == "1":
             print(f"rank {job.rank} step {step} loss {float(loss):.4f}", flush=True)
+        if stop_requested(job.step):
+            break
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {"step": job.step, "rank": job.rank, "checksum": checksum,
               "digest": digest(model.state_dict(), optimizer.state_dict()), "pid": os.getpid(),
