@@ -64,7 +64,9 @@ EVENTS_FILE = "events.jsonl"
 class EventLog:
     """The job's events, in memory and (optionally) in a JSON-lines file. Thread-safe."""
 
-    def __init__(self, path: str = ""):
+    def __init__(self, path: str = "", go_on: bool = False):
+        """``go_on``: the file is the same job's, from a controller before this one (--rdzv-backend etcd):
+        add to it rather than start it afresh."""
         self.path = path
         self.events: list[dict] = []
         self._lock = threading.Lock()
@@ -73,7 +75,7 @@ class EventLog:
         self._file: IO[str] | None = None
         if path:
             private_dirs(os.path.dirname(path) or ".")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # one job per file
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if go_on else os.O_TRUNC), 0o600)  # one job per file
             os.fchmod(fd, 0o600)  # also when an older run left the file
             self._file = os.fdopen(fd, "a", encoding="utf-8")
 

@@ -11,6 +11,7 @@ import atexit
 import datetime
 import errno
 import logging
+import queue
 import socket
 import threading
 import time
@@ -55,6 +56,43 @@ class StoreUnavailable(Exception):
     """The control store stopped answering: its host is gone or the network is cut."""
 
 
+class GuardedCalls:
+    """Store calls made in a thread of their own, each given ``timeout`` seconds: a store whose host stopped
+    answering without closing the connection (its process stopped, the network cut) holds a TCPStore
+    call for good, whatever the client's timeout, and the caller must be able to give up on it. A call
+    that did not return in time leaves that thread behind (it ends when the host answers or goes), and
+    every later call fails at once: the connection is given up with it."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stuck = ""
+        threading.Thread(target=self._serve, name="ftrun-store-calls", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, box, done = self._calls.get()
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as e:  # handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        if self._stuck:
+            raise TimeoutError(self._stuck)
+        box: list = []
+        done = threading.Event()
+        self._calls.put((fn, args, box, done))
+        if not done.wait(self.timeout):
+            self._stuck = f"no answer within {self.timeout:g}s"
+            raise TimeoutError(self._stuck)
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
 class ControlStore:
     """The job's store, seen through the few operations ftrun needs.
 
@@ -63,8 +101,12 @@ class ControlStore:
     per key. Counters and the worker library's texts are not signed.
     """
 
-    def __init__(self, store, endpoint: Endpoint, is_host: bool, signer: Signer | None = None):
+    def __init__(self, store, endpoint: Endpoint, is_host: bool, signer: Signer | None = None,
+                 call_timeout: float = 0.0):
+        """``call_timeout``: each call gives up after that many seconds (``GuardedCalls``); 0 waits as
+        long as the store client does."""
         self.raw = store
+        self._guard = GuardedCalls(call_timeout) if call_timeout else None
         self.endpoint = endpoint
         self.is_host = is_host
         self.signer = signer or Signer()
@@ -169,7 +211,11 @@ class ControlStore:
         from torch.distributed import DistStoreError
 
         try:
-            self.raw.wait([key], datetime.timedelta(seconds=seconds))
+            if self._guard is not None:
+                seconds = min(seconds, self._guard.timeout / 2)  # the guard's wait covers it
+                self._guard.call(self.raw.wait, [key], datetime.timedelta(seconds=seconds))
+            else:
+                self.raw.wait([key], datetime.timedelta(seconds=seconds))
             return True
         except DistStoreError:  # the wait timed out; a store that went raises DistNetworkError
             return False
@@ -250,7 +296,7 @@ class ControlStore:
 
     def _call(self, fn, *args):
         try:
-            return fn(*args)
+            return self._guard.call(fn, *args) if self._guard is not None else fn(*args)
         except Exception as e:  # torch raises DistNetworkError/DistStoreError/RuntimeError
             raise StoreUnavailable(f"the control store at {self.endpoint} stopped answering ({_first_line(e)})") from e
 

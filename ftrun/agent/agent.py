@@ -346,7 +346,11 @@ class Agent:
         self._peer_addresses = {}
         if found.leads:
             self._start_controller(found.journal)
-        self.protocol.prepare_ranks([w.placement.rank for w in self._group.running] if self._group else [])
+        ranks = [w.placement.rank for w in self._group.running] if self._group else []
+        self.protocol.prepare_ranks(ranks)
+        now = time.monotonic()
+        for rank in ranks:  # their heartbeats start again in the new store, once each rank finds it
+            self.hangs.restart(rank, 0, now)
         log.warning("going on with the controller at %s", self.store.endpoint)
         return None
 
@@ -746,6 +750,7 @@ class Agent:
             rank_tables=self._rank_tables(command.generation),
             previous_world_size=command.previous_world_size,
             snapshot_env=tuple(self.snapshots.worker_env().items()) if self.snapshots else (),
+            control_store_file=self.etcd.store_file if self.etcd is not None else "",
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:

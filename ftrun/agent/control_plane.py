@@ -29,6 +29,8 @@ from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_addres
 log = logging.getLogger(__name__)
 #: how long one look for a new leader waits on etcd before it looks again
 LOOK_AGAIN = 1.0
+#: the shortest time a follower's call to the control store may take before its host counts as gone
+MIN_CALL_TIMEOUT = 5.0
 
 
 class ControlPlaneLost(FtrunError):
@@ -117,7 +119,10 @@ class EtcdControlPlane:
             log.warning("the controller's store at %s did not answer: %s", relay.endpoint, e)
             return None
         log.info("following the controller on %s (its store at %s)", relay.host, relay.endpoint)
-        return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer), False, None)
+        # a host that stops answering without closing the connection (stopped, cut off) is given up within
+        # --node-timeout, as any lost node is
+        return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer,
+                                  call_timeout=max(self.config.node_timeout, MIN_CALL_TIMEOUT)), False, None)
 
     def _host(self) -> ControlStore:
         """Host a fresh control store on a free port, and say where in etcd (as the leader)."""

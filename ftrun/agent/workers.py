@@ -153,6 +153,8 @@ class GenerationEnv:
     previous_world_size: int = 0
     #: where the ranks write their snapshots (FTRUN_SNAPSHOT_*), when --snapshot-every is on
     snapshot_env: tuple[tuple[str, str], ...] = ()
+    #: --rdzv-backend etcd: the file that names the control store as it moves (FTRUN_CONTROL_STORE_FILE)
+    control_store_file: str = ""
 
 
 class WorkerGroup:
@@ -435,6 +437,8 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         run_id=config.run_id,
         generation=gen.generation,
         control_store=gen.control_store,
+        control_store_file=gen.control_store_file,
+        store_timeout=config.store_timeout,
         replacement=gen.replacement,
         heartbeat_timeout=config.heartbeat_timeout,
         node_rank=placement.node_rank,

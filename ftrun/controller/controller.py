@@ -174,7 +174,7 @@ class Controller:
                 repair_timeout=config.repair_timeout,
                 store_timeout=config.store_timeout,
             ),
-            events=EventLog(path),
+            events=EventLog(path, go_on=resume is not None),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
             snapshots=config.snapshots,
             worker_port=config.worker_port,

@@ -87,6 +87,9 @@ class Leadership:
         self.unreachable_since = 0.0
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+        #: the renewals' own client: each gives up within a renewal's period, so that a lost quorum is
+        #: seen within one
+        self._renewals = EtcdClient(client.options, deadline=max(1.0, ttl / RENEWALS_PER_TTL))
 
     @property
     def leads(self) -> bool:
@@ -142,7 +145,7 @@ class Leadership:
         stopped, or cut off, for longer than the ttl: another candidate may lead now)."""
         while not self._stop.wait(self.ttl / RENEWALS_PER_TTL):
             try:
-                left = self.client.keepalive(self._lease)
+                left = self._renewals.keepalive(self._lease)
             except EtcdUnavailable:
                 self.unreachable_since = self.unreachable_since or time.monotonic()
                 continue

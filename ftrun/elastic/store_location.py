@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ftrun.contract import Endpoint, EndpointError, parse_endpoint
 from ftrun.elastic.groups import first_line
-from ftrun.store import HANDSHAKE_DEADLINE, connect_store
+from ftrun.store import HANDSHAKE_DEADLINE, OPERATION_TIMEOUT, connect_store
 
 log = logging.getLogger("ftrun.elastic")
 #: how often a rank whose store is gone reads the file for a new address (a read of a few bytes)
@@ -40,6 +40,10 @@ EXIT_STORE_GONE = 1
 CONNECT_ATTEMPT = HANDSHAKE_DEADLINE + 2.0
 #: store calls that wait for keys: their timing out is no sign that the store is gone
 KEY_WAITS = frozenset({"get", "wait", "multi_get"})
+#: how often a wait for keys reads the file (a store whose host stopped answering holds the wait)
+WAIT_POLL = 0.1
+#: how long a wait for keys lasts, unless it says (a store client's, as elsewhere)
+KEY_WAIT_TIMEOUT = OPERATION_TIMEOUT.total_seconds()
 
 
 class StoreGone(dist.DistNetworkError):
@@ -195,6 +199,43 @@ class MovableStore(dist.Store):
                           first_line(e))
                 self._follow(endpoint)
 
+    def _wait(self, keys, seconds: float) -> None:
+        """A wait for ``keys``, in a thread of its own, while this one reads the file: a store whose host
+        stopped answering without closing the connection (stopped, cut off) would hold the wait until
+        the host came back, and the successor's store would go unwatched. The wait left behind ends when
+        the old host goes or answers; nothing reads its outcome."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self._endpoint != self._location.endpoint:
+                self._follow(self._endpoint)
+            client, endpoint = self._client, self._endpoint
+            outcome: list[BaseException | None] = []
+            done = threading.Event()
+
+            def wait(client=client, outcome=outcome, done=done):
+                try:
+                    client.wait(keys, datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                    outcome.append(None)
+                except BaseException as e:  # handed to the caller's thread
+                    outcome.append(e)
+                finally:
+                    done.set()
+
+            threading.Thread(target=wait, name="ftrun-store-wait", daemon=True).start()
+            while not done.wait(WAIT_POLL):
+                if self._location.named() not in (None, endpoint):
+                    break  # another store: wait there
+            if not done.is_set():
+                self._location.successor(endpoint)
+                continue
+            error = outcome[0]
+            if error is None:
+                return
+            if isinstance(error, dist.DistNetworkError) and not isinstance(error, StoreGone):
+                self._follow(endpoint)
+                continue
+            raise error
+
     def _follow(self, gone: Endpoint) -> None:
         """Connect to the store that replaced ``gone`` (unless another thread of this connection did)."""
         with self._lock:
@@ -238,10 +279,7 @@ class MovableStore(dist.Store):
         return self._call("num_keys")
 
     def wait(self, keys, timeout: datetime.timedelta | None = None):
-        if timeout is None:
-            self._call("wait", keys)
-        else:
-            self._call("wait", keys, timeout)
+        self._wait(keys, KEY_WAIT_TIMEOUT if timeout is None else timeout.total_seconds())
 
     def multi_get(self, keys):
         return self._call("multi_get", keys)

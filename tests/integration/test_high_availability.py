@@ -1,0 +1,129 @@
+"""--rdzv-backend etcd: the job survives the loss of any node, the controller's included.
+
+A real 3-member etcd cluster on loopback (``tests/etcd.py``), 2 simulated nodes x 2 ranks and a spare
+(CPU, gloo), the worker library's script. Agent 0 starts first and takes the controller's office; the
+others join once it leads, so that it is node 0 of the rendezvous.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, Launcher, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+ELASTIC = str(WORKERS / "elastic_train.py")
+STEPS = 40
+NODES, NPROC = 2, 2
+
+
+def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
+    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads."""
+    common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", str(NPROC), "--rdzv-backend", "etcd",
+              "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark, "--monitor-interval", "0.05",
+              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", *flags]
+    environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
+    agents = [launcher.start([*common, "--local-addr", "127.0.0.2", ELASTIC], env=environment)]
+    wait_for(lambda: "hosting the control store" in agents[0].output, timeout=120, what="the first agent to lead")
+    for i in range(1, NODES + spares):
+        agents.append(launcher.start([*common, "--local-addr", f"127.0.0.{i + 2}", ELASTIC], env=environment))
+    return agents
+
+
+def wait_for_progress(launcher, rank: int, step: int) -> None:
+    progress = launcher.out_dir / f"progress-rank{rank}"
+    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= step,
+             timeout=120, what=f"rank {rank} to reach step {step}")
+
+
+def starts(launcher) -> dict[int, int]:
+    """How many processes each rank had."""
+    return {rank: len(list(launcher.out_dir.glob(f"pid-start-rank{rank}-*"))) for rank in range(NODES * NPROC)}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """The same job under the c10d store, without a fault: every rank's digest."""
+    runner = Launcher(tmp_path_factory.mktemp("ha-fault-free"), "ha-fault-free")
+    common = ["--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--run-id", runner.mark, "--recovery", "process", "--warm-standby", "0"]
+    environment = runner.env(STEPS=str(STEPS), STEP_SLEEP="0")
+    for _ in range(NODES):
+        runner.start([*common, ELASTIC], env=environment)
+    assert runner.wait() == [0] * NODES, runner.output()
+    return {rank: r["digest"] for rank, r in runner.results().items()}
+
+
+def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free):
+    leader, *others = start(launcher, etcd)
+    assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
+                                     what="the leader's place")
+    wait_for_progress(launcher, 1, 5)
+    leader.proc.kill()  # the agent hosting the store and the controller; its guardian takes ranks 0 and 1
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit for bit, every rank
+    assert starts(launcher) == {0: 2, 1: 2, 2: 1, 3: 1}  # ranks 2 and 3 kept their pids
+    successor = next(n for n in others if "hosting the control store" in n.output)
+    assert "the controller moved from 127.0.0.2" in successor.output
+    assert "process-level repair into generation 1" in successor.output
+    assert "1 of 2 restarts used" in successor.output  # the failover and the repair: one unit of budget
+    spare = next(n for n in others if "taking the place of node 0" in n.output)
+    assert "replacing ranks 0, 1" in spare.output
+
+
+def test_a_controller_stopped_past_its_lease_steps_down_and_its_node_is_replaced(launcher, etcd, fault_free):
+    leader, *others = start(launcher, etcd)
+    wait_for_progress(launcher, 1, 5)
+    frozen = [psutil.Process(leader.proc.pid), *psutil.Process(leader.proc.pid).children(recursive=True)]
+    for process in frozen:  # the node stops: its agent (and the store it hosts), its ranks
+        process.send_signal(signal.SIGSTOP)
+    successor = wait_for(lambda: next((n for n in others if "hosting the control store" in n.output), None),
+                         timeout=120, what="another agent to take the controller's office")
+    wait_for(lambda: "taking the place of node 0" in launcher.output(), timeout=120, what="the spare to take node 0")
+    time.sleep(1.0)
+    for process in frozen:  # it wakes up believing it leads
+        process.send_signal(signal.SIGCONT)
+    assert launcher.wait([leader]) != [0]
+    assert "steps down" in leader.output and "declared lost" in leader.output, leader.output
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free
+    assert starts(launcher)[2] == 1 and starts(launcher)[3] == 1
+    assert "1 of 2 restarts used" in successor.output
+
+
+def test_etcd_members_lost_change_nothing_and_a_lost_quorum_only_holds_decisions_back(launcher, etcd, fault_free):
+    leader, *others = start(launcher, etcd, spares=0, STEP_SLEEP="0.15")
+    wait_for_progress(launcher, 1, 3)
+    etcd.kill(2)  # one of three: no effect
+    wait_for_progress(launcher, 1, 8)
+    etcd.kill(1)  # the quorum with it, for a while: training goes on
+    wait_for(lambda: "etcd) is unreachable" in leader.output, timeout=60, what="the controller to say so")
+    progress = int((launcher.out_dir / "progress-rank1").read_text())
+    wait_for_progress(launcher, 1, progress + 3)
+    etcd.revive(1)
+    etcd.revive(2)
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert "etcd) answers again" in leader.output
+    assert leader.output.count("etcd) is unreachable") == 1  # said once
+    results = launcher.results()
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free
+    assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_a_quorum_lost_past_the_store_timeout_stops_the_job_cleanly(launcher, etcd):
+    leader, *others = start(launcher, etcd, spares=0, flags=["--store-timeout", "3"], STEPS="1000")
+    wait_for_progress(launcher, 1, 3)
+    etcd.kill(1)
+    etcd.kill(2)
+    codes = launcher.wait()
+    assert codes == [1, 1], launcher.output()
+    assert "the control store (etcd) was unreachable for 3s" in leader.output
+    assert all("the control store (etcd) was unreachable" in n.output for n in others), launcher.output()
