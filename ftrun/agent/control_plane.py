@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, read_relay
+from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, current_relay
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from ftrun.messages import from_json
@@ -105,8 +105,8 @@ class EtcdControlPlane:
                 self.leadership.resign()
                 return _ended(journal)
             return Found(self._host(), True, journal)
-        leader, relay = self.leadership.leader(), read_relay(self.client, self.keys)
-        if leader is None or relay is None or relay.term != leader.create_revision or relay.endpoint == failed:
+        relay = current_relay(self.client, self.keys)
+        if relay is None or relay.endpoint == failed:
             if joined:
                 journal = self._journal()
                 if journal is not None and journal.over:

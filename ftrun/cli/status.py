@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from typing import TYPE_CHECKING
 
 import click
 
 from ftrun.cli.console import out, say
 from ftrun.errors import ExitCode, FtrunError, RendezvousError, UsageError
+
+if TYPE_CHECKING:
+    from ftrun.store import ControlStore
 
 STATUS_HELP = """Show a running job's state: its nodes, ranks, recovery phase and last events.
 
@@ -41,17 +46,22 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
               help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
 @click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
+@click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
+              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members and the job "
+                   "is found wherever its controller is now.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", help="With etcd: the job's TLS and auth "
+              "(cacert, cert, key, user, password).")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (one object per line with --watch).")
 @click.option("--watch", is_flag=True, help="Keep showing it, redrawn in place, until the job ends or Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True, callback=_finite,
               help="Seconds between reads with --watch.")
 @click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True, callback=_finite,
               help="Seconds to wait for the store to answer.")
-def status_command(endpoint: str, run_id: str, as_json: bool, watch: bool, interval: float, timeout: float) -> int:
-    from ftrun.config import DEFAULT_RDZV_PORT, parse_endpoint
+def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_json: bool, watch: bool,
+                   interval: float, timeout: float) -> int:
     from ftrun.store import StoreUnavailable
 
-    reader = StatusReader(parse_endpoint(endpoint, DEFAULT_RDZV_PORT), run_id, timeout)
+    reader = StatusReader(store_finder(backend, endpoint, run_id, rdzv_conf, timeout), run_id, timeout)
     try:
         snapshot = reader.read()
         if not watch:
@@ -62,21 +72,88 @@ def status_command(endpoint: str, run_id: str, as_json: bool, watch: bool, inter
         raise RendezvousError(str(e)) from None
 
 
+#: how long ``ftrun status --watch`` of an etcd-backed job waits for a successor when the controller's store goes
+FOLLOW_DEADLINE = 60.0
+
+
+class StoreFinder:
+    """Where the job's control store is: the endpoint given (c10d, static), or where etcd says the
+    controller in office hosts it (``moves``: found again after the controller moved)."""
+
+    def __init__(self, endpoint=None, etcd=None, run_id: str = ""):
+        self._endpoint, self._etcd, self._run_id = endpoint, etcd, run_id
+        self.moves = etcd is not None
+
+    def __call__(self):
+        if self._etcd is None:
+            return self._endpoint
+        from ftrun.config import parse_endpoint
+        from ftrun.controller.leadership import EtcdKeys, current_relay
+        from ftrun.etcd import EtcdError
+
+        try:
+            relay = current_relay(self._etcd, EtcdKeys(self._run_id))
+        except EtcdError as e:
+            raise RendezvousError(str(e)) from None
+        if relay is None:
+            raise RendezvousError(f"job '{self._run_id}' has no controller in etcd at {self._etcd.options.describe()} "
+                                  "(a wrong --run-id, or the job has ended or not started)")
+        return parse_endpoint(relay.endpoint, 0, "the job's relay in etcd")
+
+
+def store_finder(backend: str, endpoint: str, run_id: str, rdzv_conf: str, timeout: float) -> StoreFinder:
+    from ftrun.config import DEFAULT_RDZV_PORT, ETCD_SPELLINGS, etcd_options, parse_endpoint, parse_rdzv_conf
+
+    if backend not in ETCD_SPELLINGS:
+        return StoreFinder(parse_endpoint(endpoint, DEFAULT_RDZV_PORT))
+    from ftrun.etcd import EtcdClient
+
+    if not run_id:
+        raise UsageError("--rdzv-backend etcd needs --run-id: one etcd holds many jobs")
+    options = etcd_options({"rdzv_endpoint": endpoint}, parse_rdzv_conf(rdzv_conf), standalone=False)
+    return StoreFinder(etcd=EtcdClient(options, timeout), run_id=run_id)
+
+
 class StatusReader:
     """The job's status snapshot from its store: gets and checks only, never a write."""
 
-    def __init__(self, endpoint, run_id: str, timeout: float):
+    def __init__(self, find: StoreFinder, run_id: str, timeout: float):
+        from ftrun.keys import JobKeys
+
+        self.find, self.timeout = find, timeout
+        self.store: ControlStore | None = None
+        self.store = self._open(find())
+        self.keys = JobKeys(run_id or self._only_run_id())
+
+    def _open(self, endpoint) -> ControlStore:
         from ftrun.config import Endpoint
-        from ftrun.keys import CONTROL_STORE, JobKeys
+        from ftrun.keys import CONTROL_STORE
         from ftrun.store import ControlStore, connect_store
 
-        raw = connect_store(endpoint, timeout, refused_is_final=True)  # a host that does not answer is waited for
+        raw = connect_store(endpoint, self.timeout, refused_is_final=True)  # a host that does not answer is waited for
         if raw.check([CONTROL_STORE]):  # a static rendezvous's --master-port: the control store is elsewhere
             endpoint = Endpoint(endpoint.host, int(raw.get(CONTROL_STORE)))
-            raw = connect_store(endpoint, timeout, refused_is_final=True)
+            raw = connect_store(endpoint, self.timeout, refused_is_final=True)
         self.endpoint = endpoint
-        self.store = ControlStore(raw, endpoint, is_host=False)
-        self.keys = JobKeys(run_id or self._only_run_id())
+        return ControlStore(raw, endpoint, is_host=False, signer=self.store.signer if self.store else None)
+
+    def follow(self, deadline: float) -> bool:
+        """--rdzv-backend etcd: the controller moved; read from its new store (True), waiting up to
+        ``deadline`` seconds for a successor to take office."""
+        if not self.find.moves:
+            return False
+        end = time.monotonic() + deadline
+        while True:
+            try:
+                endpoint = self.find()
+                if endpoint != self.endpoint:
+                    self.store = self._open(endpoint)
+                    return True
+            except RendezvousError:
+                pass
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.2)
 
     def _only_run_id(self) -> str:
         from ftrun.keys import JOBS_COUNT, job_entry
@@ -139,6 +216,8 @@ def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: 
             except StoreUnavailable:
                 if ended or snapshot["phase"] in ("exiting", "done"):
                     return ExitCode.OK  # the job ended and its store with it
+                if reader.follow(FOLLOW_DEADLINE):
+                    continue  # the controller moved (--rdzv-backend etcd)
                 raise RendezvousError(f"the job's store at {reader.endpoint} went away (the job ended, or its host "
                                       f"is gone); last seen: {plain_line(snapshot)}") from None
     except KeyboardInterrupt:

@@ -28,24 +28,26 @@ INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
               help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
 @click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
+@click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
+              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", help="With etcd: the job's TLS and auth.")
 @click.option("--token-file", default="", metavar="FILE",
               help="The job's token: needed for r, d and x, and for stacks when the job has a token.")
 @click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True, callback=_finite,
               help="Seconds to wait for the store to answer.")
-def top_command(endpoint: str, run_id: str, token_file: str, timeout: float) -> int:
+def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_file: str, timeout: float) -> int:
     from ftrun.auth import Signer, read_token
-    from ftrun.cli.status import StatusReader
-    from ftrun.config import DEFAULT_RDZV_PORT, parse_endpoint
+    from ftrun.cli.status import StatusReader, store_finder
     from ftrun.store import StoreUnavailable
 
-    address = parse_endpoint(endpoint, DEFAULT_RDZV_PORT)
+    find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
     token = read_token(token_file) if token_file else b""
     try:
         from ftrun.top.app import TopApp
     except ImportError:
         raise UsageError(INSTALL) from None
     try:
-        reader = StatusReader(address, run_id, timeout)
+        reader = StatusReader(find, run_id, timeout)
         reader.read()  # the job is there and has a status
     except StoreUnavailable as e:
         raise RendezvousError(str(e)) from None

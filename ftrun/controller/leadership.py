@@ -161,3 +161,12 @@ class Leadership:
 def read_relay(client: EtcdClient, keys: EtcdKeys) -> Relay | None:
     kv = client.get(keys.relay)
     return from_json(Relay, kv.value) if kv is not None else None
+
+
+def current_relay(client: EtcdClient, keys: EtcdKeys) -> Relay | None:
+    """The relay of the controller in office now; None while none leads or it has not said where (a
+    relay left by a controller whose lease lapsed is not current)."""
+    leader, relay = client.get(keys.leader), read_relay(client, keys)
+    if leader is None or relay is None or relay.term != leader.create_revision:
+        return None
+    return relay

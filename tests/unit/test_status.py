@@ -220,7 +220,7 @@ def test_reading_a_damaged_event_log(tmp_path):
 def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeout(monkeypatch):
     """ftrun status --rdzv-endpoint host:PORT where nothing listens waited its whole --timeout."""
     import ftrun.store
-    from ftrun.cli.status import StatusReader
+    from ftrun.cli.status import StatusReader, StoreFinder
     from ftrun.config import Endpoint
     from ftrun.errors import RendezvousError
     from tests.conftest import free_port
@@ -230,7 +230,7 @@ def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeou
 
     monkeypatch.setattr(ftrun.store.time, "sleep", no_retry)
     with pytest.raises(RendezvousError, match="refused"):
-        StatusReader(Endpoint("127.0.0.1", free_port()), "", timeout=600)
+        StatusReader(StoreFinder(Endpoint("127.0.0.1", free_port())), "", timeout=600)
 
 
 def test_a_known_total_gives_a_progress_bar_and_an_eta(store):
