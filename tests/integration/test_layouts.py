@@ -145,8 +145,11 @@ def test_a_rank_lost_during_the_repair_carries_it_into_the_next_generation(launc
 
 
 def test_a_mesh_whose_replicas_the_library_cannot_tell_says_its_one_line_and_restarts_the_job(launcher):
-    # torch's (dp, tp) mesh and tensor parallelism, with nothing reduced over dp: each dp rank trains alone
-    assert run(launcher, "tp-alone", script=TORCHTITAN, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    # torch's (dp, tp) mesh and tensor parallelism, with nothing reduced over dp: each dp rank trains alone.
+    # The line comes at the end of step 0; slower steps let the controller read it before the fault at step 5
+    # even on a loaded machine (else the repair finds no replica and falls back to job level all the same)
+    assert run(launcher, "tp-alone", script=TORCHTITAN, FAULT="1:5:sigkill", STEP_SLEEP="0.2") == [0, 0], \
+        launcher.output()
     output = launcher.output()
     line = ("ftrun.elastic: the registered DTensors lie on tp 2 of the mesh dp 2 x tp 2, made without job.mesh(), "
             "and the first step all-reduced no gradients over dp: ftrun cannot tell which ranks hold copies of "
