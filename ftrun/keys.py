@@ -249,7 +249,8 @@ class JobKeys:
 
     @property
     def process_level_refused(self) -> str:
-        """Why the script's layout rules process-level repair out (set by rank 0 at its first steps())."""
+        """Why the script's layout rules process-level repair out (set by rank 0 at its first steps(), or at
+        the end of its first step for a mesh whose replicas that step shows; once per job)."""
         return f"{self.root}/process_level_refused"
 
     def rollback_failure(self, generation: int) -> str:

@@ -84,6 +84,9 @@ class ElasticGroup(dist.ProcessGroup):
         self._real: dist.ProcessGroup | None = None
         self._real_generation = -1
         self._connecting_store: dist.Store | None = None
+        #: how many elements the script all-reduced over this group since GroupSet.count_reductions():
+        #: the evidence that its ranks hold copies (ftrun/elastic/meshes.py)
+        self.reduced = 0
 
     # torch reads the name through these (functional collectives and DeviceMesh resolve groups by name)
     @property
@@ -115,9 +118,13 @@ class ElasticGroup(dist.ProcessGroup):
 
 
 def _collective(op: str) -> Callable:
+    reduces = op in ("allreduce", "allreduce_coalesced")
+
     def run(self: ElasticGroup, *args, **options):
         # torch passes some options by name (``barrier(opts=...)``), always after the tensors
         everything = (*args, *options.values())
+        if reduces and args:
+            self.reduced += sum(t.numel() for t in args[0]) if isinstance(args[0], list) else args[0].numel()
         owner = self._owner
         if owner.local or owner.failure is not None:
             return answer_locally(op, self.rank(), self.size(), everything)
@@ -220,6 +227,11 @@ class GroupSet:
             if not any(ref() is not None for ref in alive):
                 return
             gc.collect(generation)
+
+    def count_reductions(self) -> None:
+        """Count every group's all-reduced elements afresh from now on (ElasticGroup.reduced)."""
+        for group in list(self.groups):
+            group.reduced = 0
 
     def foreign_groups(self) -> list[str]:
         """Groups of this process that are not ftrun's (made with an explicit other backend): a repair

@@ -27,6 +27,7 @@ from ftrun.elastic.ddp import ElasticDDP, pin_buckets, torch_ddps, track_torch_d
 from ftrun.elastic.groups import GroupSet, install
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.link import ControlLink, NullLink
+from ftrun.elastic.meshes import PartMesh, read_part_mesh
 from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.snapshots import SnapshotWriter, snapshot_signer
@@ -98,6 +99,8 @@ class ElasticJob:
         #: the mesh job.mesh() declared; else pure data parallelism (or every rank alone, with
         #: sharded=True), checked at the first steps()
         self._declared: ReplicaLayout | None = None
+        #: a mesh of torch's whose replica dimensions the first step shows (meshes.py); None once settled
+        self._part_mesh: PartMesh | None = None
         self._started = False
         self.link: ControlLink | NullLink
         if self.env is None:
@@ -243,6 +246,8 @@ class ElasticJob:
                 self.repair.recover(self._guard.repair_target)
             elif not self._guard.entered:
                 self.state.commit()  # a loop without guard(): the body finished, so the step did
+            if self._part_mesh is not None:
+                self._settle_part_mesh(self._part_mesh)
 
     def guard(self) -> StepGuard:
         """The context manager for the current step's body (see :meth:`steps`)."""
@@ -272,14 +277,32 @@ class ElasticJob:
         if self.env.rank == 0:
             self.link.tell_total_steps(total)
         self.groups.local = False
-        self.state.layout, refusal = settle_layout(self.env.world_size, self.state.objects, self._declared,
-                                                   self.sharded, self.groups)
-        if self.state.snapshots is not None:
-            self.state.snapshots.sharded = len(self.state.layout.replica_sets()) > 1
+        self.groups.count_reductions()  # the first step's, for a mesh whose replicas it shows
+        layout, refusal, self._part_mesh = settle_layout(self.env.world_size, self.state.objects, self._declared,
+                                                         self.sharded, self.groups, self.env.rank)
+        self.state.adopt(layout)
         if refusal:
-            if self.env.rank == 0 and not self.env.replacement:
-                print(f"ftrun.elastic: {refusal}; a fault will restart the job", file=sys.stderr, flush=True)
-            self.link.refuse_process_level(refusal)
+            self._refuse(refusal)
+
+    def _settle_part_mesh(self, part: PartMesh) -> None:
+        """After the first step that finished: the groups it all-reduced the gradients over hold copies."""
+        if self.state.layout.known:  # a repair's rollback took it from the ranks that ran the first step
+            self._part_mesh = None
+            return
+        if self._guard.repair_target is not None:  # the step did not finish: the next one shows it
+            return
+        layout, refusal = part.settle()
+        self._part_mesh = None
+        self.state.adopt(layout)
+        log.info("the registered state lies on the mesh %s", layout.describe())
+        if refusal:
+            self._refuse(refusal)
+
+    def _refuse(self, refusal: str) -> None:
+        """Process-level repair cannot work: rank 0 tells the controller, which goes to job level, and says
+        why unless a generation before this one did (after a job-level restart)."""
+        if self.env.rank == 0 and self.link.refuse_process_level(refusal):
+            print(f"ftrun.elastic: {refusal}; a fault will restart the job", file=sys.stderr, flush=True)
 
     # -- restores from snapshots ---------------------------------------------------------------------
 
@@ -320,32 +343,38 @@ def _settle_jobs() -> None:
 
 
 def settle_layout(world: int, objects: Mapping[str, Any], declared: ReplicaLayout | None, sharded: bool,
-                  groups: GroupSet) -> tuple[ReplicaLayout, str]:
-    """The layout a repair goes by, and why process-level repair cannot work ("" when it can), from the
-    registered ``objects``, the mesh the script ``declared`` (if it did) and the ``groups`` it made."""
+                  groups: GroupSet, rank: int = 0) -> tuple[ReplicaLayout, str, PartMesh | None]:
+    """The layout a repair goes by, why process-level repair cannot work ("" when it can), and a mesh whose
+    replica dimensions the first step shows (or None), from the registered ``objects``, the mesh the
+    script ``declared`` (if it did) and the ``groups`` it made."""
     foreign = groups.foreign_groups()
     if foreign:
         return ReplicaLayout.sharded(world), (f"group {foreign[0]} was made with another backend than ftrun's, and "
-                                              "a repair cannot re-form it (leave backend= out of new_group)")
+                                              "a repair cannot re-form it (leave backend= out of new_group)"), None
     sharded_over = {name for obj in objects.values() for name in _sharded_dims(obj)}
     if declared is not None:
         if sharded_over - set(declared.names):  # over a mesh of its own: no rank can vouch for a copy
-            return declared.without(set(declared.replicate)), ""
-        return declared.without(sharded_over), ""
+            return declared.without(set(declared.replicate)), "", None
+        return declared.without(sharded_over), "", None
     if sharded:
-        return _default_layout(world, True), ""
+        return _default_layout(world, True), "", None
     shown = _layout_from_placements(objects, world)
     if shown is not None:  # a mesh made with torch's own API (init_device_mesh), read from the state on it
         log.info("the registered state lies on the mesh %s", shown.describe())
-        return shown, ""
+        return shown, "", None
+    part = read_part_mesh(dict(objects), world, rank, groups.groups)
+    if isinstance(part, PartMesh):  # tensor parallelism's sub-mesh: the first step shows its replicas
+        return part.layout, "", part
+    if part is not None:
+        return ReplicaLayout.sharded(world), part, None
     made = len(groups.groups) - 1  # besides the default group
     if made or sharded_over:
         what = f"{made} process group{'s' if made != 1 else ''} of its own" if made else "sharded DTensors"
         return ReplicaLayout.sharded(world), (f"this script makes {what} without job.mesh(): ftrun cannot tell "
                                               "which ranks hold copies of each other's state (declare the mesh "
                                               "with job.mesh({...}), or pass init(sharded=True) with "
-                                              "--snapshot-every)")
-    return ReplicaLayout.data_parallel(world), ""
+                                              "--snapshot-every)"), None
+    return ReplicaLayout.data_parallel(world), "", None
 
 
 def _dump_stack_on_signal() -> None:

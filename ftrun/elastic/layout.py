@@ -30,6 +30,9 @@ class ReplicaLayout:
     names: tuple[str, ...]
     #: the dimensions along which ranks hold the same state
     replicate: tuple[str, ...]
+    #: False while the script's first step has yet to show the replica dimensions (a mesh made with
+    #: torch's own API, ftrun/elastic/meshes.py); until then each rank is taken to hold its own state
+    known: bool = True
 
     @classmethod
     def declared(cls, dims: dict[str, int], replicate: tuple[str, ...] | None = None) -> "ReplicaLayout":
@@ -62,7 +65,20 @@ class ReplicaLayout:
 
     def without(self, names: set[str]) -> "ReplicaLayout":
         """The same mesh with ``names`` no longer taken for replica dimensions."""
-        return ReplicaLayout(self.shape, self.names, tuple(n for n in self.replicate if n not in names))
+        return ReplicaLayout(self.shape, self.names, tuple(n for n in self.replicate if n not in names), self.known)
+
+    def replica_mask(self) -> int:
+        """The replica dimensions as bits (bit i: ``names[i]``), for the rollback's rows; -1 while not known."""
+        return sum(1 << i for i, name in enumerate(self.names) if name in self.replicate) if self.known else -1
+
+    def agreed(self, masks: list[int]) -> "ReplicaLayout":
+        """This layout, or where it is not known yet, the replica dimensions the ranks that know them
+        say (their ``replica_mask()``, one per rank): a replacement never ran the step that shows them."""
+        said = {mask for mask in masks if mask >= 0}
+        if self.known or len(said) != 1 or next(iter(said)) >= 1 << len(self.names):
+            return self
+        mask = next(iter(said))
+        return ReplicaLayout(self.shape, self.names, tuple(n for i, n in enumerate(self.names) if mask >> i & 1))
 
     def replica_sets(self) -> list[tuple[int, ...]]:
         """Each set of ranks that hold the same state, in order of their lowest rank."""
@@ -74,5 +90,5 @@ class ReplicaLayout:
 
     def describe(self) -> str:
         dims = " x ".join(f"{name} {size}" for name, size in zip(self.names, self.shape))
-        copies = ", ".join(self.replicate) or "none"
+        copies = (", ".join(self.replicate) or "none") if self.known else "not known before the first step"
         return f"{dims} (replica dimensions: {copies})"

@@ -75,8 +75,8 @@ class NullLink:
     def tell_total_steps(self, total: int) -> None:
         pass
 
-    def refuse_process_level(self, reason: str) -> None:
-        pass
+    def refuse_process_level(self, reason: str) -> bool:
+        return False
 
     def restore_plan(self, generation: int) -> RestorePlan | None:
         return None
@@ -221,8 +221,13 @@ class ControlLink:
     def tell_total_steps(self, total: int) -> None:
         self.store.set_text(self.keys.total_steps, str(total))  # the status view's progress and ETA
 
-    def refuse_process_level(self, reason: str) -> None:
+    def refuse_process_level(self, reason: str) -> bool:
+        """Tell the controller why the layout rules process-level repair out; False when a generation
+        before this one told it already."""
+        if self.store.try_text(self.keys.process_level_refused) == reason:
+            return False
         self.store.set_text(self.keys.process_level_refused, reason)
+        return True
 
     def restore_plan(self, generation: int) -> RestorePlan | None:
         """The controller's plan of what this node's ranks restore after a job-level restart."""

@@ -119,12 +119,16 @@ class Repair:
         state, rank = self.state, self.link.rank
         device = self.groups.backend.device()
         held = own_steps(state.snapshots.folder, rank)[:HELD] if state.snapshots else []
-        mine = torch.full((1 + HELD,), NO_STATE, dtype=torch.int64, device=device)
+        # a row: the committed step, the layout's replica dimensions (a replacement has yet to learn those
+        # of a mesh that the first step shows), the snapshots held
+        mine = torch.full((2 + HELD,), NO_STATE, dtype=torch.int64, device=device)
         mine[0] = NO_STATE if state.committed is None else state.committed
-        mine[1:1 + len(held)] = torch.tensor(held, dtype=torch.int64)
-        gathered = [torch.zeros(1 + HELD, dtype=torch.int64, device=device) for _ in range(self.link.world_size)]
+        mine[1] = state.layout.replica_mask()
+        mine[2:2 + len(held)] = torch.tensor(held, dtype=torch.int64)
+        gathered = [torch.zeros(2 + HELD, dtype=torch.int64, device=device) for _ in range(self.link.world_size)]
         dist.all_gather(gathered, mine)
         rows = [t.tolist() for t in gathered]
+        state.adopt(state.layout.agreed([row[1] for row in rows]))
         plan = choose_rollback([row[0] for row in rows], state.layout.replica_sets())
         if plan is not None:
             if plan.transfers:
@@ -132,7 +136,7 @@ class Repair:
             source = plan.source_for(rank)
             origin = f"state from rank {source}" if source is not None else "its own state"
         else:
-            plan = RollbackPlan(self.from_snapshots(generation, rows))
+            plan = RollbackPlan(self.from_snapshots(generation, [row[2:] for row in rows]))
             origin = "its own snapshot"
         state.resume_at(plan.step)  # every rank now holds its replica set's state
         for callback in self.after_repair:
@@ -141,13 +145,14 @@ class Repair:
         self.link.repairing = False
         log.info("rank %d: generation %d resumes at step %d (%s)", rank, generation, plan.step, origin)
 
-    def from_snapshots(self, generation: int, rows: list[list[int]]) -> int:
+    def from_snapshots(self, generation: int, held: list[list[int]]) -> int:
         """No healthy replica for some rank: every rank goes back to the newest step all of them hold
-        in their agents' memory (a replacement finds its predecessor's snapshots there)."""
+        in their agents' memory (a replacement finds its predecessor's snapshots there); ``held``: each
+        rank's snapshot steps."""
         state = self.state
         if state.snapshots is None:
             self.fall_back(generation, Fallback.NO_SNAPSHOTS)
-        common = set.intersection(*({s for s in row[1:] if s != NO_STATE} for row in rows))
+        common = set.intersection(*({s for s in steps if s != NO_STATE} for steps in held))
         if not common:
             self.fall_back(generation, Fallback.NO_COMMON_SNAPSHOT)
         step = max(common)

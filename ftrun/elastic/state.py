@@ -89,6 +89,12 @@ class TrainingState:
         interrupted after the optimizer's step left it half applied."""
         return None if (self._needs_state or self._mutated) else self._step
 
+    def adopt(self, layout: ReplicaLayout) -> None:
+        """Go by ``layout`` from now on: where some rank has no copy, its snapshots are its own."""
+        self.layout = layout
+        if self.snapshots is not None:
+            self.snapshots.sharded = len(layout.replica_sets()) > 1
+
     def start_at(self, step: int) -> None:
         """A fresh job begins at ``step`` (the script's own checkpoint), unless it is past it already."""
         if self._step < step:

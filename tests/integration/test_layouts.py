@@ -4,11 +4,14 @@ Each layout of tests/workers/layouts_train.py runs once without a fault and once
 SIGKILLed at step 5: the job ends at its final step, only rank 1 was started again, every rank's
 parameters, buffers and optimizer state (its local shards) equal the fault-free run's bit for bit,
 and no step is redone where a replica holds the lost state (at most K with snapshots every K).
+tests/workers/torchtitan_train.py lays the same training out as torchtitan does, over torch's own
+meshes and with no job.mesh(): it is repaired the same, against the declared layout's fault-free run.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -16,6 +19,7 @@ from tests.conftest import WORKERS, Launcher
 
 pytestmark = pytest.mark.integration
 SCRIPT = str(WORKERS / "layouts_train.py")
+TORCHTITAN = str(WORKERS / "torchtitan_train.py")
 STEPS = 10
 SNAPSHOT_EVERY = 2
 #: the layouts, with ftrun's flags for each (FSDP2's full shard has no replica: snapshots restore it)
@@ -28,11 +32,12 @@ FLAGS = {
 }
 
 
-def run(launcher: Launcher, layout: str, flags: tuple[str, ...] | None = None, **env) -> list[int]:
+def run(launcher: Launcher, layout: str, flags: tuple[str, ...] | None = None, script: str = SCRIPT,
+        **env) -> list[int]:
     """``flags``: in place of the layout's own (FLAGS)."""
     flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60", "--warm-standby", "0",
              *(FLAGS.get(layout, ()) if flags is None else flags)]
-    launcher.start_job(2, 2, [SCRIPT], flags=flags, env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))
+    launcher.start_job(2, 2, [script], flags=flags, env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))
     return launcher.wait()
 
 
@@ -55,7 +60,8 @@ def fault_free(tmp_path_factory):
 
     def get(layout: str) -> dict[int, str]:
         if layout not in digests:
-            runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), f"{layout}-fault-free")
+            # a mark of its own: kill_all() ends every process with it, another checkout's test run's too
+            runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), f"{layout}-fault-free-{uuid.uuid4().hex}")
             try:
                 assert run(runner, layout) == [0, 0], runner.output()
                 digests[layout] = {rank: r["digest"] for rank, r in runner.results().items()}
@@ -96,11 +102,14 @@ def test_a_lost_rank_gets_its_state_from_its_replica_set(launcher, fault_free, l
         assert "DDP expects same model" not in launcher.output()
 
 
-def test_hsdp_over_torch_s_own_mesh_is_repaired_from_its_replica_as_if_declared(launcher, fault_free):
-    # init_device_mesh with a replica dimension called "rep", no job.mesh(): the parameters' placements
-    # (Replicate over "rep", Shard over "shard") say which ranks hold copies. The same training as "hsdp"
-    assert run(launcher, "hsdp-torch", FAULT="1:5:sigkill") == [0, 0], launcher.output()
-    assert_repaired(launcher, fault_free("hsdp"))
+@pytest.mark.parametrize("layout, declared", [("hsdp", "hsdp"), ("tp-dp", "tp")])
+def test_torchtitan_s_layouts_over_torch_s_own_meshes_are_repaired_as_if_declared(launcher, fault_free, layout,
+                                                                                  declared):
+    # init_device_mesh, no job.mesh(). HSDP over (rep, shard): the placements (Replicate over "rep") show the
+    # copies. DP x TP over (dp, tp): the parameters lie on mesh["tp"] alone, and the first step's gradients
+    # averaged by hand over mesh["dp"].get_group() show the copies. The same training as the declared layout
+    assert run(launcher, layout, script=TORCHTITAN, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free(declared))
     assert "without job.mesh()" not in launcher.output()
 
 
@@ -135,11 +144,18 @@ def test_a_rank_lost_during_the_repair_carries_it_into_the_next_generation(launc
     assert_repaired(launcher, fault_free("tp"), generations=2)
 
 
-def test_a_layout_the_library_cannot_read_says_so_and_restarts_the_job(launcher):
-    # a DeviceMesh made with torch directly: ftrun cannot tell which ranks hold copies of which state
-    assert run(launcher, "unknown", FAULT="1:5:sigkill") == [0, 0], launcher.output()
+def test_a_mesh_whose_replicas_the_library_cannot_tell_says_its_one_line_and_restarts_the_job(launcher):
+    # torch's (dp, tp) mesh and tensor parallelism, with nothing reduced over dp: each dp rank trains alone.
+    # The line comes at the end of step 0; slower steps let the controller read it before the fault at step 5
+    # even on a loaded machine (else the repair finds no replica and falls back to job level all the same)
+    assert run(launcher, "tp-alone", script=TORCHTITAN, FAULT="1:5:sigkill", STEP_SLEEP="0.2") == [0, 0], \
+        launcher.output()
     output = launcher.output()
-    assert "ftrun.elastic: this script makes 2 process groups of its own without job.mesh()" in output
+    line = ("ftrun.elastic: the registered DTensors lie on tp 2 of the mesh dp 2 x tp 2, made without job.mesh(), "
+            "and the first step all-reduced no gradients over dp: ftrun cannot tell which ranks hold copies of "
+            'each other\'s state (say it with job.mesh({"dp": 2, "tp": 2}, replicate=("dp",))); a fault will '
+            "restart the job")
+    assert output.count(line) == 1, output
     assert "process-level recovery is off" in output and "using job-level recovery" in output
     assert "process-level repair" not in output
     assert {r["step"] for r in launcher.results().values()} == {STEPS}

@@ -27,6 +27,17 @@ def groups():
     dist.destroy_process_group()
 
 
+def test_each_group_counts_the_elements_all_reduced_over_it_the_evidence_of_data_parallelism(groups):
+    sub = dist.new_group([0], group_desc="mesh_dp")
+    dist.all_reduce(torch.ones(3), group=sub)
+    dist.all_reduce(torch.ones(2))  # over the default group
+    dist.broadcast(torch.ones(5), src=0, group=sub)  # not a reduction
+    assert sub.reduced == 3 and dist.group.WORLD.reduced == 2 and sub.group_desc == "mesh_dp"
+    groups.count_reductions()
+    dist.all_reduce(torch.ones(2, 3), group=sub)
+    assert sub.reduced == 6 and dist.group.WORLD.reduced == 0
+
+
 def test_the_script_s_groups_stay_the_same_objects_and_reconnect_in_the_next_generation(groups):
     world = dist.group.WORLD
     sub = dist.new_group([0])
@@ -193,8 +204,9 @@ def settle(monkeypatch, *, made=0, foreign=(), sharded_over=(), declared=None, s
 
     monkeypatch.setattr(job_module, "_sharded_dims", lambda obj: set(sharded_over))
     groups = types.SimpleNamespace(foreign_groups=lambda: list(foreign), groups=[object()] * (1 + made))
-    layout, refusal = job_module.settle_layout(4, {"model": object()},
-                                               ReplicaLayout.declared(declared) if declared else None, sharded, groups)
+    layout, refusal, _ = job_module.settle_layout(4, {"model": object()},
+                                                  ReplicaLayout.declared(declared) if declared else None, sharded,
+                                                  groups)
     return layout.replica_sets(), refusal
 
 
@@ -288,7 +300,7 @@ def test_the_layout_the_placements_show_is_the_one_a_repair_goes_by(monkeypatch)
     monkeypatch.setattr(job_module, "is_dtensor", lambda value: isinstance(value, _DTensor))
     groups = types.SimpleNamespace(foreign_groups=lambda: [], groups=[object()] * 3)
     model = _Holding(_DTensor(WHOLE, True, False))
-    layout, refusal = job_module.settle_layout(4, {"model": model}, None, False, groups)
+    layout, refusal, _ = job_module.settle_layout(4, {"model": model}, None, False, groups)
     assert layout.replica_sets() == [(0, 2), (1, 3)] and refusal == ""
-    layout, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)  # init(sharded=True) says otherwise
+    layout, _, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)  # init(sharded=True) says otherwise
     assert layout.replica_sets() == [(0,), (1,), (2,), (3,)]

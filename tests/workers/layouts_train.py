@@ -3,13 +3,9 @@
   ddp      torch's DistributedDataParallel (with a BatchNorm: its buffers travel too)
   fsdp     FSDP2 ``fully_shard`` over a 1-D mesh: every rank holds its own shard (snapshots restore it)
   hsdp     FSDP2 over a 2-D mesh (replicate 2 x shard 2): HSDP
-  hsdp-torch  the same over torch's own init_device_mesh (rep 2 x shard 2), no job.mesh(): ftrun reads the
-           replica dimension from the parameters' placements
   tp       DTensor tensor parallel (tp 2) x ``job.ddp`` data parallel (dp 2)
   pp       a 2-stage ``torch.distributed.pipelining`` GPipe schedule x ``job.ddp`` data parallel (dp 2),
            the gradients of both microbatches averaged once after the schedule
-  unknown  tensor parallel over a mesh made with torch directly, not job.mesh(): ftrun cannot tell the
-           replicas and says so
 
 Faults as in elastic_train.py (FAULT=rank:step:kind, original ranks only; FAULT_REPLACEMENT=rank: that
 rank's first replacement dies during the repair, once it has made its groups). Each step sleeps
@@ -60,27 +56,18 @@ def build(job, layout: str):
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, lambda step: model(batch(step, rank)).pow(2).mean().backward()
-    if layout in ("hsdp", "hsdp-torch"):
-        from torch.distributed.device_mesh import init_device_mesh
+    if layout == "hsdp":
         from torch.distributed.fsdp import fully_shard
 
-        if layout == "hsdp":
-            mesh = job.mesh({"replicate": 2, "shard": 2})
-        else:  # torchtitan's way: torch's own mesh, and a replica dimension's name ftrun does not know
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        mesh = job.mesh({"replicate": 2, "shard": 2})
         model = mlp()
         fully_shard(model, mesh=mesh)
         seed = mesh[mesh.mesh_dim_names[0]].get_local_rank()
         return model, lambda step: model(batch(step, seed)).pow(2).mean().backward()
-    if layout in ("tp", "unknown"):
+    if layout == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if layout == "tp":
-            mesh = job.mesh({"dp": 2, "tp": 2})
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = job.mesh({"dp": 2, "tp": 2})
         model = parallelize_module(mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         wrapped = job.ddp(model, mesh["dp"])
         seed = mesh["dp"].get_local_rank()  # the TP peers of a DP rank see the same batch
@@ -118,7 +105,8 @@ def build(job, layout: str):
     raise SystemExit(f"unknown LAYOUT {layout!r}")
 
 
-def main() -> None:
+def main(build=build) -> None:
+    """Train ``build(job, LAYOUT)``'s module (another script's builder: tests/workers/torchtitan_train.py)."""
     layout = os.environ["LAYOUT"]
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]

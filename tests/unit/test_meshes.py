@@ -1,0 +1,146 @@
+"""Which ranks hold copies, read from meshes made with torch's own API (ftrun/elastic/meshes.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ftrun.elastic import meshes
+from ftrun.elastic.layout import ReplicaLayout
+from ftrun.elastic.meshes import Axis, axis_through, complete_grid, read_part_mesh
+
+
+@pytest.mark.parametrize(
+    "rank, ranks, axis",
+    [
+        (1, [1, 3], Axis("g", 2, 2)),
+        (6, [2, 6], Axis("g", 2, 4)),
+        (2, [0, 2, 4, 6], Axis("g", 4, 2)),  # a flattened dimension
+        (1, [1, 2], None),  # straddles two blocks of a grid
+        (1, [1, 3, 4], None),  # not evenly spaced
+        (1, [0, 2], None),  # not through this rank
+        (1, [1], None),
+    ],
+)
+def test_a_group_is_a_dimension_of_a_grid_when_its_ranks_are_evenly_spaced_within_a_block(rank, ranks, axis):
+    assert axis_through(rank, "g", ranks) == axis
+
+
+TP, DP = Axis("tp", 2, 1), Axis("dp", 2, 2)
+
+
+@pytest.mark.parametrize(
+    "world, mesh_axes, group_axes, grid",
+    [
+        (4, [TP], [DP], ([DP, TP], [("dp",)])),  # DP x TP
+        (4, [DP], [TP], ([DP, TP], [("tp",)])),  # the parameters on the outer dimension
+        (4, [TP], [None, DP], ([DP, TP], [(), ("dp",)])),  # a group that is no dimension of it
+        (8, [TP], [Axis("dp_cp", 4, 2), Axis("dp", 2, 4), Axis("cp", 2, 2)],  # and a flattened one
+         ([Axis("dp", 2, 4), Axis("cp", 2, 2), TP], [("cp", "dp"), ("dp",), ("cp",)])),
+        (8, [TP], [Axis("dp_cp", 4, 2)], ([Axis("dp_cp", 4, 2), TP], [("dp_cp",)])),
+        (8, [TP], [DP], None),  # nothing completes it: half the job
+        (4, [TP], [], None),
+        (4, [Axis("tp", 2, 2)], [Axis("x", 2, 1)], ([Axis("tp", 2, 2), Axis("x", 2, 1)], [("x",)])),
+    ],
+)
+def test_groups_complete_the_parameters_mesh_to_a_grid_of_the_whole_job(world, mesh_axes, group_axes, grid):
+    assert complete_grid(world, mesh_axes, group_axes) == grid
+
+
+class _Mesh:
+    def __init__(self, ranks, names):
+        self.mesh = torch.tensor(ranks)
+        self.mesh_dim_names = names
+        self.ndim = self.mesh.ndim
+
+    def __eq__(self, other):
+        return self.mesh.tolist() == other.mesh.tolist() and self.mesh_dim_names == other.mesh_dim_names
+
+
+class _DTensor:
+    """What meshes.py reads of a DTensor parameter: its mesh, its placements, its local shard."""
+
+    def __init__(self, mesh, *replicate, numel=4):
+        self.device_mesh, self.requires_grad, self.numel = mesh, True, numel
+        self.placements = [types.SimpleNamespace(is_replicate=lambda r=r: r) for r in replicate]
+
+
+class _Holding(torch.nn.Module):
+    def __init__(self, *params):
+        super().__init__()
+        self.held = params
+
+    def parameters(self, recurse=True):
+        return iter(self.held)
+
+
+def group(ranks, desc="undefined", name="7", reduced=0):
+    return types.SimpleNamespace(global_ranks=tuple(ranks), group_desc=desc, group_name=name, reduced=reduced)
+
+
+@pytest.fixture(autouse=True)
+def fake_dtensors(monkeypatch):
+    monkeypatch.setattr(meshes, "is_dtensor", lambda value: isinstance(value, _DTensor))
+    monkeypatch.setattr(meshes, "local_tensor", lambda value: torch.zeros(value.numel))
+
+
+def tensor_parallel(rank: int, names=("tp",)) -> _Holding:
+    """Colwise and rowwise halves (Shard over tp) and a rowwise bias (Replicate over tp), 4 + 4 + 2 elements."""
+    tp = _Mesh([rank - rank % 2, rank - rank % 2 + 1], names)
+    return _Holding(_DTensor(tp, False), _DTensor(tp, False), _DTensor(tp, True, numel=2))
+
+
+@pytest.mark.parametrize("names, desc", [(("tp",), "mesh_dp"), (("b",), "mesh_a"), (("tp",), "undefined")])
+def test_dp_x_tp_over_torch_s_mesh_shows_its_replicas_in_the_first_step_s_gradient_reduction(names, desc):
+    # rank 3 of (dp 2, tp 2): its tp peers are [2, 3], its dp group [1, 3]; the world group and the tp group
+    # do not cross the parameters' mesh in this rank alone
+    dp = group([1, 3], desc)
+    part = read_part_mesh({"model": tensor_parallel(3, names), "optimizer": object()}, 4, 3,
+                          [group(range(4), "default_pg", "0"), group([2, 3], f"mesh_{names[0]}"), dp])
+    assert isinstance(part, meshes.PartMesh) and part.gradients == 10
+    dp_name = desc[len("mesh_"):] if desc.startswith("mesh_") else "group7"
+    assert part.layout == ReplicaLayout((2, 2), (dp_name, names[0]), (), known=False)
+    assert part.layout.replica_sets() == [(0,), (1,), (2,), (3,)]  # until the first step shows them
+    dp.reduced = 1  # a loss averaged for a log
+    assert part.settle()[1].startswith("the registered DTensors lie on")
+    dp.reduced = 10  # the gradients, by hand or by job.ddp
+    layout, refusal = part.settle()
+    assert refusal == "" and layout.known and layout.replicate == (dp_name,)
+    assert layout.replica_sets() == [(0, 2), (1, 3)]
+
+
+def test_with_no_reduction_the_line_names_the_mesh_and_the_argument_that_settles_it():
+    part = read_part_mesh({"model": tensor_parallel(1)}, 4, 1, [group([1, 3], "mesh_dp"), group([0, 1], "mesh_tp")])
+    layout, refusal = part.settle()
+    assert layout.replicate == () and layout.known
+    assert refusal == ("the registered DTensors lie on tp 2 of the mesh dp 2 x tp 2, made without job.mesh(), and "
+                       "the first step all-reduced no gradients over dp: ftrun cannot tell which ranks hold copies "
+                       "of each other's state (say it with job.mesh({\"dp\": 2, \"tp\": 2}, replicate=(\"dp\",)))")
+
+
+@pytest.mark.parametrize(
+    "params, groups, expect",
+    [
+        ([], [], None),
+        ([torch.nn.Parameter(torch.ones(1))], [], None),  # plain parameters
+        ([_DTensor(_Mesh([[0, 1], [2, 3]], ("a", "b")), True, False)], [], None),  # the whole job's mesh
+        ([_DTensor(_Mesh([0, 1], ("tp",)), False), _DTensor(_Mesh([0, 1], ("x",)), False)], [], None),  # two
+        ([_DTensor(_Mesh([0, 1], ("tp",)), False)], [], "no group the script made completes it"),
+        ([_DTensor(_Mesh([0, 1], ("tp",)), False)], [group([0, 1, 2, 3])], "no group the script made completes"),
+    ],
+)
+def test_what_is_no_mesh_of_part_of_the_job_and_what_is_one_no_group_completes(params, groups, expect):
+    part = read_part_mesh({"model": _Holding(*params)}, 4, 0, groups)
+    assert part == expect if expect is None else expect in part
+
+
+def test_a_replacement_takes_the_replica_dimensions_from_the_ranks_that_ran_the_first_step():
+    pending = ReplicaLayout((2, 2), ("dp", "tp"), (), known=False)
+    shown = ReplicaLayout((2, 2), ("dp", "tp"), ("dp",))
+    assert pending.replica_mask() == -1 and shown.replica_mask() == 1
+    assert pending.agreed([1, -1, 1, 1]) == shown
+    assert pending.agreed([-1, -1, -1, -1]) == pending  # a fault in the first step: nobody knows yet
+    assert pending.agreed([1, 2]) == pending  # ranks that disagree: none is taken
+    assert shown.agreed([-1, 2]) == shown
