@@ -77,6 +77,9 @@ def job_line(s: dict, width: int = 120) -> Text:
     elif s["step"] is not None:
         line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
     line.append(_saved(s))
+    if s.get("controller"):  # --rdzv-backend etcd: the controller may move
+        moves = s["controller"]["moves"]
+        line.append(f" · controller on {s['controller']['host']}" + (f" (moved {moves}x)" if moves else ""))
     left = s["max_restarts"] - s["restarts_used"]
     line.append(f" · budget {left}/{s['max_restarts']} left · up {_clock(s['elapsed'])}")
     line.append(f" · {s['recovery']}-level recovery")
@@ -161,6 +164,8 @@ def plain_line(s: dict) -> str:
         step = f", step {s['step']}{total} ({s['steps_per_s']:.1f} steps/s{eta})"
     spares = sum(1 for n in s["nodes"] if n["role"] == "spare")
     step += _saved(s).replace(" · ", ", ")
+    if s.get("controller"):
+        step += f", controller on {s['controller']['host']}"
     return (f"generation {s['generation']}, {s['phase'].replace('_', ' ')}{step}, {alive}/{s['world_size']} ranks "
             f"alive, {spares} spare{'s' if spares != 1 else ''}, budget {s['max_restarts'] - s['restarts_used']}/"
             f"{s['max_restarts']} left, up {_clock(s['elapsed'])}")

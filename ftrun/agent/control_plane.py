@@ -21,7 +21,7 @@ from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal
 from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, current_relay
-from ftrun.errors import ExitCode, FtrunError
+from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from ftrun.messages import from_json
 from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
@@ -36,7 +36,8 @@ MIN_CALL_TIMEOUT = 5.0
 class ControlPlaneLost(FtrunError):
     """etcd stayed unreachable (no quorum) past --store-timeout: the job stops."""
 
-    exit_code = ExitCode.JOB_FAILED
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.JOB_FAILED)
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,17 @@ class EtcdControlPlane:
             except EtcdUnavailable as e:
                 if not unreachable:
                     unreachable = str(e)
-                    log.error("the control store (etcd at %s) is unreachable: %s; trying for %gs more",
-                              self.config.etcd.describe(), e, max(0.0, end - time.monotonic()))
+                    left = end - time.monotonic()
+                    if left > 0:
+                        log.error("the control store (etcd at %s) is unreachable: %s; trying for %.0fs more",
+                                  self.config.etcd.describe(), e, left)
             if time.monotonic() > end:
-                raise ControlPlaneLost(f"the control store (etcd at {self.config.etcd.describe()}) was unreachable "
-                                       f"for {deadline:g}s: {unreachable or 'no controller published its store'}")
+                where = f"etcd at {self.config.etcd.describe()}"
+                if not joined:  # the launch: as a c10d store that never answers
+                    raise RendezvousError(f"cannot reach {where} within {deadline:g}s: "
+                                          f"{unreachable or 'no controller published its store'}")
+                raise ControlPlaneLost(f"the control store ({where}) was unreachable for {deadline:g}s: "
+                                       f"{unreachable or 'no controller published its store'}")
             self._wait_for_relay(min(LOOK_AGAIN, max(0.05, end - time.monotonic())))
 
     def _look(self, joined: bool, failed: str) -> Found | None:

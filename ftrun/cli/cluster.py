@@ -99,6 +99,10 @@ class ClusterPlan:
     @classmethod
     def from_values(cls, values: dict, command: click.Command | None, check_script: bool = True) -> "ClusterPlan":
         given = values.get("given", frozenset())
+        if str(values.get("rdzv_backend") or "").startswith("etcd"):
+            raise UsageError("--rdzv-backend etcd cannot be used with --hostfile: in SSH mode the head node hosts "
+                             "the controller, away from every worker node; to survive any node's loss, start "
+                             "ftrun on each node with --rdzv-backend etcd instead")
         clash = [name for name in NOT_WITH_HOSTFILE if name in given]
         if clash:
             raise UsageError(f"--{clash[0].replace('_', '-')} cannot be used with --hostfile: the hostfile places "

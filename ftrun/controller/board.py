@@ -58,6 +58,8 @@ class StatusBoard:
     """Builds the snapshot; records progress in the event log now and then."""
 
     def __init__(self, store: ControlStore, keys: JobKeys, events: EventLog, run_id: str):
+        #: --rdzv-backend etcd: where the controller is ({"host", "moves"}); None with a store that never moves
+        self.controller: dict | None = None
         self.store = store
         self.keys = keys
         self.events = events
@@ -112,6 +114,7 @@ class StatusBoard:
             "nodes": node_rows,
             "ranks": ranks,
             "events": self.events.last(_SHOWN_KINDS, EVENTS_SHOWN),
+            "controller": self.controller,
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot

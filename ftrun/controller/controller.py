@@ -146,6 +146,8 @@ class Controller:
         self.leadership = leadership
         self._resume = resume
         self.advertised_host = advertised_host
+        if leadership is not None:
+            self.board.controller = {"host": advertised_host, "moves": resume.moves + 1 if resume is not None else 0}
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         #: etcd did not answer for --store-timeout: why the job stops ("" while it answers)

@@ -130,7 +130,8 @@ def test_process_recovery_is_accepted(tmp_path):
     assert build_launch_config({"recovery": "PROCESS", "script": str(script)}).recovery == "process"
 
 
-@pytest.mark.parametrize("raw", [{"nnodes": "0"}, {"rdzv_backend": "etcd-v2"}, {"stop_timeout": "soon"}])
+@pytest.mark.parametrize("raw", [{"nnodes": "0"}, {"rdzv_backend": "etcd-v2"}, {"stop_timeout": "soon"},
+                                 {"rdzv_backend": "etcd", "rdzv_endpoint": "e1", "rdzv_conf": "key=k.pem"}])
 def test_bad_values_raise_usage_errors(raw):
     with pytest.raises(UsageError):
         build_launch_config({"script": "x.py", **raw})
