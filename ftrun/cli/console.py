@@ -34,7 +34,7 @@ class ConsoleLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             console.print(f"ftrun: {escape(record.getMessage())}", style=self.STYLES.get(record.levelno))
-            if record.exc_info and logging.getLogger().isEnabledFor(logging.DEBUG):  # FTRUN_LOG_LEVEL=DEBUG
+            if record.exc_info and logging.getLogger(record.name).isEnabledFor(logging.DEBUG):  # FTRUN_LOG_LEVEL=DEBUG
                 console.print(escape("".join(traceback.format_exception(*record.exc_info))), style="dim")
         except Exception:
             self.handleError(record)

@@ -400,12 +400,12 @@ class Controller:
         self.worker_stores.fresh()  # the next generation's, on this node (the last one's went with its node)
         self._publish_layout()
         self.publisher.list_job()
-        self.narrator.took_office(journal, self.host_agent_id, self.advertised_host)
+        self.narrator.took_office(journal, self.host_agent_id, self.advertised_host, time.time())
         self._write_journal()
-        lost = journal.held_by(journal.leader)
+        lost = journal.held_by(journal.leader) if journal.leader != self.host_agent_id else None
         if lost is not None and lost.node_rank in self.view.present:
             self.lose_node(lost.node_rank, f"node {lost.node_rank} ({lost.host}) lost with the controller it hosted")
-        else:
+        elif journal.leader != self.host_agent_id:
             self.roster.spares = [s for s in self.roster.spares if s.agent_id != journal.leader]
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:

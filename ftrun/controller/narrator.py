@@ -93,10 +93,17 @@ class Narrator:
                          run_id=run_id, world_size=result.world_size, nodes=nodes, spares=spares,
                          recovery=view.recovery.value, max_restarts=view.max_restarts)
 
-    def took_office(self, journal, agent_id: str, host: str) -> None:
-        """This controller goes on from ``journal`` (``journal.Journal``), its predecessor's (--rdzv-backend etcd)."""
+    def took_office(self, journal, agent_id: str, host: str, now: float) -> None:
+        """This controller goes on from ``journal`` (``journal.Journal``), its predecessor's (--rdzv-backend
+        etcd), at ``now`` (wall clock)."""
         line = f"the controller moved from {journal.host} to {host}: {journal.host}'s lease lapsed"
         log.warning(line)
+        if journal.view.phase is not Phase.RUNNING:
+            # a repair or restart under way: its clock (and deadline) starts again here, where it goes on
+            self.repair = RepairClock()
+            self.repair.mark("detect", now)
+            self.repair.mark("stop", now)
+            self._library_seen = journal.view.library_ranks > 0
         self.events.emit("controller_moved", journal.view.generation, line, host=host, agent=agent_id,
                          previous_host=journal.host, previous_agent=journal.leader, moves=journal.moves + 1)
 

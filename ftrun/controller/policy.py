@@ -245,6 +245,8 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
         # a job-level restart under way: the spare has nothing to stop, the lost node never will
         view, commands = _on_stopped(view, node_rank)
         return view, [takeover, *commands]
+    if view.level is Level.PROCESS and view.phase in REPAIR_PHASES and ranks:
+        return _repair_goes_on_without(view, node_rank, frozenset(ranks), detail, takeover)
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
@@ -263,6 +265,26 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail,
                      no_replica=bool(ranks) and set(ranks) >= view.every_rank)
     return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
+
+
+def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int], detail: str,
+                            takeover: Command) -> Decision:
+    """A node (with a spare for it) lost while a process-level repair is under way, the controller's own
+    among them (its successor finds the repair in its journal, and none of its milestones): the same
+    repair goes on in a new generation, which supersedes the one under way, and replaces the node's ranks
+    besides the ranks it was replacing (whose replacements may not have started: they start again). No
+    second unit of budget: one fault, one repair; the repair deadline bounds how long it may go on."""
+    replacing = view.replacing | ranks
+    if replacing >= view.every_rank:
+        return _no_replica_left(view, detail)
+    view = view.move(
+        Phase.STOPPING,
+        generation=view.generation + 1,
+        replacing=replacing,
+        clearing=view.clearing | {node_rank},
+        acknowledged=frozenset(),
+    )
+    return view, [takeover, _replace_command(view, replacing)]
 
 
 def _scale_in(view: JobView, node_rank: int, detail: str, nproc: int) -> Decision:

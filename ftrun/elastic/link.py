@@ -253,6 +253,7 @@ class ControlLink:
         store's wait is let out by setting the key it waits on, this rank's own; else a repair announced,
         or the store gone, as the process ends would take it out of there then."""
         self._closed.set()
+        self.location.closing = True  # a store gone now is not waited for: the rank is ending
         deadline = time.monotonic() + LET_GO_DEADLINE
         # _closed first, the key second; the watch sets its key, then checks _closed: it sees the close, or
         # its wait is rung (a ring before the wait ends it at once)

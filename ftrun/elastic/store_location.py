@@ -40,6 +40,8 @@ EXIT_STORE_GONE = 1
 CONNECT_ATTEMPT = HANDSHAKE_DEADLINE + 2.0
 #: store calls that wait for keys: their timing out is no sign that the store is gone
 KEY_WAITS = frozenset({"get", "wait", "multi_get"})
+#: how often a rank whose store connection broke, while the file still names that store, tries it again
+PROBE_AGAIN = 1.0
 #: how often a wait for keys reads the file (a store whose host stopped answering holds the wait)
 WAIT_POLL = 0.1
 #: how long a wait for keys lasts, unless it says (a store client's, as elsewhere)
@@ -70,6 +72,8 @@ class StoreLocation:
         self._gave_up = False
         #: time.monotonic() when a connection last reached the store after it was gone; 0.0: never
         self.back_at = 0.0
+        #: the rank is ending (``ControlLink.let_go``): a store that is gone is not waited for any more
+        self.closing = False
 
     @property
     def endpoint(self) -> Endpoint:
@@ -91,15 +95,23 @@ class StoreLocation:
             return None
 
     def successor(self, gone: Endpoint) -> Endpoint:
-        """The store at ``gone`` is gone: the endpoint to go to instead, once the file names another.
+        """The store at ``gone`` is gone: the endpoint to go to instead, once the file names another (or
+        ``gone`` itself, if it answers again while the file still names it: only this connection broke).
         Gives up ``timeout`` seconds after the rank first found the store gone."""
+        probed = time.monotonic()
         while True:
+            if self.closing:
+                raise StoreGone(f"the control store at {gone} is gone, and this rank is ending")
             deadline = self._clock(gone)
             if deadline is None:
                 return self._endpoint  # another connection moved already
             named = self.named()
             if named is not None and named != gone:
                 return self._move(gone, named)
+            if named == gone and time.monotonic() - probed > PROBE_AGAIN:
+                if _answers(gone):
+                    return gone
+                probed = time.monotonic()
             if time.monotonic() >= deadline:
                 self._give_up(gone)
             time.sleep(FILE_POLL)
@@ -107,6 +119,8 @@ class StoreLocation:
     def try_again(self, unreachable: Endpoint) -> Endpoint:
         """A connection could not reach ``unreachable`` (a store not yet listening, or gone already): the
         endpoint to try next, the same one while the file names it and time is left."""
+        if self.closing:
+            raise StoreGone(f"the control store at {unreachable} is gone, and this rank is ending")
         deadline = self._clock(unreachable)
         if deadline is None:
             return self._endpoint
@@ -160,6 +174,15 @@ class StoreLocation:
         # straight to stderr: the script's logging may go to a file, and this is the rank's last word
         print(message, file=sys.stderr, flush=True)
         os._exit(EXIT_STORE_GONE)
+
+
+def _answers(endpoint: Endpoint) -> bool:
+    """Whether a store answers at ``endpoint`` now (a refused connection says no at once)."""
+    try:
+        connect_store(endpoint, timeout=HANDSHAKE_DEADLINE, refused_is_final=True)
+        return True
+    except Exception:
+        return False
 
 
 class MovableStore(dist.Store):

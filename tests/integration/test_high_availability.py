@@ -99,6 +99,28 @@ def test_a_controller_stopped_past_its_lease_steps_down_and_its_node_is_replaced
     assert "1 of 2 restarts used" in successor.output
 
 
+def test_the_controller_lost_in_the_middle_of_a_repair_the_successor_finishes_it(launcher, etcd, fault_free):
+    hold = launcher.out_dir / "hold"
+    hold.write_text("")  # rank 3's replacement waits before joining the repair while this exists
+    leader, *others = start(launcher, etcd, HOLD_REPLACEMENT="3")
+    wait_for_progress(launcher, 3, 5)
+    victim = next(launcher.out_dir.glob("pid-start-rank3-*")).name.rsplit("-", 1)[1]
+    psutil.Process(int(victim)).kill()
+    node1 = next(n for n in others if "ranks 2-3" in n.output)
+    wait_for(lambda: "replacing rank 3 for generation 1" in node1.output, timeout=120, what="rank 3's replacement")
+    leader.proc.kill()  # the repair is under way: rank 3's replacement holds it
+    successor = wait_for(lambda: next((n for n in others if "hosting the control store" in n.output), None),
+                         timeout=120, what="another agent to take the controller's office")
+    hold.unlink()
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free
+    assert starts(launcher)[2] == 1  # the healthy rank of node 1 kept its pid through both
+    assert node1.output.count("replacing rank 3 for generation 1") == 1  # each command applied once
+    assert "1 of 2 restarts used" in successor.output, successor.output  # one fault's repair, counted once
+
+
 def test_etcd_members_lost_change_nothing_and_a_lost_quorum_only_holds_decisions_back(launcher, etcd, fault_free):
     leader, *others = start(launcher, etcd, spares=0, STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)

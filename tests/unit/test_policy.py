@@ -158,6 +158,19 @@ def test_lost_node_with_a_spare_is_a_process_level_repair_when_ready():
     assert v.level is Level.PROCESS and v.replacing == {2, 3} and v.clearing == {1} and v.restarts_used == 1
 
 
+def test_lost_node_during_a_process_level_repair_carries_the_repair_into_a_new_generation():
+    ready = view(recovery=Level.PROCESS, world_size=4, library_ranks=4)
+    v, _ = on_report(ready, failed(node=1, rank=3))
+    assert v.level is Level.PROCESS and v.generation == 1 and v.restarts_used == 1
+    v, commands = on_node_lost(v, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.REPLACE]
+    assert commands[1].generation == 2 and set(commands[1].ranks) == {0, 1, 3}
+    assert v.phase is Phase.STOPPING and v.level is Level.PROCESS and v.replacing == {0, 1, 3}
+    assert v.restarts_used == 1  # one fault, one repair
+    v, commands = on_node_lost(v, 1, "node 1 lost too", spare="spare:8", ranks=(2, 3))
+    assert v.level is Level.JOB  # no replica left: every rank would be replaced
+
+
 def test_lost_node_during_a_job_level_restart_lets_the_restart_finish():
     v, _ = on_report(view(), failed(node=0))  # the lost node's peers failed first
     v, commands = on_node_lost(v, 1, "node 1 lost", spare="spare:9", ranks=(2, 3))

@@ -7,6 +7,8 @@ Faults come from the environment and hit only original ranks (never a replacemen
                                              its step comes (OUT_DIR/fault-fired-rank<r>-step<s>)
   FAULT_REPLACEMENT=rank                     that rank's first replacement dies during the repair
   HANG_REPLACEMENT=rank                      that rank's replacements hang before joining the repair
+  HOLD_REPLACEMENT=rank                      that rank's replacements wait before joining the repair while
+                                             OUT_DIR/hold exists (a test holds a repair under way so)
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
 PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
@@ -57,10 +59,15 @@ def fail_replacement(rank: int, out_dir: str) -> None:
 
 
 def hang_replacement(rank: int) -> None:
-    """HANG_REPLACEMENT=rank: that rank's replacements never get as far as joining the repair."""
+    """HANG_REPLACEMENT=rank: that rank's replacements never get as far as joining the repair (HOLD_REPLACEMENT:
+    not while OUT_DIR/hold exists)."""
     if os.environ.get("FTRUN_REPLACEMENT") == "1" and os.environ.get("HANG_REPLACEMENT") == str(rank):
         print("replacement hangs before joining the repair", file=sys.stderr, flush=True)
         time.sleep(3600)
+    hold = os.path.join(os.environ.get("OUT_DIR", "."), "hold")
+    if os.environ.get("FTRUN_REPLACEMENT") == "1" and os.environ.get("HOLD_REPLACEMENT") == str(rank):
+        while os.path.exists(hold):
+            time.sleep(0.05)
 
 
 def step_sleep(step: int) -> float:
