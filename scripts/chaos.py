@@ -65,8 +65,9 @@ event log, <round>/logs/chaos<N>/events.jsonl).
     .venv/bin/python scripts/chaos.py --rounds 3 --seed 7 --json chaos.json --keep /tmp/chaos
 
 The table goes to stderr, the JSON (every round and the totals) to --json. The exit status is 0 when
-no round hung, none left an orphan and none was unexpected; 1 otherwise; 130 when interrupted (every
-process started has been killed).
+no round hung, none left an orphan and none was unexpected; 1 otherwise; 2 when a round under etcd
+could not start its cluster (etcd not installed); 130 when interrupted (every process started has been
+killed).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchlib import free_port, marked_processes
-from etcd_cluster import EtcdCluster
+from etcd_cluster import EtcdCluster, EtcdUnavailable
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
@@ -779,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: every process started has been killed")
         return 130
+    except EtcdUnavailable as e:  # a round under etcd needs one (scripts/test.sh installs it as root)
+        console.print(f"ftrun chaos: a round under etcd could not start its cluster: {e}")
+        return 2
     summary = totals(results)
     print_table(summary)
     if args.json:
