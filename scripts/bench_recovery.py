@@ -64,6 +64,19 @@ medians: the step-time goal is finer than the noise of one run on a busy machine
 
     .venv/bin/python scripts/bench_recovery.py --layouts all --repeat 2 --json layouts.json
 
+With --controller-loss it loses the node that hosts the control store and the controller (node 0's
+launcher with everything under it, SIGKILLed once every rank has finished --kill-at-step) in a job of
+--nnodes x --nproc-per-node (2 x 2) with one spare node, running train_ddp_elastic.py under ftrun
+--recovery process and --node-timeout, twice in the same run: under c10d, ftrun's default, where the
+store goes with its node and the job ends (its outcome and exit codes, and the agents' "lost the
+controller" lines, are the row's finding), and under --rdzv-backend etcd, on a 3-member etcd cluster on
+loopback (scripts/etcd_cluster.py) that the benchmark starts for the run: node 0's launcher starts first
+and takes the controller's office, then the others; when node 0 goes, another agent takes the office
+over and the spare takes node 0's place. Its regain progress is the row's figure (goal: <= --node-timeout
++ 1 s).
+
+    .venv/bin/python scripts/bench_recovery.py --controller-loss --node-timeout 3
+
 With --status-overhead N it measures what the status view and the event log cost the training loop:
 N runs each, alternating, of ftrun --recovery process with --status off (no view, no event log) and with
 --status live (the view drawn twice a second into the log, as on a terminal) and --log-dir (events.jsonl),
@@ -97,6 +110,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchlib import find_program, free_port, kill_everything
+from etcd_cluster import EtcdCluster
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "scripts" / "examples"
@@ -116,6 +130,8 @@ class Launcher:
     script_args: tuple[str, ...] = ()
     #: ftrun: write the event log (--log-dir in the run's folder)
     event_log: bool = False
+    #: "etcd": the run gets an etcd cluster of its own and node 0's launcher starts first, to lead
+    rdzv_backend: str = "c10d"
 
 
 LAUNCHERS = {
@@ -140,14 +156,25 @@ LAUNCHERS = {
         # scripts/bench_checkpoint.py: a job-level restart that resumes from the in-memory snapshots
         Launcher("ftrun-memory", "ftrun --recovery job --snapshot-every 1", "ftrun",
                  ("--recovery", "job", "--snapshot-every", "1"), script=EXAMPLES / "train_ddp_elastic.py"),
+        # --controller-loss: the controller's node lost under either backend
+        Launcher("ftrun-c10d", "ftrun --recovery process (c10d, the default)", "ftrun", ("--recovery", "process"),
+                 script=EXAMPLES / "train_ddp_elastic.py"),
+        Launcher("ftrun-etcd", "ftrun --recovery process --rdzv-backend etcd", "ftrun",
+                 ("--recovery", "process", "--rdzv-backend", "etcd"), script=EXAMPLES / "train_ddp_elastic.py",
+                 rdzv_backend="etcd"),
     )
 }
 STATUS_PAIR = ("ftrun-status-off", "ftrun-status-live")
+CONTROLLER_PAIR = ("ftrun-c10d", "ftrun-etcd")
 #: launchers only the other benchmarks run
-NOT_BY_DEFAULT = (*STATUS_PAIR, "ftrun-memory")
+NOT_BY_DEFAULT = (*STATUS_PAIR, *CONTROLLER_PAIR, "ftrun-memory")
 BASELINE = "torchrun-noshare"  # the launcher whose median step the ftrun rows are compared with
 #: what ftrun's controller logs once training goes on after a fault, with the repair's phases
 REPAIR_LINE = "s after the fault ("
+#: what an ftrun agent says when the control store went with its node and the job ends
+LOST_CONTROLLER_LINE = "lost the controller"
+#: what an ftrun agent says once it leads under etcd
+TOOK_OFFICE_LINE = "hosting the control store"
 
 
 @dataclass(frozen=True)
@@ -175,6 +202,10 @@ NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
 # median); 5 steps after a checkpoint, as in the single run.
 LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160, step_sleep=0.0, deadline=240.0,
                                 kill_at_step=135, warmup_s=5.0)
+# --controller-loss: 2 x 2 ranks, 3 agents and 3 etcd members share the machine; a step sleep as for --node-loss
+CONTROLLER_LOSS_DEFAULTS = ModeDefaults(launchers=CONTROLLER_PAIR, steps=60, step_sleep=0.05, deadline=180.0)
+#: --controller-loss: the goal for regaining progress under etcd is --node-timeout plus this
+CONTROLLER_LOSS_MARGIN_S = 1.0
 #: --node-loss: launchers that can take a spare node
 SPARE_CAPABLE = ("ftrun",)
 
@@ -199,6 +230,12 @@ class Scenario:
     #: --node-loss: ftrun's --node-timeout, and how long after the loss a run may take to train on
     node_timeout: float = 3.0
     regain_deadline: float = 45.0
+    #: --controller-loss: the node lost is node 0, which hosts the store and the controller (with node_loss)
+    controller_loss: bool = False
+
+    @property
+    def lost_node(self) -> int:
+        return 0 if self.controller_loss else self.nnodes - 1
 
     def spares(self, launcher: "Launcher") -> int:
         return 1 if self.node_loss and launcher.program in SPARE_CAPABLE else 0
@@ -241,12 +278,17 @@ class RunResult:
     median_step_vs_baseline: float | None = None  # median_step_s over BASELINE's in the same scenario
     #: ftrun's lines that end a repair, with its phases ("resumed training 0.61s after the fault (detect ...)")
     repair_lines: tuple[str, ...] = ()
+    #: --controller-loss: the agents' lines saying they lost the controller (the job ends under c10d)
+    lost_controller_lines: tuple[str, ...] = ()
 
     def outcome_text(self) -> str:
         if self.outcome == "ok":
             return "ok"
         if self.outcome == "fails":
             return "fails: no spare; the others wait for the lost node (restart by hand)"
+        if self.outcome == "ended":
+            codes = ", ".join("-" if code is None else str(code) for code in self.exit_codes)
+            return f"job ended: lost the controller (exit {codes}; last step {self.last_step})"
         details = [f"last step {self.last_step}"]
         if any(code is not None for code in self.exit_codes):
             details.insert(0, "exit " + ", ".join("-" if code is None else str(code) for code in self.exit_codes))
@@ -257,21 +299,25 @@ class RunResult:
 
 
 def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: str, workdir: Path,
-                     node: int) -> list[str]:
-    """The command of launcher process ``node`` (``scenario.nnodes`` and beyond: a spare)."""
+                     node: int, endpoint: str | None = None) -> list[str]:
+    """The command of launcher process ``node`` (``scenario.nnodes`` and beyond: a spare); ``endpoint``:
+    the etcd cluster's, for a launcher under etcd."""
     placement = []
-    if scenario.node_loss:  # node 0 hosts the store: the lost node must not take it along
+    etcd = launcher.rdzv_backend == "etcd"
+    if etcd:  # every agent a candidate for the controller's office: node 0 leads by starting first
+        placement = ["--local-addr", f"127.0.0.{node + 2}"]
+    elif scenario.node_loss:  # node 0 hosts the store (--node-loss: the lost node must not take it along)
         placement = ["--rdzv-conf", f"is_host={int(node == 0)}"]
-        if launcher.program in SPARE_CAPABLE:
-            placement += ["--spares", "1", "--node-timeout", f"{scenario.node_timeout:g}"]
-            placement += ["--node-rank", str(node)] if node < scenario.nnodes else []
+    if scenario.node_loss and launcher.program in SPARE_CAPABLE:
+        placement += ["--spares", "1", "--node-timeout", f"{scenario.node_timeout:g}"]
+        placement += ["--node-rank", str(node)] if node < scenario.nnodes and not etcd else []
     fault = [] if scenario.node_loss else ["--kill-rank", "all" if scenario.kill_all else str(scenario.kill_rank),
                                            "--kill-at-step", str(scenario.kill_at_step)]
     return [
         find_program(launcher.program, "bench_recovery"),
         "--nnodes", str(scenario.nnodes),
         "--nproc-per-node", str(scenario.nproc_per_node),
-        "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-endpoint", endpoint or f"127.0.0.1:{port}",
         "--rdzv-id", run_id,
         "--max-restarts", str(scenario.max_restarts),
         *placement,
@@ -296,10 +342,12 @@ class NodeLoss:
     pids: frozenset[int]
 
 
-def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path
+def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path, endpoint: str | None = None
                  ) -> tuple[float, list[int | None], NodeLoss | None]:
     """Start one launcher process per node (and a spare's), wait for all to exit or the deadline, kill
-    what is left. With --node-loss, kill the last node once every rank passed the kill step.
+    what is left. With --node-loss, kill the last node (--controller-loss: node 0) once every rank passed
+    the kill step. Under etcd (``endpoint``: the cluster's), node 0's launcher starts first and the others
+    once it leads.
 
     Returns the launch time (Unix seconds), the exit codes (None for a process still running at the
     deadline; the lost node's left out) and the node loss.
@@ -312,14 +360,16 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path
     launch_time = time.time()
     loss = None
     try:
+        deadline = time.monotonic() + scenario.deadline
         for node in range(scenario.nnodes + scenario.spares(launcher)):
             with open(workdir / f"node{node}.log", "wb") as log:
                 processes.append(subprocess.Popen(
-                    launcher_command(launcher, scenario, port, run_id, workdir, node), env=env,
+                    launcher_command(launcher, scenario, port, run_id, workdir, node, endpoint), env=env,
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 ))
-        deadline = time.monotonic() + scenario.deadline
-        victim = processes[scenario.nnodes - 1]
+            if node == 0 and launcher.rdzv_backend == "etcd":
+                wait_for_line(workdir / "node0.log", TOOK_OFFICE_LINE, processes[0], deadline)
+        victim = processes[scenario.lost_node]
         while time.monotonic() < deadline and any(p.poll() is None for p in processes if p is not victim or not loss):
             if scenario.node_loss and loss is None and every_rank_reached(workdir, scenario):
                 loss = kill_node(victim)
@@ -330,6 +380,15 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path
         return launch_time, [code for p, code in zip(processes, codes) if not (loss and p is victim)], loss
     finally:
         kill_everything(processes, MARKER_VARIABLE, marker)
+
+
+def wait_for_line(log: Path, text: str, process: subprocess.Popen, deadline: float) -> bool:
+    """Wait until ``text`` is in the log, the process has exited or the deadline (monotonic) has passed."""
+    while text not in log.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def every_rank_reached(workdir: Path, scenario: Scenario) -> bool:
@@ -389,15 +448,17 @@ def resumed_after_step(lines: list[ProgressLine], first_attempt_pids: set[int]) 
     return min(resumed_steps) - 1 if resumed_steps else None
 
 
-def healthy_pids_kept(lines: list[ProgressLine], scenario: Scenario) -> bool | None:
-    """Whether every rank but the killed one finished all its steps in the process it started in (None
-    when every rank was killed)."""
+def healthy_pids_kept(lines: list[ProgressLine], scenario: Scenario, lost: frozenset[int] | None = None
+                      ) -> bool | None:
+    """Whether every rank but the killed one (``lost``: the ranks of the node lost) finished all its steps
+    in the process it started in (None when every rank was killed)."""
     if scenario.kill_all:
         return None
     pids_by_rank: dict[int, set[int]] = {}
     for line in lines:
         pids_by_rank.setdefault(line.rank, set()).add(line.pid)
-    healthy = [rank for rank in range(scenario.world_size) if rank != scenario.kill_rank]
+    lost = frozenset({scenario.kill_rank}) if lost is None else lost
+    healthy = [rank for rank in range(scenario.world_size) if rank not in lost]
     if any(rank not in pids_by_rank for rank in healthy):
         return None
     return all(len(pids_by_rank[rank]) == 1 for rank in healthy)
@@ -436,8 +497,10 @@ def analyse(
     launcher: Launcher, scenario: Scenario, launch_time: float, exit_codes: list[int | None],
     lines: list[ProgressLine], wall_s: float, loss: NodeLoss | None = None,
 ) -> RunResult:
+    lost_ranks = None
     if loss is not None:  # the fault is the kill; training must pass the highest step finished before it
         lost = [line for line in lines if line.pid in loss.pids]
+        lost_ranks = frozenset(line.rank for line in lost) or None
         pre_fault = max(line.step for line in lines if line.time <= loss.time)
         scenario = replace(scenario, kill_at_step=pre_fault, kill_rank=lost[-1].rank if lost else scenario.kill_rank)
         fault = ProgressLine(loss.time, scenario.kill_rank, pre_fault, -1, 0)
@@ -451,7 +514,9 @@ def analyse(
     regain = None if fault is None else regain_progress_s(lines, scenario, fault)
     outcome = outcome_of(exit_codes, last_step, scenario)
     if loss is not None and regain is None:
-        outcome = "fails"  # stopped by the benchmark: nothing would have brought the lost node back
+        # stopped by the benchmark: nothing would have brought the lost node back; or, the controller's
+        # node lost, the others ended the job themselves
+        outcome = "ended" if scenario.controller_loss and None not in exit_codes else "fails"
     return RunResult(
         launcher=launcher.name,
         description=launcher.description,
@@ -463,7 +528,7 @@ def analyse(
         last_step=last_step,
         resumed_after_step=resumed_after,
         steps_redone=None if resumed_after is None else scenario.kill_at_step - resumed_after,
-        healthy_pids_kept=healthy_pids_kept(lines, scenario),
+        healthy_pids_kept=healthy_pids_kept(lines, scenario, lost_ranks),
         regain_progress_s=regain,
         median_step_s=median_step_s(before_fault, scenario.warmup_s),
         launch_to_first_step_s=lines[0].time - launch_time if lines else None,
@@ -500,12 +565,25 @@ def regain_spread(results: list[RunResult], in_steps: bool = False) -> float | N
 
 
 def benchmark(launcher: Launcher, scenario: Scenario, workdir: Path) -> RunResult:
+    """One run of a launcher; under etcd, on a 3-member cluster of the run's own (stopped after it)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    cluster = EtcdCluster.start(workdir / "etcd") if launcher.rdzv_backend == "etcd" else None
     started = time.monotonic()
-    launch_time, exit_codes, loss = run_launcher(launcher, scenario, workdir)
+    try:
+        launch_time, exit_codes, loss = run_launcher(launcher, scenario, workdir,
+                                                     None if cluster is None else cluster.endpoints)
+    finally:
+        if cluster is not None:
+            cluster.stop()
     wall_s = time.monotonic() - started
     result = analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s, loss)
-    return replace(result, repair_lines=repair_lines(sorted(workdir.glob("node*.log"))))
+    logs = sorted(workdir.glob("node*.log"))
+    return replace(result, repair_lines=repair_lines(logs), lost_controller_lines=lines_saying(logs, LOST_CONTROLLER_LINE))
+
+
+def lines_saying(logs: list[Path], text: str) -> tuple[str, ...]:
+    """Each log's lines that contain ``text``, stripped."""
+    return tuple(line.strip() for log in logs for line in log.read_text(errors="replace").splitlines() if text in line)
 
 
 def repair_lines(logs: list[Path]) -> tuple[str, ...]:
@@ -534,7 +612,9 @@ def yes_no(value: bool | None) -> str:
 
 
 def print_table(results: list[RunResult], scenario: Scenario) -> None:
-    fault = (f"losing the last node (its launcher and rank SIGKILLed) once every rank passed step "
+    fault = (f"losing node 0, the controller's (its launcher and ranks SIGKILLed), once every rank passed step "
+             f"{scenario.kill_at_step}" if scenario.controller_loss
+             else f"losing the last node (its launcher and rank SIGKILLed) once every rank passed step "
              f"{scenario.kill_at_step}" if scenario.node_loss
              else f"SIGKILL of rank {scenario.kill_rank} at step {scenario.kill_at_step}")
     table = Table(title=(
@@ -807,6 +887,54 @@ def milliseconds(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
 
 
+# --- --controller-loss: the controller's node lost, under c10d and under etcd ----------------------
+
+
+@dataclass(frozen=True)
+class ControllerLossRow:
+    """The row "controller's node lost, spare": the job under c10d, where the store goes with node 0 and
+    the job ends, against the same job under etcd, where another agent takes the controller's office over
+    and the spare takes node 0's place."""
+
+    c10d: RunResult
+    etcd: RunResult
+    node_timeout: float
+
+    NAME = "controller's node lost, spare"
+
+    @property
+    def goal_s(self) -> float:
+        return self.node_timeout + CONTROLLER_LOSS_MARGIN_S
+
+    @property
+    def goal_met(self) -> bool | None:
+        regain = self.etcd.regain_progress_s
+        return None if regain is None else regain <= self.goal_s
+
+    def to_json(self) -> dict:
+        return {"row": self.NAME, "goal_regain_s": self.goal_s, "goal_met": self.goal_met,
+                "c10d": asdict(self.c10d), "etcd": asdict(self.etcd)}
+
+
+def print_controller_loss(row: ControllerLossRow, scenario: Scenario) -> None:
+    table = Table(title=f"The controller's node lost: {scenario.shape}, 1 spare, --node-timeout {row.node_timeout:g}, "
+                        f"--recovery process, once every rank passed step {scenario.kill_at_step}",
+                  caption=f"goal: under etcd, training regained within {row.goal_s:g} s (--node-timeout + "
+                          f"{CONTROLLER_LOSS_MARGIN_S:g} s)")
+    for header in ("fault", "c10d (the default)", "etcd: regain (s)", "goal", "steps redone", "healthy pids kept",
+                   "etcd outcome"):
+        table.add_column(header, justify="right" if header in ("etcd: regain (s)", "steps redone") else "left")
+    table.add_row(row.NAME, row.c10d.outcome_text(), regain_text(row.etcd),
+                  "-" if row.goal_met is None else "met" if row.goal_met else "missed",
+                  "-" if row.etcd.steps_redone is None else str(row.etcd.steps_redone),
+                  yes_no(row.etcd.healthy_pids_kept), row.etcd.outcome_text())
+    console.print(table)
+    for line in row.c10d.lost_controller_lines:
+        console.print(f"c10d: {line}")
+    for line in row.etcd.repair_lines:
+        console.print(f"etcd: {line}")
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 
@@ -838,7 +966,7 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--node-loss", type=node_counts, metavar="N,N",
                         help="lose the last of N nodes (1 rank each) for each N in the list; ftrun gets a spare")
     parser.add_argument("--node-timeout", type=float, default=3.0, metavar="SECONDS",
-                        help="--node-loss: ftrun's --node-timeout (default 3)")
+                        help="--node-loss, --controller-loss: ftrun's --node-timeout (default 3)")
     parser.add_argument("--regain-deadline", type=float, default=45.0, metavar="SECONDS",
                         help="--node-loss: a run not training past the fault this long after it fails (default 45)")
     parser.add_argument("--steps", type=int, metavar="N",
@@ -857,6 +985,10 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help=f"a run still going after this long counts as hung (default {single.deadline:g}; "
                              f"with --scaling {scaling.deadline:g})")
+    parser.add_argument("--controller-loss", action="store_true",
+                        help="instead: lose node 0, which hosts the store and the controller, with a spare standing "
+                             "by, under ftrun's c10d (the job ends) and under --rdzv-backend etcd (a 3-member "
+                             "cluster on loopback; training goes on)")
     parser.add_argument("--status-overhead", type=int, default=0, metavar="N",
                         help="instead: N runs each of ftrun --recovery process with --status off and with --status "
                              "live and the event log, alternating; compares their median step")
@@ -878,10 +1010,15 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     if args.layouts and (args.scaling or args.node_loss or args.launchers or args.status_overhead):
         parser.error("--layouts runs its own launchers per layout: drop --scaling, --node-loss, --launchers and "
                      "--status-overhead")
+    if args.controller_loss and (args.scaling or args.node_loss or args.launchers or args.status_overhead
+                                 or args.layouts):
+        parser.error("--controller-loss runs its own pair of launchers: drop --scaling, --node-loss, --launchers, "
+                     "--status-overhead and --layouts")
     if args.scaling and args.node_loss:
         parser.error("--scaling and --node-loss are two sweeps: give one")
     sweep = args.scaling or args.node_loss
-    defaults = scaling if sweep else LAYOUTS_DEFAULTS if args.layouts else single
+    defaults = (scaling if sweep else LAYOUTS_DEFAULTS if args.layouts
+                else CONTROLLER_LOSS_DEFAULTS if args.controller_loss else single)
     names = [name.strip() for name in args.launchers.split(",") if name.strip()] if args.launchers else defaults.launchers
     unknown = [name for name in names if name not in LAUNCHERS]
     if unknown or not names:
@@ -909,7 +1046,8 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
             kill_rank=kill_rank, kill_at_step=args.kill_at_step,
             step_sleep=defaults.step_sleep if args.step_sleep is None else args.step_sleep,
             deadline=args.deadline or defaults.deadline,
-            node_loss=bool(args.node_loss), node_timeout=args.node_timeout, regain_deadline=args.regain_deadline,
+            node_loss=bool(args.node_loss or args.controller_loss), controller_loss=args.controller_loss,
+            node_timeout=args.node_timeout, regain_deadline=args.regain_deadline,
             warmup_s=defaults.warmup_s if args.warmup is None else args.warmup,
         ))
     return args, scenarios, [LAUNCHERS[name] for name in names]
@@ -970,6 +1108,13 @@ def main() -> int:
             overhead = status_overhead(results)
             print_status_overhead(overhead)
             write_json(results, scenarios, [], args.json, {"status_overhead": overhead})
+            return 0
+        if args.controller_loss:
+            c10d, etcd = run_scenario(scenarios[0], [LAUNCHERS[name] for name in CONTROLLER_PAIR], work_root)
+            row = ControllerLossRow(c10d, etcd, scenarios[0].node_timeout)
+            print_table([c10d, etcd], scenarios[0])
+            print_controller_loss(row, scenarios[0])
+            write_json([c10d, etcd], scenarios, [], args.json, {"controller_loss": row.to_json()})
             return 0
         if args.layouts:
             cases = layout_cases(args.snapshot_every)

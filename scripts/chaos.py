@@ -26,13 +26,27 @@ with a fault that comes meanwhile) and 1 to 3 faults, each at a random step, fro
                         is SIGSTOPped for 1.5 s, under --node-timeout, then SIGCONTed
   store-lost            once training has passed the step, node 0's agent is SIGKILLed
 
+Some rounds run under --rdzv-backend etcd instead, on a 3-member etcd cluster of their own on loopback
+(scripts/etcd_cluster.py): node 0's agent starts first and takes the controller's office, so that it
+hosts the control store, then node 1's and the spare's (each agent --local-addr 127.0.0.<2, 3, 4>). A
+round is one of these with a chance of ETCD_SHARE, drawn from a second random.Random of the seed, so that
+the other rounds of a seed stay what they were. Their faults, 1 or 2 of these and sometimes a rank fault
+(on node 1's ranks when node 0 is lost):
+
+  controller-lost       once training has passed the step, node 0's agent (the store and the controller)
+                        is SIGKILLed, a spare standing by: another agent takes the office over from the
+                        journal in etcd and the spare takes node 0's place; the job must recover
+  etcd-member           once training has passed the step, one etcd member of three is SIGKILLed, and
+                        started again ETCD_MEMBER_DOWN seconds later: no effect
+
 The verdict of a round comes from the faults that were actually injected (a fault whose step never
 comes, the job having ended, is not counted). The round must recover when none of them is terminal
 (store-lost, agent or rendezvous without a spare) and the faults that spend the budget (sigkill, segv,
-exit1, sigstop, alarm; agent and rendezvous with a spare; a repair fault is part of the repair it hits)
-number no more than --max-restarts. A recovered round has every agent that the chaos did not kill
-exit 0 and every rank at the final step with the parameter checksum of a fault-free run (one is run
-first). Any other round must fail cleanly: each agent still alive exits with the documented status
+exit1, sigstop, alarm; agent, rendezvous and controller-lost with a spare; a repair fault is part of the
+repair it hits; etcd-member spends nothing) number no more than --max-restarts. A recovered round has
+every agent that the chaos did not kill exit 0 and every rank at the final step with the parameter
+checksum of a fault-free run (one is run first); after controller-lost, another agent says it hosts the
+control store. Any other round must fail cleanly: each agent still alive exits with the documented status
 (3 for a rendezvous that never completed, else 1) and names the cause: node 0's end-of-job summary has
 its "reason:" line and, after a rank's failure, a "root cause" that names the rank and the kind of the
 first fault injected (SIGKILL, SIGSEGV, exit code 1, hang, device); or, where node 0 itself was lost
@@ -51,8 +65,9 @@ event log, <round>/logs/chaos<N>/events.jsonl).
     .venv/bin/python scripts/chaos.py --rounds 3 --seed 7 --json chaos.json --keep /tmp/chaos
 
 The table goes to stderr, the JSON (every round and the totals) to --json. The exit status is 0 when
-no round hung, none left an orphan and none was unexpected; 1 otherwise; 130 when interrupted (every
-process started has been killed).
+no round hung, none left an orphan and none was unexpected; 1 otherwise; 2 when a round under etcd
+could not start its cluster (etcd not installed); 130 when interrupted (every process started has been
+killed).
 """
 
 from __future__ import annotations
@@ -78,6 +93,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchlib import free_port, marked_processes
+from etcd_cluster import EtcdCluster, EtcdUnavailable
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
@@ -95,6 +111,11 @@ BUDGET = 3
 HEARTBEAT_TIMEOUT, NODE_TIMEOUT = 4, 3
 RENDEZVOUS_TIMEOUT = 10
 STORE_PAUSE = 1.5
+#: etcd-member: how long the member stays down
+ETCD_MEMBER_DOWN = 2.0
+ETCD_MEMBERS = 3
+#: the share of rounds that run under etcd with its kinds of fault
+ETCD_SHARE = 0.15
 #: a round still running after this many seconds is hung (a fault-free one takes 10 to 30 s)
 DEADLINE = 240.0
 #: after the agents exit, how long their workers and guardians may take to go
@@ -104,13 +125,17 @@ POLL = 0.05
 ALARM_CODES = ["80E01801", "A4025021"]
 
 RANK_KINDS = ("sigkill", "segv", "exit1", "sigstop")
-KINDS = (*RANK_KINDS, "alarm", "repair", "agent", "rendezvous", "store-slow", "store-lost")
+#: what an agent says once it leads under etcd
+TOOK_OFFICE = "hosting the control store"
+#: the faults of the rounds under --rdzv-backend etcd
+ETCD_KINDS = ("controller-lost", "etcd-member")
+KINDS = (*RANK_KINDS, "alarm", "repair", "agent", "rendezvous", "store-slow", "store-lost", *ETCD_KINDS)
 #: kinds that take a rank's process away (a repair fault needs one of them to hit)
 RANK_FAILING = (*RANK_KINDS, "alarm")
 #: how the summary describes the first failure, by the kind of fault that caused it
 CAUSE_WORDS = {"sigkill": "SIGKILL", "segv": "SIGSEGV", "exit1": "exit code 1", "sigstop": "hang", "alarm": "device"}
 #: drawn by weight, 1 to 3 distinct kinds a round (rendezvous: a round of its own, 1 in 10)
-DRAWN = tuple(k for k in KINDS if k != "rendezvous")
+DRAWN = tuple(k for k in KINDS if k != "rendezvous" and k not in ETCD_KINDS)
 WEIGHTS = {"store-lost": 0.7}
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
@@ -125,20 +150,22 @@ class Fault:
     step: int
     #: the rank it hits (rank kinds, alarm, repair), else None
     rank: int | None = None
+    #: etcd-member: the index of the member killed, else None
+    member: int | None = None
 
     def __str__(self) -> str:
-        where = f" r{self.rank}" if self.rank is not None else ""
+        where = f" r{self.rank}" if self.rank is not None else f" m{self.member}" if self.member is not None else ""
         when = f" s{self.step}" if self.step >= 0 and self.kind != "repair" else ""
         return f"{self.kind}{where}{when}"
 
     def spends_budget(self, spare: bool) -> bool:
         if self.kind in RANK_FAILING:
             return True
-        return self.kind in ("agent", "rendezvous") and spare
+        return self.kind in ("agent", "rendezvous", "controller-lost") and spare
 
     def terminal(self, spare: bool) -> bool:
         """Nothing can recover from it: ftrun must fail cleanly."""
-        return self.kind == "store-lost" or (self.kind in ("agent", "rendezvous") and not spare)
+        return self.kind == "store-lost" or (self.kind in ("agent", "rendezvous", "controller-lost") and not spare)
 
 
 @dataclass(frozen=True)
@@ -148,9 +175,14 @@ class Plan:
     spare: bool
     max_restarts: int
 
+    @property
+    def etcd(self) -> bool:
+        """The round runs under --rdzv-backend etcd, on a cluster of its own."""
+        return any(f.kind in ETCD_KINDS for f in self.faults)
+
     def describe(self) -> str:
         return (f"{', '.join(map(str, self.faults))}; budget {self.max_restarts}"
-                f"{'; spare' if self.spare else ''}")
+                f"{'; spare' if self.spare else ''}{'; etcd' if self.etcd else ''}")
 
 
 def draw_plan(rng: random.Random, number: int) -> Plan:
@@ -194,6 +226,40 @@ def draw_plan(rng: random.Random, number: int) -> Plan:
     if spending and "alarm" not in kinds and rng.random() < 0.25:
         budget = len(spending) - 1  # the last of them finds the budget spent
     return Plan(number, tuple(faults), spare, budget)
+
+
+def draw_etcd_plan(rng: random.Random, number: int) -> Plan:
+    """A round under etcd: controller-lost (always with a spare), etcd-member or both, and in half of them
+    a rank fault, SPACING steps from the controller's loss and on node 1 (node 0's ranks go with it)."""
+    kinds = sorted(rng.sample(ETCD_KINDS, rng.choice((1, 2))), key=KINDS.index)
+    if rng.random() < 0.5:
+        kinds.insert(0, rng.choice(RANK_KINDS))
+    lost = "controller-lost" in kinds
+    spare = lost or rng.random() < 0.3
+    spending = [k for k in kinds if k in RANK_KINDS or k == "controller-lost"]
+    steps = spaced_steps(rng, len(spending))
+    rng.shuffle(steps)  # the rank fault before the controller's loss, or after it
+    faults = []
+    for kind in kinds:
+        if kind in RANK_KINDS:
+            faults.append(Fault(kind, steps.pop(), rng.choice([2, 3] if lost else [0, 1, 2, 3])))
+        elif kind == "controller-lost":
+            faults.append(Fault(kind, steps.pop()))
+        else:
+            faults.append(Fault(kind, rng.randint(FIRST_FAULT_STEP, LAST_FAULT_STEP), member=rng.randrange(ETCD_MEMBERS)))
+    faults.sort(key=lambda f: (f.step, f.kind))
+    return Plan(number, tuple(faults), spare, BUDGET)
+
+
+def draw_plans(rounds: int, seed: int) -> list[Plan]:
+    """The rounds of a seed: draw_plan's, ETCD_SHARE of them replaced by draw_etcd_plan's. The etcd draws
+    come from a random.Random of their own, so that the other rounds are the ones the seed always gave."""
+    rng, etcd_rng = random.Random(seed), random.Random(f"etcd {seed}")
+    plans = []
+    for number in range(1, rounds + 1):
+        plan = draw_plan(rng, number)
+        plans.append(draw_etcd_plan(etcd_rng, number) if etcd_rng.random() < ETCD_SHARE else plan)
+    return plans
 
 
 def spaced_steps(rng: random.Random, count: int) -> list[int]:
@@ -318,6 +384,12 @@ class Round:
         self.fired: list[Fault] = []
         self.rendezvous_before_join = False
         self.resume_at: float | None = None  # store-slow: when to SIGCONT node 0's agent
+        #: the round's etcd cluster (rounds under etcd), started with the agents
+        self.etcd: EtcdCluster | None = None
+        #: etcd-member: when to start the killed member again, and which it is
+        self.revive_at: tuple[float, int] | None = None
+        #: under etcd: whether node 0 took the controller's office before the others started
+        self.node0_led = True
 
     # -- starting agents --
 
@@ -340,7 +412,8 @@ class Round:
 
     def start(self, name: str) -> Agent:
         spares = 1 if self.plan.spare else 0
-        args = ["--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--rdzv-endpoint", self.endpoint,
+        endpoint = self.endpoint if self.etcd is None else self.etcd.endpoints
+        args = ["--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--rdzv-endpoint", endpoint,
                 "--run-id", f"chaos{self.plan.number}", "--monitor-interval", "0.05", "--recovery", "process",
                 "--max-restarts", str(self.plan.max_restarts), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
                 "--node-timeout", str(NODE_TIMEOUT), "--spares", str(spares), "--log-dir", str(self.folder / "logs")]
@@ -350,7 +423,10 @@ class Round:
             args += ["--warm-standby", "0"]
         if self.device:
             args += ["--device", "npu", "--health-interval", "0.2"]
-        if name == "node0":
+        if self.etcd is not None:  # every agent a candidate for the office; node 0 leads by starting first
+            address = {"node0": 2, "node1": 3, "spare": 4}[name]
+            args += ["--rdzv-backend", "etcd", "--local-addr", f"127.0.0.{address}"]
+        elif name == "node0":
             args += ["--node-rank", "0", "--rdzv-conf", "is_host=1"]
         elif name == "node1":
             args += ["--node-rank", "1", "--rdzv-conf", "is_host=0"]
@@ -373,6 +449,13 @@ class Round:
         return text in agent.output
 
     def start_all(self) -> None:
+        if self.plan.etcd:
+            self.etcd = EtcdCluster.start(self.folder / "etcd", ETCD_MEMBERS)
+            node0 = self.start("node0")
+            self.node0_led = self.wait_for_line(node0, TOOK_OFFICE, 60)
+            for name in ("node1", "spare") if self.plan.spare else ("node1",):
+                self.start(name)
+            return
         if "rendezvous" not in self.kinds:
             for name in ("node0", "node1", "spare") if self.plan.spare else ("node0", "node1"):
                 self.start(name)
@@ -406,6 +489,11 @@ class Round:
         for fault in self.plan.faults:
             if fault in self.fired or fault.kind in (*RANK_KINDS, "repair", "rendezvous"):
                 continue
+            if fault.kind == "etcd-member" and self.etcd is not None and self.progress.passed(fault.step):
+                self.etcd.kill(fault.member)
+                self.revive_at = (time.monotonic() + ETCD_MEMBER_DOWN, fault.member)
+                self.fired.append(fault)
+                continue
             if fault.kind == "alarm":
                 if self.progress.passed(fault.step, [fault.rank]):
                     self.npu[f"node{fault.rank // NPROC}"].alarm(fault.rank % NPROC)
@@ -421,13 +509,16 @@ class Round:
                 node0.proc.send_signal(signal.SIGSTOP)
                 self.resume_at = time.monotonic() + STORE_PAUSE
                 self.fired.append(fault)
-            elif fault.kind == "store-lost" and node0.proc.poll() is None:
+            elif fault.kind in ("store-lost", "controller-lost") and node0.proc.poll() is None:
                 self.kill(node0)
                 self.fired.append(fault)
         if self.resume_at is not None and time.monotonic() >= self.resume_at:
             self.resume_at = None
             if self.agents["node0"].proc.poll() is None:
                 self.agents["node0"].proc.send_signal(signal.SIGCONT)
+        if self.revive_at is not None and self.etcd is not None and time.monotonic() >= self.revive_at[0]:
+            self.etcd.revive(self.revive_at[1])
+            self.revive_at = None
 
     def injected(self) -> list[Fault]:
         """Every fault that struck: the driver's, and the workers' by their marker files."""
@@ -500,6 +591,8 @@ class Round:
                     pass
                 agent.proc.wait()
         kill_marked(self.mark)
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def events(self) -> list[dict]:
         """The controller's event log, when node 0 lived to write it."""
@@ -529,6 +622,10 @@ class Round:
         """What did not go as expected, or ""."""
         alive = {name: a for name, a in self.agents.items() if not a.killed}
         codes = {name: a.proc.returncode for name, a in alive.items()}
+        if not self.node0_led:
+            return "node 0 did not take the controller's office before the others started"
+        if any(f.kind == "controller-lost" for f in injected) and not any(TOOK_OFFICE in a.output for a in alive.values()):
+            return "no other agent took the controller's office over"
         if expected == "recover":
             if any(code != 0 for code in codes.values()):
                 return f"should have recovered; exit codes {codes}"
@@ -597,10 +694,11 @@ def fault_free_checksum(root: Path, deadline: float) -> float:
     return json.loads((result.out_dir / "rank0.json").read_text())["checksum"]
 
 
-def run_rounds(rounds: int, seed: int, root: Path, deadline: float = DEADLINE, report=None) -> list[RoundResult]:
-    """Draw and run ``rounds`` rounds from ``seed`` in folders under ``root``; ``report(result)`` after each."""
-    rng = random.Random(seed)
-    plans = [draw_plan(rng, number) for number in range(1, rounds + 1)]
+def run_rounds(rounds: int, seed: int, root: Path, deadline: float = DEADLINE, report=None,
+               fixed: tuple[Plan, ...] = ()) -> list[RoundResult]:
+    """Draw and run ``rounds`` rounds from ``seed`` in folders under ``root``, then the ``fixed`` plans (a
+    test's round of its own); ``report(result)`` after each."""
+    plans = [*draw_plans(rounds, seed), *fixed]
     checksum = fault_free_checksum(root, deadline)
     results = []
     for plan in plans:
@@ -682,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: every process started has been killed")
         return 130
+    except EtcdUnavailable as e:  # a round under etcd needs one (scripts/test.sh installs it as root)
+        console.print(f"ftrun chaos: a round under etcd could not start its cluster: {e}")
+        return 2
     summary = totals(results)
     print_table(summary)
     if args.json:

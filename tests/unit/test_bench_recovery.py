@@ -128,3 +128,86 @@ def test_every_other_repeat_runs_the_launchers_the_other_way_round(bench, monkey
     assert [r.launcher for r in rows[0].torchrun] == [torchrun.name] * 3
     assert [r.launcher for r in rows[0].ftrun] == [ftrun.name] * 3
     assert rows[0].step_ratio == pytest.approx(1.05)
+
+
+# --- --controller-loss ----------------------------------------------------------------------------
+
+
+def controller_loss_scenario(bench):
+    return bench.Scenario(nnodes=2, nproc_per_node=2, steps=60, ckpt_every=10, kill_rank=3, kill_at_step=25,
+                          step_sleep=0.05, deadline=180.0, node_loss=True, controller_loss=True, node_timeout=3.0)
+
+
+def test_controller_loss_under_etcd_starts_candidates_on_the_clusters_endpoints(bench, tmp_path):
+    scenario = controller_loss_scenario(bench)
+    assert (scenario.lost_node, replace(scenario, controller_loss=False).lost_node) == (0, 1)
+    etcd = bench.LAUNCHERS["ftrun-etcd"]
+    assert scenario.spares(etcd) == 1
+    command = bench.launcher_command(etcd, scenario, 29400, "run", tmp_path, 2, "127.0.0.1:2379,127.0.0.1:2381")
+    assert command[command.index("--rdzv-endpoint") + 1] == "127.0.0.1:2379,127.0.0.1:2381"
+    assert command[command.index("--rdzv-backend") + 1] == "etcd"
+    assert command[command.index("--local-addr") + 1] == "127.0.0.4"
+    assert command[command.index("--spares"):command.index("--spares") + 4] == ["--spares", "1", "--node-timeout", "3"]
+    assert "--rdzv-conf" not in command and "--node-rank" not in command  # node 0 leads by starting first
+    c10d = bench.launcher_command(bench.LAUNCHERS["ftrun-c10d"], scenario, 29400, "run", tmp_path, 0)
+    assert c10d[c10d.index("--rdzv-endpoint") + 1] == "127.0.0.1:29400"
+    assert c10d[c10d.index("--rdzv-conf") + 1] == "is_host=1"  # the store on the node that is lost
+    assert c10d[c10d.index("--node-rank") + 1] == "0" and "--rdzv-backend" not in c10d
+
+
+def progress(bench, *rows):
+    return [bench.ProgressLine(t, rank, step, pid, 0) for t, rank, step, pid in rows]
+
+
+def test_controller_loss_regained_under_etcd_keeps_the_other_nodes_pids(bench):
+    scenario = replace(controller_loss_scenario(bench), steps=26)
+    lines = progress(bench, *[(10.0 + step * 0.1, rank, step, 100 + rank) for step in range(1, 26) for rank in range(4)],
+                     # the spare's replacements of ranks 0 and 1, and ranks 2 and 3 in their own processes
+                     (16.0, 0, 26, 200), (16.0, 1, 26, 201), (16.1, 2, 26, 102), (16.2, 3, 26, 103))
+    loss = bench.NodeLoss(12.6, frozenset({100, 101, 50}))
+    result = bench.analyse(bench.LAUNCHERS["ftrun-etcd"], scenario, 5.0, [0, 0], lines, 30.0, loss)
+    assert result.outcome == "ok" and result.outcome_text() == "ok"
+    assert result.regain_progress_s == pytest.approx(3.6)
+    assert result.healthy_pids_kept is True  # node 0's ranks are the lost ones: 2 and 3 kept theirs
+    assert result.steps_redone == 0
+
+
+def test_controller_loss_under_c10d_ends_the_job_and_says_so(bench):
+    scenario = controller_loss_scenario(bench)
+    lines = progress(bench, *[(10.0 + step * 0.1, rank, step, 100 + rank) for step in range(1, 26) for rank in range(4)])
+    loss = bench.NodeLoss(12.6, frozenset({100, 101}))
+    result = bench.analyse(bench.LAUNCHERS["ftrun-c10d"], scenario, 5.0, [1, 1], lines, 20.0, loss)
+    assert result.regain_progress_s is None
+    assert result.outcome_text() == "job ended: lost the controller (exit 1, 1; last step 25)"
+    # the node loss without a spare, stopped by the benchmark, still reads as before
+    stopped = bench.analyse(bench.LAUNCHERS["ftrun-c10d"], scenario, 5.0, [None, None], lines, 60.0, loss)
+    assert stopped.outcome == "fails"
+
+
+def test_controller_loss_row_goal_is_the_node_timeout_plus_a_second(bench, tmp_path):
+    etcd = replace(run(bench, "ftrun-etcd", 3.9, 0.06), lost_controller_lines=())
+    c10d = replace(run(bench, "ftrun-c10d", None, 0.06), outcome="ended", exit_codes=[1, 1],
+                   lost_controller_lines=("ftrun: lost the controller: the store went",))
+    row = bench.ControllerLossRow(c10d, etcd, 3.0)
+    assert (row.goal_s, row.goal_met) == (4.0, True)
+    assert replace(row, etcd=replace(etcd, regain_progress_s=4.5)).goal_met is False
+    assert replace(row, etcd=replace(etcd, regain_progress_s=None)).goal_met is None
+    document = row.to_json()
+    assert document["row"] == "controller's node lost, spare"
+    assert document["c10d"]["outcome"] == "ended" and document["etcd"]["regain_progress_s"] == 3.9
+    assert document["c10d"]["lost_controller_lines"] == ("ftrun: lost the controller: the store went",)
+    log = tmp_path / "node1.log"
+    log.write_text("ftrun: node 1 of 2\nftrun: lost the controller: the control store stopped answering\n")
+    assert bench.lines_saying([log], bench.LOST_CONTROLLER_LINE) == (
+        "ftrun: lost the controller: the control store stopped answering",)
+
+
+def test_controller_loss_mode_runs_its_own_pair_at_2x2(bench, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--controller-loss", "--node-timeout", "3"])
+    args, scenarios, launchers = bench.parse_args()
+    scenario = scenarios[0]
+    assert args.controller_loss and [launcher.name for launcher in launchers] == list(bench.CONTROLLER_PAIR)
+    assert (scenario.nnodes, scenario.nproc_per_node, scenario.node_loss, scenario.lost_node) == (2, 2, True, 0)
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--controller-loss", "--launchers", "ftrun"])
+    with pytest.raises(SystemExit):
+        bench.parse_args()
