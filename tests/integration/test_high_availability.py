@@ -62,6 +62,8 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     leader, *others = start(launcher, etcd)
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
+    wait_for_progress(launcher, 1, 3)
+    etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, 5)
     leader.proc.kill()  # the agent hosting the store and the controller; its guardian takes ranks 0 and 1
     assert launcher.wait(others) == [0, 0], launcher.output()
@@ -121,31 +123,21 @@ def test_the_controller_lost_in_the_middle_of_a_repair_the_successor_finishes_it
     assert "1 of 2 restarts used" in successor.output, successor.output  # one fault's repair, counted once
 
 
-def test_etcd_members_lost_change_nothing_and_a_lost_quorum_only_holds_decisions_back(launcher, etcd, fault_free):
-    leader, *others = start(launcher, etcd, spares=0, STEP_SLEEP="0.15")
+def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the_job(launcher, etcd):
+    leader, *others = start(launcher, etcd, spares=0, flags=["--store-timeout", "4"], STEPS="1000", STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)
-    etcd.kill(2)  # one of three: no effect
-    wait_for_progress(launcher, 1, 8)
-    etcd.kill(1)  # the quorum with it, for a while: training goes on
+    etcd.kill(1)
+    etcd.kill(2)  # the quorum, for a while: training goes on
     wait_for(lambda: "etcd) is unreachable" in leader.output, timeout=60, what="the controller to say so")
     progress = int((launcher.out_dir / "progress-rank1").read_text())
     wait_for_progress(launcher, 1, progress + 3)
     etcd.revive(1)
     etcd.revive(2)
-    assert launcher.wait() == [0, 0], launcher.output()
-    assert "etcd) answers again" in leader.output
+    wait_for(lambda: "etcd) answers again" in leader.output, timeout=60, what="etcd to answer again")
     assert leader.output.count("etcd) is unreachable") == 1  # said once
-    results = launcher.results()
-    assert {rank: r["digest"] for rank, r in results.items()} == fault_free
-    assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}
-
-
-def test_a_quorum_lost_past_the_store_timeout_stops_the_job_cleanly(launcher, etcd):
-    leader, *others = start(launcher, etcd, spares=0, flags=["--store-timeout", "3"], STEPS="1000")
-    wait_for_progress(launcher, 1, 3)
     etcd.kill(1)
-    etcd.kill(2)
-    codes = launcher.wait()
-    assert codes == [1, 1], launcher.output()
-    assert "the control store (etcd) was unreachable for 3s" in leader.output
+    etcd.kill(2)  # now past --store-timeout: a clean stop, with that root cause
+    assert launcher.wait() == [1, 1], launcher.output()
+    assert "the control store (etcd) was unreachable for 4s" in leader.output
     assert all("the control store (etcd) was unreachable" in n.output for n in others), launcher.output()
+    assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}  # no rank was restarted meanwhile
