@@ -248,6 +248,12 @@ class JobKeys:
         return f"{self.root}/snapshots/damaged/{index}"
 
     @property
+    def etcd_unreachable(self) -> str:
+        """--rdzv-backend etcd: why etcd does not answer the controller ("" while it does); each agent
+        reads it with its keepalive's one round trip and says it once."""
+        return f"{self.root}/etcd_unreachable"
+
+    @property
     def process_level_refused(self) -> str:
         """Why the script's layout rules process-level repair out (set by rank 0 at its first steps(), or at
         the end of its first step for a mesh whose replicas that step shows; once per job)."""

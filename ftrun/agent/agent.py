@@ -112,6 +112,8 @@ class Agent:
         self.etcd: EtcdControlPlane | None = None
         #: the node's workers, once supervised
         self._group: WorkerGroup | None = None
+        #: --rdzv-backend etcd: a failure report that the control store did not take before it went
+        self._unsent_failures: tuple | None = None
         #: the live status view or progress lines, where this agent hosts the controller
         self.display: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
@@ -351,6 +353,10 @@ class Agent:
         now = time.monotonic()
         for rank in ranks:  # their heartbeats start again in the new store, once each rank finds it
             self.hangs.restart(rank, 0, now)
+        if self._unsent_failures is not None:
+            generation, failures = self._unsent_failures
+            self._unsent_failures = None
+            self._report(ReportKind.WORKER_FAILED, generation, failures=failures)
         log.warning("going on with the controller at %s", self.store.endpoint)
         return None
 
@@ -553,7 +559,10 @@ class Agent:
             log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
             if failure.level and not worker.cause:  # a device error in its own output
                 self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
+        # a report the store did not take (it went as the ranks failed) is sent again to the next one
+        self._unsent_failures = (group.generation, failures)
         self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
+        self._unsent_failures = None
 
     def _keepalive(self, group: WorkerGroup, now: float, judge_hangs: bool) -> None:
         """What the node reads at a keepalive (the controller's counter, the commands published, its

@@ -15,6 +15,7 @@ published, already read, and a node between commands asks the store nothing.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,8 @@ from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys, board_interval
 from ftrun.messages import Command, JoinRecord, NodeLayout, NodeLayoutChange, NodeSlot, NodeStatus, Placement, Report, ReportKind
 from ftrun.rendezvous import join
 from ftrun.store import CONNECT_TIMEOUT, ControlStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 #: one blocking read of a Watch (the timeout of its connection): long, since a read that times out logs
 #: a line (the store counts its milliseconds in 32 bits: at most 24 days); the watch then reads again
@@ -180,6 +183,8 @@ class NodeProtocol:
         self._status_shape: tuple = ()
         #: the layout as last read (``layout``)
         self._layout = NodeLayout()
+        #: --rdzv-backend etcd: why etcd does not answer the controller, as last read ("" while it does)
+        self.etcd_unreachable = ""
 
     def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
@@ -234,9 +239,16 @@ class NodeProtocol:
         once it has not moved for ``node_timeout``), the number of commands published, and this node's
         ``ranks``' heartbeat counters and committed steps (None before the first)."""
         keys = self.keys
-        counts, steps = self.store.readings(
+        counts, texts = self.store.readings(
             [keys.controller_heartbeat, keys.command_count] + [keys.rank_heartbeat(r) for r in ranks],
-            [keys.rank_progress(r) for r in ranks])
+            [keys.rank_progress(r) for r in ranks] + [keys.etcd_unreachable])
+        *steps, etcd = texts
+        if bool(etcd) != bool(self.etcd_unreachable):  # said once each way
+            if etcd:
+                log.error("the control store (etcd) is unreachable from the controller: %s; training goes on", etcd)
+            else:
+                log.warning("the control store (etcd) answers again")
+        self.etcd_unreachable = etcd
         self._published = counts[1]
         self._controller_seen(counts[0], now)
         return counts[2:], [_step(text) for text in steps]

@@ -362,7 +362,7 @@ class Controller:
                 self.leadership.publish(self.leadership.keys.journal, journal)
                 return
             except EtcdUnavailable as e:
-                self.narrator.etcd_unreachable(self.view.generation, str(e))
+                self._say_etcd_unreachable(str(e))
                 if time.monotonic() - since > self.policy.store_timeout:
                     self._etcd_lost = self._etcd_lost_reason(str(e))
                     return
@@ -378,11 +378,17 @@ class Controller:
             return
         since = self.leadership.unreachable_since
         if since and not self._etcd_lost:
-            self.narrator.etcd_unreachable(self.view.generation, "its lease could not be renewed")
+            self._say_etcd_unreachable("its lease could not be renewed")
             if now - since > self.policy.store_timeout:
                 self._etcd_lost = self._etcd_lost_reason("its lease could not be renewed")
         elif not since and self.narrator.etcd_down:
             self.narrator.etcd_back(self.view.generation)
+            self.publisher.etcd_unreachable("")
+
+    def _say_etcd_unreachable(self, detail: str) -> None:
+        if not self.narrator.etcd_down:
+            self.narrator.etcd_unreachable(self.view.generation, detail)
+            self.publisher.etcd_unreachable(detail)
         if self._etcd_lost:
             self._apply(on_stop(self.view, ExitCode.JOB_FAILED, self._etcd_lost))
 

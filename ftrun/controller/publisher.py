@@ -49,6 +49,10 @@ class Publisher:
         """The controller is alive: the agents watch this counter move."""
         self.store.add(self.keys.controller_heartbeat)
 
+    def etcd_unreachable(self, why: str) -> None:
+        """--rdzv-backend etcd: tell the agents that etcd does not answer (``why``), or answers again ("")."""
+        self.store.set_text(self.keys.etcd_unreachable, why)
+
     def list_job(self) -> None:
         """This job's entry in the store's list (``ftrun status`` finds it there)."""
         self.store.set_text(job_entry(self.store.add(JOBS_COUNT) - 1), self.keys.run_id)

@@ -134,7 +134,10 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     etcd.revive(1)
     etcd.revive(2)
     wait_for(lambda: "etcd) answers again" in leader.output, timeout=60, what="etcd to answer again")
-    assert leader.output.count("etcd) is unreachable") == 1  # said once
+    assert leader.output.count("(etcd) is unreachable:") == 1  # said once by the controller...
+    wait_for(lambda: all("etcd) answers again" in n.output for n in others), timeout=30, what="every agent to say so")
+    for node in launcher.nodes:  # ...and once by each agent
+        assert node.output.count("(etcd) is unreachable from the controller") == 1, launcher.output()
     etcd.kill(1)
     etcd.kill(2)  # now past --store-timeout: a clean stop, with that root cause
     assert launcher.wait() == [1, 1], launcher.output()
