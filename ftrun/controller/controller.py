@@ -33,6 +33,7 @@ from ftrun.controller.policy import (
     on_operator,
     on_process_level_refused,
     on_repair_failed,
+    on_replacements_started,
     on_report,
     on_stop,
     on_stopped,
@@ -215,6 +216,7 @@ class Controller:
                 world_size=result.world_size,
                 recovery=self.policy.recovery,
                 min_nodes=self.rendezvous_policy.min_nodes,
+                snapshots=self.snapshots.enabled,
             )
             self.narrator.job_started(self.keys.run_id, result, self.view)
             self.publisher.list_job()
@@ -247,7 +249,7 @@ class Controller:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._keepalive(now)
             self._take_reports()
-            self.publisher.release_held()
+            self._release_replacements()
             self._check_repair()
             if self.narrator.restarting is not None:
                 self.narrator.check_restarted(self.view, time.time())
@@ -304,8 +306,10 @@ class Controller:
             self._phase_since = time.monotonic()
             if self.view.phase is Phase.EXITING:
                 self._job_finished(self.view)
-        ready = [self._ready[command.kind](command, before) for command in commands]
-        self.publisher.commands([command for command in ready if command is not None])
+        ready = [command for command in (self._ready[c.kind](c, before) for c in commands) if command is not None]
+        self.publisher.commands(ready)
+        if any(command.kind is CommandKind.REPLACE for command in ready):  # not held back
+            self._apply(on_replacements_started(self.view))
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:
         """A generation starts: the layout (a scale-in or a grow-back renumbers the global ranks), the
@@ -333,6 +337,11 @@ class Controller:
         # warm standby that the restart's ranks need.
         self.publisher.hold(command, self.policy.gather_timeout)
         return None
+
+    def _release_replacements(self) -> None:
+        """The held REPLACE commands go out once their moment has passed: warm standbys are taken from now."""
+        if self.publisher.release_held():
+            self._apply(on_replacements_started(self.view))
 
     def _ready_takeover(self, command: Command, before: JobView | None) -> Command:
         """The spare holds the node from now on."""
