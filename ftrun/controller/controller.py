@@ -35,6 +35,7 @@ from ftrun.controller.policy import (
     on_operator,
     on_process_level_refused,
     on_repair_failed,
+    on_replacements_started,
     on_report,
     on_stop,
     on_stopped,
@@ -242,6 +243,7 @@ class Controller:
                     world_size=result.world_size,
                     recovery=self.policy.recovery,
                     min_nodes=self.rendezvous_policy.min_nodes,
+                    snapshots=self.snapshots.enabled,
                 )
                 self.narrator.job_started(self.keys.run_id, result, self.view)
                 self.publisher.list_job()
@@ -282,7 +284,7 @@ class Controller:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._keepalive(now)
             self._take_reports()
-            self.publisher.release_held()
+            self._release_replacements()
             self._check_repair()
             if self.narrator.restarting is not None:
                 self.narrator.check_restarted(self.view, time.time())
@@ -340,9 +342,11 @@ class Controller:
             self._phase_since = time.monotonic()
             if self.view.phase is Phase.EXITING:
                 self._job_finished(self.view)
-        ready = [self._ready[command.kind](command, before) for command in commands]
+        ready = [command for command in (self._ready[c.kind](c, before) for c in commands) if command is not None]
         self._write_journal()  # before the commands: a successor goes on from here
-        self.publisher.commands([command for command in ready if command is not None])
+        self.publisher.commands(ready)
+        if any(command.kind is CommandKind.REPLACE for command in ready):  # not held back
+            self._apply(on_replacements_started(self.view))
 
     # -- the journal (--rdzv-backend etcd) -----------------------------------------------------------
 
@@ -384,13 +388,13 @@ class Controller:
         elif not since and self.narrator.etcd_down:
             self.narrator.etcd_back(self.view.generation)
             self.publisher.etcd_unreachable("")
+        if self._etcd_lost:
+            self._apply(on_stop(self.view, ExitCode.JOB_FAILED, self._etcd_lost))
 
     def _say_etcd_unreachable(self, detail: str) -> None:
         if not self.narrator.etcd_down:
             self.narrator.etcd_unreachable(self.view.generation, detail)
             self.publisher.etcd_unreachable(detail)
-        if self._etcd_lost:
-            self._apply(on_stop(self.view, ExitCode.JOB_FAILED, self._etcd_lost))
 
     def _take_over(self, journal: Journal) -> None:
         """Go on from the journal of the controller before: its job, roster and layout, published in this
@@ -440,6 +444,11 @@ class Controller:
         # warm standby that the restart's ranks need.
         self.publisher.hold(command, self.policy.gather_timeout)
         return None
+
+    def _release_replacements(self) -> None:
+        """The held REPLACE commands go out once their moment has passed: warm standbys are taken from now."""
+        if self.publisher.release_held():
+            self._apply(on_replacements_started(self.view))
 
     def _ready_takeover(self, command: Command, before: JobView | None) -> Command:
         """The spare holds the node from now on."""

@@ -18,6 +18,13 @@ arrive as separate reports, so the first starts a process-level repair: the repo
 set of failed ranks turns that repair into the job-level restart (:func:`_no_replica_left`), with no
 second unit of budget. (The controller holds a repair's REPLACE commands back for a moment, so that a
 repair given up this way has not taken the warm standbys the restart needs.)
+
+With snapshots (--snapshot-every), once a repair's replacements have started (the agents were told),
+the repair is not given up when its healthy ranks die too (staggered deaths: the last one may come a
+second later): the replacements already run in warm standbys, which a job-level restart would kill and
+then want again from nodes that have too few left (new ones are made only after a repair, and a fresh
+one imports torch for seconds). The same repair replaces the later ranks as well, and every rank's
+rollback goes back to the newest snapshot all of them hold.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ class JobView:
     #: the level of the repair under way (meaningful outside RUNNING)
     level: Level = Level.JOB
     generation: int = 0
+    #: the generation the last START began: its healthy ranks live on through process-level repairs
+    start_generation: int = 0
     restarts_used: int = 0
     #: process level: ranks being replaced in this generation, and the nodes that must reap them
     replacing: frozenset[int] = frozenset()
@@ -121,6 +130,10 @@ class JobView:
     resized: tuple[str, ...] = ()
     #: the restart under way changes the job's size by choice (a node joined): it spends no budget
     free_restart: bool = False
+    #: the ranks take snapshots (--snapshot-every): a rollback with no healthy replica goes back to them
+    snapshots: bool = False
+    #: process level: the agents were told to start this repair's replacements, which took warm standbys
+    replacements_started: bool = False
     #: the job-level restart under way was decided because every rank of the generation failed (no
     #: healthy replica left), not because a process-level repair failed
     no_replica: bool = False
@@ -183,12 +196,13 @@ def on_report(view: JobView, report: Report) -> Decision:
 
 
 def _fails_a_live_rank(view: JobView, report: Report) -> bool:
-    """A failure in this generation, or, during a process-level repair, in the one before:
-    its healthy ranks live on into the new generation, and one may die before its agent
-    has heard of the repair."""
+    """A failure in this generation, or, during a process-level repair, in an earlier one since the
+    last START: its healthy ranks live on into the repair's generations, and one may die before its
+    agent has heard of the newest (a repair that goes on moves on a generation at each later death)."""
     if report.generation == view.generation:
         return True
-    return view.level is Level.PROCESS and view.phase in REPAIR_PHASES and report.generation == view.generation - 1
+    return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
+            and view.start_generation <= report.generation < view.generation)
 
 
 def on_library_ranks(view: JobView, count: int) -> Decision:
@@ -210,7 +224,8 @@ def on_milestone(view: JobView, milestone: Milestone) -> Decision:
     if milestone is not expected:
         return view, []
     if after is Phase.RUNNING:
-        return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset()), []
+        return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset(),
+                         replacements_started=False), []
     return _advance_clear(view.move(after)), []
 
 
@@ -378,9 +393,14 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     if setting is not None:
         return _exit(view, ExitCode.JOB_FAILED, f"{setting.describe()}; not retried: a restart would fail the same way")
     if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
-        if view.replacing | ranks >= view.every_rank:
+        if view.replacing | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
-        # the new group is not formed yet: replace these ranks in the same repair
+        if view.replacements_started:
+            # a healthy rank may have counted itself into the new group before it died, and a group that
+            # counts a dead rank forms without its replacement and hangs (seen with staggered deaths: 60 s
+            # to the repair deadline): the repair goes on in a generation no dead rank has touched
+            return _repair_in_a_new_generation(view, ranks, report.node_rank)
+        # the reports of one crash, a few milliseconds apart: replace these ranks in the same repair
         view = view.move(
             Phase.STOPPING,
             replacing=view.replacing | ranks,
@@ -389,18 +409,10 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         )
         return view, [_replace_command(view, ranks)]
     if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
-        if ranks >= view.every_rank:
+        if ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
-        # the repair's group broke before it resumed: the same repair goes on in a new generation
-        # (no second unit of budget; the repair deadline bounds how long this may go on)
-        view = view.move(
-            Phase.STOPPING,
-            generation=view.generation + 1,
-            replacing=ranks,
-            clearing=frozenset({report.node_rank}),
-            acknowledged=frozenset(),
-        )
-        return view, [_replace_command(view, ranks)]
+        # the repair's group broke before it resumed
+        return _repair_in_a_new_generation(view, ranks, report.node_rank)
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(view, ExitCode.JOB_FAILED, f"{first}; {spent}")
@@ -420,6 +432,33 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         return view, [_replace_command(view, ranks)]
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=first)
     return view, [Command(CommandKind.STOP, view.generation, reason=first)]
+
+
+def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank: int) -> Decision:
+    """The same repair goes on in the next generation, replacing ``ranks`` (no second unit of budget; the
+    repair deadline bounds how long this may go on). The replacements already started are ranks of it
+    that hold no state: the rollback gives them a healthy replica's, or every rank goes to the snapshots."""
+    view = view.move(
+        Phase.STOPPING,
+        generation=view.generation + 1,
+        replacing=ranks,
+        clearing=frozenset({node_rank}),
+        acknowledged=frozenset(),
+    )
+    return view, [_replace_command(view, ranks)]
+
+
+def on_replacements_started(view: JobView) -> Decision:
+    """The repair's REPLACE commands went out: its replacements take the nodes' warm standbys now."""
+    if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
+        return view, []
+    return dataclasses.replace(view, replacements_started=True), []
+
+
+def _repair_goes_on_from_snapshots(view: JobView) -> bool:
+    """Every rank failed during a process-level repair whose replacements already started: with
+    snapshots the repair goes on (see the module's note) rather than giving way to a restart."""
+    return view.snapshots and view.replacements_started
 
 
 def _no_replica_left(view: JobView, first: str) -> Decision:
@@ -466,10 +505,12 @@ def _restart_when_stopped(view: JobView) -> Decision:
     view = view.move(
         Phase.RUNNING,
         generation=view.generation + 1,
+        start_generation=view.generation + 1,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
         no_replica=False,
         fallback=None,
+        replacements_started=False,
         library_ranks=0,
         replacing=frozenset(),
         clearing=frozenset(),

@@ -126,11 +126,13 @@ class Publisher:
             self._held_until = time.monotonic() + seconds
         self._held.append(command)
 
-    def release_held(self) -> None:
-        """The held REPLACE commands go out once their moment has passed."""
+    def release_held(self) -> bool:
+        """The held REPLACE commands go out once their moment has passed (True when they did)."""
         if self._held and time.monotonic() >= self._held_until:
             held, self._held = self._held, []
             self.commands(held)
+            return True
+        return False
 
     def drop_held(self, reason: str) -> None:
         if self._held:

@@ -25,6 +25,9 @@ For demos and benchmarks:
                                    finishing step S, only in the first attempt
                                    (TORCHELASTIC_RESTART_COUNT=0, and not in a replacement rank), so
                                    the restarted job runs on
+  --kill-stagger SECONDS           with --kill-rank all: only the last rank dies at once; the others
+                                   die one by one over the next SECONDS (rank 0 last), while the
+                                   job repairs the first deaths
   --step-sleep SECONDS             sleep after every step, to slow the job down
   --progress FILE                  every rank appends "<unix time> <rank> <step> <pid> <restart count>"
                                    for every finished step
@@ -33,6 +36,7 @@ For demos and benchmarks:
 import argparse
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +51,8 @@ HIDDEN_LAYERS = 4  # four 1024 x 1024 layers and a 1024 x 16 one: 4.2M parameter
 CLASSES = 16
 BATCH_SIZE = 32
 CHECKPOINT_NAME = "checkpoint.pt"
+#: --kill-stagger: the timer that will kill this rank, once armed
+KILL_TIMERS: list[threading.Timer] = []
 CLUSTER_CENTERS = torch.randn(CLASSES, WIDTH, generator=torch.Generator().manual_seed(1))  # one per class
 
 
@@ -65,6 +71,8 @@ def make_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--kill-rank", type=rank_or_all,
                         help="rank that SIGKILLs itself, or all (with --kill-at-step)")
     parser.add_argument("--kill-at-step", type=int, help="step after which --kill-rank SIGKILLs itself")
+    parser.add_argument("--kill-stagger", type=float, default=0.0,
+                        help="with --kill-rank all: the other ranks die over this many seconds after the last")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every step")
     return parser
 
@@ -116,9 +124,25 @@ def after_step(progress, args: argparse.Namespace, rank: int, step: int) -> None
     progress.flush()  # the line is out before a kill below, and readable while the job runs
     first_attempt = restart_count == 0 and os.environ.get("FTRUN_REPLACEMENT") != "1"
     if args.kill_rank in (rank, "all") and step == args.kill_at_step and first_attempt:
-        os.kill(os.getpid(), signal.SIGKILL)
+        delay = kill_delay(args, rank)
+        if not delay:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif not KILL_TIMERS:  # armed once: a rollback may bring this rank back to the kill step
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.name, timer.daemon = "kill-stagger", True
+            timer.start()
+            KILL_TIMERS.append(timer)
     if args.step_sleep:
         time.sleep(args.step_sleep)
+
+
+def kill_delay(args: argparse.Namespace, rank: int) -> float:
+    """Seconds after the kill step that this rank dies: 0 but with --kill-rank all --kill-stagger S, where
+    the last rank dies at once and rank r of the others S * (last - r) / last later."""
+    last = int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if args.kill_rank != "all" or not args.kill_stagger or rank == last:
+        return 0.0
+    return args.kill_stagger * (last - rank) / last
 
 
 def finish(job: ftrun.elastic.ElasticJob, args: argparse.Namespace) -> None:

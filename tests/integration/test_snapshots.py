@@ -198,7 +198,10 @@ def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
 
 def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_snapshots(launcher):
     """Every rank is killed as step 13 begins: with no healthy replica left, --recovery process goes to
-    job level at once, and the restart restores step 10 (--snapshot-every 5) from the agents' memory."""
+    job level at once, and the restart restores step 10 (--snapshot-every 5) from the agents' memory.
+    The reports of the deaths come milliseconds apart, inside the controller's 30 ms hold; on a machine
+    busy enough that the last comes later, the replacements have started and the same repair goes on
+    to the same snapshots instead (test_policy.py holds both edges): either way every rank runs warm."""
     faults = ",".join(f"{rank}:13:sigkill" for rank in range(4))
     env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT=faults)
     flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "5", "--snapshot-memory", "256M",
@@ -207,13 +210,16 @@ def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_s
     assert launcher.wait() == [0, 0], launcher.output()
     assert_fault_free_result(launcher, sharded=False)
     output = launcher.output()
-    assert "every rank failed, no healthy replica holds the training state" in output, output
     assert "falling back to job level" not in output and "1 of 2 restarts used" in output
-    # every rank of the restart runs in a warm interpreter that imported torch while the job stopped
-    restarted = "".join(node.output.split("restarting workers as generation")[-1] for node in launcher.nodes)
-    assert sorted(re.findall(r"rank (\d) runs in a warm standby", restarted)) == ["0", "1", "2", "3"], output
-    (event,) = restore_events(launcher)
-    assert event["step"] == 10 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
+    if "every rank failed, no healthy replica holds the training state" in output:
+        # every rank of the restart runs in a warm interpreter that imported torch while the job stopped
+        restarted = "".join(node.output.split("restarting workers as generation")[-1] for node in launcher.nodes)
+        assert sorted(re.findall(r"rank (\d) runs in a warm standby", restarted)) == ["0", "1", "2", "3"], output
+        (event,) = restore_events(launcher)
+        assert event["step"] == 10 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
+    else:  # the repair went on: each rank replaced once, in a warm standby, back to its own snapshot
+        assert sorted(re.findall(r"rank (\d) runs in a warm standby", output)) == ["0", "1", "2", "3"], output
+        assert re.search(r"generation \d resumed training", output), output
     for rank, history in runs(launcher).items():
         assert [s for g, s in history if g > 0][0] == 10, (rank, history)
         assert redone(history) <= 5, (rank, history)

@@ -69,6 +69,25 @@ def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doo
     assert [c.kind for c in published(controller)] == [CommandKind.STOP]
 
 
+def test_staggered_deaths_of_every_rank_after_the_replacements_started_stay_one_repair_with_snapshots(controller):
+    # the first death's replacement took its node's warm standby; the others die over the next second.
+    # A job-level restart now would kill it and want four warm standbys where three are left
+    controller.view = dataclasses.replace(controller.view, snapshots=True)
+    controller._on_report(failed(3))
+    time.sleep(HOLD)
+    controller._release_replacements()
+    assert controller.view.replacements_started
+    for report in (failed(2), failed(0, 1)):
+        controller._on_report(report)
+    time.sleep(HOLD)
+    controller._release_replacements()
+    view = controller.view
+    assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 3, 1)
+    assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [
+        (CommandKind.REPLACE, 1, (3,)), (CommandKind.REPLACE, 2, (2,)), (CommandKind.REPLACE, 3, (0, 1))]
+    assert controller.store.try_text(controller.keys.target_generation) == "3"
+
+
 def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_counts_its_failures(controller,
                                                                                                   monkeypatch):
     from ftrun.agent.protocol import NodeProtocol

@@ -16,6 +16,7 @@ from ftrun.controller.policy import (
     on_node_joined,
     on_node_lost,
     on_repair_failed,
+    on_replacements_started,
     on_report,
     start,
 )
@@ -348,6 +349,73 @@ def test_transition_rollback_to_stopping_at_job_level_when_every_rank_of_the_new
     v, commands = on_report(v, reports_of((0, 1, 2, 3), gen=1)[0])
     assert (v.phase, v.level, v.restarts_used) == (Phase.STOPPING, Level.JOB, 0)
     assert [c.kind for c in commands] == [CommandKind.STOP]
+
+
+@pytest.mark.parametrize("arrivals", [
+    [(0, 1), (2, 3)],  # a node at a time
+    [(3,), (2,), (1,), (0,)],  # one rank at a time, over the repair (the staggered deaths of a whole job)
+], ids=["node-by-node", "rank-by-rank"])
+def test_every_rank_failed_during_a_repair_with_snapshots_stays_one_process_level_repair(arrivals):
+    # its replacements already run in the warm standbys that a job-level restart would want again; each
+    # later death goes on in a generation of its own (a dead rank may have counted itself into the last)
+    v = process_view(snapshots=True)
+    replaced = []
+    for gen, failures in enumerate(reports_of(*arrivals), start=1):
+        v, commands = on_report(v, failures)
+        assert (v.phase, v.level, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, gen, 1)
+        replaced += [rank for c in commands if c.kind is CommandKind.REPLACE for rank in c.ranks]
+        v, _ = on_replacements_started(v)  # the controller's hold is over: the REPLACE went out
+    assert sorted(replaced) == [0, 1, 2, 3]  # each rank replaced once
+    assert not v.no_replica and v.replacing == frozenset(arrivals[-1])
+    v, _ = on_report(v, report(ReportKind.CLEARED, node=arrivals[-1][0] // 2, gen=v.generation))
+    v, _ = on_milestone(v, Milestone.STOPPED)  # the replacements started before it left the last generation
+    v, _ = on_milestone(v, Milestone.JOINED)
+    assert v.phase is Phase.ROLLBACK  # where the ranks go back to their snapshots
+
+
+@pytest.mark.parametrize("phase", [Phase.ENV_CLEAR, Phase.REPAIR])
+def test_last_healthy_ranks_failing_later_in_a_repair_with_snapshots_are_replaced_in_it(phase):
+    v, _ = on_report(process_view(snapshots=True), reports_of((3,))[0])
+    v = dataclasses.replace(on_replacements_started(v)[0], phase=phase)
+    v, commands = on_report(v, reports_of((0, 1, 2), gen=0)[0])
+    assert (v.phase, v.level, v.generation, v.replacing, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2,
+                                                                              frozenset({0, 1, 2}), 1)
+    assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 2, (0, 1, 2))]
+
+
+def test_a_healthy_rank_failing_after_the_replacements_started_goes_on_in_a_new_generation():
+    # it may have counted itself into the new group already: that group would wait for it forever
+    v, _ = on_report(process_view(), reports_of((3,))[0])
+    v, _ = on_replacements_started(v)
+    v, commands = on_report(v, reports_of((1,), gen=0)[0])
+    assert (v.phase, v.level, v.generation, v.replacing, v.clearing) == (Phase.STOPPING, Level.PROCESS, 2,
+                                                                         frozenset({1}), frozenset({0}))
+    assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 2, (1,))]
+
+
+def test_every_rank_failing_in_the_rollback_with_snapshots_goes_on_in_a_new_generation():
+    v, _ = on_report(process_view(snapshots=True), failed(rank=3, node=1))
+    v = dataclasses.replace(on_replacements_started(v)[0], phase=Phase.ROLLBACK)
+    v, commands = on_report(v, reports_of((0, 1, 2, 3), gen=1)[0])
+    assert (v.phase, v.level, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2, 1)
+    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (0, 1, 2, 3))]
+
+
+@pytest.mark.parametrize("arrivals", [[(0, 1, 2, 3)], [(2, 3), (0, 1)]], ids=["one-report", "before-the-hold-ended"])
+def test_every_rank_failing_before_any_replacement_started_restarts_at_job_level_with_snapshots(arrivals):
+    # no standby taken yet: the restart finds every one warm, and restores the snapshots as quickly
+    v = process_view(snapshots=True)
+    for failures in reports_of(*arrivals):
+        v, commands = on_report(v, failures)
+    assert (v.phase, v.level, v.no_replica) == (Phase.STOPPING, Level.JOB, True)
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+
+
+def test_transition_rollback_to_running_forgets_that_the_replacements_started():
+    v, _ = on_report(process_view(snapshots=True), failed(rank=3, node=1))
+    v = dataclasses.replace(on_replacements_started(v)[0], phase=Phase.ROLLBACK)
+    v, _ = on_milestone(v, Milestone.RESUMED)
+    assert (v.phase, v.replacements_started) == (Phase.RUNNING, False)
 
 
 def test_one_healthy_rank_left_is_still_a_process_level_repair():
