@@ -1084,24 +1084,8 @@ def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path,
             console.print("  with one spare node")
         result = benchmark(launcher, scenario, workdir)
         console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
-        for attempt in range(1, OUTSIDE_KILL_RETRIES + 1):
-            if not killed_from_outside(result):
-                break
-            console.print("  every launcher was SIGKILLed from outside the job (not by this benchmark): again")
-            result = benchmark(launcher, scenario, workdir.with_name(f"{workdir.name}-again{attempt}"))
-            console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
         results.append(result)
     return compare_with_baseline(results[::-1] if reverse else results)
-
-
-#: how many times a run is started again whose launchers were all SIGKILLed by some other process (on a
-#: machine shared with other jobs' tests, it happened to a run in three): such a run measures nothing
-OUTSIDE_KILL_RETRIES = 2
-
-
-def killed_from_outside(result: RunResult) -> bool:
-    """Every launcher ended by SIGKILL before the deadline: neither the job nor this benchmark sends that."""
-    return result.outcome == "failed" and all(code == -signal.SIGKILL for code in result.exit_codes)
 
 
 def status_overhead(results: list[RunResult]) -> dict:
