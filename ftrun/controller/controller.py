@@ -19,7 +19,7 @@ from typing import Callable
 
 from ftrun.contract import Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
-from ftrun.controller.journal import Journal
+from ftrun.controller.journal import Journal, JournalWriter
 from ftrun.controller.leadership import Leadership, LeadershipLost
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import (
@@ -145,6 +145,7 @@ class Controller:
         #: the journal of the controller before it, which it goes on from (None: it starts the job)
         self.leadership = leadership
         self._resume = resume
+        self._journal = JournalWriter()
         self.advertised_host = advertised_host
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
@@ -357,7 +358,7 @@ class Controller:
         since = time.monotonic()
         while True:
             try:
-                self.leadership.publish(self.leadership.keys.journal, journal)
+                self._journal.write(self.leadership, journal)
                 return
             except EtcdUnavailable as e:
                 self.narrator.etcd_unreachable(self.view.generation, str(e))
