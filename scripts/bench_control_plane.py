@@ -98,7 +98,7 @@ from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.agent.workers import STOP_POLL  # noqa: E402
 from ftrun.contract import Endpoint, Milestone, parse_endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
-from ftrun.controller.journal import read_journal  # noqa: E402
+from ftrun.controller.journal import JournalWriter, read_journal  # noqa: E402
 from ftrun.controller.leadership import EtcdKeys, Leadership  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
 from ftrun.etcd import EtcdClient, EtcdOptions  # noqa: E402
@@ -459,17 +459,19 @@ class EtcdOffice:
         self._folder.cleanup()
 
 
-def _failover(office: EtcdOffice, controller: Controller, rendezvous: RendezvousPolicy,
-              policy: RecoveryPolicy) -> dict:
-    """The controller's node lost: its lease renewed no more and its controller stopped, nothing given up
-    (as tests/unit/test_etcd.py stops a leader). Another agent's candidacy, as EtcdControlPlane.find's:
-    it tries to lead, else watches the run's keys in etcd; leading, it reads the journal, hosts a store
-    of its own and runs a Controller resumed from it. Timed from the loss until the successor's first
-    command is published (its takeover of the lost controller's node: the decision's TAKEOVER or STOP)."""
+def _failover(office: EtcdOffice, journal, rendezvous: RendezvousPolicy, policy: RecoveryPolicy) -> dict:
+    """Once the simulated agents have left: the journal as the running job's last decision left it
+    (``journal``) written again by the controller's office, then the controller's node lost: its lease
+    renewed no more, nothing given up (as tests/unit/test_etcd.py stops a leader). Another agent's
+    candidacy, as EtcdControlPlane.find's: it tries to lead, else watches the run's keys in etcd;
+    leading, it reads the journal, hosts a store of its own and runs a Controller resumed from it. Timed
+    from the loss until the successor's first command is published (its takeover of the lost
+    controller's node: the decision's TAKEOVER, or a STOP). The agents are gone first, so that they end
+    as in a c10d run (they follow no successor: the simulator's agents know one store)."""
+    JournalWriter().write(office.leadership, journal)  # the job's EXIT overwrote it
     killed = time.monotonic()
     office.leadership._stop.set()  # no renewal any more, and no resignation
-    office.leadership.lost.set()  # its controller changes nothing more, as a dead node's does not
-    controller.join(5)
+    office.leadership.lost.set()
     successor = office.candidate("sim-1")
     client = successor.client
     while True:
@@ -484,7 +486,7 @@ def _failover(office: EtcdOffice, controller: Controller, rendezvous: Rendezvous
     assert journal is not None, "the controller wrote no journal"
     server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
     store = ControlStore(server, Endpoint("127.0.0.1", server.port), is_host=True)
-    resumed = Controller(store, controller.keys, rendezvous, "sim-1", "127.0.0.1", policy, leadership=successor,
+    resumed = Controller(store, JobKeys(RUN_ID), rendezvous, "sim-1", "127.0.0.1", policy, leadership=successor,
                          resume=journal)
     first: list[tuple[float, str]] = []
     publish = resumed.publisher.commands
@@ -562,7 +564,6 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         process.start()
     figures: dict = {"nodes": nodes, "backend": backend, "ranks": nodes * nproc, "agents": total,
                      "agent_processes": len(processes)}
-    failed_over = False
     try:
         wait_until(lambda: store.counter(READY) >= len(processes), 300, "every agent connected")
         go = time.time()
@@ -623,21 +624,19 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         figures.update(_layouts(store, keys))
         if office is not None:
             figures["journal_bytes"] = office.journal_bytes()
-            failed_over = True
-            figures.update(_failover(office, controller, rendezvous, policy))
+            journal = read_journal(office.leadership.client, office.keys)  # as the last decision left it
     finally:
         gc.unfreeze()  # the next size's run collects this one's
-        if not failed_over:
-            controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
-            controller.join(15)
-        if office is not None:
-            office.close()
+        controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
+        controller.join(15)
         store.set_text(END, "1")
         received = []
         for _ in processes:
             received += results.get(timeout=60)
         for process in processes:
             process.join(10)
+        if office is not None and figures.get("journal_bytes") is None:
+            office.close()  # the run failed before its failover
     decisions = [e["t"] for e in controller.events.last(("decision",), 10)]
     # the N nodes' agents (a spare that came after the decision is admitted later, as any late arrival is)
     joined = sorted(r["joined_at"] - go for r in received if r["node"] >= 0)
@@ -649,6 +648,10 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     figures["replace_publish_ms"] = round(next(t for kind, t in published if kind == "replace") * 1000, 1)
     if office is not None:
         figures.update(_journal_writes(office.writes, journaled))
+        try:
+            figures.update(_failover(office, journal, rendezvous, policy))
+        finally:
+            office.close()
     figures.update(_rank_table(controller, nodes))
     figures.update(_restore_plan(nodes, nproc))
     figures["events"] = [e["kind"] for e in controller.events.last(("decision", "node_lost", "takeover",
@@ -984,10 +987,14 @@ def main() -> None:
         for backend in backends:
             runs.append([])
             for _ in range(args.runs):
-                runs[-1].append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady,
-                                         backend=backend, lease_ttl=args.lease_ttl))
+                try:
+                    runs[-1].append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady,
+                                             backend=backend, lease_ttl=args.lease_ttl))
+                except Exception as e:  # the other sizes and backends still run; the table says which failed
+                    _progress(f"{nodes} nodes on {backend}: the run failed: {e!r}")
+                    continue
                 print(json.dumps(runs[-1][-1]), flush=True)
-            rows.append(medians(runs[-1]))
+            rows.append(medians(runs[-1]) if runs[-1] else {"nodes": nodes, "backend": f"{backend} (failed)"})
     compared = []
     if args.real_agents:
         compared = [dict(simulate(args.real_agents, 1, args.agent_processes, args.steady), run="simulated"),
