@@ -145,7 +145,7 @@ class Controller:
         #: the journal of the controller before it, which it goes on from (None: it starts the job)
         self.leadership = leadership
         self._resume = resume
-        self._journal = JournalWriter()
+        self._journal = JournalWriter(resume)
         self.advertised_host = advertised_host
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()

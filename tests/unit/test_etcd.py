@@ -142,6 +142,13 @@ def test_a_decision_rewrites_only_the_journal_parts_it_changed():
     assert JournalWriter().write(office, first) > 0 and office.writes[-1] == ["decision", "roster", "rendezvous"]
 
 
+def test_a_successor_rewrites_only_what_it_changed_of_the_journal_it_read():
+    office, read = RecordingOffice(), journal_of(4)
+    writer = JournalWriter(resumed=read)
+    writer.write(office, dataclasses.replace(read, leader="a1", moves=1))
+    assert office.writes == [["decision"]]  # the roster and the rendezvous result are in etcd as it read them
+
+
 def test_a_journal_written_in_parts_is_read_back_whole(etcd):
     keys = EtcdKeys("parts")
     office = Leadership(EtcdClient(options(etcd)), keys, "a0", ttl=3)
