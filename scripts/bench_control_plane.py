@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import gc
 import heapq
 import json
@@ -468,6 +469,12 @@ def _failover(office: EtcdOffice, journal, rendezvous: RendezvousPolicy, policy:
     from the loss until the successor's first command is published (its takeover of the lost
     controller's node: the decision's TAKEOVER, or a STOP). The agents are gone first, so that they end
     as in a c10d run (they follow no successor: the simulator's agents know one store)."""
+    if journal.held_by(journal.leader) is None:
+        # the controller's agent ended up a spare (the rendezvous places the agents in the order they
+        # joined): its loss would leave nothing to take over. Node 0's agent hosts it instead, as the
+        # measure needs a node lost with the controller
+        node = journal.nodes[0]
+        journal = dataclasses.replace(journal, leader=node.agent_id, host=node.host)
     JournalWriter().write(office.leadership, journal)  # the job's EXIT overwrote it
     killed = time.monotonic()
     office.leadership._stop.set()  # no renewal any more, and no resignation

@@ -142,6 +142,17 @@ def test_a_decision_rewrites_only_the_journal_parts_it_changed():
     assert JournalWriter().write(office, first) > 0 and office.writes[-1] == ["decision", "roster", "rendezvous"]
 
 
+def test_once_the_job_is_over_the_exit_acknowledgements_are_not_journaled():
+    office, writer, running = RecordingOffice(), JournalWriter(), journal_of(4)
+    writer.write(office, running)
+    exiting = dataclasses.replace(running.view, phase=Phase.EXITING, exit_code=1, reason="rank 3 failed")
+    writer.write(office, dataclasses.replace(running, view=exiting))
+    assert office.writes[-1] == ["decision"]  # what a successor reads: the job is over, and why
+    acknowledged = dataclasses.replace(exiting, acknowledged=frozenset({0, 1}))
+    assert writer.write(office, dataclasses.replace(running, view=acknowledged)) == 0
+    assert len(office.writes) == 2
+
+
 def test_a_successor_rewrites_only_what_it_changed_of_the_journal_it_read():
     office, read = RecordingOffice(), journal_of(4)
     writer = JournalWriter(resumed=read)
