@@ -11,6 +11,14 @@ thread per process writes each running rank's heartbeat counter and step once a 
 library does (one ``multi_set`` per node instead of two writes per rank: the store does the same
 work). One more agent stands by as a spare.
 
+--backend etcd (or c10d,etcd: both, size by size, side by side in one more table) runs the same with the
+controller's office in a 3-member etcd cluster of each run's own on loopback (scripts/etcd_cluster.py):
+the controller holds the leader key on a lease of --lease-ttl seconds and writes its journal to etcd at
+each decision, before the decision's commands (in the decision's fan-out); a second spare stands by.
+The run then ends with a failover: the controller's node "lost" (its lease renewed no more, nothing
+given up), another candidate leads once the lease lapses, reads the journal and runs a controller
+resumed from it, in a store of its own.
+
 --real-agents 32 then runs 32 real ftrun agents (a process each, one rank each) twice, and kills a rank
 each time: at job level (the rank a stdlib script), then at process level (the rank the worker library
 around a one-weight model), and prints their figures beside the simulator's at the same size.
@@ -41,14 +49,25 @@ Per N, in order:
   restore plan     bytes of the RestorePlans of a sharded job (each rank's snapshot and one replica
                    on the next node): all nodes', and the largest node's (what each rank reads), and
                    the time to choose the step and make and encode every node's plan
+  etcd only:
+  journal          bytes of the whole journal (what a successor reads); the time of its first write
+                   (every part, at the start), and the bytes and time of the failure's decision's write
+  etcd writes/s    raft proposals committed and lease renewals over --steady seconds, as etcd's
+                   /metrics counts them, and per node
+  etcd CPU         the 3 members' CPU seconds per wall second over the same
+  failover         from the controller's loss until its successor's first command is published: the
+                   lease's lapse (until the successor leads), then its takeover (journal read, store
+                   hosted, layout published, the lost node's decision journaled and published)
 
     .venv/bin/python scripts/bench_control_plane.py --nodes 8,64,256,1024 --ranks-per-node 16 --runs 3 --json cp.json
+    .venv/bin/python scripts/bench_control_plane.py --backend c10d,etcd --real-agents 0 --json cp-etcd.json
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import gc
 import heapq
 import json
@@ -62,6 +81,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 import zlib
 from pathlib import Path
@@ -72,12 +92,17 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import free_port, kill_everything  # noqa: E402
+from etcd_cluster import EtcdCluster  # noqa: E402
 
+from ftrun.agent.control_plane import LOOK_AGAIN  # noqa: E402
 from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.agent.workers import STOP_POLL  # noqa: E402
-from ftrun.contract import Endpoint, Milestone  # noqa: E402
+from ftrun.contract import Endpoint, Milestone, parse_endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
+from ftrun.controller.journal import JournalWriter, read_journal  # noqa: E402
+from ftrun.controller.leadership import EtcdKeys, Leadership  # noqa: E402
 from ftrun.controller.policy import Level  # noqa: E402
+from ftrun.etcd import EtcdClient, EtcdOptions  # noqa: E402
 from ftrun.keys import JobKeys  # noqa: E402
 from ftrun.messages import (  # noqa: E402
     CommandKind, JoinRecord, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
@@ -98,6 +123,12 @@ LIBRARY, REPAIR = "bench/library", "bench/repair"
 DIRECTOR_TICK, CONNECTING = 0.05, 16
 #: how many times the restore plan is chosen and the rank table written (the quickest counts)
 TIMED_REPEATS = 3
+#: --backend: the control planes measured (c10d: a TCPStore alone; etcd: the same store, the controller's
+#: office and journal in a 3-member etcd)
+BACKENDS = ("c10d", "etcd")
+#: --backend etcd: the controller's lease, as the agents' --node-timeout sets it (the tests': renewed
+#: every second)
+LEASE_TTL = 3.0
 
 
 class Count:
@@ -372,17 +403,139 @@ def run_agents(port: int, indices: list[int], nproc: int, results, ops_value) ->
 
 # -- the controller's side, and the measurements -------------------------------------------------
 
-def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5.0, node_timeout: float = 30.0) -> dict:
-    """One run at ``nodes`` x ``nproc`` (and one spare); the figures, and the counts the smoke test checks."""
+class EtcdOffice:
+    """--backend etcd: a 3-member etcd cluster of the run's own on loopback (scripts/etcd_cluster.py), and
+    the controller's office in it (its Leadership: the lease, each decision's journal), as the agent
+    that hosts the controller holds it. Each journal write (a transaction) is timed and sized."""
+
+    def __init__(self, ttl: float = LEASE_TTL):
+        self.ttl = ttl
+        self._folder = tempfile.TemporaryDirectory(prefix="ftrun-bench-etcd-")
+        self.cluster = EtcdCluster.start(Path(self._folder.name), 3)
+        self.options = EtcdOptions(tuple(parse_endpoint(e, 2379) for e in self.cluster.endpoints.split(",")))
+        self.keys = EtcdKeys(RUN_ID)
+        #: (wall time it began, ms, bytes written) of each journal write
+        self.writes: list[tuple[float, float, int]] = []
+        self.leadership = self.candidate("sim-0")
+        if not self.leadership.try_lead():
+            raise RuntimeError("a fresh etcd cluster has a leader already")
+        write = self.leadership.write
+
+        def timed_write(ops: list[dict]) -> None:
+            began, clock = time.time(), time.perf_counter()
+            write(ops)
+            # base64's length, not its decoding: this runs in the controller's thread, before the commands
+            size = sum(len(op["request_put"]["value"]) * 3 // 4 for op in ops if "request_put" in op)
+            self.writes.append((began, (time.perf_counter() - clock) * 1000, size))
+
+        self.leadership.write = timed_write  # type: ignore[method-assign]
+
+    def candidate(self, agent_id: str) -> Leadership:
+        return Leadership(EtcdClient(self.options), self.keys, agent_id, self.ttl)
+
+    def counters(self) -> dict[str, float]:
+        """etcd's own counts: raft proposals committed (every write: puts, transactions, leases granted
+        and revoked) and puts, as one member applied them (each applies all); lease renewals, which the
+        raft leader answers alone without a proposal, summed over the members."""
+        counts = {"proposals": 0.0, "puts": 0.0, "renewals": 0.0}
+        names = {"etcd_server_proposals_committed_total": "proposals", "etcd_mvcc_put_total": "puts",
+                 "etcd_debugging_lease_renewed_total": "renewals"}
+        for index, member in enumerate(self.cluster.members):
+            with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=5) as answer:
+                for line in answer.read().decode().splitlines():
+                    name, _, value = line.partition(" ")
+                    if name in names and (index == 0 or names[name] == "renewals"):
+                        counts[names[name]] += float(value)
+        return counts
+
+    def cpu(self) -> float:
+        return sum(_cpu(psutil.Process(m.proc.pid)) for m in self.cluster.members if m.proc is not None)
+
+    def journal_bytes(self) -> int:
+        """The whole journal as etcd holds it now (what a successor reads)."""
+        return sum(len(kv.value) for kv in self.leadership.client.get_prefix(self.keys.journal_part("")))
+
+    def close(self) -> None:
+        self.cluster.stop()
+        self._folder.cleanup()
+
+
+def _failover(office: EtcdOffice, journal, rendezvous: RendezvousPolicy, policy: RecoveryPolicy) -> dict:
+    """Once the simulated agents have left: the journal as the running job's last decision left it
+    (``journal``) written again by the controller's office, then the controller's node lost: its lease
+    renewed no more, nothing given up (as tests/unit/test_etcd.py stops a leader). Another agent's
+    candidacy, as EtcdControlPlane.find's: it tries to lead, else watches the run's keys in etcd;
+    leading, it reads the journal, hosts a store of its own and runs a Controller resumed from it. Timed
+    from the loss until the successor's first command is published (its takeover of the lost
+    controller's node: the decision's TAKEOVER, or a STOP). The agents are gone first, so that they end
+    as in a c10d run (they follow no successor: the simulator's agents know one store)."""
+    if journal.held_by(journal.leader) is None:
+        # the controller's agent ended up a spare (the rendezvous places the agents in the order they
+        # joined): its loss would leave nothing to take over. Node 0's agent hosts it instead, as the
+        # measure needs a node lost with the controller
+        node = journal.nodes[0]
+        journal = dataclasses.replace(journal, leader=node.agent_id, host=node.host)
+    JournalWriter().write(office.leadership, journal)  # the job's EXIT overwrote it
+    killed = time.monotonic()
+    office.leadership._stop.set()  # no renewal any more, and no resignation
+    office.leadership.lost.set()
+    successor = office.candidate("sim-1")
+    client = successor.client
+    while True:
+        revision = client.revision()
+        if successor.try_lead():
+            break
+        if time.monotonic() - killed > 10 * office.ttl:
+            raise TimeoutError("no successor took the controller's office")
+        client.wait_change(office.keys.root, revision, LOOK_AGAIN, prefix=True)
+    led = time.monotonic()
+    journal = read_journal(client, office.keys)
+    assert journal is not None, "the controller wrote no journal"
+    server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
+    store = ControlStore(server, Endpoint("127.0.0.1", server.port), is_host=True)
+    resumed = Controller(store, JobKeys(RUN_ID), rendezvous, "sim-1", "127.0.0.1", policy, leadership=successor,
+                         resume=journal)
+    first: list[tuple[float, str]] = []
+    publish = resumed.publisher.commands
+
+    def noted(commands) -> None:
+        publish(commands)
+        if commands and not first:
+            first.append((time.monotonic(), "+".join(command.kind.value for command in commands)))
+
+    resumed.publisher.commands = noted  # type: ignore[method-assign]
+    resumed.start()
+    try:
+        wait_until(lambda: bool(first), 30, "the successor's first command")
+    finally:
+        successor.lost.set()  # it steps down (its agents are the simulated ones, on the first store)
+        resumed.join(5)
+        successor.resign()
+    published, kinds = first[0]
+    return {"failover_ms": round((published - killed) * 1000), "lease_lapse_ms": round((led - killed) * 1000),
+            "takeover_ms": round((published - led) * 1000, 1), "failover_commands": kinds}
+
+
+def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5.0, node_timeout: float = 30.0,
+             backend: str = "c10d", lease_ttl: float = LEASE_TTL) -> dict:
+    """One run at ``nodes`` x ``nproc`` (and one spare); the figures, and the counts the smoke test checks.
+    ``backend`` "etcd": the controller leads from an etcd cluster of the run's own (EtcdOffice), writing
+    its journal at each decision; the run ends with its failover (_failover), for which a second spare
+    stands by (the first takes the lost node's place before): the successor's first command is the
+    takeover of the lost controller's node, as on a job with a spare left."""
     logging.getLogger("ftrun").setLevel(logging.ERROR)
+    office = EtcdOffice(lease_ttl) if backend == "etcd" else None
     server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
     port = server.port
     ctl_ops = Count()
     store = ControlStore(CountingStore(server, ctl_ops), Endpoint("127.0.0.1", port), is_host=True)
     keys = JobKeys(RUN_ID)
-    controller = Controller(store, keys, RendezvousPolicy(nodes, nodes, 0.0, 300.0, spares=1), "sim-0", "127.0.0.1",
-                            RecoveryPolicy(max_restarts=10, recovery=Level.PROCESS, node_timeout=node_timeout,
-                                           stop_timeout=10.0, repair_timeout=60.0))
+    spares = 2 if office else 1
+    rendezvous = RendezvousPolicy(nodes, nodes, 0.0, 300.0, spares=spares)
+    policy = RecoveryPolicy(max_restarts=10, recovery=Level.PROCESS, node_timeout=node_timeout, stop_timeout=10.0,
+                            repair_timeout=60.0)
+    controller = Controller(store, keys, rendezvous, "sim-0", "127.0.0.1", policy,
+                            leadership=office.leadership if office else None)
     lost_at: list[float] = []
     lose_node = controller.lose_node
 
@@ -392,25 +545,32 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
 
     controller.lose_node = timed_lose_node  # type: ignore[method-assign]
     published: list[tuple[str, float]] = []
+    #: the journal writes made before each kind of command was first published
+    journaled: dict[str, int] = {}
     publish = controller.publisher.commands
 
     def timed_publish(commands) -> None:
         began = time.perf_counter()
         publish(commands)
         published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
+        if office is not None and commands:
+            journaled.setdefault(commands[0].kind.value, len(office.writes))
 
     controller.publisher.commands = timed_publish  # type: ignore[method-assign]
     controller.start()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    total = nodes + 1  # and one spare
+    total = nodes + spares
+    #: the nodes that fail, are lost and fail at process level (node ranks)
+    failing, lost, repairing = (nodes + 1) // 2, (nodes + 1) // 3, (nodes + 1) // 4
     shares = [list(range(total))[p::max(1, agent_processes)] for p in range(max(1, agent_processes))]
     op_counts = [context.Value("q", 0, lock=False) for _ in shares]
     processes = [context.Process(target=run_agents, args=(port, share, nproc, results, count), daemon=True)
                  for share, count in zip(shares, op_counts)]
     for process in processes:
         process.start()
-    figures: dict = {"nodes": nodes, "ranks": nodes * nproc, "agents": total, "agent_processes": len(processes)}
+    figures: dict = {"nodes": nodes, "backend": backend, "ranks": nodes * nproc, "agents": total,
+                     "agent_processes": len(processes)}
     try:
         wait_until(lambda: store.counter(READY) >= len(processes), 300, "every agent connected")
         go = time.time()
@@ -429,8 +589,17 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         agents = [psutil.Process(p.pid) for p in processes]
         cpu0, thread0, ops0, wall0 = _cpu(me), _thread_cpu(me, ctl_thread), _ops(ctl_ops, op_counts), time.monotonic()
         agents0 = sum(_cpu(a) for a in agents)
+        etcd0, etcd_cpu0 = (office.counters(), office.cpu()) if office else ({}, 0.0)
         time.sleep(steady)
         wall = time.monotonic() - wall0
+        if office is not None:
+            counts = {name: value - etcd0[name] for name, value in office.counters().items()}
+            writes = counts["proposals"] + counts["renewals"]
+            figures["etcd_writes_s"] = round(writes / wall, 2)
+            figures["etcd_writes_node_s"] = round(writes / wall / nodes, 4)
+            figures["etcd_puts_s"] = round(counts["puts"] / wall, 2)
+            figures["etcd_renewals_s"] = round(counts["renewals"] / wall, 2)
+            figures["etcd_cpu"] = round((office.cpu() - etcd_cpu0) / wall, 3)
         figures["agents_cpu"] = round((sum(_cpu(a) for a in agents) - agents0) / wall, 3)
         ctl_cpu = _thread_cpu(me, ctl_thread) - thread0
         figures["ctl_cpu"] = round(ctl_cpu / wall, 4)
@@ -441,13 +610,13 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
 
         # one rank fails: its report until every agent holds the STOP, and the next START
         seq = store.counter(keys.command_count)
-        store.set_text(FAIL, str(total // 2))
+        store.set_text(FAIL, str(failing))
         wait_until(lambda: controller.view.generation >= 1 and controller.view.phase.value == "running", 60,
                    "the job-level restart")
         time.sleep(3 * MONITOR_INTERVAL)
         # a node is lost (its agent goes silent); the spare takes its place
         lose_seq = store.counter(keys.command_count)
-        store.set_text(LOSE, str(total // 3))
+        store.set_text(LOSE, str(lost))
         wait_until(lambda: lost_at and controller.view.phase.value == "running" and controller.view.generation >= 2,
                    60 + node_timeout, "the spare's takeover")
         time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
@@ -456,10 +625,13 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
         store.set_text(LIBRARY, "1")
         wait_until(lambda: controller.view.process_level_ready, 30, "every rank's library milestone")
         repair_seq = store.counter(keys.command_count)
-        store.set_text(REPAIR, str(total // 4))
+        store.set_text(REPAIR, str(repairing))
         wait_until(lambda: any(kind == "replace" for kind, _ in published), 30, "the process-level repair")
         time.sleep(3 * MONITOR_INTERVAL + KEEPALIVE)
         figures.update(_layouts(store, keys))
+        if office is not None:
+            figures["journal_bytes"] = office.journal_bytes()
+            journal = read_journal(office.leadership.client, office.keys)  # as the last decision left it
     finally:
         gc.unfreeze()  # the next size's run collects this one's
         controller.stop_job(0, "benchmark over")  # every agent reads the EXIT and leaves
@@ -470,20 +642,37 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
             received += results.get(timeout=60)
         for process in processes:
             process.join(10)
+        if office is not None and figures.get("journal_bytes") is None:
+            office.close()  # the run failed before its failover
     decisions = [e["t"] for e in controller.events.last(("decision",), 10)]
     # the N nodes' agents (a spare that came after the decision is admitted later, as any late arrival is)
     joined = sorted(r["joined_at"] - go for r in received if r["node"] >= 0)
     figures["rendezvous_s"], figures["rendezvous_p50_s"] = round(joined[-1], 3), round(joined[len(joined) // 2], 3)
     figures["first_start_s"] = round(max(r["started_at"] for r in received if r["node"] >= 0) - go, 3)
-    figures.update(_fan_out(received, seq, lose_seq, decisions, total // 2, total // 3))
-    figures.update(_replace_fan_out(received, repair_seq, decisions[2], total // 4, total // 3))
+    figures.update(_fan_out(received, seq, lose_seq, decisions, failing, lost))
+    figures.update(_replace_fan_out(received, repair_seq, decisions[2], repairing, lost))
     figures["publish_ms"] = round(next(t for kind, t in published if kind == "stop") * 1000, 1)
     figures["replace_publish_ms"] = round(next(t for kind, t in published if kind == "replace") * 1000, 1)
+    if office is not None:
+        figures.update(_journal_writes(office.writes, journaled))
+        try:
+            figures.update(_failover(office, journal, rendezvous, policy))
+        finally:
+            office.close()
     figures.update(_rank_table(controller, nodes))
     figures.update(_restore_plan(nodes, nproc))
     figures["events"] = [e["kind"] for e in controller.events.last(("decision", "node_lost", "takeover",
                                                                      "generation_started"), 100)]
     return figures
+
+
+def _journal_writes(writes: list[tuple[float, float, int]], journaled: dict[str, int]) -> dict:
+    """The first journal write (every part, at the job's start), and the failure's decision's (the one
+    made before the first STOP was published: in the decision's fan-out)."""
+    decision = writes[journaled["stop"] - 1]
+    return {"journal_first_ms": round(writes[0][1], 1), "journal_first_bytes": writes[0][2],
+            "journal_ms": round(decision[1], 1), "journal_write_bytes": decision[2],
+            "journal_writes": len(writes)}
 
 
 def _held(received: list[dict], lost: int, wanted) -> list[float]:
@@ -744,7 +933,7 @@ REAL_COLUMNS = [("run", "32 nodes x 1 rank"), ("rendezvous_s", "rdzv s"), ("fail
                 ("restart_ms", "restart ms"), ("replace_fanout_ms", "replace fan-out ms"), ("resumed_ms", "resumed ms")]
 
 
-COLUMNS = [("nodes", "nodes"), ("ranks", "ranks"), ("agents", "agents"), ("rendezvous_s", "rdzv s"),
+COLUMNS = [("nodes", "nodes"), ("backend", "backend"), ("ranks", "ranks"), ("agents", "agents"), ("rendezvous_s", "rdzv s"),
            ("first_start_s", "first start s"),
            ("fail_fanout_ms", "fail fan-out ms"), ("decision_fanout_p50_ms", "decision p50 ms"),
            ("decision_fanout_ms", "decision fan-out ms"), ("publish_ms", "publish ms"), ("restart_ms", "restart ms"),
@@ -753,7 +942,19 @@ COLUMNS = [("nodes", "nodes"), ("ranks", "ranks"), ("agents", "agents"), ("rende
            ("agents_cpu", "agents CPU"), ("store_ops_s", "store ops/s"),
            ("board_bytes", "board B"), ("rank_table_ms", "rank table ms"), ("layout_bytes", "layout B"),
            ("layout_change_bytes", "change B"), ("plan_bytes", "plan B"),
-           ("plan_node_bytes", "node plan B"), ("plan_ms", "plan ms")]
+           ("plan_node_bytes", "node plan B"), ("plan_ms", "plan ms"), ("journal_bytes", "journal B"),
+           ("journal_first_ms", "journal first ms"), ("journal_write_bytes", "decision's journal B"),
+           ("journal_ms", "journal ms"), ("etcd_writes_s", "etcd writes/s"), ("etcd_cpu", "etcd CPU"),
+           ("failover_ms", "failover ms")]
+#: --backend c10d,etcd: the two side by side, size by size
+COMPARED_COLUMNS = [("nodes", "nodes"), ("backend", "backend"), ("fail_fanout_ms", "fail → all hold STOP ms"),
+                    ("decision_fanout_p50_ms", "decision → half ms"), ("decision_fanout_ms", "decision → all ms"),
+                    ("publish_ms", "publish ms"), ("restart_ms", "restart ms"), ("lost_fanout_ms", "lost node → all ms"),
+                    ("journal_bytes", "journal B"), ("journal_first_ms", "whole journal written ms"),
+                    ("journal_write_bytes", "decision's journal B"), ("journal_ms", "decision's journal ms"),
+                    ("etcd_writes_s", "etcd writes/s"), ("etcd_writes_node_s", "per node"),
+                    ("lease_lapse_ms", "lease lapsed ms"), ("takeover_ms", "takeover ms"),
+                    ("failover_ms", "failover ms"), ("ctl_cpu", "ctl CPU"), ("etcd_cpu", "etcd CPU")]
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
@@ -777,17 +978,30 @@ def main() -> None:
                         help="also run this many real agents (1 rank each) and the simulator at the same size (0: not)")
     parser.add_argument("--runs", type=int, default=1,
                         help="simulate each size this many times; the table shows each figure's median")
+    parser.add_argument("--backend", default="c10d",
+                        help="c10d, etcd, or both (c10d,etcd): each size is run with each, side by side in the "
+                             "table. etcd starts a 3-member cluster of each run's own (scripts/etcd_cluster.py)")
+    parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL, help="etcd: the controller's lease (s)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be 1 or more, not {args.runs}")
+    backends = [b for b in args.backend.split(",") if b]
+    if not backends or any(b not in BACKENDS for b in backends):
+        parser.error(f"--backend takes {', '.join(BACKENDS)} or a list of them, not {args.backend!r}")
     rows, runs = [], []
     for nodes in (int(n) for n in args.nodes.split(",") if n):
-        runs.append([])
-        for _ in range(args.runs):
-            runs[-1].append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady))
-            print(json.dumps(runs[-1][-1]), flush=True)
-        rows.append(medians(runs[-1]))
+        for backend in backends:
+            runs.append([])
+            for _ in range(args.runs):
+                try:
+                    runs[-1].append(simulate(nodes, args.ranks_per_node, args.agent_processes, args.steady,
+                                             backend=backend, lease_ttl=args.lease_ttl))
+                except Exception as e:  # the other sizes and backends still run; the table says which failed
+                    _progress(f"{nodes} nodes on {backend}: the run failed: {e!r}")
+                    continue
+                print(json.dumps(runs[-1][-1]), flush=True)
+            rows.append(medians(runs[-1]) if runs[-1] else {"nodes": nodes, "backend": f"{backend} (failed)"})
     compared = []
     if args.real_agents:
         compared = [dict(simulate(args.real_agents, 1, args.agent_processes, args.steady), run="simulated"),
@@ -800,6 +1014,10 @@ def main() -> None:
                                                                if args.runs > 1 else "") + "\n")
     if rows:
         print(table(rows))
+    if "etcd" in backends:
+        print(f"\nthe control plane on {' and '.join(backends)} (etcd: 3 members on this machine, a lease of "
+              f"{args.lease_ttl:g}s; failover: from the controller's loss until its successor's first command)\n")
+        print(table(rows, COMPARED_COLUMNS))
     if compared:
         print(f"\nthe simulator against {args.real_agents} real agents (one process each) on the same cores:\n")
         print(table(compared, [(k, t.replace("32", str(args.real_agents))) for k, t in REAL_COLUMNS]))

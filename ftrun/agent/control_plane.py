@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
-from ftrun.controller.journal import Journal
+from ftrun.controller.journal import Journal, read_journal
 from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, current_relay
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable
-from ftrun.messages import from_json
 from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
 
 log = logging.getLogger(__name__)
@@ -142,8 +141,7 @@ class EtcdControlPlane:
         return ControlStore(server, endpoint, is_host=True, signer=self.signer)
 
     def _journal(self) -> Journal | None:
-        kv = self.client.get(self.keys.journal)
-        return from_json(Journal, kv.value) if kv is not None else None
+        return read_journal(self.client, self.keys)
 
     def _wait_for_relay(self, timeout: float) -> None:
         """Until one of the run's keys changes (a leader's lease lapsed, a new one published its store), or

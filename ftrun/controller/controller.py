@@ -19,7 +19,7 @@ from typing import Callable
 
 from ftrun.contract import Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
-from ftrun.controller.journal import Journal
+from ftrun.controller.journal import Journal, JournalWriter
 from ftrun.controller.leadership import Leadership, LeadershipLost
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import (
@@ -146,6 +146,7 @@ class Controller:
         #: the journal of the controller before it, which it goes on from (None: it starts the job)
         self.leadership = leadership
         self._resume = resume
+        self._journal = JournalWriter(resume)
         self.advertised_host = advertised_host
         if leadership is not None:
             self.board.controller = {"host": advertised_host, "moves": resume.moves + 1 if resume is not None else 0}
@@ -363,7 +364,7 @@ class Controller:
         since = time.monotonic()
         while True:
             try:
-                self.leadership.publish(self.leadership.keys.journal, journal)
+                self._journal.write(self.leadership, journal)
                 return
             except EtcdUnavailable as e:
                 self._say_etcd_unreachable(str(e))

@@ -48,8 +48,13 @@ class EtcdKeys:
 
     @property
     def journal(self) -> str:
-        """The controller's state (``journal.Journal``), written at each decision before its commands."""
+        """The controller's state (``journal.Journal``), written at each decision before its commands:
+        the prefix of its parts' keys."""
         return self.root + "journal"
+
+    def journal_part(self, name: str) -> str:
+        """One part of the journal (``journal.PARTS``; "": the prefix of them all)."""
+        return f"{self.journal}/{name}"
 
     @property
     def relay(self) -> str:

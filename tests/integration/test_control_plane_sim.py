@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from bench_control_plane import real_run, simulate  # noqa: E402
+from bench_control_plane import COMPARED_COLUMNS, real_run, simulate, table  # noqa: E402
+from etcd_cluster import EtcdUnavailable, etcd_program  # noqa: E402
 
 from tests.conftest import marked_processes  # noqa: E402
 
@@ -35,6 +36,24 @@ def test_simulated_agents_join_hold_every_decision_and_a_spare_takes_a_lost_node
     # agent that holds the first reads the takeover's change, a node of the 8, not the whole again
     assert figures["layout_versions"] == 2
     assert 0 < figures["layout_change_bytes"] < figures["layout_bytes"] / 4
+
+
+def test_on_etcd_every_decision_is_journaled_and_a_successor_takes_over_from_the_journal():
+    """--backend etcd at its smallest: the same counts, the journal written at each decision (whole once,
+    then the decision's part alone), and a successor's first command after the controller's lease lapsed."""
+    try:
+        etcd_program()
+    except EtcdUnavailable as e:
+        pytest.skip(str(e))
+    figures = simulate(8, 2, agent_processes=1, steady=1.0, node_timeout=2.0, backend="etcd", lease_ttl=2.0)
+    assert figures["joined"] == 10  # 8 nodes and two spares: one for the lost node, one for the controller's
+    assert figures["holders"] == 9 and figures["replace_holders"] == 9
+    assert figures["journal_writes"] >= 4  # the start, the restart, the takeover, the repair
+    assert 0 < figures["journal_write_bytes"] < figures["journal_first_bytes"] <= figures["journal_bytes"]
+    assert figures["etcd_renewals_s"] > 0 and figures["etcd_puts_s"] == 0  # steady state: the lease alone
+    assert figures["failover_commands"] == "takeover+stop"  # the second spare takes the lost controller's node
+    assert figures["lease_lapse_ms"] <= figures["failover_ms"]
+    assert "etcd" in table([figures], COMPARED_COLUMNS)
 
 
 def test_real_agents_running_the_worker_library_each_read_the_replacement_of_a_killed_rank():

@@ -7,13 +7,14 @@ others join once it leads, so that it is node 0 of the rendezvous.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, Launcher, free_port, wait_for
+from tests.conftest import WORKERS, Launcher, free_port, ftrun_status, wait_for
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -126,11 +127,18 @@ def test_the_controller_lost_in_the_middle_of_a_repair_the_successor_finishes_it
 def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the_job(launcher, etcd):
     leader, *others = start(launcher, etcd, spares=0, flags=["--store-timeout", "4"], STEPS="1000", STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)
+    # ftrun status finds the job through etcd
+    status = ftrun_status(etcd.endpoints, "--rdzv-backend", "etcd", "--run-id", launcher.mark, "--json")
+    out, err = status.communicate(timeout=60)
+    assert status.returncode == 0, err
+    assert json.loads(out)["controller"]["host"] == "127.0.0.2"
     etcd.kill(1)
-    etcd.kill(2)  # the quorum, for a while: training goes on
+    etcd.kill(2)  # the quorum, for 10 s: training goes on
+    lost_at = time.monotonic()
     wait_for(lambda: "etcd) is unreachable" in leader.output, timeout=60, what="the controller to say so")
     progress = int((launcher.out_dir / "progress-rank1").read_text())
     wait_for_progress(launcher, 1, progress + 3)
+    time.sleep(max(0.0, 10 - (time.monotonic() - lost_at)))
     etcd.revive(1)
     etcd.revive(2)
     wait_for(lambda: "etcd) answers again" in leader.output, timeout=60, what="etcd to answer again")

@@ -3,6 +3,8 @@ members lost one by one, the quorum lost, a leader whose lease lapsed while it w
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import threading
 import time
@@ -11,7 +13,7 @@ import urllib.request
 import pytest
 
 from ftrun.contract import parse_endpoint
-from ftrun.controller.journal import Journal
+from ftrun.controller.journal import Journal, JournalWriter, read_journal
 from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.etcd import EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, created_at, put, read
@@ -107,3 +109,65 @@ def test_a_journal_comes_back_as_it_was_written():
     slot = NodeSlot(0, "h:1", "h", 2, 0)
     journal = Journal("h:1", "h", view, RendezvousResult((slot,), 4), (slot,), (), 4, moves=1)
     assert from_json(Journal, to_json(journal)) == journal
+    assert Journal.from_parts({name: to_json(part) for name, part in journal.parts().items()}) == journal
+
+
+class RecordingOffice:
+    """A Leadership's write, recorded: the keys each transaction puts."""
+
+    def __init__(self):
+        self.keys = EtcdKeys("journal")
+        self.writes: list[list[str]] = []
+
+    def write(self, ops: list[dict]) -> None:
+        self.writes.append([base64.b64decode(op["request_put"]["key"]).decode().rsplit("/", 1)[1] for op in ops])
+
+
+def journal_of(nodes: int, view_generation: int = 0) -> Journal:
+    slots = tuple(NodeSlot(n, f"a{n}", "h", 2, 2 * n) for n in range(nodes))
+    view = JobView(node_count=nodes, max_restarts=3, world_size=2 * nodes, generation=view_generation)
+    return Journal("a0", "h", view, RendezvousResult(slots, 2 * nodes), slots, (), 2 * nodes)
+
+
+def test_a_decision_rewrites_only_the_journal_parts_it_changed():
+    office, writer = RecordingOffice(), JournalWriter()
+    first = journal_of(4)
+    writer.write(office, first)
+    assert office.writes == [["decision", "roster", "rendezvous"]]  # a controller's first write: every part
+    writer.write(office, dataclasses.replace(first, view=dataclasses.replace(first.view, generation=1)))
+    assert office.writes[-1] == ["decision"]  # the rendezvous result and the roster stay as written
+    moved = dataclasses.replace(first.nodes[1], agent_id="spare")
+    writer.write(office, dataclasses.replace(first, nodes=(first.nodes[0], moved, *first.nodes[2:])))
+    assert office.writes[-1] == ["decision", "roster"]
+    assert JournalWriter().write(office, first) > 0 and office.writes[-1] == ["decision", "roster", "rendezvous"]
+
+
+def test_once_the_job_is_over_the_exit_acknowledgements_are_not_journaled():
+    office, writer, running = RecordingOffice(), JournalWriter(), journal_of(4)
+    writer.write(office, running)
+    exiting = dataclasses.replace(running.view, phase=Phase.EXITING, exit_code=1, reason="rank 3 failed")
+    writer.write(office, dataclasses.replace(running, view=exiting))
+    assert office.writes[-1] == ["decision"]  # what a successor reads: the job is over, and why
+    acknowledged = dataclasses.replace(exiting, acknowledged=frozenset({0, 1}))
+    assert writer.write(office, dataclasses.replace(running, view=acknowledged)) == 0
+    assert len(office.writes) == 2
+
+
+def test_a_successor_rewrites_only_what_it_changed_of_the_journal_it_read():
+    office, read = RecordingOffice(), journal_of(4)
+    writer = JournalWriter(resumed=read)
+    writer.write(office, dataclasses.replace(read, leader="a1", moves=1))
+    assert office.writes == [["decision"]]  # the roster and the rendezvous result are in etcd as it read them
+
+
+def test_a_journal_written_in_parts_is_read_back_whole(etcd):
+    keys = EtcdKeys("parts")
+    office = Leadership(EtcdClient(options(etcd)), keys, "a0", ttl=3)
+    assert office.try_lead()
+    writer, first = JournalWriter(), journal_of(3)
+    assert read_journal(office.client, keys) is None
+    writer.write(office, first)
+    later = dataclasses.replace(first, view=dataclasses.replace(first.view, generation=2), started_world=4)
+    writer.write(office, later)
+    assert read_journal(office.client, keys) == later
+    office.resign()
