@@ -29,6 +29,11 @@ CALL_DEADLINE = 10.0
 MEMBER_TIMEOUT = 3.0
 #: the pause between two rounds over the members, while none answers
 RETRY_PAUSE = 0.1
+#: gRPC's codes behind the gateway for a member that cannot serve now (DEADLINE_EXCEEDED, UNAVAILABLE: its
+#: own connections closing or reconnecting as members come back): tried again, as no answer is
+TRANSIENT_CODES = (4, 14)
+#: the same, as the gateway words it (its code is not always there)
+TRANSIENT_ERRORS = ("leader", "timed out", "closing", "navailable")
 
 
 class EtcdError(Exception):
@@ -284,7 +289,8 @@ class EtcdClient:
                     last = f"{self.options.endpoints[index]}: {e or type(e).__name__}"
                     continue
                 error = str(answer.get("error", "")) if isinstance(answer, dict) else ""
-                if response.status >= 500 or "leader" in error or "timed out" in error:
+                code = answer.get("code") if isinstance(answer, dict) else None
+                if response.status >= 500 or code in TRANSIENT_CODES or any(m in error for m in TRANSIENT_ERRORS):
                     last = f"{self.options.endpoints[index]}: {error or response.status}"
                     continue
                 self._current = index

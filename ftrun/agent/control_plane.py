@@ -136,7 +136,9 @@ class EtcdControlPlane:
         address = bind_address(self.host, config.store_bind, True)
         server = _store_server(self.host, address, 0, config.worker_port_range)
         endpoint = Endpoint(self.host, server.port)
-        self.leadership.publish(self.keys.relay, Relay(str(endpoint), self.agent_id, self.host, self.leadership.term))
+        relay = Relay(str(endpoint), self.agent_id, self.host, self.leadership.term)
+        self.leadership.publish(self.keys.relay, relay)
+        self.leadership.relay = relay
         log.info("hosting the control store at %s and the controller", endpoint)
         return ControlStore(server, endpoint, is_host=True, signer=self.signer)
 

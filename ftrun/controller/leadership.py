@@ -14,6 +14,7 @@ other agent holds one watch on the leader key.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -92,6 +93,8 @@ class Leadership:
         self.unreachable_since = 0.0
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+        #: where this candidate's store is, once it leads and said so (said again in a new term)
+        self.relay: Relay | None = None
         #: the renewals' own client: each gives up within a renewal's period, so that a lost quorum is
         #: seen within one
         self._renewals = EtcdClient(client.options, deadline=max(1.0, ttl / RENEWALS_PER_TTL))
@@ -108,17 +111,40 @@ class Leadership:
         """Take the leader key if no one holds it; True if this candidate leads now."""
         if self.leads:
             return True
-        lease = self.client.grant(self.ttl)
-        result = self.client.txn([created_at(self.keys.leader, 0)], [put(self.keys.leader, self.candidate, lease)])
-        if not result.succeeded:
-            self.client.revoke(lease)
+        if not self._take_key(self.client):
             return False
-        self._lease, self.term = lease, result.revision
         self.lost.clear()
         self._stop.clear()
         self._keeper = threading.Thread(target=self._keep, name="ftrun-lease", daemon=True)
         self._keeper.start()
         log.info("leading the job's control plane (term %d)", self.term)
+        return True
+
+    def _take_key(self, client: EtcdClient) -> bool:
+        """Create the leader key on a new lease if it is missing: a new term."""
+        lease = client.grant(self.ttl)
+        result = client.txn([created_at(self.keys.leader, 0)], [put(self.keys.leader, self.candidate, lease)])
+        if not result.succeeded:
+            client.revoke(lease)
+            return False
+        self._lease, self.term = lease, result.revision
+        return True
+
+    def _take_back(self) -> bool:
+        """The lease lapsed while etcd had no quorum (a cluster that elects a new leader may let a lease of
+        a few seconds go): take the office again, in a new term, if no other agent took it meanwhile. None
+        did unless the controller's store stopped answering: its agents look for another only then."""
+        try:
+            if not self._take_key(self._renewals):
+                return False
+            if self.relay is not None:  # where the store is, said again for the new term
+                self.relay = dataclasses.replace(self.relay, term=self.term)
+                self.publish(self.keys.relay, self.relay)
+        except EtcdError as e:
+            log.warning("could not take the controller's office back: %s", e)
+            return False
+        log.warning("the controller's lease lapsed while etcd had no quorum; it holds the office again (term %d)",
+                    self.term)
         return True
 
     def write(self, ops: list[dict]) -> None:
@@ -157,8 +183,8 @@ class Leadership:
             except EtcdError:
                 left = 0  # "lease not found"
             self.unreachable_since = 0.0
-            if left <= 0:
-                log.error("the controller's lease lapsed (term %d): another agent may lead now", self.term)
+            if left <= 0 and not self._take_back():
+                log.error("the controller's lease lapsed (term %d): another agent leads now", self.term)
                 self.lost.set()
                 return
 
