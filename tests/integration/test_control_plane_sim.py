@@ -51,7 +51,8 @@ def test_on_etcd_every_decision_is_journaled_and_a_successor_takes_over_from_the
     assert figures["journal_writes"] >= 4  # the start, the restart, the takeover, the repair
     assert 0 < figures["journal_write_bytes"] < figures["journal_first_bytes"] <= figures["journal_bytes"]
     assert figures["etcd_renewals_s"] > 0 and figures["etcd_puts_s"] == 0  # steady state: the lease alone
-    assert figures["failover_commands"] == "takeover+stop"  # the second spare takes the lost controller's node
+    # the second spare takes the lost controller's node; the repair under way goes on (its REPLACE, held a moment, follows)
+    assert figures["failover_commands"] == "takeover"
     assert figures["lease_lapse_ms"] <= figures["failover_ms"]
     assert "etcd" in table([figures], COMPARED_COLUMNS)
 
