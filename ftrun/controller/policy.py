@@ -134,6 +134,9 @@ class JobView:
     snapshots: bool = False
     #: process level: the agents were told to start this repair's replacements, which took warm standbys
     replacements_started: bool = False
+    #: ranks replaced in earlier generations of the repair under way: their replacements hold no training
+    #: state yet, so they are no replica (with ``replacing``, whether a healthy replica is left)
+    stateless: frozenset[int] = frozenset()
     #: the job-level restart under way was decided because every rank of the generation failed (no
     #: healthy replica left), not because a process-level repair failed
     no_replica: bool = False
@@ -225,7 +228,7 @@ def on_milestone(view: JobView, milestone: Milestone) -> Decision:
         return view, []
     if after is Phase.RUNNING:
         return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset(),
-                         replacements_started=False), []
+                         replacements_started=False, stateless=frozenset()), []
     return _advance_clear(view.move(after)), []
 
 
@@ -290,7 +293,7 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
     besides the ranks it was replacing (whose replacements may not have started: they start again). No
     second unit of budget: one fault, one repair; the repair deadline bounds how long it may go on."""
     replacing = view.replacing | ranks
-    if replacing >= view.every_rank:
+    if view.stateless | replacing >= view.every_rank:
         return _no_replica_left(view, detail)
     view = view.move(
         Phase.STOPPING,
@@ -393,7 +396,7 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     if setting is not None:
         return _exit(view, ExitCode.JOB_FAILED, f"{setting.describe()}; not retried: a restart would fail the same way")
     if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
-        if view.replacing | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
+        if view.stateless | view.replacing | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
         if view.replacements_started:
             # a healthy rank may have counted itself into the new group before it died, and a group that
@@ -409,7 +412,7 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         )
         return view, [_replace_command(view, ranks)]
     if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
-        if ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
+        if view.stateless | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
         # the repair's group broke before it resumed
         return _repair_in_a_new_generation(view, ranks, report.node_rank)
@@ -442,6 +445,7 @@ def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank:
         Phase.STOPPING,
         generation=view.generation + 1,
         replacing=ranks,
+        stateless=view.stateless | view.replacing,
         clearing=frozenset({node_rank}),
         acknowledged=frozenset(),
     )
@@ -511,6 +515,7 @@ def _restart_when_stopped(view: JobView) -> Decision:
         no_replica=False,
         fallback=None,
         replacements_started=False,
+        stateless=frozenset(),
         library_ranks=0,
         replacing=frozenset(),
         clearing=frozenset(),

@@ -172,6 +172,20 @@ def test_lost_node_during_a_process_level_repair_carries_the_repair_into_a_new_g
     assert v.level is Level.JOB  # no replica left: every rank would be replaced
 
 
+def test_every_rank_lost_one_by_one_after_the_replacements_started_is_one_job_level_restart():
+    # without snapshots: the first deaths' replacements hold no state, so once the last healthy rank dies
+    # no replica is left, however many generations the repair went through meanwhile
+    v, _ = on_report(view(recovery=Level.PROCESS, world_size=4, library_ranks=4), failed(node=0, rank=1))
+    for node, rank in ((0, 0), (1, 2)):
+        v, _ = on_replacements_started(v)
+        v, commands = on_report(v, failed(node=node, gen=0, rank=rank))
+        assert v.level is Level.PROCESS and [c.kind for c in commands] == [CommandKind.REPLACE]
+    v, _ = on_replacements_started(v)
+    v, commands = on_report(v, failed(node=1, gen=0, rank=3))
+    # the repair's unit comes back: the job-level restart spends the one unit of this fault as it starts
+    assert v.level is Level.JOB and v.no_replica and v.restarts_used == 0
+
+
 def test_lost_node_during_a_job_level_restart_lets_the_restart_finish():
     v, _ = on_report(view(), failed(node=0))  # the lost node's peers failed first
     v, commands = on_node_lost(v, 1, "node 1 lost", spare="spare:9", ranks=(2, 3))
