@@ -60,7 +60,10 @@ def fault_free(tmp_path_factory):
 
 
 def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free):
-    leader, *others = start(launcher, etcd)
+    token = launcher.tmp / "token"  # the job's messages are signed, the successor's as the first one's
+    token.write_text("a-secret-of-the-jobs-own-0123456789")
+    token.chmod(0o600)
+    leader, *others = start(launcher, etcd, flags=["--token-file", str(token)])
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
     wait_for_progress(launcher, 1, 3)
@@ -76,6 +79,7 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     assert "the controller moved from 127.0.0.2" in successor.output
     assert "process-level repair into generation 1" in successor.output
     assert "1 of 2 restarts used" in successor.output  # the failover and the repair: one unit of budget
+    assert "not signed" not in launcher.output() and "ignoring a message" not in launcher.output()
     spare = next(n for n in others if "taking the place of node 0" in n.output)
     assert "replacing ranks 0, 1" in spare.output
 
