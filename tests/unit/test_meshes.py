@@ -10,6 +10,7 @@ import torch
 from ftrun.elastic import meshes
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.meshes import Axis, axis_through, complete_grid, read_part_mesh
+from tests.unit.test_groups import _Holding, _Mesh
 
 
 @pytest.mark.parametrize(
@@ -49,31 +50,12 @@ def test_groups_complete_the_parameters_mesh_to_a_grid_of_the_whole_job(world, m
     assert complete_grid(world, mesh_axes, group_axes) == grid
 
 
-class _Mesh:
-    def __init__(self, ranks, names):
-        self.mesh = torch.tensor(ranks)
-        self.mesh_dim_names = names
-        self.ndim = self.mesh.ndim
-
-    def __eq__(self, other):
-        return self.mesh.tolist() == other.mesh.tolist() and self.mesh_dim_names == other.mesh_dim_names
-
-
 class _DTensor:
     """What meshes.py reads of a DTensor parameter: its mesh, its placements, its local shard."""
 
     def __init__(self, mesh, *replicate, numel=4):
         self.device_mesh, self.requires_grad, self.numel = mesh, True, numel
         self.placements = [types.SimpleNamespace(is_replicate=lambda r=r: r) for r in replicate]
-
-
-class _Holding(torch.nn.Module):
-    def __init__(self, *params):
-        super().__init__()
-        self.held = params
-
-    def parameters(self, recurse=True):
-        return iter(self.held)
 
 
 def group(ranks, desc="undefined", name="7", reduced=0):
