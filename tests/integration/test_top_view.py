@@ -124,7 +124,9 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
         view.keys("e")
         screen = view.wait_for("asked for a restart drill of rank 3", "drill", "repaired", timeout=90)
         assert "fault" in screen
-        view.keys("/", "r", "e", "p", "a", "i", "r", "Enter")  # the filter keeps the repair only
+        view.keys("/")
+        view.wait_for("filter the events")
+        view.keys("r", "e", "p", "a", "i", "r", "Enter")  # the filter keeps the repair only
         screen = view.wait_for("matching 'repair'")
         assert "repaired" in screen and "asked for a restart drill" not in screen
         after = next(line for line in view.screen().splitlines() if line.strip().startswith("3 "))
