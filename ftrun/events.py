@@ -70,7 +70,8 @@ class EventLog:
         self.path = path
         self.events: list[dict] = []
         self._lock = threading.Lock()
-        self._started = time.monotonic()
+        #: when the job started (monotonic clock): ``elapsed`` counts from it
+        self.started = time.monotonic()
         self._last_t = 0.0
         self._file: IO[str] | None = None
         if path:
@@ -85,7 +86,7 @@ class EventLog:
             raise ValueError(f"unknown event kind {kind!r}")
         with self._lock:
             self._last_t = max(self._last_t, time.time())
-            event = {"t": round(self._last_t, 6), "elapsed": round(time.monotonic() - self._started, 6),
+            event = {"t": round(self._last_t, 6), "elapsed": round(time.monotonic() - self.started, 6),
                      "source": source, "kind": kind, "generation": generation, "node": node, "rank": rank,
                      "host": host, "detail": detail, **fields}
             self.events.append(event)

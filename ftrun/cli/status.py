@@ -246,8 +246,7 @@ def report_command(events_file: str, html_path: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(figures(events), indent=2))
     else:
-        for line in job_summary(events):
-            say(line)
+        print("\n".join(job_summary(events)))  # the command's output: `ftrun report F > summary.txt` keeps it
     if html_path:
         write_html(events, html_path)
         say(f"wrote {html_path}")

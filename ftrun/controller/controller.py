@@ -147,6 +147,8 @@ class Controller:
         self.leadership = leadership
         self._resume = resume
         self._journal = JournalWriter(resume)
+        #: when the job started, by the wall clock (the journal carries it to a successor)
+        self._started_at = time.time() - (time.monotonic() - events.started)
         self.advertised_host = advertised_host
         if leadership is not None:
             self.board.controller = {"host": advertised_host, "moves": resume.moves + 1 if resume is not None else 0}
@@ -360,7 +362,7 @@ class Controller:
         moves = self._resume.moves + 1 if self._resume is not None else 0
         journal = Journal(self.host_agent_id, self.advertised_host, self.view, self.rendezvous_result,
                           tuple(self.roster.nodes[n] for n in sorted(self.roster.nodes)), tuple(self.roster.spares),
-                          self._started_world, moves)
+                          self._started_world, moves, self._started_at)
         since = time.monotonic()
         while True:
             try:
@@ -407,6 +409,9 @@ class Controller:
         self.roster.spares = list(journal.spares)
         self.view = journal.view
         self._started_world = journal.started_world
+        if journal.started_at:  # the job's clock goes on: the event log's elapsed, the status's uptime
+            self._started_at = journal.started_at
+            self.board.started = self.events.started = time.monotonic() - (time.time() - journal.started_at)
         self.publisher.ranks_started = journal.view.generation
         self.worker_stores.fresh()  # the next generation's, on this node (the last one's went with its node)
         self._publish_layout()

@@ -39,6 +39,8 @@ class Journal:
     started_world: int
     #: how many times the controller moved to another agent before this one
     moves: int = 0
+    #: when the job started (wall clock): a successor's event log and status count from it
+    started_at: float = 0.0
 
     @property
     def over(self) -> bool:
@@ -51,7 +53,8 @@ class Journal:
 
     def parts(self) -> dict[str, object]:
         """The journal as it is written: each part under its own key (:data:`PARTS` names them)."""
-        return {"decision": DecisionPart(self.leader, self.host, self.view, self.started_world, self.moves),
+        return {"decision": DecisionPart(self.leader, self.host, self.view, self.started_world, self.moves,
+                                         self.started_at),
                 "roster": RosterPart(self.nodes, self.spares),
                 "rendezvous": self.rendezvous}
 
@@ -63,7 +66,7 @@ class Journal:
         decision = from_json(DecisionPart, texts["decision"])
         roster = from_json(RosterPart, texts["roster"])
         return cls(decision.leader, decision.host, decision.view, from_json(RendezvousResult, texts["rendezvous"]),
-                   roster.nodes, roster.spares, decision.started_world, decision.moves)
+                   roster.nodes, roster.spares, decision.started_world, decision.moves, decision.started_at)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class DecisionPart:
     view: JobView
     started_world: int
     moves: int
+    started_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ others join once it leads, so that it is node 0 of the rendezvous.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 
@@ -15,6 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import WORKERS, Launcher, free_port, ftrun_status, wait_for
+from tests.terminal import Pane
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -59,16 +62,19 @@ def fault_free(tmp_path_factory):
     return {rank: r["digest"] for rank, r in runner.results().items()}
 
 
-def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free):
+def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free,
+                                                                                        ftrun_cli):
     token = launcher.tmp / "token"  # the job's messages are signed, the successor's as the first one's
     token.write_text("a-secret-of-the-jobs-own-0123456789")
     token.chmod(0o600)
-    leader, *others = start(launcher, etcd, flags=["--token-file", str(token)])
+    logs, began = launcher.tmp / "logs", time.monotonic()
+    leader, *others = start(launcher, etcd, flags=["--token-file", str(token), "--log-dir", str(logs)])
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
     wait_for_progress(launcher, 1, 3)
     etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, 5)
+    started_for = time.monotonic() - began
     leader.proc.kill()  # the agent hosting the store and the controller; its guardian takes ranks 0 and 1
     assert launcher.wait(others) == [0, 0], launcher.output()
     results = launcher.results()
@@ -82,6 +88,18 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     assert "not signed" not in launcher.output() and "ignoring a message" not in launcher.output()
     spare = next(n for n in others if "taking the place of node 0" in n.output)
     assert "replacing ranks 0, 1" in spare.output
+    # the event log both controllers wrote, one after the other, read back as one job on one clock
+    events = logs / launcher.mark / "events.jsonl"
+    elapsed = [json.loads(line)["elapsed"] for line in events.read_text().splitlines()]
+    assert elapsed == sorted(elapsed), elapsed
+    code, out, err = ftrun_cli("report", str(events), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["exit_code"], report["step"], report["restarts_used"], report["nodes_lost"]) == (0, STEPS, 1, 1)
+    assert report["repairs"]["process"]["count"] == 1
+    assert report["duration"] > started_for, (report["duration"], started_for)
+    code, out, err = ftrun_cli("report", str(events))
+    assert "the controller moved from 127.0.0.2 to" in out and "takes the place of node 0" in out, out
 
 
 def test_a_controller_stopped_past_its_lease_steps_down_and_its_node_is_replaced(launcher, etcd, fault_free):
@@ -129,13 +147,25 @@ def test_the_controller_lost_in_the_middle_of_a_repair_the_successor_finishes_it
 
 
 def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the_job(launcher, etcd):
-    leader, *others = start(launcher, etcd, spares=0, flags=["--store-timeout", "12"], STEPS="1000", STEP_SLEEP="0.15")
+    checkpoints = launcher.tmp / "checkpoints"
+    flags = ["--store-timeout", "12", "--snapshot-every", "2", "--snapshot-memory", "64M",
+             "--checkpoint-dir", str(checkpoints), "--save-on-failure"]
+    leader, *others = start(launcher, etcd, spares=0, flags=flags, STEPS="1000", STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)
-    # ftrun status finds the job through etcd
-    status = ftrun_status(etcd.endpoints, "--rdzv-backend", "etcd", "--run-id", launcher.mark, "--json")
+    # ftrun status and ftrun top find the job through etcd
+    found = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark]
+    status = ftrun_status(etcd.endpoints, *found[:2], *found[4:], "--json")
     out, err = status.communicate(timeout=60)
     assert status.returncode == 0, err
     assert json.loads(out)["controller"]["host"] == "127.0.0.2"
+    if shutil.which("tmux"):
+        top = Pane(launcher.tmp, "top", ["top", *found], dict(os.environ), size=(240, 30))
+        try:
+            top.wait_for("RUNNING", "heartbeat", "controller on 127.0.0.2")
+            top.keys("q")
+            assert top.exit_code() == 0
+        finally:
+            top.close()
     etcd.kill(1)
     etcd.kill(2)  # the quorum, for 10 s: training goes on
     lost_at = time.monotonic()
@@ -156,3 +186,10 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     assert "the control store (etcd) was unreachable for 12s" in leader.output
     assert all("the control store (etcd) was unreachable" in n.output for n in others), launcher.output()
     assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}  # no rank was restarted meanwhile
+    # --save-on-failure: both snapshots held as the job stopped (--snapshot-every 2; a checkpoint is
+    # written every 100th step only), on disk, every rank's
+    last = int((launcher.out_dir / "progress-rank1").read_text())
+    saved = {int(p.name[len("step-"):]): p for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()}
+    newest = max(saved)
+    assert last - 3 <= newest <= last and newest - 2 in saved, (sorted(saved), last)
+    assert all((saved[newest] / f"rank-{rank:05d}.pt").exists() for rank in range(4))

@@ -9,78 +9,19 @@ time the terminal is given back as it was."""
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import WORKERS, free_port, marked_processes, wait_for
+from tests.terminal import Pane
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shutil.which("tmux"), reason="tmux is not installed")]
 pytest.importorskip("textual")
-COLUMNS, LINES = 130, 45
-
-
-class Pane:
-    """``ftrun ARGS`` in a tmux pane of its own; the pane stays after it exits, with its exit code in a file
-    and the terminal's modes (``stty -a``) as it left them in another."""
-
-    def __init__(self, tmp: Path, name: str, args: list[str], env: dict[str, str]):
-        self.socket = f"ftrun-top-{os.getpid()}-{name}"
-        self.exit_file = tmp / f"{name}.exit"
-        self.stty_file = tmp / f"{name}.stty"
-        assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier())
-        command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)}; "
-                   f"code=$?; stty -a > {self.stty_file}; echo $code > {self.exit_file}; sleep 600")
-        self._tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), command)
-
-    def _tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10).stdout
-
-    def screen(self) -> str:
-        return self._tmux("capture-pane", "-p")
-
-    def everything(self) -> str:
-        """All the pane showed outside the view, scrollback included."""
-        return self._tmux("capture-pane", "-p", "-J", "-S", "-")
-
-    def given_back(self) -> None:
-        """The terminal as a shell wants it: the normal screen, no mouse reports, a cursor, lines edited
-        and echoed, Ctrl-C a signal."""
-        modes = self._tmux("display", "-p", "#{alternate_on} #{mouse_any_flag} #{cursor_flag}").split()
-        assert modes == ["0", "0", "1"], modes
-        stty = self.stty_file.read_text().split()
-        assert {"icanon", "echo", "isig"} <= set(stty), stty
-
-    def keys(self, *keys: str) -> None:
-        for key in keys:
-            self._tmux("send-keys", key)
-            time.sleep(0.15)
-
-    def wait_for(self, *words: str, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        screen = ""
-        while time.monotonic() < deadline:
-            screen = self.screen()
-            if all(word in screen for word in words):
-                return screen
-            time.sleep(0.2)
-        pytest.fail(f"the view never showed {words}:\n{screen}")
-
-    def exit_code(self, timeout: float = 15) -> int:
-        deadline = time.monotonic() + timeout
-        while not self.exit_file.exists() or not self.exit_file.read_text().strip():
-            assert time.monotonic() < deadline, f"ftrun top did not leave:\n{self.screen()}"
-            time.sleep(0.1)
-        return int(self.exit_file.read_text())
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
 
 
 def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launcher, tmp_path):
@@ -94,7 +35,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
               "--status", "off"]
     script = str(WORKERS / "elastic_train.py")
     nodes = [launcher.start([*common, "--node-rank", str(n), script], env=env) for n in (0, 1)]
-    view_env = dict(os.environ, COLUMNS=str(COLUMNS), LINES=str(LINES))
+    view_env = dict(os.environ)
     panes = []
     try:
         wait_for(lambda: (launcher.out_dir / "progress-rank3").exists(), 120, "the job's first steps")
@@ -151,7 +92,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
 def controller_in_a_pane(launcher, tmp_path: Path, name: str) -> Pane:
     """A 1-node x 2-rank job whose controller's terminal is the pane (``--status live``; its single node
     makes the job's token itself), the ranks printing a line every 0.2 s until OUT_DIR/finish appears."""
-    env = launcher.env(TICK="0.2", COLUMNS=str(COLUMNS), LINES=str(LINES))
+    env = launcher.env(TICK="0.2")
     args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-id", name,
             "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "live", str(WORKERS / "ticker.py")]
     return Pane(tmp_path, name, args, env)

@@ -107,7 +107,7 @@ def test_a_journal_comes_back_as_it_was_written():
                    level=Level.PROCESS, generation=2, restarts_used=1, replacing=frozenset({1, 3}),
                    lost=frozenset({0}))
     slot = NodeSlot(0, "h:1", "h", 2, 0)
-    journal = Journal("h:1", "h", view, RendezvousResult((slot,), 4), (slot,), (), 4, moves=1)
+    journal = Journal("h:1", "h", view, RendezvousResult((slot,), 4), (slot,), (), 4, moves=1, started_at=1795670150.73)
     assert from_json(Journal, to_json(journal)) == journal
     assert Journal.from_parts({name: to_json(part) for name, part in journal.parts().items()}) == journal
 
