@@ -11,7 +11,7 @@ Environment (all optional but OUT_DIR):
   FAULT=rank:step  that rank SIGKILLs itself before the step, in the generations FAULT_RESTARTS lists
   FAULT_RESTARTS=0 (TORCHELASTIC_RESTART_COUNT values; default 0)
 Writes OUT_DIR/rank<r>.json at the end (step, checksum, restart count, the MindSpore contract's variables),
-OUT_DIR/progress<r> after every step (pid and step), and the scheduler writes OUT_DIR/scheduler<restart>.pid.
+OUT_DIR/progress<r> after every step (pid, steps done, restart count), and the scheduler writes OUT_DIR/scheduler<restart>.pid.
 """
 
 import json
@@ -57,7 +57,7 @@ def main() -> None:
         grad = np.arange(8, dtype=np.float32) * (rank + 1) + step
         total = all_reduce(ms.Tensor(grad)).asnumpy()
         weights -= 0.01 * total / size
-        write_atomically(os.path.join(out_dir, f"progress{rank}"), f"{os.getpid()} {step + 1}")
+        write_atomically(os.path.join(out_dir, f"progress{rank}"), f"{os.getpid()} {step + 1} {restart}")
         time.sleep(pause)
 
     result = {"step": steps, "checksum": float(np.round(weights.sum(), 4)), "size": size, "restart": restart,
