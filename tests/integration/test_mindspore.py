@@ -9,7 +9,6 @@ own python or python on PATH when either has it. The tests skip, saying so, when
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -99,7 +98,7 @@ def test_the_scheduler_killed_restarts_it_and_every_worker_on_a_fresh_port(launc
     wait_for(lambda: progress()[1] == 1 and progress()[0] > fault_step, timeout=120, what="training past the fault")
     print(f"back past step {fault_step} {time.monotonic() - killed_at:.1f}s after the scheduler's SIGKILL")
     assert launcher.wait() == [0], launcher.output()
-    results = check_results(launcher, 2, restart="1")
+    check_results(launcher, 2, restart="1")
     assert (out / "scheduler1.pid").read_text() != str(scheduler)
     output = node.output
     assert "the MindSpore scheduler failed: killed by SIGKILL" in output

@@ -10,8 +10,7 @@ import pytest
 
 from ftrun import mindspore
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
-from ftrun.cli import launch_command
-from ftrun.cli import msrun
+from ftrun.cli import launch_command, msrun
 from ftrun.config import build_launch_config
 from ftrun.errors import UsageError
 from ftrun.faults.levels import load_fault_table

@@ -19,9 +19,8 @@ import os
 import signal
 import time
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 from mindspore.communication import get_group_size, get_rank, init
 
