@@ -689,7 +689,7 @@ def worker_interpreter(raw: Mapping[str, Any], framework: str, check: bool = Tru
 
     found = mindspore.worker_python(given, sys.executable)
     if not found:
-        tried = f"--python {given}" if given else f"{sys.executable} (ftrun's) nor python on PATH"
+        tried = f"--python {given}" if given else f"neither {sys.executable}, ftrun's own, nor python on PATH"
         raise UsageError(f"--framework mindspore: the workers' python cannot import mindspore ({tried}); "
                          "give --python the interpreter of an environment that has it")
     return found

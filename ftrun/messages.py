@@ -337,6 +337,7 @@ class ReportKind(str, enum.Enum):
 class WorkerFailure:
     """One worker that ended badly, with what the summary needs to name it."""
 
+    #: the global rank; -1 for a MindSpore job's scheduler (``ftrun.mindspore.SCHEDULER_RANK``), which holds none
     rank: int
     local_rank: int
     node_rank: int

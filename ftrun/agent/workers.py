@@ -202,6 +202,7 @@ class WorkerGroup:
         self.generation = gen.generation
         paths = rank_log_paths(self.log_dir, gen.generation, "scheduler")
         env = generation_env(self.config, gen, paths["error"])
+        env.update(FTRUN_RUN_ID=self.config.run_id, FTRUN_GENERATION=str(gen.generation))  # no rank: no WorkerEnv
         env.update(mindspore.scheduler_env(scheduler, gen.world_size, self.config.cluster_timeout))
         argv = [*self.config.entrypoint, *self.config.script_args]
         proc = self.ops.spawn(argv, env)
@@ -464,8 +465,6 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        FTRUN_GENERATION=str(gen.generation),
-        FTRUN_RUN_ID=config.run_id,
     )
     return env
 

@@ -3,6 +3,7 @@ framework a script needs, the workers' python, msrun's flags mapped onto ftrun's
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 
@@ -116,7 +117,7 @@ def test_python_on_path_runs_mindspore_when_ftrun_s_own_cannot(tmp_path, monkeyp
 
 def test_finds_mindspore_asks_the_interpreter_itself():
     assert not mindspore.finds_mindspore("/no/such/python")
-    assert mindspore.finds_mindspore(sys.executable) == (__import__("importlib").util.find_spec("mindspore") is not None)
+    assert mindspore.finds_mindspore(sys.executable) == (importlib.util.find_spec("mindspore") is not None)
 
 
 def parsed(argv: list[str]) -> dict:
