@@ -36,8 +36,9 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     values = dict(values)
     flags = ", ".join(f"--{name}" for name in used)
     if "framework" in given and values.get("framework") != "mindspore":
-        raise UsageError(f"{flags} {'is' if len(used) == 1 else 'are'} msrun's, for a MindSpore job: "
-                         f"they do not go with --framework {values.get('framework')}")
+        one = len(used) == 1
+        raise UsageError(f"{flags} {'is' if one else 'are'} msrun's, for a MindSpore job: {'it does' if one else 'they do'} "
+                         f"not go with --framework {values.get('framework')}")
     values["framework"] = "mindspore"
     notes: list[str] = []
     if "worker_num" in given or "local_worker_num" in given:
