@@ -6,9 +6,10 @@ flag takes both spellings). The others are read here: ``--worker_num`` and ``--l
 ``--nnodes`` and ``--nproc-per-node`` (with msrun's defaults, 8 and 8, once either is given),
 ``--cluster_time_out`` the cluster's MS_TOPO_TIMEOUT, ``--bind_core True`` ``--numa-binding exclusive``, and
 ``--join`` is accepted (ftrun always stays with its job: it must, to recover it). Any of them implies
-``--framework mindspore``. Several nodes without ``--node_rank`` meet at ``--master_addr:--master_port`` as
-ftrun's c10d rendezvous (node ranks in the order the nodes join, as msrun numbers them then). A combination
-that contradicts itself is one line and exit code 2.
+``--framework mindspore``, and ``--master_port`` then defaults to msrun's 8118. Several nodes without
+``--node_rank`` meet at ``--master_addr:--master_port`` as ftrun's c10d rendezvous (node ranks in the order
+the nodes join, as msrun numbers them then). A combination that contradicts itself is one line and
+exit code 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ftrun.mindspore import detect_framework
 
 #: msrun's defaults (mindspore/parallel/cluster/run.py) for --worker_num and --local_worker_num
 MSRUN_WORKER_NUM = 8
+#: msrun's --master_port default, taken by a launch that uses msrun's flags (firewalls opened for msrun fit)
+MSRUN_MASTER_PORT = 8118
 #: the option names (as click stores them) that only msrun has
 MSRUN_ONLY = ("worker_num", "local_worker_num", "join", "cluster_time_out", "bind_core")
 #: how --bind_core True binds: each worker to CPUs near its device, no two sharing one (msrun's automatic mode)
@@ -40,6 +43,9 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise UsageError(f"{flags} {'is' if one else 'are'} msrun's, for a MindSpore job: {'it does' if one else 'they do'} "
                          f"not go with --framework {values.get('framework')}")
     values["framework"] = "mindspore"
+    if "master_port" not in given:
+        values["master_port"] = MSRUN_MASTER_PORT
+        given.add("master_port")
     notes: list[str] = []
     if "worker_num" in given or "local_worker_num" in given:
         _place_workers(values, given)

@@ -1,6 +1,7 @@
 """MindSpore jobs (the CPU build, real schedulers and workers on loopback), launched as msrun launches them and
 restarted at job level: a worker SIGKILLed on 2 nodes x 2 workers started with msrun's flags; the scheduler
-killed on 1 node x 2 workers; bad input.
+killed on 1 node x 2 workers; bad input. The launch contract alone is also tested without MindSpore, with a
+stand-in script and package.
 
 MindSpore is about 2.5 GB and wants numpy<2, so it lives in an interpreter of its own: FTRUN_TEST_MINDSPORE_PYTHON,
 else .msvenv/bin/python in the repository (scripts/test.sh makes it with FTRUN_TEST_MINDSPORE=1), else ftrun's
@@ -9,6 +10,7 @@ own python or python on PATH when either has it. The tests skip, saying so, when
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -54,6 +56,42 @@ def check_results(launcher, size: int, restart: str) -> dict[int, dict]:
         assert env["MS_WORKER_NUM"] == env["RANK_SIZE"] == str(size)
     assert len({r["env"]["MS_SCHED_PORT"] for r in results.values()}) == 1  # one scheduler per generation
     return results
+
+
+CONTRACT = str(WORKERS / "ms_contract.py")
+#: a stand-in mindspore package: the workers' python passes ftrun's check, and ms_contract.py plays the script
+STUB = ROOT / "tests" / "fakes" / "mindspore_stub"
+
+
+@pytest.mark.parametrize("fault, failed", [("worker:1", "rank 1 failed: killed by SIGKILL"),
+                                           ("scheduler", "the MindSpore scheduler failed: killed by SIGKILL")],
+                         ids=["worker", "scheduler"])
+def test_the_contract_without_mindspore_restarts_scheduler_and_workers_on_a_fresh_port(launcher, fault, failed):
+    """The launch contract alone (no MindSpore: ms_contract.py plays the script), so that it is tested where
+    the 2.5 GB package is not installed: every variable, a scheduler per generation on a fresh port, the
+    node's success waiting for the scheduler, either death restarting both."""
+    pythonpath = os.pathsep.join(filter(None, [str(STUB), os.environ.get("PYTHONPATH", "")]))
+    env = launcher.env(FAULT=fault, PYTHONPATH=pythonpath)
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--max-restarts", "1",
+                           "--cluster_time_out", "45", "--monitor-interval", "0.05", "--status", "plain", CONTRACT],
+                          env=env)
+    assert launcher.wait() == [0], node.output
+    out = launcher.out_dir
+    schedulers = [json.loads((out / f"scheduler{restart}.json").read_text()) for restart in (0, 1)]
+    assert schedulers[0]["env"]["MS_SCHED_PORT"] != schedulers[1]["env"]["MS_SCHED_PORT"]
+    for scheduler in schedulers:
+        assert scheduler["env"]["MS_ROLE"] == "MS_SCHED" and scheduler["env"]["RANK_ID"] == "0"
+        assert scheduler["env"]["MS_WORKER_NUM"] == scheduler["env"]["RANK_SIZE"] == "2"
+    for rank in (0, 1):
+        worker = json.loads((out / f"rank{rank}.json").read_text())
+        assert worker["restart"] == "1", node.output
+        assert {k: worker["env"][k] for k in ("MS_ROLE", "MS_NODE_ID", "RANK_ID", "DEVICE_ID", "MS_TOPO_TIMEOUT")} == {
+            "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank), "RANK_ID": str(rank), "DEVICE_ID": str(rank),
+            "MS_TOPO_TIMEOUT": "45"}
+        assert worker["env"]["MS_SCHED_PORT"] == schedulers[1]["env"]["MS_SCHED_PORT"]
+        assert worker["env"]["MS_SCHED_HOST"] == schedulers[1]["env"]["MS_SCHED_HOST"] == "127.0.0.1"
+    assert failed in node.output
+    assert "job succeeded" in node.output and "1 of 1 restart used" in node.output
 
 
 @needs_mindspore

@@ -142,9 +142,9 @@ def test_msrun_without_node_rank_meets_at_the_master_address():
     assert values["rdzv_endpoint"] == "127.0.0.1:8118"
 
 
-def test_msrun_s_defaults_are_eight_workers_on_one_node():
+def test_msrun_s_defaults_are_eight_workers_on_one_node_and_port_8118():
     values, _ = msrun.translate(parsed(["--worker_num=8", "train.py"]))
-    assert (values["nnodes"], values["nproc_per_node"]) == ("1", "8")
+    assert (values["nnodes"], values["nproc_per_node"], values["master_port"]) == ("1", "8", 8118)
 
 
 def test_no_msrun_flag_leaves_the_values_alone():
