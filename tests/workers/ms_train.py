@@ -11,7 +11,8 @@ Environment (all optional but OUT_DIR):
   FAULT=rank:step  that rank SIGKILLs itself before the step, in the generations FAULT_RESTARTS lists
   FAULT_RESTARTS=0 (TORCHELASTIC_RESTART_COUNT values; default 0)
 Writes OUT_DIR/rank<r>.json at the end (step, checksum, restart count, the MindSpore contract's variables),
-OUT_DIR/progress<r> after every step (pid, steps done, restart count), and the scheduler writes OUT_DIR/scheduler<restart>.pid.
+OUT_DIR/progress<r> after every step (pid, steps done, restart count), and the scheduler writes
+OUT_DIR/scheduler<restart>.json (its pid and the same variables).
 """
 
 import json
@@ -38,7 +39,8 @@ def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        write_atomically(os.path.join(out_dir, f"scheduler{restart}.pid"), str(os.getpid()))
+        seen = {"pid": os.getpid(), "env": {name: os.environ.get(name) for name in CONTRACT}}
+        write_atomically(os.path.join(out_dir, f"scheduler{restart}.json"), json.dumps(seen))
     ms.set_context(device_target="CPU")
     init()  # the scheduler serves the cluster here and leaves when the workers are done
     rank, size = get_rank(), get_group_size()
