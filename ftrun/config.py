@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ftrun import contract
+from ftrun import contract, mindspore
 from ftrun.auth import read_token
 from ftrun.contract import Endpoint, EndpointError
 from ftrun.devices import DEVICE_KINDS, DeviceOptions
@@ -162,6 +162,11 @@ class LaunchConfig:
     log_layout: str = "ftrun"
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the teed lines' prefix (${role_name}, ${rank}, ${local_rank})
     log_line_prefix_template: str = ""
+    #: --framework: the worker contract, torchrun's ("torch") or msrun's ("mindspore": a scheduler process
+    #: per generation beside the worker store, MS_* variables; ftrun.mindspore)
+    framework: str = "torch"
+    #: --cluster_time_out (msrun's): seconds a MindSpore cluster waits for its members (MS_TOPO_TIMEOUT)
+    cluster_timeout: int = mindspore.DEFAULT_CLUSTER_TIMEOUT
 
     @property
     def script(self) -> str:
@@ -488,16 +493,18 @@ def switch(raw: Mapping[str, Any], name: str) -> bool:
 
 
 def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool,
-                     check_script: bool = True) -> tuple[str, ...]:
-    """The worker command before the script's own arguments (torchrun's rules)."""
+                     check_script: bool = True, python: str = "") -> tuple[str, ...]:
+    """The worker command before the script's own arguments (torchrun's rules); ``python`` runs it
+    ("": ftrun's own interpreter)."""
     if sum((module, no_python, run_path)) > 1:
         raise UsageError("--module, --no-python and --run-path cannot be combined")
     if not script:
         raise UsageError("no training script given (ftrun [options] SCRIPT [args...])")
     import sys
 
+    python = python or sys.executable
     if module:
-        return (sys.executable, "-u", "-m", script)
+        return (python, "-u", "-m", script)
     if no_python and check_script:
         if os.sep not in script and not shutil.which(script):
             raise UsageError(f"--no-python: program '{script}' is not on PATH")
@@ -509,8 +516,8 @@ def build_entrypoint(script: str, module: bool, no_python: bool, run_path: bool,
         raise UsageError(f"training script '{script}' does not exist")
     if run_path:
         code = "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        return (sys.executable, "-u", "-c", code, script)
-    return (sys.executable, "-u", script)
+        return (python, "-u", "-c", code, script)
+    return (python, "-u", script)
 
 
 def etcd_options(raw: Mapping[str, Any], conf: Mapping[str, str], standalone: bool) -> EtcdOptions:
@@ -591,6 +598,9 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     if raw.get("start_method"):  # accepted and unused (the CLI says so), but a typo is still one
         choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")
     recovery = choice(raw.get("recovery") or DEFAULTS.recovery, RECOVERY_LEVELS, "--recovery")
+    framework = framework_of(raw, check_script)
+    if framework == "mindspore":
+        recovery = "job"  # MindSpore's own process-level hooks are not driven yet (the CLI says so)
     if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
         rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
     else:
@@ -598,7 +608,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     nproc = parse_nproc(raw.get("nproc_per_node", DEFAULT_NPROC_PER_NODE))
     entrypoint = build_entrypoint(
         str(raw.get("script") or ""), switch(raw, "module"), switch(raw, "no_python"), switch(raw, "run_path"),
-        check_script,
+        check_script, worker_interpreter(raw, framework, check_script),
     )
     return LaunchConfig(
         entrypoint=entrypoint,
@@ -623,7 +633,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         node_timeout=positive_seconds(raw.get("node_timeout", DEFAULTS.node_timeout), "--node-timeout"),
         stop_timeout=positive_seconds(raw.get("stop_timeout", DEFAULTS.stop_timeout), "--stop-timeout", True),
         repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
-        warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc),
+        # standbys import torch, which a MindSpore worker has no use for
+        warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc) if framework == "torch" else 0,
         role=str(raw.get("role") or DEFAULTS.role),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
@@ -645,8 +656,50 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),
         log_layout=choice(raw.get("log_layout") or DEFAULTS.log_layout, LOG_LAYOUTS, "--log-layout"),
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""),
+        framework=framework,
+        cluster_timeout=_cluster_timeout(raw.get("cluster_timeout")),
         **device_options(raw),
     )
+
+
+def framework_of(raw: Mapping[str, Any], check_script: bool = True) -> str:
+    """--framework as given, else the one the script imports when that is certain
+    (``mindspore.detect_framework``), else torch."""
+    if raw.get("framework"):
+        return choice(raw["framework"], mindspore.FRAMEWORKS, "--framework")
+    script = str(raw.get("script") or "")
+    if not check_script or not script or switch(raw, "module") or switch(raw, "no_python"):
+        return DEFAULTS.framework
+    found = mindspore.detect_framework(script)
+    if found == "both":
+        raise UsageError(f"{script} imports both torch and mindspore: say which launch it needs, --framework torch "
+                         "(torchrun's) or --framework mindspore (msrun's)")
+    return found or DEFAULTS.framework
+
+
+def worker_interpreter(raw: Mapping[str, Any], framework: str, check: bool = True) -> str:
+    """The python that runs the workers (--python; "" for ftrun's own). A MindSpore job's must import
+    mindspore: --python's, else ftrun's own, else ``python`` on PATH as msrun's (``mindspore.worker_python``)."""
+    given = str(raw.get("python") or "").strip()
+    if given and check and not shutil.which(given):
+        raise UsageError(f"--python: '{given}' is not an executable program")
+    if framework != "mindspore" or not check or switch(raw, "no_python"):
+        return given
+    import sys
+
+    found = mindspore.worker_python(given, sys.executable)
+    if not found:
+        tried = f"--python {given}" if given else f"neither {sys.executable}, ftrun's own, nor python on PATH"
+        raise UsageError(f"--framework mindspore: the workers' python cannot import mindspore ({tried}); "
+                         "give --python the interpreter of an environment that has it")
+    return found
+
+
+def _cluster_timeout(value: Any) -> int:
+    """MS_TOPO_TIMEOUT: whole seconds; negative waits for ever (msrun's rule)."""
+    if value is None or value == "":
+        return DEFAULTS.cluster_timeout
+    return whole_number(value, "--cluster_time_out", minimum=-MAX_COUNT)
 
 
 #: --snapshot-memory's units (powers of 1024)

@@ -280,6 +280,9 @@ class Command:
     max_restarts: int = 0
     #: HOST:PORT of the generation's own worker store (MASTER_ADDR/MASTER_PORT); START, REPLACE
     worker_store: str = ""
+    #: HOST:PORT of the generation's MindSpore scheduler (MS_SCHED_HOST/MS_SCHED_PORT), started by the agent
+    #: beside the worker store; START of a --framework mindspore job only ("" otherwise)
+    scheduler: str = ""
     #: REPLACE: the global ranks to respawn
     ranks: tuple[int, ...] = ()
     exit_code: int = 0
@@ -334,6 +337,7 @@ class ReportKind(str, enum.Enum):
 class WorkerFailure:
     """One worker that ended badly, with what the summary needs to name it."""
 
+    #: the global rank; -1 for a MindSpore job's scheduler (``ftrun.mindspore.SCHEDULER_RANK``), which holds none
     rank: int
     local_rank: int
     node_rank: int
@@ -356,7 +360,8 @@ class WorkerFailure:
 
     def describe(self) -> str:
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"
-        text = f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"
+        who = f"rank {self.rank} (local rank {self.local_rank})" if self.rank >= 0 else "the MindSpore scheduler"
+        text = f"{who} on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"
         return f"{text} ({self.cause}: {self.detail})" if self.detail else text
 
 

@@ -19,6 +19,13 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
         echo "could not install ${missing[*]}: those tests will skip"
 fi
 bash scripts/setup.sh
+# The MindSpore tests need mindspore (the CPU build, about 2.8 GB, numpy<2) in an interpreter of its own:
+# .msvenv, made once (Python 3.11) and kept; FTRUN_TEST_MINDSPORE=0 skips it, and those tests skip.
+if [ "${FTRUN_TEST_MINDSPORE:-1}" = 1 ] && [ ! -x .msvenv/bin/python ]; then
+    echo "installing mindspore 2.10.0 into .msvenv for the MindSpore tests"
+    { python3.11 -m venv .msvenv && .msvenv/bin/pip install -q mindspore==2.10.0 'numpy<2'; } ||
+        { echo "could not install mindspore: the MindSpore tests will skip"; rm -rf .msvenv; }
+fi
 # The lint (ruff) and the type check (mypy) of ftrun/, configured in pyproject.toml. A finding fails the
 # run, but the tests still run, so that one stray import does not hide them.
 checks=0

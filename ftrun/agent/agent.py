@@ -556,8 +556,9 @@ class Agent:
     def _report_failed(self, group: WorkerGroup, failed: list[Worker]) -> None:
         failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
         for worker, failure in zip(failed, failures):
-            log.warning("rank %d failed: %s", failure.rank, failure.describe().split(": ", 1)[1])
-            if failure.level and not worker.cause:  # a device error in its own output
+            who = f"rank {failure.rank}" if failure.rank >= 0 else "the MindSpore scheduler"
+            log.warning("%s failed: %s", who, failure.describe().split(": ", 1)[1])
+            if failure.level and not worker.cause and failure.rank >= 0:  # a device error in a rank's own output
                 self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
         # a report the store did not take (it went as the ranks failed) is sent again to the next one
         self._unsent_failures = (group.generation, failures)
@@ -632,7 +633,10 @@ class Agent:
                       for i in range(self.slot.nproc)]
         self._pending = None
         self.protocol.prepare_ranks([p.rank for p in placements])
-        group.start(placements, self._generation_env(command))
+        gen = self._generation_env(command)
+        if command.scheduler and self.controller is not None and group.scheduler is None:
+            group.start_scheduler(gen, self.slot.node_rank, self.host)  # beside the worker store, as msrun's
+        group.start(placements, gen)
         self._started(group.workers)
         group.fill_standbys()
 
@@ -760,6 +764,7 @@ class Agent:
             previous_world_size=command.previous_world_size,
             snapshot_env=tuple(self.snapshots.worker_env().items()) if self.snapshots else (),
             control_store_file=self.etcd.store_file if self.etcd is not None else "",
+            scheduler=command.scheduler,
         )
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:

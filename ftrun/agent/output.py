@@ -133,9 +133,10 @@ class ConsoleStream:
         (sys.stdout if self.which == STDOUT else sys.stderr).flush()
 
 
-def rank_log_paths(log_dir: str, generation: int, rank: int) -> dict[str, str]:
+def rank_log_paths(log_dir: str, generation: int, rank: int | str) -> dict[str, str]:
     """A rank's stdout.log, stderr.log and error.json: ``attempt_<generation>/<rank>/`` under the node's log
-    folder (``rank`` is the global rank in ftrun's layout, the local rank in torchrun's)."""
+    folder (``rank`` is the global rank in ftrun's layout, the local rank in torchrun's; "scheduler" for a
+    MindSpore job's scheduler)."""
     folder = os.path.join(log_dir, f"attempt_{generation}", str(rank))
     private_dirs(folder)
     return {name: os.path.join(folder, f"{name}.log") for name in ("stdout", "stderr")} | {

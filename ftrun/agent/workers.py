@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ftrun import mindspore
 from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
 from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
@@ -155,6 +156,8 @@ class GenerationEnv:
     snapshot_env: tuple[tuple[str, str], ...] = ()
     #: --rdzv-backend etcd: the file that names the control store as it moves (FTRUN_CONTROL_STORE_FILE)
     control_store_file: str = ""
+    #: --framework mindspore: the generation's scheduler, "host:port" (MS_SCHED_HOST, MS_SCHED_PORT)
+    scheduler: str = ""
 
 
 class WorkerGroup:
@@ -166,6 +169,9 @@ class WorkerGroup:
         self.log_dir = log_dir
         self.generation = -1
         self.workers: list[Worker] = []
+        #: --framework mindspore, on the node that hosts the worker store: the generation's scheduler. Not
+        #: one of ``workers`` (it holds no rank), but watched, reported and stopped as they are
+        self.scheduler: Worker | None = None
         self.warm_standbys = warm_standbys if standby.can_run(config.entrypoint) else 0
         self.standbys: list[subprocess.Popen] = []
         #: what stop() sends first: SIGTERM, or the signal that stopped the agent when the user asked
@@ -188,19 +194,40 @@ class WorkerGroup:
         self.generation = gen.generation
         self.workers = [self._spawn(p, gen) for p in placements]
 
+    def start_scheduler(self, gen: GenerationEnv, node_rank: int, host: str) -> None:
+        """--framework mindspore: the generation's scheduler, the training script run as msrun runs it
+        (MS_ROLE=MS_SCHED), before the workers that connect to it."""
+        scheduler = mindspore.Scheduler.parse(gen.scheduler)
+        assert scheduler is not None
+        self.generation = gen.generation
+        paths = rank_log_paths(self.log_dir, gen.generation, "scheduler")
+        env = generation_env(self.config, gen, paths["error"])
+        env.update(FTRUN_RUN_ID=self.config.run_id, FTRUN_GENERATION=str(gen.generation))  # no rank: no WorkerEnv
+        env.update(mindspore.scheduler_env(scheduler, gen.world_size, self.config.cluster_timeout))
+        argv = [*self.config.entrypoint, *self.config.script_args]
+        proc = self.ops.spawn(argv, env)
+        placement = WorkerPlacement(-1, mindspore.SCHEDULER_RANK, node_rank, host)
+        log.info("MindSpore scheduler of generation %d at %s (pid %d)", gen.generation, scheduler, proc.pid)
+        self.scheduler = self._watch(placement, proc, paths, gen.generation, b"[scheduler]: ")
+
     def _spawn(self, placement: WorkerPlacement, gen: GenerationEnv) -> Worker:
         torchrun_layout = self.config.log_layout == "torchrun"
         paths = rank_log_paths(self.log_dir, gen.generation, placement.local_rank if torchrun_layout else placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
         proc = self._take_standby(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
+        prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
+                             placement.rank, placement.local_rank).encode()
+        return self._watch(placement, proc, paths, gen.generation, prefix)
+
+    def _watch(self, placement: WorkerPlacement, proc: subprocess.Popen, paths: dict[str, str], generation: int,
+               prefix: bytes) -> Worker:
+        """A started process's output pumped to the console and its log files (as -r, -t and
+        --local-ranks-filter say for its local rank; the scheduler's, -1, follows the defaults)."""
         local = placement.local_rank
         redirected = self.config.redirects.for_rank(local)
         teed = self.config.tee.for_rank(local)
         shown = self.config.local_ranks_filter is None or local in self.config.local_ranks_filter
-
-        prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
-                             placement.rank, local).encode()
 
         recent: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
 
@@ -212,7 +239,7 @@ class WorkerGroup:
                 ConsoleStream(which) if on_console else None,
                 prefix if teed & which or self.config.head_managed else b"",
                 paths[name] if (redirected | teed) & which else None,
-                filtered=self._filtered_copy(gen.generation, name),
+                filtered=self._filtered_copy(generation, name),
                 file_prefix=prefix,
                 recent=recent,
             )
@@ -276,9 +303,9 @@ class WorkerGroup:
             self.workers.append(worker)
 
     def poll(self) -> list[Worker]:
-        """Workers that ended since the last poll (their process groups are cleared)."""
+        """Workers (and the scheduler) that ended since the last poll (their process groups are cleared)."""
         ended = []
-        for worker in self.workers:
+        for worker in self._processes:
             if worker.returncode is None and worker.proc.poll() is not None:
                 worker.returncode = worker.proc.returncode
                 self._clear_group(worker)
@@ -291,7 +318,9 @@ class WorkerGroup:
         soon as ``wakeup`` (a ``Wakeup``: a command was published) is written to."""
         fds: list[int] = []
         try:
-            for worker in self.running:
+            for worker in self._processes:
+                if worker.returncode is not None:
+                    continue
                 fds.append(os.pidfd_open(worker.pid))
             if fds or wakeup is not None:
                 select.select(fds + ([wakeup] if wakeup is not None else []), [], [], timeout)
@@ -312,8 +341,14 @@ class WorkerGroup:
         return [w for w in self.workers if w.returncode is None]
 
     @property
+    def _processes(self) -> list[Worker]:
+        """The workers, and the scheduler when this node runs one."""
+        return self.workers + ([self.scheduler] if self.scheduler is not None else [])
+
+    @property
     def all_succeeded(self) -> bool:
-        return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
+        """Every worker exited 0 (and the scheduler, which msrun waits for too)."""
+        return bool(self.workers) and all(w.returncode == 0 for w in self._processes)
 
     def stop(self, timeout: float, keep_standbys: bool = False) -> list[Worker]:
         """SIGTERM (or ``stop_signal``) every running worker's group, SIGKILL what is left after
@@ -322,7 +357,7 @@ class WorkerGroup:
         ended meanwhile (one that died as the stop came: killed, or taken by the OOM killer)."""
         if not keep_standbys:
             self._stop_standbys()
-        alive = stopping = self.running
+        alive = stopping = [w for w in self._processes if w.returncode is None]
         for worker in alive:
             self.ops.signal_group(worker.pid, self.stop_signal)
         deadline = time.monotonic() + timeout
@@ -331,12 +366,15 @@ class WorkerGroup:
             alive = [w for w in alive if w.proc.poll() is None]
         for worker in alive:
             self.ops.signal_group(worker.pid, signal.SIGKILL)
-        for worker in self.running:
+        for worker in self._processes:
+            if worker.returncode is not None:
+                continue
             worker.proc.wait()
             worker.returncode = worker.proc.returncode
             self._clear_group(worker)
         for copy in self._filtered.values():
             copy.close()  # a line still on its way opens it again
+        self.scheduler = None  # the next generation's, if any, starts afresh (here, or where the controller is)
         return [w for w in stopping if w.returncode == -signal.SIGKILL and w not in alive]
 
     def _stop_standbys(self) -> None:
@@ -410,15 +448,13 @@ def base_env(config: LaunchConfig) -> dict[str, str]:
     return env
 
 
-def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
-    """torchrun's environment contract, plus ftrun's own FTRUN_* variables (the worker's contract,
-    ``WorkerEnv``, writes the ranks and the world size)."""
+def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) -> dict[str, str]:
+    """What every process of a generation gets, the workers and a MindSpore scheduler alike: the agent's
+    environment and torchrun's job-wide variables (no rank)."""
     env = base_env(config)
-    nproc = config.nproc_per_node
     env.update(
-        ROLE_RANK=str(placement.rank),
         ROLE_NAME=config.role,
-        LOCAL_WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
         GROUP_WORLD_SIZE=str(gen.node_count),
         ROLE_WORLD_SIZE=str(gen.world_size),
         MASTER_ADDR=gen.master_addr,
@@ -430,6 +466,14 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
+    return env
+
+
+def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
+    """torchrun's environment contract, plus ftrun's own FTRUN_* variables (the worker's contract,
+    ``WorkerEnv``, writes the ranks and the world size); msrun's MS_* ones for a MindSpore job."""
+    env = generation_env(config, gen, error_file)
+    env.update(ROLE_RANK=str(placement.rank))
     env.update(WorkerEnv(
         rank=placement.rank,
         local_rank=placement.local_rank,
@@ -450,6 +494,12 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
     env.update(placement.device_env)
     if config.virtual_local_rank:
         env.update(LOCAL_RANK="0", **dict(own_device_only(placement.device_env)))
+    scheduler = mindspore.Scheduler.parse(gen.scheduler)
+    if scheduler is not None:
+        assigned = DeviceAssignment.from_environ(env)
+        device_index = assigned.index if assigned is not None else int(env["LOCAL_RANK"])
+        env.update(mindspore.worker_env(scheduler, gen.world_size, config.cluster_timeout, placement.rank,
+                                        device_index))
     return env
 
 

@@ -78,12 +78,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_launch(values: dict) -> int:
     from ftrun.agent.agent import Agent
-    from ftrun.cli import cluster
+    from ftrun.cli import cluster, msrun
     from ftrun.config import build_launch_config
 
     for note in accepted_only_notes(values):
         say(f"ftrun: {note}")
     try:
+        values, notes = msrun.translate(values)
+        for note in notes:
+            say(f"ftrun: {note}")
         values = cluster.apply_slurm(values)
         if values.get("print_hosts"):
             return cluster.print_hosts(values)
@@ -91,9 +94,12 @@ def run_launch(values: dict) -> int:
             return cluster.dry_run(values, launch_command)
         outcome: JobOutcome | HeadOutcome
         if values.get("hostfile"):
+            msrun.refuse_head_node(values)
             outcome = cluster.run_cluster(values, launch_command)
         else:
             config = build_launch_config(values)
+            for note in msrun.framework_notes(values, config):
+                say(f"ftrun: {note}")
             if config.head_managed:
                 config = dataclasses.replace(config, token=read_session_token())
             if values.get("slurm"):

@@ -19,10 +19,11 @@ from ftrun.config import (
     read_config_file,
 )
 from ftrun.errors import UsageError
+from ftrun.mindspore import FRAMEWORKS
 
 #: help sections, in the order --help shows them
 GROUPS = ("Nodes and processes", "Cluster (SSH, Slurm)", "Rendezvous", "Recovery", "Snapshots and checkpoints",
-          "Devices and faults", "Worker command", "Logs and output", "General")
+          "Devices and faults", "Worker command", "MindSpore (msrun's flags)", "Logs and output", "General")
 _group_of: dict[str, str] = {}
 
 
@@ -74,6 +75,7 @@ WORKER = "Worker command"
 DEVICES = "Devices and faults"
 LOGS = "Logs and output"
 CLUSTER = "Cluster (SSH, Slurm)"
+MSRUN = "MindSpore (msrun's flags)"
 
 
 def launch_options(fn):
@@ -224,6 +226,23 @@ def launch_options(fn):
         option("module", group=WORKER, short="-m", is_flag=True, help="Run SCRIPT as a module (python -m)."),
         option("no-python", group=WORKER, is_flag=True, help="Run SCRIPT as a program, without python."),
         option("run-path", group=WORKER, is_flag=True, help="Run SCRIPT with runpy.run_path."),
+        option("framework", group=WORKER, default="",
+               help=f"The workers' contract: {', '.join(FRAMEWORKS)}. mindspore launches as msrun does: a scheduler "
+                    "per generation, MS_* variables (README \"MindSpore\").  [default: mindspore for a script that "
+                    "imports mindspore and not torch, else torch]"),
+        option("python", group=WORKER, default="",
+               help="The python that runs the workers.  [default: ftrun's own; for mindspore, python on PATH "
+                    "when ftrun's own cannot import mindspore]"),
+        option("worker-num", group=MSRUN, default=None,
+               help="msrun's: workers in the whole job (with --local-worker-num: --nnodes).  [default: 8]"),
+        option("local-worker-num", group=MSRUN, default=None,
+               help="msrun's: workers on this node (--nproc-per-node).  [default: 8]"),
+        option("cluster-time-out", group=MSRUN, default=None,
+               help=f"msrun's: seconds the MindSpore cluster waits for its members (MS_TOPO_TIMEOUT); negative: "
+                    f"for ever.  [default: {DEFAULTS.cluster_timeout}]"),
+        option("bind-core", group=MSRUN, default=None,
+               help="msrun's: True binds each worker to CPUs near its device (--numa-binding exclusive)."),
+        option("join", group=MSRUN, default=None, help="msrun's: accepted; ftrun always stays with its job."),
         option("role", group=WORKER, default=DEFAULTS.role, show_default=True, help="Role name given to the workers."),
         option("start-method", group=WORKER, type=click.Choice(("spawn", "fork", "forkserver")), default=None,
                help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or a warm standby)."),

@@ -100,6 +100,7 @@ class Controller:
         ports: PortRange | None = None,
         leadership: Leadership | None = None,
         resume: Journal | None = None,
+        schedulers: bool = False,
     ):
         self.store = store
         self.keys = keys
@@ -122,6 +123,8 @@ class Controller:
         #: each generation's worker store, listening where ``bind`` says ("": the address advertised_host names)
         self.worker_stores = WorkerStores(store, advertised_host, bind or bind_address(advertised_host),
                                           worker_port, ports)
+        #: --framework mindspore: each generation's START names a fresh port for its scheduler
+        self.schedulers = schedulers
         #: when the status board is due again, and the (phase, generation) it last showed
         self._next_board = 0.0
         self._board_shows: tuple | None = None
@@ -187,6 +190,7 @@ class Controller:
             ports=config.worker_port_range,
             leadership=leadership,
             resume=resume,
+            schedulers=config.framework == "mindspore",
         )
 
     # -- the hosting process's handle ---------------------------------------------------------------
@@ -435,7 +439,9 @@ class Controller:
             restore = self.restore_points.choose(command.generation, self.view, self.roster.present(self.view))
             counts, sources = self.publisher.restore_plans(command.generation, restore)
             self.narrator.restore(command.generation, restore, counts, sources)
-        return dataclasses.replace(command, previous_world_size=previous, worker_store=self.worker_stores.fresh())
+        worker_store = self.worker_stores.fresh()
+        scheduler = self.worker_stores.scheduler() if self.schedulers else ""
+        return dataclasses.replace(command, previous_world_size=previous, worker_store=worker_store, scheduler=scheduler)
 
     def _ready_replace(self, command: Command, before: JobView | None) -> Command | None:
         # the generation before a repair's ran in the same world: a replacement sees no resize

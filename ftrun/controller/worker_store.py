@@ -1,4 +1,5 @@
-"""The worker store's life: a fresh c10d store per generation, hosted in the controller's process.
+"""The worker store's life: a fresh c10d store per generation, hosted in the controller's process (and,
+for a MindSpore job, a fresh port for the generation's scheduler beside it).
 
 It is what the ranks' ``env://`` rendezvous (and gloo's, NCCL's, HCCL's bootstrap) goes through. Each
 generation gets a store of its own, so that no key is reused across generations: the previous
@@ -8,7 +9,9 @@ static rendezvous, its port comes free for the next one's).
 
 from __future__ import annotations
 
-from ftrun.ports import PortRange
+import socket
+
+from ftrun.ports import PortRange, free_port
 from ftrun.store import ControlStore, start_worker_store
 
 
@@ -40,6 +43,17 @@ class WorkerStores:
                                                    self._control.endpoint.port)
         self.address = f"{self._host}:{port}"
         return self.address
+
+    def scheduler(self) -> str:
+        """A fresh port for the generation's MindSpore scheduler, on this node (the agent that hosts the
+        controller starts it there): "host:port", the host as an address (MindSpore's cluster takes no
+        names)."""
+        port = free_port(self._ports, self._bind if self._bind not in ("", "0.0.0.0", "::") else "127.0.0.1")
+        try:
+            host = socket.gethostbyname(self._host)
+        except OSError:
+            host = self._host
+        return f"{host}:{port}"
 
     def close(self) -> None:
         self._store = None

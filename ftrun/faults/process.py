@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 KINDS = ("exit", "signal", "oom", "exception", "device", "hang", "setting")
 #: a matched error message at or above this level explains a worker's death; milder ones are notes
 DEVICE_ERROR_FLOOR = FaultLevel.RESTART_REQUEST
+#: what mindspore.communication.init() says without msrun's variables: a launch setting, no retry helps
+MINDSPORE_WITHOUT_CLUSTER = "init()' without using 'mpirun'"
 #: longest exception message kept in a detail line
 MESSAGE_LIMIT = 200
 
@@ -72,6 +74,9 @@ def classify_exit(
     if returncode == WORKER_SETTING_EXIT:
         said = next((line.strip() for line in reversed(lines) if line.strip()), "no message")
         return ProcessFault("setting", f"{ended}, a setting it cannot work with: {_shorten(said)}")
+    if any(MINDSPORE_WITHOUT_CLUSTER in line for line in lines):
+        return ProcessFault("setting", f"{ended}: mindspore.communication.init() found no MindSpore cluster "
+                                       "(launch it with --framework mindspore)")
     verdict = table.classify_text([*lines, *error.splitlines()])
     if verdict is not None and verdict.level.severity >= DEVICE_ERROR_FLOOR.severity:
         return ProcessFault(

@@ -213,6 +213,7 @@ FIELD_OF = {
     "replicate_every": ("snapshots.replicate_every",), "checkpoint_dir": ("snapshots.checkpoint_dir",),
     "checkpoint_every": ("snapshots.checkpoint_every",), "checkpoint_interval": ("snapshots.checkpoint_interval",),
     "keep_checkpoints": ("snapshots.keep",), "save_on_failure": ("snapshots.save_on_failure",),
+    "cluster_time_out": ("cluster_timeout",),
 }
 #: how a flag's value becomes its field's, where it is not the value itself
 FROM_FLAG = {
@@ -223,15 +224,17 @@ FROM_FLAG = {
     "numa_binding": lambda value: value or "",  # None: not bound
 }
 #: options whose default is None and only their help says it ("[default: 600]")
-SAID_IN_HELP = {"rdzv_timeout", "max_restarts"}
+SAID_IN_HELP = {"rdzv_timeout", "max_restarts", "cluster_time_out"}
 #: options that set no field of their own: where and how to run (head node, Slurm, the worker command),
 #: second names of another option, torchrun's flags that ftrun only accepts, and those a field is derived
-#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --recovery)
+#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --recovery; --framework:
+#: from the script's imports; --python: the worker command's first word; msrun's flags: ftrun's flags)
 NOT_A_FIELD = {
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
     "print_hosts", "dry_run", "standalone", "rdzv_endpoint", "rdzv_conf", "run_id", "rdzv_id", "fault_retry_times",
     "shutdown_timeout", "token_file", "warm_standby", "snapshot_memory", "module", "no_python", "run_path",
     "start_method", "logs_specs", "event_log_handler", "config", "version", "as_json",
+    "framework", "python", "worker_num", "local_worker_num", "join", "bind_core",
 }
 
 

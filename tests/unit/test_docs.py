@@ -15,6 +15,7 @@ import click
 import pytest
 import yaml
 
+from ftrun import mindspore
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.cli import _subcommands, launch_command
 from ftrun.cli.cluster import ClusterPlan
@@ -147,6 +148,9 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
                            replacement=False, heartbeat_timeout=30, ranktable="ranktable.json",
                            device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1),
                            control_store_file="/tmp/x/control_store").to_environ())
+    # a MindSpore job's workers and scheduler (msrun's contract)
+    scheduler = mindspore.Scheduler("head", 31000)
+    names |= set(mindspore.worker_env(scheduler, 4, 600, 3, 1)) | set(mindspore.scheduler_env(scheduler, 4, 600))
     return names
 
 

@@ -1,0 +1,157 @@
+"""MindSpore jobs (the CPU build, real schedulers and workers on loopback), launched as msrun launches them and
+restarted at job level: a worker SIGKILLed on 2 nodes x 2 workers started with msrun's flags; the scheduler
+killed on 1 node x 2 workers; bad input.
+
+MindSpore is about 2.5 GB and wants numpy<2, so it lives in an interpreter of its own: FTRUN_TEST_MINDSPORE_PYTHON,
+else .msvenv/bin/python in the repository (scripts/test.sh makes it), else ftrun's own python or python on PATH
+when either has it. The tests skip, saying so, when none does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from ftrun.mindspore import worker_python
+from tests.conftest import ROOT, WORKERS, free_port, marked_processes, wait_for
+from tests.integration.test_bad_input import assert_one_clear_line
+
+pytestmark = pytest.mark.integration
+TRAIN = str(WORKERS / "ms_train.py")
+STEPS = 12
+
+
+def mindspore_python() -> str:
+    given = os.environ.get("FTRUN_TEST_MINDSPORE_PYTHON", "")
+    local = ROOT / ".msvenv" / "bin" / "python"
+    return worker_python(given or (str(local) if local.exists() else ""), sys.executable)
+
+
+PYTHON = mindspore_python()
+needs_mindspore = pytest.mark.skipif(
+    not PYTHON, reason="mindspore is not installed for any python here: scripts/test.sh makes .msvenv "
+                       "(mindspore==2.10.0, numpy<2), or set FTRUN_TEST_MINDSPORE_PYTHON")
+
+
+def expected_checksum(size: int) -> float:
+    """What ms_train.py's parameters sum to: every rank's gradient, averaged, over every step."""
+    mean_per_step = sum(range(8)) * (size + 1) / 2  # the ranks' (r + 1) * arange(8), averaged
+    return round(-0.01 * (STEPS * mean_per_step + 8 * sum(range(STEPS))), 2)
+
+
+def check_results(launcher, size: int, restart: str) -> dict[int, dict]:
+    results = launcher.results()
+    assert sorted(results) == list(range(size)), launcher.output()
+    for rank, result in results.items():
+        assert result["step"] == STEPS and result["size"] == size and result["restart"] == restart
+        assert round(result["checksum"], 2) == expected_checksum(size)
+        env = result["env"]
+        assert env["MS_ROLE"] == "MS_WORKER" and env["MS_NODE_ID"] == env["RANK_ID"] == str(rank)
+        assert env["MS_WORKER_NUM"] == env["RANK_SIZE"] == str(size)
+    assert len({r["env"]["MS_SCHED_PORT"] for r in results.values()}) == 1  # one scheduler per generation
+    return results
+
+
+@needs_mindspore
+def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_level(launcher):
+    port = free_port()
+    msrun_flags = ["--worker_num=4", "--local_worker_num=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                   "--join=True", "--cluster_time_out=60"]
+    env = launcher.env(STEPS=str(STEPS), FAULT="3:4", FAULT_RESTARTS="0")
+    for _ in range(2):
+        launcher.start([*msrun_flags, "--run-id", launcher.mark, "--python", PYTHON, "--max-restarts", "2",
+                        "--monitor-interval", "0.05", "--status", "plain", TRAIN], env=env)
+    assert launcher.wait() == [0, 0], launcher.output()
+    results = check_results(launcher, 4, restart="1")
+    assert {r["env"]["DEVICE_ID"] for r in results.values()} == {"0", "1"}
+    assert {r["env"]["MS_TOPO_TIMEOUT"] for r in results.values()} == {"60"}
+    output = launcher.output()
+    assert "rank 3 failed: killed by SIGKILL" in output
+    assert "MindSpore scheduler of generation 1" in output
+    assert "job succeeded" in output and "1 of 2 restarts used" in output
+
+
+@needs_mindspore
+def test_the_scheduler_killed_restarts_it_and_every_worker_on_a_fresh_port(launcher):
+    out = launcher.out_dir
+    env = launcher.env(STEPS=str(STEPS), STEP_SLEEP="0.3")
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", PYTHON,
+                           "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "plain", TRAIN], env=env)
+
+    def progress() -> tuple[int, int]:
+        """Rank 0's steps done, and in which restart."""
+        try:
+            _, step, restart = (out / "progress0").read_text().split()
+            return int(step), int(restart)
+        except (OSError, ValueError):
+            return 0, 0
+
+    wait_for(lambda: progress()[0] >= 3, timeout=120, what="the workers' third step")
+    fault_step = progress()[0]
+    scheduler = json.loads((out / "scheduler0.json").read_text())["pid"]
+    os.kill(scheduler, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: progress()[1] == 1 and progress()[0] > fault_step, timeout=120, what="training past the fault")
+    print(f"back past step {fault_step} {time.monotonic() - killed_at:.1f}s after the scheduler's SIGKILL")
+    assert launcher.wait() == [0], launcher.output()
+    results = check_results(launcher, 2, restart="1")
+    schedulers = [json.loads((out / f"scheduler{restart}.json").read_text()) for restart in (0, 1)]
+    assert schedulers[1]["pid"] != scheduler
+    assert schedulers[0]["env"]["MS_SCHED_PORT"] != schedulers[1]["env"]["MS_SCHED_PORT"]  # a fresh port
+    for seen in schedulers:
+        assert seen["env"]["MS_ROLE"] == "MS_SCHED" and seen["env"]["RANK_ID"] == "0"
+        assert seen["env"]["MS_WORKER_NUM"] == seen["env"]["RANK_SIZE"] == "2"
+    for rank, result in results.items():  # the workers of the restart, at the new scheduler
+        assert (result["env"]["MS_SCHED_HOST"], result["env"]["MS_SCHED_PORT"]) == \
+            ("127.0.0.1", schedulers[1]["env"]["MS_SCHED_PORT"])
+        assert result["env"]["DEVICE_ID"] == str(rank)
+    output = node.output
+    assert "the MindSpore scheduler failed: killed by SIGKILL" in output
+    assert f"the MindSpore scheduler on node 0 ({os.uname().nodename}), pid {scheduler}: killed by SIGKILL" in output
+    assert "job succeeded" in output and "1 of 1 restart used" in output
+    assert "MindSpore scheduler of generation 1" in output
+
+
+BOTH = "import torch\nimport mindspore\n"
+BAD_INPUT = [
+    # (id, args before the script, the script's text, words the line must say)
+    ("not-a-multiple", ["--worker_num=3", "--local_worker_num=2"], "", "--worker_num 3 is not a multiple"),
+    ("msrun-with-torch", ["--worker_num=2", "--local_worker_num=2", "--framework", "torch"], "",
+     "are msrun's, for a MindSpore job: they do not go with --framework torch"),
+    ("join-word", ["--worker_num=2", "--local_worker_num=2", "--join=yes"], "", "--join must be True or False"),
+    ("imports-both", ["--standalone"], BOTH, "imports both torch and mindspore"),
+    ("from-a-head-node", ["--hostfile", "hosts", "--framework", "mindspore"], "",
+     "does not run from a head node (--hostfile) yet"),
+]
+
+
+@pytest.mark.parametrize("args, text, words", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_mindspore_input_gets_one_clear_line(ftrun_cli, tmp_path, args, text, words):
+    (tmp_path / "hosts").write_text("n01\n")
+    (tmp_path / "train.py").write_text(text)
+    returncode, _, stderr = ftrun_cli(*args, "train.py")
+    assert returncode == 2, stderr
+    assert_one_clear_line(stderr, words)
+
+
+@pytest.mark.skipif(worker_python(sys.executable, sys.executable) != "", reason="ftrun's own python has mindspore")
+def test_mindspore_in_a_python_without_it_gets_one_clear_line(ftrun_cli, tmp_path):
+    (tmp_path / "train.py").write_text("import mindspore\n")
+    returncode, _, stderr = ftrun_cli("--standalone", "--python", sys.executable, "train.py")
+    assert returncode == 2, stderr
+    assert_one_clear_line(stderr, f"the workers' python cannot import mindspore (--python {sys.executable})")
+
+
+@needs_mindspore
+def test_a_mindspore_script_launched_as_torch_fails_once_saying_which_flag(launcher):
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "torch", "--python", PYTHON,
+                           "--max-restarts", "2", "--status", "plain", TRAIN], env=launcher.env(STEPS="1"))
+    assert launcher.wait() == [1], node.output
+    assert "found no MindSpore cluster (launch it with --framework mindspore)" in node.output
+    assert "0 of 2 restarts used" in node.output  # a setting: no retry would help
+    assert not marked_processes(launcher.mark)

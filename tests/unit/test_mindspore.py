@@ -1,0 +1,190 @@
+"""MindSpore's launch contract without MindSpore: the scheduler's and the workers' variables, the
+framework a script needs, the workers' python, msrun's flags mapped onto ftrun's."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import sys
+
+import pytest
+
+from ftrun import mindspore
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.cli import launch_command, msrun
+from ftrun.config import build_launch_config
+from ftrun.errors import UsageError
+from ftrun.faults.levels import load_fault_table
+from ftrun.faults.process import classify_exit
+from ftrun.messages import WorkerFailure
+
+SCHEDULER = mindspore.Scheduler("10.0.0.1", 31000)
+
+
+def test_the_scheduler_gets_msrun_s_variables_and_rank_id_0():
+    assert mindspore.scheduler_env(SCHEDULER, 4, 600) == {
+        "MS_ROLE": "MS_SCHED", "MS_WORKER_NUM": "4", "MS_SCHED_HOST": "10.0.0.1", "MS_SCHED_PORT": "31000",
+        "MS_TOPO_TIMEOUT": "600", "RANK_ID": "0", "RANK_SIZE": "4"}
+
+
+def test_a_worker_is_numbered_by_its_global_rank_and_sees_its_device():
+    env = mindspore.worker_env(SCHEDULER, 4, -1, rank=3, device_index=1)
+    assert env["MS_ROLE"] == "MS_WORKER"
+    assert env["MS_NODE_ID"] == env["RANK_ID"] == "3"
+    assert env["DEVICE_ID"] == "1" and env["RANK_SIZE"] == env["MS_WORKER_NUM"] == "4"
+    assert env["MS_TOPO_TIMEOUT"] == "-1"
+
+
+def test_the_scheduler_address_round_trips_through_a_command():
+    assert mindspore.Scheduler.parse(str(SCHEDULER)) == SCHEDULER
+    assert mindspore.Scheduler.parse("") is None
+
+
+def generation(scheduler: str = "") -> GenerationEnv:
+    return GenerationEnv(generation=1, restart_count=1, world_size=4, node_count=2, master_addr="10.0.0.1",
+                         master_port=29500, control_store="10.0.0.1:29400", max_restarts=3, scheduler=scheduler)
+
+
+def script(tmp_path, text: str = "") -> str:
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_mindspore_job_s_workers_get_both_contracts(tmp_path):
+    config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu",
+                                  "nproc_per_node": "2", "cluster_timeout": 30}, check_script=False)
+    placement = WorkerPlacement(local_rank=1, rank=3, node_rank=1, host="h",
+                                device_env=(("FTRUN_DEVICE", "5"), ("FTRUN_DEVICE_INDEX", "0")))
+    env = worker_env(config, placement, generation(str(SCHEDULER)), "/tmp/e.json")
+    assert (env["RANK"], env["MS_NODE_ID"], env["RANK_ID"]) == ("3", "3", "3")
+    assert env["DEVICE_ID"] == "0"  # the device as the worker's runtime counts it, not the local rank
+    assert (env["MS_SCHED_HOST"], env["MS_SCHED_PORT"], env["MS_TOPO_TIMEOUT"]) == ("10.0.0.1", "31000", "30")
+    assert env["TORCHELASTIC_RESTART_COUNT"] == env["FTRUN_GENERATION"] == "1"
+    assert "MS_ROLE" not in worker_env(config, placement, generation(), "/tmp/e.json")  # a torch job's
+
+
+@pytest.mark.parametrize("text, found", [
+    ("import mindspore as ms\nfrom mindspore import ops\n", "mindspore"),
+    ("import numpy\n    from mindspore.communication import init\n", "mindspore"),
+    ("import torch\n", "torch"),
+    ("import torch\nimport mindspore\n", "both"),
+    ("import mindsporex\n# import mindspore\nx = 'import mindspore'\n", None),
+    ("", None),
+], ids=["mindspore", "indented", "torch", "both", "lookalikes", "empty"])
+def test_a_script_s_framework_is_told_only_from_its_own_imports(tmp_path, text, found):
+    assert mindspore.detect_framework(script(tmp_path, text)) == found
+
+
+def test_a_script_that_cannot_be_read_tells_nothing(tmp_path):
+    assert mindspore.detect_framework(str(tmp_path / "absent.py")) is None
+
+
+def test_the_framework_flag_wins_over_detection_and_both_imports_need_it(tmp_path):
+    both = script(tmp_path, "import torch\nimport mindspore\n")
+    with pytest.raises(UsageError, match="imports both torch and mindspore"):
+        build_launch_config({"script": both, "standalone": True, "device": "cpu"})
+    assert build_launch_config({"script": both, "standalone": True, "device": "cpu",
+                                "framework": "torch"}).framework == "torch"
+    with pytest.raises(UsageError, match="--framework must be one of torch, mindspore"):
+        build_launch_config({"script": both, "standalone": True, "device": "cpu", "framework": "jax"})
+
+
+def test_mindspore_refused_when_the_workers_python_cannot_import_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(mindspore, "finds_mindspore", lambda python: False)
+    with pytest.raises(UsageError, match="cannot import mindspore.*--python"):
+        build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu", "framework": "mindspore"})
+
+
+def test_mindspore_runs_at_job_level_without_standbys_in_the_python_that_has_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(mindspore, "finds_mindspore", lambda python: python == sys.executable)
+    config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu",
+                                  "framework": "mindspore", "recovery": "process", "nproc_per_node": "2"})
+    assert (config.recovery, config.warm_standby, config.entrypoint[0]) == ("job", 0, sys.executable)
+
+
+def test_python_on_path_runs_mindspore_when_ftrun_s_own_cannot(tmp_path, monkeypatch):
+    other = tmp_path / "bin" / "python"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", str(other.parent))
+    monkeypatch.setattr(mindspore, "finds_mindspore", lambda python: python == str(other))
+    assert mindspore.worker_python("", sys.executable) == str(other)
+    assert mindspore.worker_python(str(other), sys.executable) == str(other)
+    assert mindspore.worker_python("/no/such/python", sys.executable) == ""
+
+
+def test_finds_mindspore_asks_the_interpreter_itself():
+    assert not mindspore.finds_mindspore("/no/such/python")
+    assert mindspore.finds_mindspore(sys.executable) == (importlib.util.find_spec("mindspore") is not None)
+
+
+def parsed(argv: list[str]) -> dict:
+    return launch_command.main(argv, prog_name="ftrun", standalone_mode=False)
+
+
+def test_msrun_s_command_line_maps_onto_ftrun_s():
+    values, notes = msrun.translate(parsed(
+        ["--worker_num=4", "--local_worker_num=2", "--master_addr=10.0.0.1", "--master_port=8118", "--node_rank=1",
+         "--log_dir=logs", "--join=True", "--cluster_time_out=120", "--bind_core=True", "train.py", "--lr", "1"]))
+    assert values["framework"] == "mindspore"
+    assert (values["nnodes"], values["nproc_per_node"], values["node_rank"]) == ("2", "2", 1)
+    assert (values["master_addr"], values["master_port"], values["log_dir"]) == ("10.0.0.1", 8118, "logs")
+    assert values["cluster_timeout"] == 120 and values["numa_binding"] == "exclusive"
+    assert values["script_args"] == ("--lr", "1") and not notes
+    assert "rdzv_endpoint" not in values["given"]  # --node_rank given: the static rendezvous, as msrun's
+
+
+def test_msrun_without_node_rank_meets_at_the_master_address():
+    values, _ = msrun.translate(parsed(["--worker_num", "4", "--local_worker_num", "2", "--master_port", "8118",
+                                        "train.py"]))
+    assert values["rdzv_endpoint"] == "127.0.0.1:8118"
+
+
+def test_msrun_s_defaults_are_eight_workers_on_one_node_and_port_8118():
+    values, _ = msrun.translate(parsed(["--worker_num=8", "train.py"]))
+    assert (values["nnodes"], values["nproc_per_node"], values["master_port"]) == ("1", "8", 8118)
+
+
+def test_no_msrun_flag_leaves_the_values_alone():
+    values = parsed(["--nproc-per-node", "2", "train.py"])
+    assert msrun.translate(values) == (values, [])
+
+
+def test_join_false_is_accepted_with_a_note():
+    _, notes = msrun.translate(parsed(["--worker_num=2", "--local_worker_num=2", "--join=False", "train.py"]))
+    assert notes == ["--join False: ftrun stays with the job anyway (it watches it to recover it)"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--worker_num=5", "--local_worker_num=2"], "--worker_num 5 is not a multiple of --local_worker_num 2"),
+    (["--worker_num=2", "--local_worker_num=4"], "--local_worker_num 4 is more than --worker_num 2"),
+    (["--worker_num=4", "--local_worker_num=2", "--nproc-per-node=4"], "--nproc-per-node 4 contradicts"),
+    (["--worker_num=4", "--local_worker_num=2", "--nnodes=1"], "--nnodes 1 contradicts"),
+    (["--worker_num=two"], "--worker_num must be a whole number"),
+    (["--worker_num=0"], "--worker_num must be at least 1"),
+    (["--worker_num=2", "--framework", "torch"], "--worker_num is msrun's, for a MindSpore job"),
+    (["--join=maybe"], "--join must be True or False"),
+    (["--cluster_time_out=soon"], "--cluster_time_out must be a whole number"),
+    (["--bind_core={\"0\": [1]}"], "--bind_core with a core map is msrun's own"),
+    (["--bind_core=True", "--numa-binding", "node"], "contradicts --numa-binding node"),
+], ids=["not-a-multiple", "local-above-total", "nproc-clash", "nnodes-clash", "word", "zero", "torch",
+        "join-word", "timeout-word", "core-map", "numa-clash"])
+def test_an_msrun_combination_that_cannot_work_is_one_line(argv, words):
+    with pytest.raises(UsageError, match=words.replace("{", r"\{")):
+        msrun.translate(parsed([*argv, "train.py"]))
+
+
+def test_the_scheduler_s_failure_is_named_as_such():
+    failure = WorkerFailure(rank=mindspore.SCHEDULER_RANK, local_rank=-1, node_rank=0, host="h", pid=7,
+                            exit_code=None, signal="SIGKILL")
+    assert failure.describe() == "the MindSpore scheduler on node 0 (h), pid 7: killed by SIGKILL"
+
+
+def test_a_mindspore_script_launched_as_torch_fails_once_with_the_flag_to_give():
+    tail = ["RuntimeError: Maybe you are trying to call 'mindspore.communication.init()' without using 'mpirun', "
+            "which will make MindSpore load several environment variables"]
+    fault = classify_exit(1, tail, "", load_fault_table())
+    assert fault.kind == "setting" and "--framework mindspore" in fault.detail
+    assert classify_exit(-signal.SIGKILL, [], "", load_fault_table()).kind == "signal"
