@@ -40,7 +40,8 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
     try:
         wait_for(lambda: (launcher.out_dir / "progress-rank3").exists(), 120, "the job's first steps")
         # without the token: the view works, and an action is refused in one line
-        bare = Pane(tmp_path, "bare", ["top", "--rdzv-endpoint", endpoint], view_env)
+        reach = ["--rdzv-endpoint", endpoint, "--timeout", "60"]  # a store slow to answer on a loaded machine
+        bare = Pane(tmp_path, "bare", ["top", *reach], view_env)
         panes.append(bare)
         bare.wait_for("RUNNING", "heartbeat")
         bare.keys("r")
@@ -48,7 +49,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
         bare.keys("q")
         assert bare.exit_code() == 0
 
-        view = Pane(tmp_path, "token", ["top", "--rdzv-endpoint", endpoint, "--token-file", str(token)], view_env)
+        view = Pane(tmp_path, "token", ["top", *reach, "--token-file", str(token)], view_env)
         panes.append(view)
         view.wait_for("RUNNING", "heartbeat")
         view.keys("j", "j", "Down", "Enter")  # rank 3: node 1's second rank
