@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 from ftrun.mindspore import worker_python
@@ -26,16 +27,31 @@ TRAIN = str(WORKERS / "ms_train.py")
 STEPS = 12
 
 
+#: how long a test waits for scripts/test.sh's install of .msvenv, under way beside the first tests
+INSTALL_DEADLINE = 900
+
+
 def mindspore_python() -> str:
+    """The interpreter with mindspore ("" if none): FTRUN_TEST_MINDSPORE_PYTHON, else .msvenv once complete
+    (scripts/test.sh installs it while the first tests run: FTRUN_TEST_MINDSPORE_INSTALL is that install's
+    pid), else ftrun's own python or python on PATH."""
     given = os.environ.get("FTRUN_TEST_MINDSPORE_PYTHON", "")
-    local = ROOT / ".msvenv" / "bin" / "python"
-    return worker_python(given or (str(local) if local.exists() else ""), sys.executable)
+    local = ROOT / ".msvenv"
+    installer = os.environ.get("FTRUN_TEST_MINDSPORE_INSTALL", "")
+    if not given and installer.isdigit():
+        wait_for(lambda: (local / "ready").exists() or not psutil.pid_exists(int(installer)), INSTALL_DEADLINE,
+                 "scripts/test.sh's install of mindspore into .msvenv")
+    ready = str(local / "bin" / "python") if (local / "ready").exists() else ""
+    return worker_python(given or ready, sys.executable)
 
 
-PYTHON = mindspore_python()
-needs_mindspore = pytest.mark.skipif(
-    not PYTHON, reason="mindspore is not installed for any python here: scripts/test.sh makes .msvenv "
-                       "(mindspore==2.10.0, numpy<2), or set FTRUN_TEST_MINDSPORE_PYTHON")
+@pytest.fixture(scope="module")
+def python() -> str:
+    found = mindspore_python()
+    if not found:
+        pytest.skip("mindspore is not installed for any python here: scripts/test.sh makes .msvenv "
+                    "(mindspore==2.10.0, numpy<2), or set FTRUN_TEST_MINDSPORE_PYTHON")
+    return found
 
 
 def expected_checksum(size: int) -> float:
@@ -57,14 +73,13 @@ def check_results(launcher, size: int, restart: str) -> dict[int, dict]:
     return results
 
 
-@needs_mindspore
-def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_level(launcher):
+def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_level(launcher, python):
     port = free_port()
     msrun_flags = ["--worker_num=4", "--local_worker_num=2", "--master_addr=127.0.0.1", f"--master_port={port}",
                    "--join=True", "--cluster_time_out=60"]
     env = launcher.env(STEPS=str(STEPS), FAULT="3:4", FAULT_RESTARTS="0")
     for _ in range(2):
-        launcher.start([*msrun_flags, "--run-id", launcher.mark, "--python", PYTHON, "--max-restarts", "2",
+        launcher.start([*msrun_flags, "--run-id", launcher.mark, "--python", python, "--max-restarts", "2",
                         "--monitor-interval", "0.05", "--status", "plain", TRAIN], env=env)
     assert launcher.wait() == [0, 0], launcher.output()
     results = check_results(launcher, 4, restart="1")
@@ -76,11 +91,10 @@ def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_le
     assert "job succeeded" in output and "1 of 2 restarts used" in output
 
 
-@needs_mindspore
-def test_the_scheduler_killed_restarts_it_and_every_worker_on_a_fresh_port(launcher):
+def test_the_scheduler_killed_restarts_it_and_every_worker_on_a_fresh_port(launcher, python):
     out = launcher.out_dir
     env = launcher.env(STEPS=str(STEPS), STEP_SLEEP="0.3")
-    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", PYTHON,
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", python,
                            "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "plain", TRAIN], env=env)
 
     def progress() -> tuple[int, int]:
@@ -147,9 +161,8 @@ def test_mindspore_in_a_python_without_it_gets_one_clear_line(ftrun_cli, tmp_pat
     assert_one_clear_line(stderr, f"the workers' python cannot import mindspore (--python {sys.executable})")
 
 
-@needs_mindspore
-def test_a_mindspore_script_launched_as_torch_fails_once_saying_which_flag(launcher):
-    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "torch", "--python", PYTHON,
+def test_a_mindspore_script_launched_as_torch_fails_once_saying_which_flag(launcher, python):
+    node = launcher.start(["--standalone", "--nproc-per-node", "2", "--framework", "torch", "--python", python,
                            "--max-restarts", "2", "--status", "plain", TRAIN], env=launcher.env(STEPS="1"))
     assert launcher.wait() == [1], node.output
     assert "found no MindSpore cluster (launch it with --framework mindspore)" in node.output
