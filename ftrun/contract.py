@@ -146,10 +146,16 @@ class SnapshotSettings:
     limit: int
     #: how many copies of each snapshot the node keeps (FTRUN_SNAPSHOT_COPIES), for the limit's message
     copies: int
+    #: the file (JSON, a ``RestorePlan``) in which the agent left the node's restore plan of the generation,
+    #: for ranks that cannot read the control store: MindSpore's (FTRUN_RESTORE_PLAN); "" for none
+    restore_plan: str = ""
 
     def to_environ(self) -> dict[str, str]:
-        return {"FTRUN_SNAPSHOT_DIR": self.folder, "FTRUN_SNAPSHOT_EVERY": str(self.every),
-                "FTRUN_SNAPSHOT_LIMIT": str(self.limit), "FTRUN_SNAPSHOT_COPIES": str(self.copies)}
+        env = {"FTRUN_SNAPSHOT_DIR": self.folder, "FTRUN_SNAPSHOT_EVERY": str(self.every),
+               "FTRUN_SNAPSHOT_LIMIT": str(self.limit), "FTRUN_SNAPSHOT_COPIES": str(self.copies)}
+        if self.restore_plan:
+            env["FTRUN_RESTORE_PLAN"] = self.restore_plan
+        return env
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "SnapshotSettings | None":
@@ -157,7 +163,8 @@ class SnapshotSettings:
         folder, every = env.get("FTRUN_SNAPSHOT_DIR"), int(env.get("FTRUN_SNAPSHOT_EVERY") or 0)
         if not folder or every <= 0:
             return None
-        return cls(folder, every, int(env.get("FTRUN_SNAPSHOT_LIMIT") or 0), int(env.get("FTRUN_SNAPSHOT_COPIES") or 1))
+        return cls(folder, every, int(env.get("FTRUN_SNAPSHOT_LIMIT") or 0), int(env.get("FTRUN_SNAPSHOT_COPIES") or 1),
+                   env.get("FTRUN_RESTORE_PLAN", ""))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 #: --framework's values: the worker contract a job gets (torchrun's, or msrun's)
@@ -81,6 +82,20 @@ def worker_env(scheduler: Scheduler, world_size: int, topo_timeout: int, rank: i
 
 #: the lines a worker's python runs to say whether it can import mindspore (without importing it: 2 s)
 _FINDS_MINDSPORE = "import importlib.util, sys; sys.exit(importlib.util.find_spec('mindspore') is None)"
+
+
+def persister_command(entrypoint: tuple[str, ...]) -> tuple[str, ...]:
+    """The persister of a MindSpore job (``ftrun.snapshots.persist``): run by the workers' python, which
+    has mindspore, so that it writes the ranks' snapshots as ``.ckpt`` files."""
+    python = entrypoint[0] if len(entrypoint) > 1 and entrypoint[1] == "-u" else sys.executable
+    return (python, "-u", "-m", "ftrun.snapshots.persist", "mindspore")
+
+
+def with_ftrun_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this ftrun first on PYTHONPATH: another python (the workers') imports the same ftrun."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root)]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def detect_framework(script: str) -> str | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from ftrun import mindspore
 from ftrun.agent.control_plane import EtcdControlPlane
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
@@ -46,7 +47,7 @@ from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
-from ftrun.snapshots.plan import SnapshotInventory
+from ftrun.snapshots.plan import RestorePlan, SnapshotInventory
 from ftrun.status import StatusView
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_store, open_control_store
 from ftrun.top.attached import AttachedTop, controller_view
@@ -272,11 +273,16 @@ class Agent:
             return
         bind = bind_address(self.host, self.config.store_bind, self.config.several_nodes)
 
+        persister: tuple[str, ...] = ()
+        env = dict(os.environ)
+        if self.config.framework == "mindspore":  # .ckpt files, written by a python that has mindspore
+            persister, env = mindspore.persister_command(self.config.entrypoint), mindspore.with_ftrun_on_path(env)
+
         def spawn(argv: list[str]) -> subprocess.Popen:
-            return ops.spawn(argv, dict(os.environ), stdin=subprocess.PIPE)
+            return ops.spawn(argv, env, stdin=subprocess.PIPE)
 
         self.snapshots = SnapshotKeeper(options, self.config.run_id, self.slot.nproc, self.host, bind, self._signer,
-                                        self._token, spawn)
+                                        self._token, spawn, persister)
         ops.remove_on_exit(self.snapshots.folder)
         self.snapshots.start()
         self._publish_inventory()
@@ -762,10 +768,18 @@ class Agent:
             replacement=replacement,
             rank_tables=self._rank_tables(command.generation),
             previous_world_size=command.previous_world_size,
-            snapshot_env=tuple(self.snapshots.worker_env().items()) if self.snapshots else (),
+            snapshot_env=tuple(self.snapshots.worker_env(self._left_plan(command)).items()) if self.snapshots else (),
             control_store_file=self.etcd.store_file if self.etcd is not None else "",
             scheduler=command.scheduler,
         )
+
+    def _left_plan(self, command: Command) -> str:
+        """A MindSpore job's ranks cannot read the control store (their python has no torch): the node's
+        restore plan of a restarted generation goes to a file beside their snapshots. "": none."""
+        if not command.scheduler or command.generation <= 0 or self.snapshots is None:
+            return ""
+        plan = self.store.try_get(RestorePlan, self.keys.restore_plan(command.generation, self.slot.node_rank))
+        return self.snapshots.leave_plan(command.generation, plan) if plan is not None else ""
 
     def _report(self, kind: ReportKind, generation: int, **fields) -> None:
         self.protocol.report(kind, generation, **fields)

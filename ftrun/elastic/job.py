@@ -111,7 +111,7 @@ class ElasticJob:
             return
         _dump_stack_on_signal()
         track_torch_ddp()
-        snapshots = SnapshotWriter.from_settings(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
+        snapshots = SnapshotWriter.for_rank(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
         self._signer = snapshot_signer(snapshots.folder) if snapshots else Signer()
         self.link = link = ControlLink(self.env, self._signer, collective_timeout, fault_wait)
         self.state = TrainingState(_default_layout(self.env.world_size, sharded), snapshots, snapshot_overlap,

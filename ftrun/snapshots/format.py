@@ -11,8 +11,11 @@ and a file damaged later fails its checksum. The structure is the state with eve
 by a reference; it is read back with an unpickler that builds nothing but Python's plain containers
 and scalars, so a snapshot file cannot run code.
 
-Torch is imported only by the functions that build or load tensors: the agent reads headers,
-checks sums and moves bytes without it.
+The arrays are torch tensors (``ftrun.elastic``) or numpy arrays (``ftrun.mindspore_elastic``: a
+MindSpore rank's parameters as ``asnumpy()`` gives them); both record a dtype by the name the two
+libraries share (``float32``, ``int64``, ``bool``...), so either reads the other's file. Torch and numpy
+are imported only by the functions that build or load them: the agent reads headers, checks sums and
+moves bytes without either.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pickle
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 MAGIC = b"FTRSNAP1"
 #: magic, state, step, rank, world size, flags, structure length, data length, crc32, written at (unix time)
@@ -185,22 +188,36 @@ def plain_loads(raw) -> Any:
     return _PlainUnpickler(io.BytesIO(raw)).load()
 
 
-def _strip(value, tensors: list):
-    """``value`` with every tensor replaced by a TensorRef (the tensors collected in order)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach())
+def _strip(value, tensors: list, take: Callable[[Any], Any]):
+    """``value`` with every array replaced by a TensorRef (the arrays collected in order): ``take(v)``
+    is the array to keep for ``v``, or None when ``v`` is none."""
+    array = take(value)
+    if array is not None:
+        tensors.append(array)
         return TensorRef(len(tensors) - 1)
     if isinstance(value, collections.OrderedDict):
-        return collections.OrderedDict((k, _strip(v, tensors)) for k, v in value.items())
+        return collections.OrderedDict((k, _strip(v, tensors, take)) for k, v in value.items())
     if isinstance(value, dict):
-        return {k: _strip(v, tensors) for k, v in value.items()}
+        return {k: _strip(v, tensors, take) for k, v in value.items()}
     if isinstance(value, list):
-        return [_strip(v, tensors) for v in value]
+        return [_strip(v, tensors, take) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_strip(v, tensors) for v in value)
+        return tuple(_strip(v, tensors, take) for v in value)
     return value
+
+
+def _torch_tensor(value):
+    import torch
+
+    return value.detach() if isinstance(value, torch.Tensor) else None
+
+
+def _numpy_array(value):
+    import numpy as np
+
+    if not isinstance(value, np.ndarray):
+        return None
+    return value if value.flags.c_contiguous else value.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
 
 
 def _fill(value, tensors: list):
@@ -231,14 +248,18 @@ class SnapshotLayout:
         return Header(state, step, rank, world_size, sharded, len(self.meta), self.data_len, crc, written_at)
 
 
-def lay_out(states: dict) -> SnapshotLayout:
-    """Split ``states`` into its structure and its tensors, and place the tensors in the file."""
+def lay_out(states: dict, arrays: str = "torch") -> SnapshotLayout:
+    """Split ``states`` into its structure and its arrays (``arrays``: "torch" tensors or "numpy"
+    arrays), and place the arrays in the file."""
     tensors: list = []
-    skeleton = _strip(states, tensors)
+    skeleton = _strip(states, tensors, _numpy_array if arrays == "numpy" else _torch_tensor)
     specs, offsets, offset = [], [], 0
     for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        specs.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        if arrays == "numpy":
+            dtype, nbytes = tensor.dtype.name, tensor.nbytes
+        else:
+            dtype, nbytes = str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()
+        specs.append((dtype, tuple(tensor.shape), offset, nbytes))
         offsets.append(offset)
         offset = _aligned(offset + nbytes)
     try:
@@ -271,6 +292,30 @@ def copy_tensors(target, layout: SnapshotLayout, data_offset: int, indices, stag
     if staged:
         staging.copy(staged)
     del pages, staged  # the mapping can close once no tensor views it
+
+
+def copy_arrays(target, layout: SnapshotLayout, data_offset: int, indices) -> None:
+    """Copy the numpy arrays ``indices`` of the layout (``lay_out(..., "numpy")``) into ``target``, a
+    writable mapping of the file: one copy each."""
+    import numpy as np
+
+    pages = np.frombuffer(target, dtype=np.uint8)
+    for index in indices:
+        array, offset = layout.tensors[index], layout.offsets[index]
+        if array.nbytes:
+            start = data_offset + offset
+            pages[start:start + array.nbytes].view(array.dtype).reshape(array.shape)[...] = array
+    del pages  # the mapping can close once no array views it
+
+
+def load_arrays(header: Header, blob: bytearray) -> dict:
+    """The state a verified snapshot holds, its arrays numpy views of ``blob`` (no copy)."""
+    import numpy as np
+
+    skeleton, specs = plain_loads(memoryview(blob)[HEADER_SIZE:HEADER_SIZE + header.meta_len])
+    arrays = [np.frombuffer(blob, dtype=np.uint8, count=nbytes, offset=header.data_offset + offset).view(dtype)
+              .reshape(shape) if nbytes else np.empty(shape, dtype=dtype) for dtype, shape, offset, nbytes in specs]
+    return _fill(skeleton, arrays)
 
 
 def load_states(header: Header, blob: bytearray) -> dict:

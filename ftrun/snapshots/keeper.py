@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 from ftrun.auth import Signer
 from ftrun.contract import SNAPSHOT_TOKEN_FILE, SnapshotSettings
+from ftrun.messages import to_json
 from ftrun.ports import PortRange
 from ftrun.snapshots.format import HEADER_SIZE, Header, SnapshotError, read_header, read_verified, read_whole, size_text, verified
 from ftrun.snapshots.persist import write_atomically
-from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, SnapshotInventory
+from ftrun.snapshots.plan import DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestorePlan, SnapshotInventory
 from ftrun.snapshots.transfer import SnapshotServer, TransferError, put
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,10 @@ class SnapshotKeeper:
     """One node's snapshots, for the agent (see the module's text)."""
 
     def __init__(self, options: SnapshotOptions, run_id: str, nproc: int, advertise: str, bind: str,
-                 signer: Signer, token: bytes, spawn=None):
+                 signer: Signer, token: bytes, spawn=None, persister: tuple[str, ...] = ()):
         self.options = options
+        #: the persister's command (default: ftrun's python, writing torch.save files)
+        self.persister_command = persister or (sys.executable, "-u", "-m", "ftrun.snapshots.persist")
         self.nproc = nproc
         self.folder = os.path.join(memory_root(), f"ftrun-{re.sub(r'[^A-Za-z0-9_.-]', '_', run_id)}-{os.getpid()}")
         self.signer = signer
@@ -154,7 +157,7 @@ class SnapshotKeeper:
             if self._spawn is not None:
                 # from this thread: a child dies with the thread that started it (PR_SET_PDEATHSIG), and the
                 # persister imports torch only when the first checkpoint comes
-                self._persister = self._spawn([sys.executable, "-u", "-m", "ftrun.snapshots.persist"])
+                self._persister = self._spawn(list(self.persister_command))
                 threading.Thread(target=self._persisted, name="ftrun-persist-replies", daemon=True).start()
                 threading.Thread(target=self._persister_errors, name="ftrun-persist-errors", daemon=True).start()
         self._thread.start()
@@ -186,10 +189,18 @@ class SnapshotKeeper:
                 persister.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def worker_env(self) -> dict[str, str]:
-        """What a rank needs to write its snapshots here."""
+    def worker_env(self, restore_plan: str = "") -> dict[str, str]:
+        """What a rank needs to write its snapshots here (and ``restore_plan``: the file of its
+        generation's restore plan, for ranks that do not read the control store)."""
         return SnapshotSettings(self.folder, self.options.every, self.options.limit(self.nproc),
-                                self.options.copies()).to_environ()
+                                self.options.copies(), restore_plan).to_environ()
+
+    def leave_plan(self, generation: int, plan: RestorePlan) -> str:
+        """Put the node's restore plan of ``generation`` in the folder, for ranks that cannot read the
+        control store (MindSpore's python has no torch, hence no TCPStore); the file's path."""
+        path = os.path.join(self.folder, f"plan-g{generation:05d}.json")
+        write_atomically(path, to_json(plan).encode(), durable=False)
+        return path
 
     def set_peers(self, peers: list[tuple[int, str]]) -> None:
         with self._lock:
@@ -433,7 +444,7 @@ class SnapshotKeeper:
 
 def _remove_shard(path: str) -> None:
     """A checkpoint file past --keep-checkpoints, with its record (the step's folder once empty of shards)."""
-    for name in (path, path[:-len(".pt")] + ".json"):
+    for name in (path, os.path.splitext(path)[0] + ".json"):
         try:
             os.unlink(name)
         except OSError:

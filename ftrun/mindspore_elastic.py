@@ -1,0 +1,231 @@
+"""ftrun.mindspore_elastic: snapshots of a MindSpore rank's parameters and optimizer state, so that a
+job-level restart resumes from the newest step every rank holds instead of the script's last checkpoint.
+
+Add a few lines to an msrun script run with ``ftrun --framework mindspore --snapshot-every K``::
+
+    import ftrun.mindspore_elastic
+
+    init()                                              # mindspore.communication.init(), as before
+    job = ftrun.mindspore_elastic.init()
+    job.register(network=net, optimizer=optimizer)      # the Cells whose Parameters are the training state
+    for step in job.steps(total_steps):                 # the step number is the data position
+        loss = train_step(*batch_for(step))
+
+Every K steps each rank copies its registered Parameters (``asnumpy()``) into its agent's shared memory;
+the agent replicates them to peer nodes and, with ``--checkpoint-dir``, has them written as ``.ckpt``
+files that ``mindspore.load_checkpoint`` reads. After a fault the job restarts at job level (MindSpore
+cannot re-form its communication in a running process on the CPU build), and ``steps()`` of the new
+generation first puts back the state of the newest step every rank holds (``Parameter.set_data``) and
+goes on from there: at most K steps are redone. ``Model.train`` users pass :meth:`MindSporeJob.callback`.
+
+Outside ftrun, or without ``--snapshot-every``, ``steps()`` simply counts. This module imports neither
+torch (a MindSpore python has none) nor anything of the launcher; mindspore and numpy are imported by the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+from ftrun.contract import WorkerEnv
+from ftrun.errors import WORKER_SETTING_EXIT
+from ftrun.messages import from_json
+from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
+from ftrun.snapshots.plan import RestorePlan, RestoreSource
+from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_first_good, snapshot_signer
+
+log = logging.getLogger("ftrun.mindspore_elastic")
+
+
+class MindSporeArrays(ArrayKind):
+    """A MindSpore rank's state: numpy arrays by parameter name; its checkpoint files are ``.ckpt``."""
+
+    def load_checkpoint(self, data: bytes, path: str) -> dict:
+        import mindspore
+
+        if os.path.exists(path):
+            return _arrays(mindspore.load_checkpoint(path))
+        with tempfile.NamedTemporaryFile(suffix=".ckpt") as f:  # another node's, fetched from its agent
+            f.write(data)
+            f.flush()
+            return _arrays(mindspore.load_checkpoint(f.name))
+
+
+def _arrays(parameters: dict) -> dict:
+    return collections.OrderedDict((name, parameter.asnumpy()) for name, parameter in parameters.items())
+
+
+class MindSporeJob:
+    """One MindSpore rank's training state under ftrun: the registered Cells, the step, the snapshots."""
+
+    def __init__(self, sharded: bool = False):
+        self.env = WorkerEnv.from_environ()
+        #: every rank holds its own part of the state (model parallelism): each restores its own snapshot
+        self.sharded = sharded
+        self.objects: dict[str, Any] = {}
+        self._step = 0
+        self.snapshots: SnapshotWriter | None = None
+        if self.env is not None:
+            self.snapshots = SnapshotWriter.from_settings(self.env.snapshots, self.env.rank, self.env.world_size,
+                                                          sharded, MindSporeArrays())
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank if self.env is not None else int(os.environ.get("RANK_ID", "0"))
+
+    @property
+    def generation(self) -> int:
+        """The job's generation: 0 at the start, one more after each restart (0 outside ftrun)."""
+        return self.env.generation if self.env is not None else 0
+
+    @property
+    def step(self) -> int:
+        """The next step to run: the number of steps committed so far."""
+        return self._step
+
+    def register(self, **objects) -> None:
+        """Register training state: Cells (the network, the optimizer, a ``TrainOneStepCell``) whose
+        ``parameters_dict()`` holds it. A parameter that several of them hold (the optimizer holds the
+        network's) is taken once, by its name, as ``mindspore.save_checkpoint`` takes it."""
+        for name, obj in objects.items():
+            if not hasattr(obj, "parameters_dict"):
+                raise TypeError(f"{name}: {type(obj).__name__} has no parameters_dict() (register Cells)")
+            self.objects[name] = obj
+
+    def states(self) -> collections.OrderedDict:
+        """Every registered parameter as a numpy array, by its name (what a snapshot holds)."""
+        found: collections.OrderedDict = collections.OrderedDict()
+        for obj in self.objects.values():
+            for name, parameter in obj.parameters_dict().items():
+                if name not in found:
+                    found[name] = parameter.asnumpy()
+        return found
+
+    def load(self, states: dict) -> None:
+        """Put ``states`` (parameter name -> array) into every registered parameter."""
+        import mindspore
+        import numpy as np
+
+        if self.snapshots is not None:
+            self.snapshots.wait()
+        missing = [name for obj in self.objects.values() for name in obj.parameters_dict() if name not in states]
+        if missing:
+            raise SnapshotError(f"the snapshot holds no parameter {missing[0]!r} ({len(missing)} missing): "
+                                "was the same network registered?")
+        for obj in self.objects.values():
+            for name, parameter in obj.parameters_dict().items():
+                parameter.set_data(mindspore.Tensor(np.array(states[name])))  # a copy: the blob goes away
+
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """Step numbers ``start..total-1``; after a job-level restart, from the restored step.
+
+        The step number is the data position: make each step's batch a function of it. The step is
+        committed when the loop asks for the next one, and snapshotted every --snapshot-every steps.
+        ``start`` is where a fresh job begins (e.g. the step after the one in your own checkpoint); a
+        restored snapshot of a later step wins.
+        """
+        if not self._restore(start):
+            self._step = max(self._step, start)
+        while self._step < total:
+            yield self._step
+            self.commit()
+        self.close()
+
+    def commit(self) -> None:
+        """One more step is done (``steps()`` calls it; a loop of one's own, or the callback, calls it
+        after each step): snapshot the state when one is due."""
+        self._step += 1
+        if self.snapshots is None or not self.snapshots.due(self._step):
+            return
+        try:
+            self.snapshots.write(self._step, self.states())
+        except SnapshotTooLarge as e:  # any restart would fail the same way: say so, and say not to retry
+            print(f"ftrun.mindspore_elastic: {e}", file=sys.stderr, flush=True)
+            os._exit(WORKER_SETTING_EXIT)
+
+    def close(self) -> None:
+        """Let the snapshot under way complete (its sum is made by a thread of this rank)."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
+
+    def callback(self):
+        """A ``mindspore.train.Callback`` for ``Model.train``: it restores the newest snapshot as training
+        begins and commits each step as it ends. ``Model.train`` counts its own steps: resume the data
+        where :attr:`step` says (``job.step // steps_per_epoch`` epochs in, say) after the restore that
+        :meth:`restore` does: call it before ``Model.train``."""
+        from mindspore.train import Callback
+
+        job = self
+
+        class FtrunSnapshots(Callback):
+            def on_train_step_end(self, run_context) -> None:
+                job.commit()
+
+            def on_train_end(self, run_context) -> None:
+                job.close()
+
+        return FtrunSnapshots()
+
+    def restore(self, start: int = 0) -> int:
+        """Put back the state of the restore plan's step (a restarted generation's) unless ``start`` (the
+        script's own checkpoint's) is later; the step training goes on from. ``steps()`` calls it."""
+        if not self._restore(start):
+            self._step = max(self._step, start)
+        return self._step
+
+    def _restore(self, start: int) -> bool:
+        settings = self.env.snapshots if self.env is not None else None
+        if settings is None or self.snapshots is None or self.generation <= 0:
+            return False
+        plan = read_plan(settings.restore_plan)
+        if plan is None or plan.step < 0:
+            log.warning("rank %d: nothing to restore for generation %d (%s)", self.rank, self.generation,
+                        plan.reason if plan else "no restore plan")
+            return False
+        if plan.step < start:
+            return False  # the script's own checkpoint is newer
+        sources = plan.sources_for(self.rank)
+        if not sources:
+            log.warning("rank %d: the restore plan of generation %d has no source for it", self.rank, self.generation)
+            return False
+        began = time.monotonic()
+        source, states = load_first_good(sources, plan.step, settings.folder, snapshot_signer(settings.folder),
+                                         _skipped, MindSporeArrays())
+        self.load(states)
+        self._step = plan.step
+        self.snapshots.resume_at(plan.step)
+        log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.rank, plan.step, source.where,
+                    source.node_rank, time.monotonic() - began)
+        return True
+
+
+def _skipped(source: RestoreSource) -> None:
+    """A damaged copy: load_first_good logged it and goes on to the next. A MindSpore rank cannot tell the
+    controller (it reads no control store): the agent's own check leaves it out of later plans."""
+
+
+def read_plan(path: str) -> RestorePlan | None:
+    """The restore plan the agent left in ``path`` (None for none)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return from_json(RestorePlan, f.read())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        log.error("cannot read the restore plan %s: %s", path, e)
+        return None
+
+
+def init(sharded: bool = False) -> MindSporeJob:
+    """This rank's job, after ``mindspore.communication.init()``. ``sharded=True``: every rank holds its
+    own part of the state (model parallelism), so each restores its own snapshot rather than any rank's."""
+    return MindSporeJob(sharded)
+
+
+__all__ = ["init", "MindSporeJob", "MindSporeArrays", "read_plan"]
