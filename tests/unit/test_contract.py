@@ -65,7 +65,8 @@ def test_the_worker_library_loads_nothing_of_the_launcher():
 FULL = WorkerEnv(rank=5, local_rank=1, world_size=8, run_id="job", generation=3, control_store="head:29400",
                  replacement=True, heartbeat_timeout=12.5, node_rank=2, recovery="process", previous_world_size=6,
                  ranktable="/tmp/ranktable.json", device=DeviceAssignment(device=6, index=1),
-                 snapshots=SnapshotSettings(folder="/dev/shm/ftrun-x", every=10, limit=1 << 20, copies=2),
+                 snapshots=SnapshotSettings(folder="/dev/shm/ftrun-x", every=10, limit=1 << 20, copies=2,
+                                           restore_plan="/dev/shm/ftrun-x/plan-g00003.json"),
                  control_store_file="/tmp/ftrun-x/control_store", store_timeout=42.5)
 
 
