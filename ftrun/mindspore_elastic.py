@@ -70,6 +70,8 @@ class MindSporeJob:
         self.sharded = sharded
         self.objects: dict[str, Any] = {}
         self._step = 0
+        #: restore() ran: the generation's restore is done once, by it or by the first steps()
+        self._restored = False
         self.snapshots: SnapshotWriter | None = None
         if self.env is not None:
             self.snapshots = SnapshotWriter.from_settings(self.env.snapshots, self.env.rank, self.env.world_size,
@@ -130,8 +132,7 @@ class MindSporeJob:
         ``start`` is where a fresh job begins (e.g. the step after the one in your own checkpoint); a
         restored snapshot of a later step wins.
         """
-        if not self._restore(start):
-            self._step = max(self._step, start)
+        self.restore(start)
         while self._step < total:
             yield self._step
             self.commit()

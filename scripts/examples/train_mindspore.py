@@ -1,18 +1,24 @@
-"""A plain msrun-style MindSpore data-parallel training script (CPU) that resumes from a checkpoint.
+"""An msrun-style MindSpore data-parallel training script (CPU) that resumes from a checkpoint, and under
+ftrun from ftrun's snapshots (``ftrun.mindspore_elastic``: three lines).
 
-It knows nothing about ftrun; the same file runs under either launcher:
+The same file runs under either launcher (its python needs ftrun importable: ``pip install ftrun``, which
+brings no torch along for this, or PYTHONPATH):
 
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
         scripts/examples/train_mindspore.py --ckpt-dir /tmp/ms-ckpt
     ftrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True --max-restarts 2 \\
-        scripts/examples/train_mindspore.py --ckpt-dir /tmp/ms-ckpt --kill-rank 1 --kill-at-step 25
+        --snapshot-every 5 --checkpoint-dir /tmp/ms-snapshots \\
+        scripts/examples/train_mindspore.py --kill-rank 1 --kill-at-step 25
 
 What it does: a small MLP learns, with momentum SGD, to tell 8 noisy clusters apart in synthetic data;
 the gradients are averaged over the workers (DATA_PARALLEL, gradients_mean). The batch of step s is a
 function of s and the rank alone, so a resumed run sees the batches it would have seen. Rank 0 saves the
 parameters, the optimizer's state and the step every --ckpt-every steps with ``mindspore.save_checkpoint``
 (to a temporary file, then renamed); every rank loads the newest on start. Under ftrun a worker's (or the
-scheduler's) death restarts every worker, which goes on from that checkpoint.
+scheduler's) death restarts every worker; with --snapshot-every K they go on from the newest step every
+rank holds a snapshot of (at most K steps redone), else from that checkpoint. ftrun's --checkpoint-dir
+holds the snapshots as .ckpt files (``step-00000010/rank-00000.ckpt``) that ``mindspore.load_checkpoint``
+reads.
 
   --kill-rank R --kill-at-step S   rank R SIGKILLs itself after step S, in the first attempt only
                                    (TORCHELASTIC_RESTART_COUNT=0; under msrun, which never restarts: always)
@@ -27,6 +33,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 from mindspore.communication import get_group_size, get_rank, init
+
+import ftrun.mindspore_elastic
 
 WIDTH = 64
 CLASSES = 8
@@ -73,10 +81,14 @@ def main() -> None:
         state = ms.load_checkpoint(str(checkpoint))
         start_step = int(state.pop("step").asnumpy())
         ms.load_param_into_net(train_step, state)
+    job = ftrun.mindspore_elastic.init()
+    job.register(train_step=train_step)  # the network's parameters and the optimizer's (momentum) state
+    start_step = job.restore(start=start_step)  # after a restart under ftrun: the newest snapshot, if newer
     if rank == 0:
         print(f"rank 0 of {size}: starting after step {start_step} (restart {restart_count})", flush=True)
 
-    for step in range(start_step + 1, args.steps + 1):
+    for done in job.steps(args.steps, start=start_step):  # snapshots every --snapshot-every steps
+        step = done + 1
         loss = train_step(*synthetic_batch(step, rank))
         if rank == 0 and checkpoint is not None and step % args.ckpt_every == 0:
             checkpoint.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """MindSpore jobs (the CPU build, real schedulers and workers on loopback), launched as msrun launches them and
 restarted at job level: a worker SIGKILLed on 2 nodes x 2 workers started with msrun's flags; the scheduler
-killed on 1 node x 2 workers; bad input.
+killed on 1 node x 2 workers; a worker SIGKILLed in a job that snapshots through ftrun.mindspore_elastic;
+bad input.
 
 MindSpore is about 2.5 GB and wants numpy<2, so it lives in an interpreter of its own: FTRUN_TEST_MINDSPORE_PYTHON,
 else .msvenv/bin/python in the repository (scripts/test.sh makes it), else ftrun's own python or python on PATH
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 import time
 
 import psutil
@@ -168,3 +171,57 @@ def test_a_mindspore_script_launched_as_torch_fails_once_saying_which_flag(launc
     assert "found no MindSpore cluster (launch it with --framework mindspore)" in node.output
     assert "0 of 2 restarts used" in node.output  # a setting: no retry would help
     assert not marked_processes(launcher.mark)
+
+
+SNAPSHOT_TRAIN = str(WORKERS / "ms_snapshot_train.py")
+EVERY = 3
+
+
+@needs_mindspore
+def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_free_run(launcher):
+    """ftrun.mindspore_elastic under --snapshot-every: the restart redoes at most K steps, its parameters and
+    Adam's state end bit-identical to a fault-free run's (run beside it), and the persisted .ckpt files are
+    MindSpore's own."""
+    out, reference, checkpoints = launcher.out_dir, launcher.tmp / "reference", launcher.tmp / "checkpoints"
+    reference.mkdir()
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # the MindSpore python's ftrun
+    flags = ["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", PYTHON,
+             "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "plain",
+             "--snapshot-every", str(EVERY), "--replicate-every", str(EVERY)]
+    faulty = launcher.start([*flags, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(2 * EVERY),
+                             SNAPSHOT_TRAIN], env=launcher.env(STEPS=str(STEPS), FAULT="1:8", PYTHONPATH=pythonpath))
+    fault_free = launcher.start([*flags, SNAPSHOT_TRAIN],
+                                env=launcher.env(STEPS=str(STEPS), DUMP="1", OUT_DIR=str(reference), PYTHONPATH=pythonpath))
+    assert launcher.wait() == [0, 0], launcher.output()
+    assert "1 of 1 restart used" in faulty.output and "0 of 1 restart used" in fault_free.output
+
+    done_before = max(int((out / f"progress{rank}-0").read_text()) for rank in (0, 1))
+    resumed_at = {int((out / f"begin{rank}-1").read_text()) for rank in (0, 1)}
+    assert resumed_at == {2 * EVERY}, faulty.output  # the newest snapshot both ranks held before the fault at 8
+    redone = done_before - resumed_at.pop()
+    print(f"steps redone after the restart: {redone} (--snapshot-every {EVERY})")
+    assert 0 < redone <= EVERY
+
+    check = textwrap.dedent("""
+        import sys
+        import mindspore, numpy as np
+        out, reference, checkpoints = sys.argv[1:]
+        for rank in (0, 1):
+            got, want = np.load(f"{out}/final{rank}.npz"), np.load(f"{reference}/final{rank}.npz")
+            assert sorted(got) == sorted(want) and "moment1.weight" in got, sorted(got)
+            for name in want:  # bit for bit: the parameters, Adam's moments and powers, its global step
+                assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+            ckpt = mindspore.load_checkpoint(f"{checkpoints}/step-00000006/rank-0000{rank}.ckpt")
+            at_six = np.load(f"{reference}/state{rank}-6.npz")
+            assert sorted(ckpt) == sorted(at_six), (sorted(ckpt), sorted(at_six))
+            for name in at_six:
+                assert np.array_equal(ckpt[name].asnumpy(), at_six[name]), name
+        print("same")
+        """)
+    checked = subprocess.run([PYTHON, "-c", check, str(out), str(reference), str(checkpoints)], capture_output=True,
+                             text=True, timeout=120)
+    assert checked.stdout.strip().endswith("same"), checked.stdout + checked.stderr
+    manifest = json.loads((checkpoints / "step-00000006" / "manifest.json").read_text())
+    assert manifest["format"] == "mindspore.ckpt" and [r["path"] for r in manifest["ranks"]] == \
+        ["step-00000006/rank-00000.ckpt", "step-00000006/rank-00001.ckpt"]
+    assert "rank 1 failed: killed by SIGKILL" in faulty.output

@@ -10,8 +10,8 @@ Environment (all optional but OUT_DIR):
   FAULT=rank:step  that rank SIGKILLs itself before the step, in the generations FAULT_RESTARTS lists
   FAULT_RESTARTS=0 (TORCHELASTIC_RESTART_COUNT values; default 0)
   DUMP=1           also write every rank's parameters after every step (OUT_DIR/state<r>-<step>.npz)
-Writes OUT_DIR/begin<r>-<restart> (the step the generation began at), OUT_DIR/progress<r> after every step
-(pid, steps done, restart count) and OUT_DIR/final<r>.npz (every registered parameter at the end).
+Writes OUT_DIR/begin<r>-<restart> (the step the generation began at), OUT_DIR/progress<r>-<restart> after
+every step (the steps done) and OUT_DIR/final<r>.npz (every registered parameter at the end).
 """
 
 import os
@@ -70,7 +70,7 @@ def main() -> None:
         optimizer(tuple(all_reduce(g) / size for g in grads))
         if os.environ.get("DUMP") == "1":
             np.savez(os.path.join(out_dir, f"state{rank}-{step + 1}.npz"), **job.states())
-        write_atomically(os.path.join(out_dir, f"progress{rank}"), f"{os.getpid()} {step + 1} {restart}")
+        write_atomically(os.path.join(out_dir, f"progress{rank}-{restart}"), str(step + 1))
         time.sleep(pause)
     np.savez(os.path.join(out_dir, f"final{rank}.npz"), **job.states())
 
