@@ -79,6 +79,17 @@ over and the spare takes node 0's place. Its regain progress is the row's figure
 
     .venv/bin/python scripts/bench_recovery.py --controller-loss --node-timeout 3
 
+With --mindspore it gives the MindSpore row: scripts/examples/train_mindspore.py (the same script, the same
+run) on 1 node x --nproc-per-node workers, one rank SIGKILLed after --kill-at-step (28), under ftrun
+--framework mindspore --snapshot-every K (job level, resumed from the in-memory snapshots: ftrun.mindspore_elastic)
+and under msrun, which has no restart: msrun runs until it exits (or --deadline), then the benchmark runs it
+again, and the script resumes from its own checkpoint (every --ckpt-every steps). Per launcher: regain
+progress (from the fault until every rank finished a step past it, msrun's exit and re-run included) and
+steps redone; then ftrun's regain over msrun's (goal <= 0.5x). MindSpore comes from --ms-python (default
+.msvenv/bin/python), msrun from beside it:
+
+    .venv/bin/python scripts/bench_recovery.py --mindspore
+
 With --status-overhead N it measures what the status view and the event log cost the training loop:
 N runs each, alternating, of ftrun --recovery process with --status off (no view, no event log) and with
 --status live (the view drawn twice a second into the log, as on a terminal) and --log-dir (events.jsonl),
@@ -208,6 +219,10 @@ LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160
 CONTROLLER_LOSS_DEFAULTS = ModeDefaults(launchers=CONTROLLER_PAIR, steps=60, step_sleep=0.05, deadline=180.0)
 #: --controller-loss: the goal for regaining progress under etcd is --node-timeout plus this
 CONTROLLER_LOSS_MARGIN_S = 1.0
+# --mindspore: the kill 3 steps after a snapshot (--snapshot-every 5) and 8 after the script's checkpoint (every 10)
+MINDSPORE_DEFAULTS = ModeDefaults(launchers=(), steps=60, step_sleep=0.0, deadline=180.0, kill_at_step=28)
+#: --mindspore: the goal for ftrun's regain progress over msrun's
+MINDSPORE_GOAL = 0.5
 #: --node-loss: launchers that can take a spare node
 SPARE_CAPABLE = ("ftrun",)
 
@@ -950,6 +965,100 @@ def print_controller_loss(row: ControllerLossRow, scenario: Scenario) -> None:
 # --- command line ---------------------------------------------------------------------------------
 
 
+# --- MindSpore: ftrun from snapshots against msrun re-run from the script's checkpoint ----------------------
+
+
+def mindspore_command(scenario: Scenario, workdir: Path, fault: bool) -> list[str]:
+    """train_mindspore.py's own arguments (``fault``: with the kill)."""
+    kill = ["--kill-rank", str(scenario.kill_rank), "--kill-at-step", str(scenario.kill_at_step)] if fault else []
+    return [str(EXAMPLES / "train_mindspore.py"), "--steps", str(scenario.steps), "--ckpt-dir", str(workdir / "checkpoints"),
+            "--ckpt-every", str(scenario.ckpt_every), "--progress", str(workdir / "progress.txt"),
+            "--step-sleep", str(scenario.step_sleep), *kill]
+
+
+def run_mindspore_once(name: str, commands: list[list[str]], env: dict, workdir: Path, deadline: float
+                       ) -> tuple[float, list[int | None]]:
+    """Run ``commands`` one after the other (each once the one before exited), within ``deadline`` seconds
+    in all; the launch time and each one's exit code (None: killed at the deadline, and the rest not run)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker = uuid.uuid4().hex
+    env = {**env, MARKER_VARIABLE: marker}
+    launch_time, codes, processes = time.time(), [], []
+    end = time.monotonic() + deadline
+    try:
+        for attempt, command in enumerate(commands):
+            with open(workdir / f"{name}{attempt}.log", "wb") as log:
+                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
+            processes.append(process)
+            while process.poll() is None and time.monotonic() < end:
+                time.sleep(0.1)
+            codes.append(process.poll())
+            if codes[-1] is None:
+                break
+            kill_everything([process], MARKER_VARIABLE, marker)  # what msrun left behind, before its re-run
+        return launch_time, codes
+    finally:
+        kill_everything(processes, MARKER_VARIABLE, marker)
+
+
+def run_mindspore(scenario: Scenario, python: Path, snapshot_every: int, work_root: Path) -> dict:
+    """--mindspore: the same script under ftrun (job level, from snapshots) and under msrun (re-run from the
+    script's checkpoint once it exits)."""
+    python = python.absolute()
+    msrun = python.parent / "msrun"
+    if not python.exists() or not msrun.exists():
+        sys.exit(f"bench_recovery --mindspore: no MindSpore python at {python} (scripts/test.sh makes .msvenv), "
+                 "or no msrun beside it")
+    workers = scenario.nproc_per_node
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # msrun runs `python`
+    results = {}
+    for name in ("ftrun", "msrun"):
+        workdir = work_root / f"mindspore-{name}"
+        started = time.monotonic()
+        if name == "ftrun":
+            flags = [find_program("ftrun", "bench_recovery"), f"--worker_num={workers}",
+                     f"--local_worker_num={workers}", f"--master_port={free_port()}", "--join=True",
+                     "--python", str(python), "--max-restarts", str(scenario.max_restarts),
+                     "--snapshot-every", str(snapshot_every), "--status", "plain"]
+            commands = [[*flags, *mindspore_command(scenario, workdir, fault=True)]]
+        else:
+            def msrun_command(fault: bool) -> list[str]:
+                return [str(msrun), f"--worker_num={workers}", f"--local_worker_num={workers}",
+                        f"--master_port={free_port()}", "--join=True", f"--log_dir={workdir / 'msrun_logs'}",
+                        *mindspore_command(scenario, workdir, fault)]
+            commands = [msrun_command(True), msrun_command(False)]
+        console.print(f"[bold]{name}[/bold] (MindSpore), 1 node x {workers} workers: running, deadline "
+                      f"{scenario.deadline:g} s")
+        launch_time, codes = run_mindspore_once(name, commands, env, workdir, scenario.deadline)
+        # msrun's first run fails by design (a rank was killed); only its re-run must succeed
+        exit_codes = codes[-1:] if name == "msrun" and len(codes) == 2 else codes
+        result = analyse(Launcher(name, name, name, ()), scenario, launch_time, exit_codes,
+                         read_progress(workdir / "progress.txt"), time.monotonic() - started, None)
+        console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s (exit codes {codes})")
+        results[name] = result
+    mine, theirs = results["ftrun"].regain_progress_s, results["msrun"].regain_progress_s
+    results["ratio"] = ratio(mine, theirs)
+    return results
+
+
+def print_mindspore(row: dict, scenario: Scenario, snapshot_every: int) -> None:
+    table = Table(title=f"MindSpore, 1 node x {scenario.nproc_per_node} workers, rank {scenario.kill_rank} SIGKILLed "
+                        f"after step {scenario.kill_at_step}")
+    for column in ("launcher", "outcome", "regain progress (s)", "steps redone", "median step (s)"):
+        table.add_column(column)
+    labels = {"ftrun": f"ftrun --framework mindspore --snapshot-every {snapshot_every} (job level, from snapshots)",
+              "msrun": f"msrun, re-run from the script's checkpoint (every {scenario.ckpt_every} steps)"}
+    for name in ("ftrun", "msrun"):
+        result = row[name]
+        table.add_row(labels[name], result.outcome_text(), seconds(result.regain_progress_s),
+                      "-" if result.steps_redone is None else str(result.steps_redone),
+                      "-" if result.median_step_s is None else f"{result.median_step_s:.4f}")
+    console.print(table)
+    console.print(f"ftrun's regain progress over msrun's: {goal_text(row['ratio'], MINDSPORE_GOAL)}")
+
+
 def node_counts(text: str) -> list[int]:
     counts = [int(part) for part in text.split(",") if part.strip()]
     if not counts or min(counts) < 1:
@@ -1014,6 +1123,11 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                              "last (default 0.5)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="--layouts: N runs of each launcher per layout, alternating; medians reported (default 1)")
+    parser.add_argument("--mindspore", action="store_true",
+                        help="instead: the MindSpore row, ftrun (job level from snapshots) against msrun re-run from "
+                             "the script's checkpoint")
+    parser.add_argument("--ms-python", type=Path, default=REPO / ".msvenv" / "bin" / "python", metavar="PYTHON",
+                        help="--mindspore: the python that has mindspore (default .msvenv/bin/python; msrun beside it)")
     parser.add_argument("--json", default="-", metavar="FILE", help="where the JSON results go; - for stdout (default)")
     parser.add_argument("--work-dir", type=Path, metavar="DIR",
                         help="a new folder to keep logs, progress files and checkpoints in (default: a temporary one)")
@@ -1029,10 +1143,14 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                                  or args.layouts):
         parser.error("--controller-loss runs its own pair of launchers: drop --scaling, --node-loss, --launchers, "
                      "--status-overhead and --layouts")
+    if args.mindspore and (args.scaling or args.node_loss or args.launchers or args.status_overhead
+                           or args.layouts or args.controller_loss or (args.nnodes or 1) != 1):
+        parser.error("--mindspore runs its own pair of launchers on one node: drop --scaling, --node-loss, "
+                     "--launchers, --status-overhead, --layouts, --controller-loss and --nnodes")
     if args.scaling and args.node_loss:
         parser.error("--scaling and --node-loss are two sweeps: give one")
     sweep = args.scaling or args.node_loss
-    defaults = (scaling if sweep else LAYOUTS_DEFAULTS if args.layouts
+    defaults = (scaling if sweep else LAYOUTS_DEFAULTS if args.layouts else MINDSPORE_DEFAULTS if args.mindspore
                 else CONTROLLER_LOSS_DEFAULTS if args.controller_loss else single)
     names = [name.strip() for name in args.launchers.split(",") if name.strip()] if args.launchers else defaults.launchers
     unknown = [name for name in names if name not in LAUNCHERS]
@@ -1043,7 +1161,8 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     if sweep and (args.nnodes or args.nproc_per_node or args.kill_rank is not None):
         parser.error("--scaling and --node-loss set the nodes (1 rank each) and kill the last: drop --nnodes, "
                      "--nproc-per-node and --kill-rank")
-    shapes = [(nnodes, 1) for nnodes in sweep] if sweep else [(args.nnodes or 2, args.nproc_per_node or 2)]
+    shapes = [(nnodes, 1) for nnodes in sweep] if sweep else [(args.nnodes or (1 if args.mindspore else 2),
+                                                                args.nproc_per_node or 2)]
     steps = args.steps or defaults.steps
     args.kill_at_step = args.kill_at_step or defaults.kill_at_step
     if not 0 < args.kill_at_step < steps:
@@ -1130,6 +1249,12 @@ def main() -> int:
             print_table([c10d, etcd], scenarios[0])
             print_controller_loss(row, scenarios[0])
             write_json([c10d, etcd], scenarios, [], args.json, {"controller_loss": row.to_json()})
+            return 0
+        if args.mindspore:
+            row = run_mindspore(scenarios[0], args.ms_python, args.snapshot_every, work_root)
+            print_mindspore(row, scenarios[0], args.snapshot_every)
+            write_json([row["ftrun"], row["msrun"]], scenarios, [], args.json,
+                       {"mindspore": {"regain_ratio": row["ratio"]}})
             return 0
         if args.layouts:
             cases = layout_cases(args.snapshot_every, args.kill_stagger)

@@ -22,11 +22,15 @@ reads.
 
   --kill-rank R --kill-at-step S   rank R SIGKILLs itself after step S, in the first attempt only
                                    (TORCHELASTIC_RESTART_COUNT=0; under msrun, which never restarts: always)
+  --step-sleep SECONDS             sleep after every step, to slow the job down
+  --progress FILE                  every rank appends "<unix time> <rank> <step> <pid> <restart count>"
+                                   for every finished step (scripts/bench_recovery.py --mindspore reads it)
 """
 
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import mindspore as ms
@@ -51,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10, help="save every K steps (default 10)")
     parser.add_argument("--kill-rank", type=int, help="rank that SIGKILLs itself (with --kill-at-step)")
     parser.add_argument("--kill-at-step", type=int, help="step after which --kill-rank SIGKILLs itself")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every step")
+    parser.add_argument("--progress", type=Path, help="append one line per finished step to this file")
     return parser.parse_args()
 
 
@@ -87,9 +93,12 @@ def main() -> None:
     if rank == 0:
         print(f"rank 0 of {size}: starting after step {start_step} (restart {restart_count})", flush=True)
 
+    progress = open(args.progress or os.devnull, "a")
     for done in job.steps(args.steps, start=start_step):  # snapshots every --snapshot-every steps
         step = done + 1
         loss = train_step(*synthetic_batch(step, rank))
+        progress.write(f"{time.time():.6f} {rank} {step} {os.getpid()} {restart_count}\n")
+        progress.flush()  # the line is out before a kill below, and readable while the job runs
         if rank == 0 and checkpoint is not None and step % args.ckpt_every == 0:
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             tmp = checkpoint.with_suffix(".tmp.ckpt")
@@ -99,6 +108,8 @@ def main() -> None:
             print(f"step {step} loss {float(loss.asnumpy()):.4f}", flush=True)
         if rank == args.kill_rank and step == args.kill_at_step and restart_count == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
     if rank == 0:
         print(f"done: {args.steps} steps", flush=True)
 
