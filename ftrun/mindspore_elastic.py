@@ -38,7 +38,7 @@ from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.messages import from_json
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_first_good, snapshot_signer
+from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_first_good, snapshot_signer, sources_to_restore
 
 log = logging.getLogger("ftrun.mindspore_elastic")
 
@@ -175,9 +175,12 @@ class MindSporeJob:
 
     def restore(self, start: int = 0) -> int:
         """Put back the state of the restore plan's step (a restarted generation's) unless ``start`` (the
-        script's own checkpoint's) is later; the step training goes on from. ``steps()`` calls it."""
-        if not self._restore(start):
-            self._step = max(self._step, start)
+        script's own checkpoint's) is later; the step training goes on from. The first ``steps()`` calls
+        it, unless the script did."""
+        if not self._restored:
+            self._restored = True
+            if not self._restore(start):
+                self._step = max(self._step, start)
         return self._step
 
     def _restore(self, start: int) -> bool:
@@ -185,15 +188,8 @@ class MindSporeJob:
         if settings is None or self.snapshots is None or self.generation <= 0:
             return False
         plan = read_plan(settings.restore_plan)
-        if plan is None or plan.step < 0:
-            log.warning("rank %d: nothing to restore for generation %d (%s)", self.rank, self.generation,
-                        plan.reason if plan else "no restore plan")
-            return False
-        if plan.step < start:
-            return False  # the script's own checkpoint is newer
-        sources = plan.sources_for(self.rank)
+        sources = sources_to_restore(plan, self.rank, start, self.generation)
         if not sources:
-            log.warning("rank %d: the restore plan of generation %d has no source for it", self.rank, self.generation)
             return False
         began = time.monotonic()
         source, states = load_first_good(sources, plan.step, settings.folder, snapshot_signer(settings.folder),

@@ -17,7 +17,7 @@ from ftrun.contract import SnapshotSettings
 from ftrun.snapshots import rank
 from ftrun.snapshots.format import Header, SnapshotLayout, copy_tensors, load_states
 from ftrun.snapshots.plan import RestoreSource
-from ftrun.snapshots.rank import ArrayKind, own_steps, snapshot_signer
+from ftrun.snapshots.rank import ArrayKind, own_steps, snapshot_signer, sources_to_restore
 from ftrun.snapshots.staging import DeviceStaging
 
 
@@ -87,4 +87,4 @@ def load_first_good(sources: list[RestoreSource], step: int, folder: str, signer
 
 
 __all__ = ["SnapshotWriter", "TorchArrays", "load_own", "load_source", "load_first_good",
-           "own_steps", "snapshot_signer"]
+           "own_steps", "snapshot_signer", "sources_to_restore"]

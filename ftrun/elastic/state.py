@@ -22,7 +22,7 @@ from ftrun.elastic.ddp import ElasticDDP
 from ftrun.elastic.groups import GroupFailed, first_line
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.shards import load_local, local_tensor, to_local
-from ftrun.elastic.snapshots import SnapshotWriter, load_first_good
+from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, sources_to_restore
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.snapshots.format import SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
@@ -179,15 +179,8 @@ class TrainingState:
                 report_damaged: Callable[[RestoreSource], None]) -> bool:
         """After a job-level restart: load the state the controller's restore ``plan`` names for this rank
         (from this node's memory, a peer's replica or the checkpoint folder); True when it did."""
-        if plan is None or plan.step < 0:
-            log.warning("rank %d: nothing to restore for generation %d (%s)", self.rank, generation,
-                        plan.reason if plan else "no restore plan")
-            return False
-        if plan.step < start:
-            return False  # the script's own checkpoint is newer
-        sources = plan.sources_for(self.rank)
+        sources = sources_to_restore(plan, self.rank, start, generation)
         if not sources:
-            log.warning("rank %d: the restore plan of generation %d has no source for it", self.rank, generation)
             return False
         began = time.monotonic()
         source, state = load_first_good(sources, plan.step, self.snapshots.folder, signer, report_damaged)

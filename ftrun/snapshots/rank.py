@@ -42,7 +42,7 @@ from ftrun.snapshots.format import (
     size_text,
     verified,
 )
-from ftrun.snapshots.plan import DISK, RestoreSource
+from ftrun.snapshots.plan import DISK, RestorePlan, RestoreSource
 from ftrun.snapshots.transfer import TransferError, get
 
 
@@ -294,6 +294,22 @@ def load_source(source: RestoreSource, step: int, folder: str, signer: Signer, a
     if header.step != step:
         raise SnapshotError(f"{where} now holds step {header.step}, not {step}")
     return arrays.load(header, blob)
+
+
+def sources_to_restore(plan: RestorePlan | None, rank: int, start: int, generation: int) -> list[RestoreSource]:
+    """Where a rank of a restarted ``generation`` reads its state, first choice first: [] when it restores
+    nothing (no plan or no step every rank holds, said in the log; or ``start``, the script's own
+    checkpoint's step, is newer)."""
+    if plan is None or plan.step < 0:
+        log.warning("rank %d: nothing to restore for generation %d (%s)", rank, generation,
+                    plan.reason if plan else "no restore plan")
+        return []
+    if plan.step < start:
+        return []  # the script's own checkpoint is newer
+    sources = plan.sources_for(rank)
+    if not sources:
+        log.warning("rank %d: the restore plan of generation %d has no source for it", rank, generation)
+    return sources
 
 
 def load_first_good(sources: list[RestoreSource], step: int, folder: str, signer: Signer,
