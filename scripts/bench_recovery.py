@@ -1069,7 +1069,7 @@ def node_counts(text: str) -> list[int]:
 def layout_names(text: str) -> list[str]:
     names = list(LAYOUT_NAMES) if text == "all" else [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in LAYOUT_NAMES]
-    if unknown or not names:
+    if unknown or not (names or args.mindspore):  # --mindspore: its own pair (run_mindspore)
         raise argparse.ArgumentTypeError(f"choose from all, {', '.join(LAYOUT_NAMES)}")
     return names
 
@@ -1154,7 +1154,7 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                 else CONTROLLER_LOSS_DEFAULTS if args.controller_loss else single)
     names = [name.strip() for name in args.launchers.split(",") if name.strip()] if args.launchers else defaults.launchers
     unknown = [name for name in names if name not in LAUNCHERS]
-    if unknown or not names:
+    if unknown or not (names or args.mindspore):  # --mindspore: its own pair (run_mindspore)
         parser.error(f"unknown launcher {', '.join(unknown)}; choose from {', '.join(LAUNCHERS)}")
     if len(set(names)) < len(names):
         parser.error("--launchers names a launcher twice: each has one work folder and one row")
