@@ -157,14 +157,17 @@ class MindSporeJob:
 
     def callback(self):
         """A ``mindspore.train.Callback`` for ``Model.train``: it restores the newest snapshot as training
-        begins and commits each step as it ends. ``Model.train`` counts its own steps: resume the data
-        where :attr:`step` says (``job.step // steps_per_epoch`` epochs in, say) after the restore that
-        :meth:`restore` does: call it before ``Model.train``."""
+        begins (unless :meth:`restore` ran already) and commits each step as it ends, snapshotting every
+        --snapshot-every steps. ``Model.train`` counts its own steps: call :meth:`restore` before it and
+        resume the data where :attr:`step` says (``job.step // steps_per_epoch`` epochs in, say)."""
         from mindspore.train import Callback
 
         job = self
 
         class FtrunSnapshots(Callback):
+            def on_train_begin(self, run_context) -> None:
+                job.restore()
+
             def on_train_step_end(self, run_context) -> None:
                 job.commit()
 
@@ -204,7 +207,8 @@ class MindSporeJob:
 
 def _skipped(source: RestoreSource) -> None:
     """A damaged copy: load_first_good logged it and goes on to the next. A MindSpore rank cannot tell the
-    controller (it reads no control store): the agent's own check leaves it out of later plans."""
+    controller (it reads no control store), so a later plan may name the copy again (the agents' own check,
+    when the ranks stop, leaves out those damaged by then)."""
 
 
 def read_plan(path: str) -> RestorePlan | None:
