@@ -177,15 +177,14 @@ SNAPSHOT_TRAIN = str(WORKERS / "ms_snapshot_train.py")
 EVERY = 3
 
 
-@needs_mindspore
-def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_free_run(launcher):
+def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_free_run(launcher, python):
     """ftrun.mindspore_elastic under --snapshot-every: the restart redoes at most K steps, its parameters and
     Adam's state end bit-identical to a fault-free run's (run beside it), and the persisted .ckpt files are
     MindSpore's own."""
     out, reference, checkpoints = launcher.out_dir, launcher.tmp / "reference", launcher.tmp / "checkpoints"
     reference.mkdir()
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # the MindSpore python's ftrun
-    flags = ["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", PYTHON,
+    flags = ["--standalone", "--nproc-per-node", "2", "--framework", "mindspore", "--python", python,
              "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "plain",
              "--snapshot-every", str(EVERY), "--replicate-every", str(EVERY)]
     faulty = launcher.start([*flags, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(2 * EVERY),
@@ -218,7 +217,7 @@ def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_fre
                 assert np.array_equal(ckpt[name].asnumpy(), at_six[name]), name
         print("same")
         """)
-    checked = subprocess.run([PYTHON, "-c", check, str(out), str(reference), str(checkpoints)], capture_output=True,
+    checked = subprocess.run([python, "-c", check, str(out), str(reference), str(checkpoints)], capture_output=True,
                              text=True, timeout=120)
     assert checked.stdout.strip().endswith("same"), checked.stdout + checked.stderr
     manifest = json.loads((checkpoints / "step-00000006" / "manifest.json").read_text())
