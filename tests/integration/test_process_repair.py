@@ -99,11 +99,13 @@ def test_every_rank_lost_goes_to_job_level_without_a_process_level_repair(launch
     faults = ",".join(f"{rank}:4:sigkill" for rank in range(4))
     assert run(launcher, FAULT=faults, STEP_SLEEP="0.5", SLOW_STEPS="3") == [0, 0], launcher.output()
     output = launcher.output()
-    assert re.search(r"job-level repair into generation [12]: rank \d .*; every rank failed, no healthy replica "
+    # the generation it restarts as: 1, or later where the last deaths were reported after the first ones'
+    # replacements started (a busy machine), each carrying the repair into a new generation first
+    assert re.search(r"job-level repair into generation \d+: rank \d .*; every rank failed, no healthy replica "
                      r"holds the training state", output), output
     assert "falling back to job level" not in output  # no process-level repair got as far as its rollback
     assert "resumed training" not in output
-    assert re.search(r"generation [12] back in training [0-9.]+s after the fault", output), output
+    assert re.search(r"generation \d+ back in training [0-9.]+s after the fault", output), output
     assert "1 of 3 restarts used" in output  # one recovery, one unit of budget
     results = launcher.results()
     assert {r["step"] for r in results.values()} == {STEPS}
