@@ -226,6 +226,7 @@ class Agent:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
             if self.store.is_host:
                 linger_for_readers(self.store, self.keys, RENDEZVOUS_LINGER)
+            self._stop_controller()
             raise
         ops = ProcessOps()
         group = WorkerGroup(ops, config, "", config.warm_standby)
@@ -338,10 +339,7 @@ class Agent:
         untouched; how the job ended when it ended meanwhile."""
         failed = str(self.store.endpoint)
         log.warning("lost the control store at %s (%s); looking for the controller in etcd", failed, why)
-        if self.controller is not None:
-            self.controller.stop_requested.set()
-            self.controller.join(self.config.stop_timeout)
-            self.controller = None
+        self._stop_controller()
         if self.protocol is not None and self.protocol.watch is not None:
             self.protocol.watch.close(self.store)
         found = self.etcd.find(self.config.store_timeout, joined=True, failed=failed)
@@ -365,6 +363,15 @@ class Agent:
             self._report(ReportKind.WORKER_FAILED, generation, failures=failures)
         log.warning("going on with the controller at %s", self.store.endpoint)
         return None
+
+    def _stop_controller(self) -> None:
+        """End this process's controller and wait for its thread (within --stop-timeout): a thread still in a
+        store call of torch's as the interpreter ends aborts the process ("terminate called without an
+        active exception"; seen once after a rendezvous that timed out, exit code -6 instead of 3)."""
+        if self.controller is not None:
+            self.controller.stop_requested.set()
+            self.controller.join(self.config.stop_timeout)
+            self.controller = None
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         if self.controller is not None:
