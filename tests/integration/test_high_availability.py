@@ -153,13 +153,14 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     leader, *others = start(launcher, etcd, spares=0, flags=flags, STEPS="1000", STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)
     # ftrun status and ftrun top find the job through etcd
-    found = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark]
-    status = ftrun_status(etcd.endpoints, *found[:2], *found[4:], "--json")
+    found = ["--rdzv-backend", "etcd", "--run-id", launcher.mark]
+    status = ftrun_status(etcd.endpoints, *found, "--json")
     out, err = status.communicate(timeout=60)
     assert status.returncode == 0, err
     assert json.loads(out)["controller"]["host"] == "127.0.0.2"
     if shutil.which("tmux"):
-        top = Pane(launcher.tmp, "top", ["top", *found], dict(os.environ), size=(240, 30))
+        top = Pane(launcher.tmp, "top", ["top", "--rdzv-endpoint", etcd.endpoints, *found], dict(os.environ),
+                   size=(240, 30))
         try:
             top.wait_for("RUNNING", "heartbeat", "controller on 127.0.0.2")
             top.keys("q")

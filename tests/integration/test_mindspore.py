@@ -80,7 +80,7 @@ def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_le
     port = free_port()
     msrun_flags = ["--worker_num=4", "--local_worker_num=2", "--master_addr=127.0.0.1", f"--master_port={port}",
                    "--join=True", "--cluster_time_out=60"]
-    env = launcher.env(STEPS=str(STEPS), FAULT="3:4", FAULT_RESTARTS="0")
+    env = launcher.env(STEPS=str(STEPS), FAULT="3:4:sigkill", FAULT_RESTARTS="0")
     for _ in range(2):
         launcher.start([*msrun_flags, "--run-id", launcher.mark, "--python", python, "--max-restarts", "2",
                         "--monitor-interval", "0.05", "--status", "plain", TRAIN], env=env)
@@ -188,7 +188,7 @@ def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_fre
              "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "plain",
              "--snapshot-every", str(EVERY), "--replicate-every", str(EVERY)]
     faulty = launcher.start([*flags, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(2 * EVERY),
-                             SNAPSHOT_TRAIN], env=launcher.env(STEPS=str(STEPS), FAULT="1:8", PYTHONPATH=pythonpath))
+                             SNAPSHOT_TRAIN], env=launcher.env(STEPS=str(STEPS), FAULT="1:8:sigkill", PYTHONPATH=pythonpath))
     fault_free = launcher.start([*flags, SNAPSHOT_TRAIN],
                                 env=launcher.env(STEPS=str(STEPS), DUMP="1", OUT_DIR=str(reference), PYTHONPATH=pythonpath))
     assert launcher.wait() == [0, 0], launcher.output()

@@ -7,7 +7,8 @@ are all-reduced (``ops.AllReduce``) and averaged, so every rank holds the same p
 Environment (all optional but OUT_DIR):
   STEPS=12         steps to run
   STEP_SLEEP=0.05  seconds each step sleeps, so that a test can act while the job runs
-  FAULT=rank:step  that rank SIGKILLs itself before the step, in the generations FAULT_RESTARTS lists
+  FAULT=rank:step:kind  that rank's fault before the step (tests/workers/faults.py), in the generations
+                   FAULT_RESTARTS lists
   FAULT_RESTARTS=0 (TORCHELASTIC_RESTART_COUNT values; default 0)
   DUMP=1           also write every rank's parameters after every step (OUT_DIR/state<r>-<step>.npz)
 Writes OUT_DIR/begin<r>-<restart> (the step the generation began at), OUT_DIR/progress<r>-<restart> after
@@ -15,9 +16,9 @@ every step (the steps done) and OUT_DIR/final<r>.npz (every registered parameter
 """
 
 import os
-import signal
 import time
 
+import faults
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
@@ -46,8 +47,6 @@ def main() -> None:
     rank, size = get_rank(), get_group_size()
     steps = int(os.environ.get("STEPS", "12"))
     pause = float(os.environ.get("STEP_SLEEP", "0.05"))
-    fault = os.environ.get("FAULT", "")
-    fault_rank, fault_step = (int(x) for x in fault.split(":")) if fault else (-1, -1)
     faulty_now = restart in os.environ.get("FAULT_RESTARTS", "0").split(",")
 
     net = nn.Dense(8, 2, weight_init="normal", bias_init="zeros")
@@ -64,8 +63,9 @@ def main() -> None:
         if not begun:
             write_atomically(os.path.join(out_dir, f"begin{rank}-{restart}"), str(step))
             begun = True
-        if rank == fault_rank and step == fault_step and faulty_now:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kind = faults.due(rank, step) if faulty_now else ""
+        if kind:
+            faults.trigger(kind, step)
         _, grads = grad_fn(*batch(step, rank))
         optimizer(tuple(all_reduce(g) / size for g in grads))
         if os.environ.get("DUMP") == "1":

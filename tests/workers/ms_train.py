@@ -8,7 +8,8 @@ happened (the job restarts from step 0).
 Environment (all optional but OUT_DIR):
   STEPS=12         steps to run
   STEP_SLEEP=0.05  seconds each step sleeps, so that a test can act while the job runs
-  FAULT=rank:step  that rank SIGKILLs itself before the step, in the generations FAULT_RESTARTS lists
+  FAULT=rank:step:kind  that rank's fault before the step (tests/workers/faults.py), in the generations
+                   FAULT_RESTARTS lists
   FAULT_RESTARTS=0 (TORCHELASTIC_RESTART_COUNT values; default 0)
 Writes OUT_DIR/rank<r>.json at the end (step, checksum, restart count, the MindSpore contract's variables),
 OUT_DIR/progress<r> after every step (pid, steps done, restart count), and the scheduler writes
@@ -17,9 +18,9 @@ OUT_DIR/scheduler<restart>.json (its pid and the same variables).
 
 import json
 import os
-import signal
 import time
 
+import faults
 import mindspore as ms
 import numpy as np
 from mindspore import ops
@@ -46,15 +47,14 @@ def main() -> None:
     rank, size = get_rank(), get_group_size()
     steps = int(os.environ.get("STEPS", "12"))
     pause = float(os.environ.get("STEP_SLEEP", "0.05"))
-    fault = os.environ.get("FAULT", "")
-    fault_rank, fault_step = (int(x) for x in fault.split(":")) if fault else (-1, -1)
     faulty_now = restart in os.environ.get("FAULT_RESTARTS", "0").split(",")
 
     all_reduce = ops.AllReduce()
     weights = np.zeros(8, dtype=np.float32)
     for step in range(steps):
-        if rank == fault_rank and step == fault_step and faulty_now:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kind = faults.due(rank, step) if faulty_now else ""
+        if kind:
+            faults.trigger(kind, step)
         grad = np.arange(8, dtype=np.float32) * (rank + 1) + step
         total = all_reduce(ms.Tensor(grad)).asnumpy()
         weights -= 0.01 * total / size
