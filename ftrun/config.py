@@ -24,7 +24,7 @@ import yaml
 from ftrun import contract, mindspore
 from ftrun.auth import read_token
 from ftrun.contract import Endpoint, EndpointError
-from ftrun.devices import DEVICE_KINDS, DeviceOptions
+from ftrun.devices import DEVICE_KINDS, DeviceOptions, detect_kind
 from ftrun.errors import UsageError
 from ftrun.etcd import EtcdOptions
 from ftrun.ports import PortRange, free_port, parse_port_range
@@ -599,8 +599,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")
     recovery = choice(raw.get("recovery") or DEFAULTS.recovery, RECOVERY_LEVELS, "--recovery")
     framework = framework_of(raw, check_script)
-    if framework == "mindspore":
-        recovery = "job"  # MindSpore's own process-level hooks are not driven yet (the CLI says so)
+    if framework == "mindspore" and recovery == "process" and not mindspore_repairs_in_place(raw):
+        recovery = "job"  # off Ascend MindSpore cannot re-form its communication in a process (the CLI says so)
     if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
         rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
     else:
@@ -660,6 +660,16 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         cluster_timeout=_cluster_timeout(raw.get("cluster_timeout")),
         **device_options(raw),
     )
+
+
+def mindspore_repairs_in_place(raw: Mapping[str, Any]) -> bool:
+    """Whether a MindSpore job's devices are Ascend NPUs (--device npu, or npu-smi found by --device auto):
+    only there does MindSpore stop, clean and rebuild its communication in a running process
+    (docs/mindspore.md shows the CPU build failing to)."""
+    kind = choice(raw.get("device") or DEFAULTS.device, DEVICE_KINDS, "--device")
+    if kind != "auto":
+        return kind == "npu"
+    return detect_kind(DeviceOptions(npu_smi=str(raw.get("npu_smi") or DEFAULTS.npu_smi))) == "npu"
 
 
 def framework_of(raw: Mapping[str, Any], check_script: bool = True) -> str:

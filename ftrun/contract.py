@@ -109,6 +109,64 @@ class RollbackFailure:
             return None
 
 
+class RepairFolder:
+    """The files through which a rank that cannot read the control store (a MindSpore rank: its python
+    has no torch, and the store is torch's ``TCPStore``) and its agent carry a process-level repair
+    (FTRUN_REPAIR_DIR, one folder per node). The agent writes what the controller announced: ``target``
+    (the newest generation) and ``ready-<g>`` ("ready" once every rank arrived in generation g,
+    "superseded" once a newer one was announced). A rank writes one file per milestone it reaches,
+    ``g<g>.r<rank>.<milestone>``, and ``g<g>.r<rank>.failure`` (a :class:`RollbackFailure`) when its
+    rollback falls back; the agent counts each in the store once and deletes it.
+
+    Every file is written whole under a temporary name and renamed, so that a reader sees all of it or
+    nothing."""
+
+    #: what a rank's failure file is called in place of a milestone
+    FAILURE = "failure"
+    #: what a ``ready-<g>`` file says once every rank arrived in generation g (else "superseded")
+    READY = "ready"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @property
+    def target(self) -> str:
+        return os.path.join(self.path, "target")
+
+    def ready(self, generation: int) -> str:
+        return os.path.join(self.path, f"ready-{generation}")
+
+    def reached(self, generation: int, rank: int, what: str) -> str:
+        """A rank's file for ``what`` (a Milestone's value, or FAILURE) in ``generation``."""
+        return os.path.join(self.path, f"g{generation}.r{rank}.{what}")
+
+    def reports(self) -> list[tuple[str, int, int, str]]:
+        """The ranks' files waiting to be counted, oldest generation first: (path, generation, rank, what)."""
+        found = []
+        for name in os.listdir(self.path):
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0][:1] == "g" and parts[1][:1] == "r":
+                try:
+                    found.append((os.path.join(self.path, name), int(parts[0][1:]), int(parts[1][1:]), parts[2]))
+                except ValueError:
+                    continue  # not one of ours
+        return sorted(found, key=lambda report: report[1])
+
+    def write(self, path: str, text: str) -> None:
+        part = f"{path}.{os.getpid()}.part"
+        with open(part, "w") as f:
+            f.write(text)
+        os.replace(part, path)
+
+    def read(self, path: str) -> str:
+        """The file's text; "" when there is none yet."""
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
 #: the file in an agent's snapshot folder that holds the job's token (its ranks sign with it)
 SNAPSHOT_TOKEN_FILE = "token"
 
@@ -202,6 +260,9 @@ class WorkerEnv:
     control_store_file: str = ""
     #: how long a rank whose control store is gone waits for the file to name another (FTRUN_STORE_TIMEOUT)
     store_timeout: float = 300.0
+    #: a MindSpore rank's way to a process-level repair, its node's :class:`RepairFolder` (FTRUN_REPAIR_DIR);
+    #: "" when the job repairs at job level
+    repair_dir: str = ""
 
     @property
     def device_index(self) -> int:
@@ -232,6 +293,8 @@ class WorkerEnv:
         if self.control_store_file:
             env["FTRUN_CONTROL_STORE_FILE"] = self.control_store_file
             env["FTRUN_STORE_TIMEOUT"] = f"{self.store_timeout:g}"
+        if self.repair_dir:
+            env["FTRUN_REPAIR_DIR"] = self.repair_dir
         return env
 
     @classmethod
@@ -256,4 +319,5 @@ class WorkerEnv:
             snapshots=SnapshotSettings.from_environ(env),
             control_store_file=env.get("FTRUN_CONTROL_STORE_FILE", ""),
             store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or 300.0),
+            repair_dir=env.get("FTRUN_REPAIR_DIR", ""),
         )

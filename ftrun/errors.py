@@ -26,6 +26,9 @@ class ExitCode(enum.IntEnum):
 #: what a rank under ftrun.elastic exits with when a setting makes it fail whatever is retried (a snapshot
 #: larger than its share of --snapshot-memory): the controller ends the job instead of restarting it
 WORKER_SETTING_EXIT = 78
+#: what a rank exits with when it could not leave a blocked collective after a repair was announced (the
+#: repair then replaces it instead of waiting for it)
+EXIT_STUCK = 75
 
 
 class FtrunError(Exception):

@@ -313,6 +313,8 @@ class JobKeys:
         return f"{self.root}/events/{index}"
 
 
+#: what a generation's ``group_ready`` key says once every rank arrived (else the controller's "superseded")
+GROUP_READY = "ready"
 #: between the commands' texts when one ring carries several (a sealed text is JSON on one line)
 BELL_SEPARATOR = "\n"
 #: the doorbell ring for the rendezvous result (the commands' are their indices)

@@ -80,6 +80,13 @@ def worker_env(scheduler: Scheduler, world_size: int, topo_timeout: int, rank: i
     }
 
 
+def recovery_env() -> dict[str, str]:
+    """Process level (Ascend): the dynamic cluster's recovery, in the scheduler and every worker, so that
+    a replacement started under its predecessor's MS_NODE_ID rejoins the running scheduler (msrun sets
+    the same for its own restarts: ``process_entity/_api.py``)."""
+    return {"MS_ENABLE_RECOVERY": "1"}
+
+
 #: the lines a worker's python runs to say whether it can import mindspore (without importing it: 2 s)
 _FINDS_MINDSPORE = "import importlib.util, sys; sys.exit(importlib.util.find_spec('mindspore') is None)"
 

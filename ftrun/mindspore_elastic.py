@@ -18,6 +18,10 @@ cannot re-form its communication in a running process on the CPU build), and ``s
 generation first puts back the state of the newest step every rank holds (``Parameter.set_data``) and
 goes on from there: at most K steps are redone. ``Model.train`` users pass :meth:`MindSporeJob.callback`.
 
+With ``--recovery process`` on Ascend, put the step's body in ``with job.guard():``: a fault elsewhere is
+repaired in place through MindSpore's own hooks, and a replacement receives the parameters from a healthy
+replica (``ftrun/mindspore_repair.py``).
+
 Outside ftrun, or without ``--snapshot-every``, ``steps()`` simply counts. This module imports neither
 torch (a MindSpore python has none) nor anything of the launcher; mindspore and numpy are imported by the
 functions that need them.
@@ -33,12 +37,22 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-from ftrun.contract import WorkerEnv
+from ftrun.contract import Milestone, RepairFolder, WorkerEnv
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.messages import from_json
+from ftrun.mindspore import DEFAULT_CLUSTER_TIMEOUT
+from ftrun.mindspore_repair import AscendHooks, MindSporeRepair, RepairChannel, RepairGuard
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_first_good, snapshot_signer, sources_to_restore
+from ftrun.snapshots.rank import (
+    ArrayKind,
+    SnapshotWriter,
+    load_first_good,
+    load_own,
+    own_steps,
+    snapshot_signer,
+    sources_to_restore,
+)
 
 log = logging.getLogger("ftrun.mindspore_elastic")
 
@@ -76,10 +90,17 @@ class MindSporeJob:
         if self.env is not None:
             self.snapshots = SnapshotWriter.from_settings(self.env.snapshots, self.env.rank, self.env.world_size,
                                                           sharded, MindSporeArrays())
+        #: process level on Ascend (the agent gave a repair folder): this rank's part in every repair
+        self.repair = _make_repair(self) if self.env is not None and self.env.repair_dir else None
+        self._guard = RepairGuard(self.repair, self.commit)
 
     @property
     def rank(self) -> int:
         return self.env.rank if self.env is not None else int(os.environ.get("RANK_ID", "0"))
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size if self.env is not None else int(os.environ.get("RANK_SIZE", "1"))
 
     @property
     def generation(self) -> int:
@@ -125,18 +146,60 @@ class MindSporeJob:
                 parameter.set_data(mindspore.Tensor(np.array(states[name])))  # a copy: the blob goes away
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
-        """Step numbers ``start..total-1``; after a job-level restart, from the restored step.
+        """Step numbers ``start..total-1``; after a restart or a repair, from the restored step.
 
         The step number is the data position: make each step's batch a function of it. The step is
         committed when the loop asks for the next one, and snapshotted every --snapshot-every steps.
         ``start`` is where a fresh job begins (e.g. the step after the one in your own checkpoint); a
-        restored snapshot of a later step wins.
+        restored snapshot of a later step wins. With ``--recovery process`` on Ascend, put the step's
+        body in ``with job.guard():``: a fault elsewhere then repairs this rank in place, and the loop
+        goes on from the step every rank agreed on (a replacement first receives the state).
         """
+        repair = self.repair
+        if repair is not None and repair.spawned_for is not None:
+            self._restored = True
+            repair.recover(repair.generation)
         self.restore(start)
         while self._step < total:
+            if repair is not None and (announced := repair.announced()) is not None:
+                repair.recover(announced)  # announced between two steps: nothing to interrupt
+                continue
+            self._guard = RepairGuard(repair, self.commit)
             yield self._step
-            self.commit()
+            if self._guard.repair_target is not None:
+                repair.recover(self._guard.repair_target)  # type: ignore[union-attr]
+            elif not self._guard.entered:
+                self.commit()  # a loop without guard(): the body finished, so the step did
         self.close()
+
+    def guard(self) -> RepairGuard:
+        """The context manager for the current step's body (see :meth:`steps`)."""
+        return self._guard
+
+    # -- what the repair needs of the state (ftrun.mindspore_repair.RepairedState) ---------------------
+
+    def parameters(self) -> list:
+        """Every registered Parameter, once each, in registration order: what ``send_recv`` carries (both
+        ends list them alike, running the same script)."""
+        found: dict[str, Any] = {}
+        for obj in self.objects.values():
+            for name, parameter in obj.parameters_dict().items():
+                found.setdefault(name, parameter)
+        return list(found.values())
+
+    def held_snapshots(self) -> list[int]:
+        """The steps of this rank's snapshots in its agent's memory, newest first."""
+        return own_steps(self.snapshots.folder, self.rank) if self.snapshots is not None else []
+
+    def load_snapshot(self, step: int) -> None:
+        assert self.snapshots is not None
+        self.load(load_own(self.snapshots.folder, self.rank, step, MindSporeArrays()))
+
+    def resume_at(self, step: int) -> None:
+        """Training goes on from ``step``, the state of which this rank now holds."""
+        self._step = step
+        if self.snapshots is not None:
+            self.snapshots.resume_at(step)
 
     def commit(self) -> None:
         """One more step is done (``steps()`` calls it; a loop of one's own, or the callback, calls it
@@ -151,9 +214,11 @@ class MindSporeJob:
             os._exit(WORKER_SETTING_EXIT)
 
     def close(self) -> None:
-        """Let the snapshot under way complete (its sum is made by a thread of this rank)."""
+        """Let the snapshot under way complete (its sum is made by a thread of this rank); stop the repair watch."""
         if self.snapshots is not None:
             self.snapshots.wait()
+        if self.repair is not None:
+            self.repair.close()
 
     def callback(self):
         """A ``mindspore.train.Callback`` for ``Model.train``: it restores the newest snapshot as training
@@ -203,6 +268,21 @@ class MindSporeJob:
         log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.rank, plan.step, source.where,
                     source.node_rank, time.monotonic() - began)
         return True
+
+
+def _make_repair(job: MindSporeJob) -> MindSporeRepair:
+    """The rank's repair: its hooks on its device, its node's repair folder. A rank that starts with the
+    job (not a replacement) says it joined, which tells the controller that process level is possible."""
+    env = job.env
+    assert env is not None
+    repair = MindSporeRepair(job, AscendHooks(int(os.environ.get("DEVICE_ID", env.device_index))),
+                             RepairChannel(RepairFolder(env.repair_dir), env.rank), env.generation, env.replacement,
+                             timeout=float(os.environ.get("MS_TOPO_TIMEOUT") or DEFAULT_CLUSTER_TIMEOUT),
+                             fault_wait=env.heartbeat_timeout)
+    if not env.replacement:
+        repair.channel.reach(env.generation, Milestone.JOINED)
+    repair.start_watch()
+    return repair
 
 
 def _skipped(source: RestoreSource) -> None:

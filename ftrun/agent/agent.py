@@ -29,11 +29,13 @@ from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
+from ftrun.agent.repair_relay import RepairRelay
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
+from ftrun.contract import RepairFolder
 from ftrun.controller.controller import Controller
 from ftrun.controller.journal import Journal
 from ftrun.errors import ExitCode, FtrunError
@@ -132,6 +134,8 @@ class Agent:
         self._refill_at = 0.0
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
+        #: --framework mindspore --recovery process: the relay of repairs to the node's ranks
+        self.repair_relay: RepairRelay | None = None
         #: the run's folder under --log-dir, once made ("" without one)
         self._run_folder_path: str | None = None
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
@@ -242,6 +246,7 @@ class Agent:
                 self.slot.first_rank + self.slot.nproc - 1, self.placement.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
+            self.repair_relay = self._repair_relay()
             self._start_snapshots(ops)
             # what the agent made to get here (torch's modules among it: 175,000 objects) lives as long
             # as it does; out of the collector's sight, its full collections no longer stop the agent
@@ -255,6 +260,13 @@ class Agent:
             group.stop(config.stop_timeout)
             ops.close()
         return self._finish(code, reason)
+
+    def _repair_relay(self) -> RepairRelay | None:
+        """A MindSpore job repaired at process level: the relay between its ranks and the control store."""
+        if self.config.framework != "mindspore" or self.config.recovery != "process":
+            return None
+        folder = RepairFolder(os.path.join(self._table_dir, f"repair-node{self.slot.node_rank}"))
+        return RepairRelay(self.store, self.keys, folder, lambda: self.layout.world_size)
 
     def _preflight(self) -> str:
         """This node's device problems before training, or "" (the rendezvous fails the job on any)."""
@@ -491,6 +503,8 @@ class Agent:
             for local_rank in self.devices.apply(event):
                 group.fail(local_rank, "device", event.reason)
         self._retry_pending(group)
+        if self.repair_relay is not None:
+            self.repair_relay.tick()
         if self._refill_at and now >= self._refill_at:
             self._refill_at = 0.0
             group.fill_standbys()
@@ -778,6 +792,7 @@ class Agent:
             snapshot_env=tuple(self.snapshots.worker_env(self._left_plan(command)).items()) if self.snapshots else (),
             control_store_file=self.etcd.store_file if self.etcd is not None else "",
             scheduler=command.scheduler,
+            repair_dir=self.repair_relay.folder.path if self.repair_relay is not None else "",
         )
 
     def _left_plan(self, command: Command) -> str:

@@ -158,6 +158,8 @@ class GenerationEnv:
     control_store_file: str = ""
     #: --framework mindspore: the generation's scheduler, "host:port" (MS_SCHED_HOST, MS_SCHED_PORT)
     scheduler: str = ""
+    #: --framework mindspore --recovery process: the node's repair folder (FTRUN_REPAIR_DIR), "" for none
+    repair_dir: str = ""
 
 
 class WorkerGroup:
@@ -466,6 +468,8 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
+    if gen.repair_dir:
+        env.update(mindspore.recovery_env())
     return env
 
 
@@ -488,6 +492,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         node_rank=placement.node_rank,
         recovery=config.recovery,
         previous_world_size=gen.previous_world_size or gen.world_size,
+        repair_dir=gen.repair_dir,
     ).to_environ())
     env.update(gen.rank_tables)
     env.update(gen.snapshot_env)

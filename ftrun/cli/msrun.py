@@ -121,9 +121,10 @@ def framework_notes(values: dict[str, Any], config: LaunchConfig) -> list[str]:
     notes = []
     if "framework" not in (values.get("given") or ()):
         notes.append(f"{config.script} imports mindspore: launched as msrun launches it (--framework mindspore)")
-    if values.get("recovery") == "process":
-        notes.append("--recovery process is not available for MindSpore jobs yet: a fault restarts the scheduler "
-                     "and every worker (job level)")
+    if values.get("recovery") == "process" and config.recovery != "process":
+        notes.append("--recovery process needs Ascend NPUs for a MindSpore job (its CPU and GPU builds cannot "
+                     "rebuild communication in a running process): a fault restarts the scheduler and every "
+                     "worker (job level)")
     return notes
 
 

@@ -125,6 +125,8 @@ class Controller:
                                           worker_port, ports)
         #: --framework mindspore: each generation's START names a fresh port for its scheduler
         self.schedulers = schedulers
+        #: the running generation's scheduler: a process-level repair keeps it, and its replacements rejoin it
+        self._scheduler = ""
         #: when the status board is due again, and the (phase, generation) it last showed
         self._next_board = 0.0
         self._board_shows: tuple | None = None
@@ -440,13 +442,14 @@ class Controller:
             counts, sources = self.publisher.restore_plans(command.generation, restore)
             self.narrator.restore(command.generation, restore, counts, sources)
         worker_store = self.worker_stores.fresh()
-        scheduler = self.worker_stores.scheduler() if self.schedulers else ""
-        return dataclasses.replace(command, previous_world_size=previous, worker_store=worker_store, scheduler=scheduler)
+        self._scheduler = self.worker_stores.scheduler() if self.schedulers else ""
+        return dataclasses.replace(command, previous_world_size=previous, worker_store=worker_store,
+                                   scheduler=self._scheduler)
 
     def _ready_replace(self, command: Command, before: JobView | None) -> Command | None:
         # the generation before a repair's ran in the same world: a replacement sees no resize
         command = dataclasses.replace(command, worker_store=self.worker_stores.address,
-                                      previous_world_size=self._started_world)
+                                      previous_world_size=self._started_world, scheduler=self._scheduler)
         self.publisher.announce(command.generation, self.view.world_size)  # the healthy ranks leave their groups now
         if self.policy.gather_timeout <= 0:
             return command

@@ -24,7 +24,8 @@ from ftrun.auth import Signer
 from ftrun.contract import Milestone, RollbackFailure, WorkerEnv, parse_endpoint
 from ftrun.elastic.groups import GroupSet, first_line
 from ftrun.elastic.store_location import StoreLocation
-from ftrun.keys import JobKeys
+from ftrun.errors import EXIT_STUCK
+from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.store import CONNECT_TIMEOUT, ControlStore
 
@@ -38,8 +39,6 @@ WATCH_TIMEOUT = 3600.0
 #: tick of the watch. Every collective of the old generation is lost anyway, and a rank whose neighbours
 #: are alive (in a ring all-reduce, all but the dead rank's) would otherwise wait out the whole delay
 INTERRUPT_AFTER = 0.01
-#: exit status of a rank that could not leave a blocked collective after a repair was announced
-EXIT_STUCK = 75
 #: how long close(), or the interpreter's end, waits for the heartbeat and the repair watch: one still
 #: connecting to the store is waited for as long as a connect may take
 LET_GO_DEADLINE = CONNECT_TIMEOUT + 1.0
@@ -48,8 +47,6 @@ LET_GO_DEADLINE = CONNECT_TIMEOUT + 1.0
 FALLBACK_WAIT = 60.0
 #: how often that rank looks for a newer repair meanwhile (one store read: every rank of the job waits so)
 FALLBACK_POLL = 0.2
-#: what a generation's group_ready key says once every rank arrived (else: superseded)
-GROUP_READY = "ready"
 
 
 class NullLink:

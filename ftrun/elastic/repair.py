@@ -7,7 +7,7 @@
 3. **repair**: once every rank arrived in the new generation, the script's groups (the same
    objects) are pointed at it and reconnect at their next collective (:meth:`Repair.form`).
 4. **rollback**: every rank says which step it fully committed and which snapshots it holds;
-   :func:`~ftrun.elastic.rollback.choose_rollback` picks the step and, in each replica set, who
+   :func:`~ftrun.rollback.choose_rollback` picks the step and, in each replica set, who
    sends the state to whom (point to point); with no healthy replica for some set, every rank goes
    back to the newest step all of them hold a snapshot of. With none (no snapshots, or none every rank
    holds), the repair falls back to job level: each rank tells the controller why and waits for its
@@ -30,10 +30,10 @@ import torch.distributed as dist
 from ftrun.contract import Fallback, Milestone, RollbackFailure
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
-from ftrun.elastic.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.elastic.shards import to_local
 from ftrun.elastic.snapshots import load_own, own_steps
 from ftrun.elastic.state import TrainingState
+from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.elastic")

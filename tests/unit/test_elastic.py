@@ -11,7 +11,7 @@ import pytest
 from ftrun.agent import standby
 from ftrun.elastic.backends import CommBackend, HcclBackend, NcclBackend, make_comm_backend
 from ftrun.elastic.layout import ReplicaLayout
-from ftrun.elastic.rollback import NO_STATE, RollbackPlan, Transfer, choose_rollback
+from ftrun.rollback import NO_STATE, RollbackPlan, Transfer, choose_rollback
 
 
 def plan(step, *transfers):

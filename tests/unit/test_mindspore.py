@@ -103,6 +103,38 @@ def test_mindspore_runs_at_job_level_without_standbys_in_the_python_that_has_it(
     assert (config.recovery, config.warm_standby, config.entrypoint[0]) == ("job", 0, sys.executable)
 
 
+@pytest.mark.parametrize("device, npu_smi_on_path, recovery", [
+    ("npu", False, "process"),
+    ("auto", True, "process"),  # npu-smi found: Ascend
+    ("auto", False, "job"),
+    ("cuda", True, "job"),
+])
+def test_mindspore_repairs_at_process_level_only_on_ascend(tmp_path, monkeypatch, device, npu_smi_on_path, recovery):
+    monkeypatch.setattr(mindspore, "finds_mindspore", lambda python: python == sys.executable)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if npu_smi_on_path:  # the stand-in npu-smi: only its presence is looked at
+        (folder / "npu-smi").write_text("#!/bin/sh\n")
+        (folder / "npu-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+    values = {"script": script(tmp_path), "standalone": True, "device": device, "framework": "mindspore",
+              "recovery": "process", "nproc_per_node": "2"}
+    config = build_launch_config(values)
+    assert config.recovery == recovery
+    notes = msrun.framework_notes(values | {"given": frozenset(values)}, config)
+    assert any("needs Ascend NPUs" in note for note in notes) is (recovery == "job")
+
+
+def test_a_process_level_mindspore_worker_gets_recovery_and_its_repair_folder(tmp_path):
+    config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu",
+                                  "nproc_per_node": "2"}, check_script=False)
+    gen = GenerationEnv(1, 0, 2, 1, "127.0.0.1", 29500, "127.0.0.1:29400", 3, replacement=True,
+                        scheduler=str(SCHEDULER), repair_dir=str(tmp_path / "repair"))
+    env = worker_env(config, WorkerPlacement(1, 1, 0, "node0"), gen, str(tmp_path / "error.json"))
+    assert (env["MS_ENABLE_RECOVERY"], env["MS_NODE_ID"], env["FTRUN_REPAIR_DIR"]) == ("1", "1", str(tmp_path / "repair"))
+    assert env["MS_SCHED_PORT"] == str(SCHEDULER.port)  # the running scheduler's
+
+
 def test_python_on_path_runs_mindspore_when_ftrun_s_own_cannot(tmp_path, monkeypatch):
     other = tmp_path / "bin" / "python"
     other.parent.mkdir()

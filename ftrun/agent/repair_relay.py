@@ -1,0 +1,74 @@
+"""The agent's relay of a process-level repair to its MindSpore ranks, which cannot read the control store.
+
+A MindSpore rank's python has no torch, so it has no ``TCPStore`` client; its agent reads and writes the
+store for it, through the node's :class:`~ftrun.contract.RepairFolder` (``ftrun/mindspore_repair.py``
+says why files). Each tick of the agent's supervision loop:
+
+* the newest generation announced (one store read) goes into the folder's ``target`` file when it moved;
+* every milestone file the ranks left is counted in the store, as a torch rank counts itself, then
+  deleted; the relay that counts the last rank to arrive in a generation marks its groups ready, as the
+  last torch rank does; a rank's failure file becomes the generation's rollback failure;
+* while a generation is not yet ready, its ``group_ready`` key (one read) goes into ``ready-<g>`` once set.
+
+The store sees O(nodes) traffic for a repair, not O(ranks): the tree the design asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from ftrun.contract import Milestone, RepairFolder
+from ftrun.keys import GROUP_READY, JobKeys
+from ftrun.store import ControlStore
+
+log = logging.getLogger(__name__)
+
+
+class RepairRelay:
+    """Carries one node's MindSpore ranks' side of every repair between ``folder`` and the control store."""
+
+    def __init__(self, store: ControlStore, keys: JobKeys, folder: RepairFolder, world_size: Callable[[], int]):
+        self.store = store
+        self.keys = keys
+        self.folder = folder
+        #: the job's world size now (the layout may change at a job-level restart)
+        self.world_size = world_size
+        #: the newest generation written to the folder (0: none)
+        self.target = 0
+        #: the newest generation whose readiness is in the folder
+        self.ready = 0
+        os.makedirs(folder.path, mode=0o700, exist_ok=True)
+
+    def tick(self) -> None:
+        self._relay_target()
+        self._count_reports()
+        self._relay_ready()
+
+    def _relay_target(self) -> None:
+        text = self.store.try_text(self.keys.target_generation)
+        target = int(text) if text else 0
+        if target > self.target:
+            self.folder.write(self.folder.target, str(target))
+            self.target = target
+
+    def _count_reports(self) -> None:
+        for path, generation, rank, what in self.folder.reports():
+            if what == RepairFolder.FAILURE:
+                self.store.set_text(self.keys.rollback_failure(generation), self.folder.read(path))
+            elif what in {m.value for m in Milestone}:
+                reached = self.store.add(self.keys.milestone(generation, what))
+                if what == Milestone.ARRIVED.value and reached >= self.world_size():
+                    self.store.set_text(self.keys.group_ready(generation), GROUP_READY)
+            else:
+                log.warning("rank %d left an unknown repair report %r; ignored", rank, what)
+            os.remove(path)
+
+    def _relay_ready(self) -> None:
+        if self.target <= self.ready:
+            return
+        said = self.store.try_text(self.keys.group_ready(self.target))
+        if said:
+            self.folder.write(self.folder.ready(self.target), RepairFolder.READY if said == GROUP_READY else said)
+            self.ready = self.target

@@ -1,0 +1,410 @@
+"""The process-level repair of a MindSpore rank on Ascend, through MindSpore's own hooks.
+
+The sequence is the one ``ftrun/elastic/repair.py`` runs for torch ranks (docs/design.md, "The repair,
+step by step"), made of the calls MindSpore's fault-tolerance callback makes when MindCluster's TaskD
+and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in mindspore 2.10):
+
+1. **stop**: the step raises, or the watch, seeing the repair announced while the main thread is still
+   in its step, stops the device (``_stop_device``): the blocked step raises and its guard hands the rank
+   to :meth:`MindSporeRepair.recover`.
+2. **env clear**: the rank says ``stopped``; ``clean_tdt_channel()`` and ``_reset_snapshot_state()``, as
+   the callback's clean does for a repair that replaces a process ("recover"). ``resume_hccl_comm()``
+   is its other branch ("retry": no process replaced, the same communicators go on), which is online
+   level, not this one.
+3. **repair**: the agent respawns the failed rank under its old ``MS_NODE_ID`` with
+   ``MS_ENABLE_RECOVERY=1``, so that its ``init()`` rejoins the generation's scheduler, which keeps running.
+   Once every rank arrived, the healthy ones destroy and rebuild their communication groups
+   (``_finalize_comm()``, ``_rebuild_group()``) and every rank prepares the point-to-point links
+   (``_pre_launch_send_recv``).
+4. **rollback**: the ranks gather what each committed and which snapshots it holds (an all-gather on the
+   rebuilt world group) and decide alike (:func:`ftrun.rollback.choose_rollback`): a healthy replica sends
+   the parameters to the replacement (``send_recv(parameters, src, dst)``, the call the callback makes on
+   both ends); with no replica holding the state, every rank goes back to the newest snapshot all hold,
+   and with none of those the repair falls back to job level, as for torch.
+5. **continue**: the rank says ``resumed`` and ``steps()`` goes on from the agreed step.
+
+**The channel.** A MindSpore python has no torch, so the rank cannot open the control store (a torch
+``TCPStore``), and a client of its wire protocol of our own would be a second implementation to keep in
+step with torch's. The rank's agent relays instead, through files in a node-local folder
+(:class:`ftrun.contract.RepairFolder`, ``ftrun/agent/repair_relay.py``): it writes the announced generation
+and the readiness of its groups, and counts in the store the milestone files the ranks leave. A rank's
+watch looks at one file's ``os.stat`` every WATCH_POLL seconds (a microsecond each, and no connection
+that a fault could leave half open); the relay costs the agent one store read per tick. Each wait has a
+deadline: a repair whose ranks never all arrive ends in :class:`RepairError`, a rank stuck in its step
+exits to be replaced, and one whose fallback is never answered leaves with one line.
+
+Not run on Ascend hardware: tests/unit/test_mindspore_repair.py drives it through a fake of
+``mindspore._c_expression`` and ``mindspore.communication`` (docs/mindspore.md says what that shows).
+Like the rest of the MindSpore worker library it imports no torch; mindspore is imported by the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, NoReturn, Protocol
+
+from ftrun.contract import Fallback, Milestone, RepairFolder, RollbackFailure
+from ftrun.errors import EXIT_STUCK
+from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
+from ftrun.snapshots.format import SnapshotError
+
+log = logging.getLogger("ftrun.mindspore_elastic")
+#: how often a rank's watch, and its waits, look at the repair folder (one os.stat)
+WATCH_POLL = 0.02
+#: after a repair is announced, how long the main thread may take to leave its step before the watch stops
+#: the device: one look. Every collective of the old generation is lost anyway
+INTERRUPT_AFTER = WATCH_POLL
+#: how long a rank whose rollback fell back waits for its agent to stop it (the job-level restart)
+FALLBACK_WAIT = 60.0
+#: how many of its snapshots a rank names in the rollback (its agent keeps two)
+HELD = 2
+
+
+class RepairError(RuntimeError):
+    """The repair could not finish on this rank (not every rank arrived in time): the process ends, and
+    the controller falls back to job level."""
+
+
+class RepairChannel:
+    """The rank's side of its node's :class:`RepairFolder`: the generations announced, the milestones."""
+
+    def __init__(self, folder: RepairFolder, rank: int):
+        self.folder = folder
+        self.rank = rank
+        self._seen: tuple[int, int] = (0, 0)  # the target file's (mtime_ns, size) when last read
+        self._target = 0
+
+    def target(self) -> int:
+        """The newest generation announced (0: none); the file is read only when it changed."""
+        try:
+            info = os.stat(self.folder.target)
+        except FileNotFoundError:
+            return self._target
+        if (info.st_mtime_ns, info.st_size) != self._seen:
+            self._seen = (info.st_mtime_ns, info.st_size)
+            text = self.folder.read(self.folder.target).strip()
+            self._target = max(self._target, int(text)) if text else self._target
+        return self._target
+
+    def await_target(self, above: int, timeout: float) -> int | None:
+        """The first generation announced above ``above`` within ``timeout`` seconds, or None."""
+        deadline = time.monotonic() + timeout
+        while (target := self.target()) <= above:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(WATCH_POLL)
+        return target
+
+    def reach(self, generation: int, milestone: Milestone) -> None:
+        self.folder.write(self.folder.reached(generation, self.rank, milestone.value), "")
+
+    def group_ready(self, generation: int, timeout: float) -> bool:
+        """Wait until every rank arrived in ``generation`` (True) or a newer one was announced (False);
+        TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            said = self.folder.read(self.folder.ready(generation)).strip()
+            if said or self.target() > generation:
+                return said == RepairFolder.READY and self.target() <= generation
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"generation {generation}: not every rank arrived within {timeout:g}s")
+            time.sleep(WATCH_POLL)
+
+    def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
+        self.folder.write(self.folder.reached(generation, self.rank, RepairFolder.FAILURE), failure.to_text())
+
+    def await_stop(self, generation: int, failure: RollbackFailure, wait: float = FALLBACK_WAIT) -> NoReturn:
+        """After :meth:`rollback_failed`: wait for the agent to stop this rank for the job-level restart
+        (its SIGTERM ends the process); a newer repair meanwhile cannot put the state back either, so it is
+        told the same. Without a stop within ``wait`` seconds (the controller is gone), leave with one line."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(WATCH_POLL)
+            if self.target() > generation:
+                generation = self.target()
+                self.rollback_failed(generation, failure)
+        raise SystemExit(f"ftrun.mindspore_elastic: rank {self.rank}: {failure.reason}; no job-level restart came "
+                         f"within {wait:g}s")
+
+
+class AscendHooks:
+    """MindSpore's own repair hooks on Ascend, named for the repair's steps (what its fault-tolerance
+    callback calls, in the same order). Every call goes through this one object, which tests replace
+    underneath by faking ``mindspore._c_expression`` and ``mindspore.communication``."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+
+    def stop(self) -> None:
+        """Abort the device's tasks: a step blocked in a collective raises."""
+        from mindspore._c_expression import _stop_device
+
+        _stop_device(self.device_id)
+
+    def clean(self) -> None:
+        from mindspore._c_expression import _reset_snapshot_state, clean_tdt_channel
+
+        clean_tdt_channel()
+        _reset_snapshot_state()
+
+    def rebuild(self) -> None:
+        """Destroy the communication groups and make them again, with the replacement in them."""
+        from mindspore._c_expression import _finalize_comm, _rebuild_group, set_is_arf
+
+        _finalize_comm()
+        _rebuild_group()
+        set_is_arf(True)
+
+    def prepare_transfers(self) -> None:
+        from mindspore._c_expression import _pre_launch_send_recv
+
+        _pre_launch_send_recv(self.device_id)
+
+    def gather(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row``, by rank (an all-gather on the world group)."""
+        import mindspore
+        import numpy as np
+        from mindspore.communication import comm_func
+
+        gathered, _ = comm_func.all_gather_into_tensor(mindspore.Tensor(np.array([row], dtype=np.int64)))
+        return [[int(x) for x in r] for r in gathered.asnumpy()]
+
+    def send_recv(self, parameters: list, source: int, receiver: int) -> None:
+        """The parameters from ``source`` to ``receiver``; both call it alike."""
+        from mindspore._c_expression import send_recv
+
+        if send_recv(parameters, source, receiver) != 0:
+            raise RuntimeError(f"send_recv of the parameters from rank {source} to rank {receiver} failed")
+
+
+class RepairedState(Protocol):
+    """What the repair needs of the rank's training state (``MindSporeJob`` gives it)."""
+
+    sharded: bool
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    def parameters(self) -> list: ...
+
+    def held_snapshots(self) -> list[int]: ...
+
+    def load_snapshot(self, step: int) -> None: ...
+
+    def resume_at(self, step: int) -> None: ...
+
+
+class MindSporeRepair:
+    """One MindSpore rank's part in every process-level repair of its job, and the watch that makes sure
+    its main thread takes part."""
+
+    def __init__(self, state: RepairedState, hooks: AscendHooks, channel: RepairChannel, generation: int,
+                 replacement: bool, timeout: float, fault_wait: float):
+        self.state = state
+        self.hooks = hooks
+        self.channel = channel
+        #: the generation this rank's groups belong to
+        self.generation = generation
+        #: a replacement's first repair joins the generation it was spawned into without stopping
+        self.spawned_for = generation if replacement else None
+        #: this rank holds the training state of its committed step (a replacement, until its rollback, not)
+        self.holds_state = not replacement
+        #: how long every rank may take to arrive in a new generation (the cluster's MS_TOPO_TIMEOUT)
+        self.timeout = timeout
+        #: after a step raised, how long to wait for the repair's announcement; and how long a rank may
+        #: stay in its step once one is announced
+        self.fault_wait = fault_wait
+        #: the main thread is in a step's body (the watch stops the device only then)
+        self.in_step = False
+        #: the main thread is in a repair: the watch leaves it alone
+        self.repairing = False
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    # -- the main thread -----------------------------------------------------------------------------
+
+    def announced(self) -> int | None:
+        """A repair announced beyond this rank's generation (seen between steps), or None."""
+        target = self.channel.target()
+        return target if target > self.generation else None
+
+    def target_after(self, error: BaseException) -> int | None:
+        """The generation to repair into when the step raised ``error`` because of a fault elsewhere;
+        None when no repair comes (the rank's own error, which must end the process)."""
+        if not isinstance(error, RuntimeError):  # a stopped device or a lost peer raises one
+            return None
+        target = self.channel.await_target(above=self.generation, timeout=self.fault_wait)
+        if target is not None:
+            log.warning("rank %d: step %d interrupted (%s); repairing into generation %d", self.state.rank,
+                        self.state.step, str(error).splitlines()[0] if str(error) else type(error).__name__, target)
+        return target
+
+    def recover(self, target: int) -> None:
+        """From a stopped step (or a replacement's start) to a resumed one in ``target`` or a newer one."""
+        while True:
+            target = self.join(target)
+            try:
+                self.rollback(target)
+                return
+            except RepairError:
+                raise
+            except Exception as e:
+                newer = self.channel.await_target(above=target, timeout=self.fault_wait)
+                if newer is None:
+                    raise
+                log.warning("rank %d: rollback of generation %d interrupted (%s)", self.state.rank, target, e)
+                target = newer
+
+    def join(self, target: int) -> int:
+        """Leave the old generation's communication and form ``target``'s (or a newer one's); returns it."""
+        while True:
+            self.repairing = True
+            fresh = target == self.spawned_for  # the replacement's init() formed its communication already
+            if not fresh:
+                self.channel.reach(target, Milestone.STOPPED)
+                self.hooks.stop()
+                self.hooks.clean()
+            self.channel.reach(target, Milestone.ARRIVED)
+            try:
+                ready = self.channel.group_ready(target, self.timeout)
+            except TimeoutError as e:
+                raise RepairError(str(e)) from None
+            if ready:
+                break
+            target = self.channel.target()
+        if not fresh:
+            self.hooks.rebuild()
+        self.hooks.prepare_transfers()
+        self.spawned_for = None
+        self.generation = target
+        self.channel.reach(target, Milestone.JOINED)
+        return target
+
+    def rollback(self, generation: int) -> None:
+        """Agree on the step; a healthy replica sends the parameters to the ranks that lack them."""
+        state = self.state
+        held = state.held_snapshots()[:HELD]
+        committed = state.step if self.holds_state else NO_STATE
+        rows = self.hooks.gather([committed, *held, *[NO_STATE] * (HELD - len(held))])
+        replica_sets: list[tuple[int, ...]] | None = [(r,) for r in range(state.world_size)] if state.sharded else None
+        plan = choose_rollback([row[0] for row in rows], replica_sets)
+        if plan is not None:
+            self.send_state(plan)
+            source = plan.source_for(state.rank)
+            origin = f"state from rank {source}" if source is not None else "its own state"
+        else:
+            plan = RollbackPlan(self.from_snapshots(generation, [row[1:] for row in rows]))
+            origin = "its own snapshot"
+        state.resume_at(plan.step)
+        self.holds_state = True
+        self.channel.reach(generation, Milestone.RESUMED)
+        self.repairing = False
+        log.info("rank %d: generation %d resumes at step %d (%s)", state.rank, generation, plan.step, origin)
+
+    def send_state(self, plan: RollbackPlan) -> None:
+        """Point to point, each source to its receivers, with MindSpore's ``send_recv`` on both ends."""
+        rank, parameters = self.state.rank, self.state.parameters()
+        for transfer in plan.transfers:
+            if rank == transfer.source:
+                for receiver in transfer.receivers:
+                    self.hooks.send_recv(parameters, transfer.source, receiver)
+            elif rank in transfer.receivers:
+                self.hooks.send_recv(parameters, transfer.source, rank)
+
+    def from_snapshots(self, generation: int, held: list[list[int]]) -> int:
+        """No healthy replica for some rank: every rank goes back to the newest step all of them hold in
+        their agents' memory (a replacement finds its predecessor's there)."""
+        common = set.intersection(*({s for s in steps if s != NO_STATE} for steps in held))
+        if not any(any(s != NO_STATE for s in steps) for steps in held):
+            self.fall_back(generation, Fallback.NO_SNAPSHOTS)
+        if not common:
+            self.fall_back(generation, Fallback.NO_COMMON_SNAPSHOT)
+        step = max(common)
+        if self.state.step != step or not self.holds_state:
+            try:
+                self.state.load_snapshot(step)
+            except SnapshotError as e:
+                self.fall_back(generation, Fallback.SNAPSHOT_UNREADABLE, str(e))
+        return step
+
+    def fall_back(self, generation: int, cause: Fallback, detail: str = "") -> NoReturn:
+        """The state cannot be put back at process level: every rank finds it alike, tells the controller
+        (through its agent), and waits for the job-level restart to stop it, with no traceback."""
+        failure = RollbackFailure(cause, not self.state.sharded and self.state.world_size > 1, detail)
+        self.channel.rollback_failed(generation, failure)
+        self.channel.await_stop(generation, failure)
+
+    # -- the watch -------------------------------------------------------------------------------------
+
+    def start_watch(self) -> None:
+        self._watch = threading.Thread(target=self._watch_loop, name="ftrun-mindspore-repair-watch", daemon=True)
+        self._watch.start()
+
+    def close(self, deadline: float = 1.0) -> None:
+        self._closed.set()
+        if self._watch is not None:
+            self._watch.join(deadline)
+
+    def _watch_loop(self, exit: Callable[[int], Any] = os._exit) -> None:
+        """Look at the repair folder until a repair is announced, then make sure the main thread takes
+        part: stop the device under a step that does not leave, and leave the process (to be replaced)
+        if even that does not free it within fault_wait."""
+        while not self._closed.wait(WATCH_POLL):
+            generation = self.generation
+            if self.channel.target() > generation:
+                self._see_through(generation, exit)
+
+    def _see_through(self, generation: int, exit: Callable[[int], Any]) -> None:
+        announced_at, stopped = time.monotonic(), False
+        while not self._closed.is_set() and not self.repairing and self.generation <= generation:
+            waited = time.monotonic() - announced_at
+            if self.in_step and waited > INTERRUPT_AFTER and not stopped:
+                stopped = True
+                self.hooks.stop()
+            if waited > self.fault_wait:
+                log.error("rank %d: still in its step %.0fs after a repair was announced; exiting to be replaced",
+                          self.state.rank, self.fault_wait)
+                exit(EXIT_STUCK)
+                return
+            self._closed.wait(WATCH_POLL)
+        while not self._closed.is_set() and self.generation <= generation:
+            self._closed.wait(WATCH_POLL)  # the repair is under way on the main thread
+
+
+class RepairGuard:
+    """``with job.guard():`` around a MindSpore step's body: commits the step when the body finishes, and
+    catches a fault elsewhere (the device stopped, a peer lost) so that ``job.steps()`` repairs and goes
+    on from the agreed step."""
+
+    def __init__(self, repair: MindSporeRepair | None, commit: Callable[[], None]):
+        self.repair = repair
+        self.commit = commit
+        self.entered = False
+        #: the generation the repair goes to, when a fault elsewhere interrupted the step
+        self.repair_target: int | None = None
+
+    def __enter__(self) -> "RepairGuard":
+        self.entered = True
+        if self.repair is not None:
+            self.repair.in_step = True
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if self.repair is not None:
+            self.repair.in_step = False
+        if kind is None:
+            self.commit()
+            return False
+        if self.repair is None:
+            return False
+        self.repair_target = self.repair.target_after(error)
+        return self.repair_target is not None
