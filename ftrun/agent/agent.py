@@ -266,7 +266,7 @@ class Agent:
         if self.config.framework != "mindspore" or self.config.recovery != "process":
             return None
         folder = RepairFolder(os.path.join(self._table_dir, f"repair-node{self.slot.node_rank}"))
-        return RepairRelay(self.store, self.keys, folder, lambda: self.layout.world_size)
+        return RepairRelay(lambda: self.store, self.keys, folder, lambda: self.layout.world_size)
 
     def _preflight(self) -> str:
         """This node's device problems before training, or "" (the rendezvous fails the job on any)."""

@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 class RepairRelay:
     """Carries one node's MindSpore ranks' side of every repair between ``folder`` and the control store."""
 
-    def __init__(self, store: ControlStore, keys: JobKeys, folder: RepairFolder, world_size: Callable[[], int]):
-        self.store = store
+    def __init__(self, store: Callable[[], ControlStore], keys: JobKeys, folder: RepairFolder,
+                 world_size: Callable[[], int]):
+        #: the agent's control store now: under etcd it is another one once the controller moved
+        self._store = store
         self.keys = keys
         self.folder = folder
         #: the job's world size now (the layout may change at a job-level restart)
@@ -40,6 +42,10 @@ class RepairRelay:
         #: the newest generation whose readiness is in the folder
         self.ready = 0
         os.makedirs(folder.path, mode=0o700, exist_ok=True)
+
+    @property
+    def store(self) -> ControlStore:
+        return self._store()
 
     def tick(self) -> None:
         self._relay_target()

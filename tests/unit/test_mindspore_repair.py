@@ -239,15 +239,19 @@ def test_the_channel_between_threads_a_rank_waits_for_its_group(folder):
     assert channel.group_ready(2, timeout=5.0) is False  # superseded
 
 
-@pytest.fixture
-def store():
+def control_store() -> ControlStore:
     raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
     return ControlStore(raw, Endpoint("127.0.0.1", raw.port), is_host=True)
 
 
+@pytest.fixture
+def store():
+    return control_store()
+
+
 def test_the_relay_carries_announcements_and_counts_milestones_in_the_store(store, folder):
     keys = JobKeys("run")
-    relay = RepairRelay(store, keys, folder, world_size=lambda: 2)
+    relay = RepairRelay(lambda: store, keys, folder, world_size=lambda: 2)
     store.set_text(keys.target_generation, "1")
     relay.tick()
     channel = RepairChannel(folder, rank=0)
@@ -264,8 +268,24 @@ def test_the_relay_carries_announcements_and_counts_milestones_in_the_store(stor
 
 def test_the_relay_hands_a_ranks_rollback_failure_to_the_controller(store, folder):
     keys = JobKeys("run")
-    relay = RepairRelay(store, keys, folder, world_size=lambda: 2)
+    relay = RepairRelay(lambda: store, keys, folder, world_size=lambda: 2)
     failure = RollbackFailure(Fallback.NO_COMMON_SNAPSHOT, replicas=True)
     RepairChannel(folder, rank=1).rollback_failed(3, failure)
     relay.tick()
     assert RollbackFailure.from_text(store.try_text(keys.rollback_failure(3))) == failure
+
+
+def test_the_relay_follows_the_agents_store_when_the_controller_moved(store, folder):
+    """Under etcd the agent reconnects to the successor's store: the relay reads and counts there."""
+    keys = JobKeys("run")
+    current = [store]
+    relay = RepairRelay(lambda: current[0], keys, folder, world_size=lambda: 1)
+    store.set_text(keys.target_generation, "1")
+    relay.tick()
+    current[0] = successor = control_store()
+    successor.set_text(keys.target_generation, "2")
+    RepairChannel(folder, rank=0).reach(2, Milestone.ARRIVED)
+    relay.tick()
+    assert RepairChannel(folder, rank=0).target() == 2
+    assert successor.try_text(keys.group_ready(2)) == GROUP_READY
+    assert not store.try_text(keys.group_ready(2))
