@@ -109,10 +109,12 @@ class RollbackFailure:
             return None
 
 
-class RepairFolder:
+class RelayFolder:
     """The files through which a rank that cannot read the control store (a MindSpore rank: its python
-    has no torch, and the store is torch's ``TCPStore``) and its agent carry a process-level repair
-    (FTRUN_REPAIR_DIR, one folder per node). The agent writes what the controller announced: ``target``
+    has no torch, and the store is torch's ``TCPStore``) talks to the controller through its agent
+    (FTRUN_RELAY_DIR, one folder per node). A rank writes its committed step into ``progress.r<rank>``,
+    which the agent puts where a torch rank's heartbeat puts it (the status view, the summary's step).
+    For a process-level repair, the agent writes what the controller announced: ``target``
     (the newest generation) and ``ready-<g>`` ("ready" once every rank arrived in generation g,
     "superseded" once a newer one was announced). A rank writes one file per milestone it reaches,
     ``g<g>.r<rank>.<milestone>``, and ``g<g>.r<rank>.failure`` (a :class:`RollbackFailure`) when its
@@ -135,6 +137,16 @@ class RepairFolder:
 
     def ready(self, generation: int) -> str:
         return os.path.join(self.path, f"ready-{generation}")
+
+    def progress(self, rank: int) -> str:
+        """A rank's committed step."""
+        return os.path.join(self.path, f"progress.r{rank}")
+
+    def ranks_with_progress(self) -> list[int]:
+        """The ranks that wrote their progress."""
+        names = (name.split(".") for name in os.listdir(self.path))
+        return sorted(int(parts[1][1:]) for parts in names
+                      if len(parts) == 2 and parts[0] == "progress" and parts[1][1:].isdigit())
 
     def reached(self, generation: int, rank: int, what: str) -> str:
         """A rank's file for ``what`` (a Milestone's value, or FAILURE) in ``generation``."""
@@ -260,9 +272,9 @@ class WorkerEnv:
     control_store_file: str = ""
     #: how long a rank whose control store is gone waits for the file to name another (FTRUN_STORE_TIMEOUT)
     store_timeout: float = 300.0
-    #: a MindSpore rank's way to a process-level repair, its node's :class:`RepairFolder` (FTRUN_REPAIR_DIR);
-    #: "" when the job repairs at job level
-    repair_dir: str = ""
+    #: a MindSpore rank's way to the controller (its progress, a process-level repair): its node's
+    #: :class:`RelayFolder` (FTRUN_RELAY_DIR); "" for a torch rank, which reads the control store
+    relay_dir: str = ""
 
     @property
     def device_index(self) -> int:
@@ -293,8 +305,8 @@ class WorkerEnv:
         if self.control_store_file:
             env["FTRUN_CONTROL_STORE_FILE"] = self.control_store_file
             env["FTRUN_STORE_TIMEOUT"] = f"{self.store_timeout:g}"
-        if self.repair_dir:
-            env["FTRUN_REPAIR_DIR"] = self.repair_dir
+        if self.relay_dir:
+            env["FTRUN_RELAY_DIR"] = self.relay_dir
         return env
 
     @classmethod
@@ -319,5 +331,5 @@ class WorkerEnv:
             snapshots=SnapshotSettings.from_environ(env),
             control_store_file=env.get("FTRUN_CONTROL_STORE_FILE", ""),
             store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or 300.0),
-            repair_dir=env.get("FTRUN_REPAIR_DIR", ""),
+            relay_dir=env.get("FTRUN_RELAY_DIR", ""),
         )

@@ -37,7 +37,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-from ftrun.contract import Milestone, RepairFolder, WorkerEnv
+from ftrun.contract import Milestone, RelayFolder, WorkerEnv
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.messages import from_json
 from ftrun.mindspore import DEFAULT_CLUSTER_TIMEOUT
@@ -55,6 +55,8 @@ from ftrun.snapshots.rank import (
 )
 
 log = logging.getLogger("ftrun.mindspore_elastic")
+#: how often a rank writes its committed step for its agent to relay (a torch rank's heartbeat interval)
+PROGRESS_INTERVAL = 1.0
 
 
 class MindSporeArrays(ArrayKind):
@@ -90,8 +92,12 @@ class MindSporeJob:
         if self.env is not None:
             self.snapshots = SnapshotWriter.from_settings(self.env.snapshots, self.env.rank, self.env.world_size,
                                                           sharded, MindSporeArrays())
-        #: process level on Ascend (the agent gave a repair folder): this rank's part in every repair
-        self.repair = _make_repair(self) if self.env is not None and self.env.repair_dir else None
+        #: the node's folder through which the agent relays this rank's progress, and its repairs
+        self.relay = RelayFolder(self.env.relay_dir) if self.env is not None and self.env.relay_dir else None
+        #: when the progress was last written (at most every PROGRESS_INTERVAL seconds, and at the end)
+        self._progress_at = 0.0
+        #: process level on Ascend: this rank's part in every repair
+        self.repair = _make_repair(self) if self.relay is not None and self.env.recovery == "process" else None
         self._guard = RepairGuard(self.repair, self.commit)
 
     @property
@@ -205,6 +211,8 @@ class MindSporeJob:
         """One more step is done (``steps()`` calls it; a loop of one's own, or the callback, calls it
         after each step): snapshot the state when one is due."""
         self._step += 1
+        if self.relay is not None and time.monotonic() - self._progress_at >= PROGRESS_INTERVAL:
+            self._tell_progress()
         if self.snapshots is None or not self.snapshots.due(self._step):
             return
         try:
@@ -219,6 +227,16 @@ class MindSporeJob:
             self.snapshots.wait()
         if self.repair is not None:
             self.repair.close()
+        if self.relay is not None:
+            self._tell_progress()
+
+    def _tell_progress(self) -> None:
+        """This rank's committed step, for its agent to relay (the status view, the job's summary)."""
+        self._progress_at = time.monotonic()
+        try:
+            self.relay.write(self.relay.progress(self.rank), str(self._step))
+        except OSError as e:  # the agent's folder is gone: the job is ending; training goes on regardless
+            log.debug("rank %d: cannot write its progress: %s", self.rank, e)
 
     def callback(self):
         """A ``mindspore.train.Callback`` for ``Model.train``: it restores the newest snapshot as training
@@ -271,12 +289,12 @@ class MindSporeJob:
 
 
 def _make_repair(job: MindSporeJob) -> MindSporeRepair:
-    """The rank's repair: its hooks on its device, its node's repair folder. A rank that starts with the
+    """The rank's repair: its hooks on its device, its node's relay folder. A rank that starts with the
     job (not a replacement) says it joined, which tells the controller that process level is possible."""
     env = job.env
     assert env is not None
     repair = MindSporeRepair(job, AscendHooks(int(os.environ.get("DEVICE_ID", env.device_index))),
-                             RepairChannel(RepairFolder(env.repair_dir), env.rank), env.generation, env.replacement,
+                             RepairChannel(RelayFolder(env.relay_dir), env.rank), env.generation, env.replacement,
                              timeout=float(os.environ.get("MS_TOPO_TIMEOUT") or DEFAULT_CLUSTER_TIMEOUT),
                              fault_wait=env.heartbeat_timeout)
     if not env.replacement:

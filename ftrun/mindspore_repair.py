@@ -26,7 +26,7 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
 **The channel.** A MindSpore python has no torch, so the rank cannot open the control store (a torch
 ``TCPStore``), and a client of its wire protocol of our own would be a second implementation to keep in
 step with torch's. The rank's agent relays instead, through files in a node-local folder
-(:class:`ftrun.contract.RepairFolder`, ``ftrun/agent/repair_relay.py``): it writes the announced generation
+(:class:`ftrun.contract.RelayFolder`, ``ftrun/agent/relay.py``): it writes the announced generation
 and the readiness of its groups, and counts in the store the milestone files the ranks leave. A rank's
 watch looks at one file's ``os.stat`` every WATCH_POLL seconds (a microsecond each, and no connection
 that a fault could leave half open); the relay costs the agent one store read per tick. Each wait has a
@@ -46,13 +46,13 @@ import threading
 import time
 from typing import Any, Callable, NoReturn, Protocol
 
-from ftrun.contract import Fallback, Milestone, RepairFolder, RollbackFailure
+from ftrun.contract import Fallback, Milestone, RelayFolder, RollbackFailure
 from ftrun.errors import EXIT_STUCK
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.mindspore_elastic")
-#: how often a rank's watch, and its waits, look at the repair folder (one os.stat)
+#: how often a rank's watch, and its waits, look at the relay folder (one os.stat)
 WATCH_POLL = 0.02
 #: after a repair is announced, how long the main thread may take to leave its step before the watch stops
 #: the device: one look. Every collective of the old generation is lost anyway
@@ -69,9 +69,9 @@ class RepairError(RuntimeError):
 
 
 class RepairChannel:
-    """The rank's side of its node's :class:`RepairFolder`: the generations announced, the milestones."""
+    """The rank's side of its node's :class:`RelayFolder`: the generations announced, the milestones."""
 
-    def __init__(self, folder: RepairFolder, rank: int):
+    def __init__(self, folder: RelayFolder, rank: int):
         self.folder = folder
         self.rank = rank
         self._seen: tuple[int, int] = (0, 0)  # the target file's (mtime_ns, size) when last read
@@ -108,13 +108,13 @@ class RepairChannel:
         while True:
             said = self.folder.read(self.folder.ready(generation)).strip()
             if said or self.target() > generation:
-                return said == RepairFolder.READY and self.target() <= generation
+                return said == RelayFolder.READY and self.target() <= generation
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"generation {generation}: not every rank arrived within {timeout:g}s")
             time.sleep(WATCH_POLL)
 
     def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
-        self.folder.write(self.folder.reached(generation, self.rank, RepairFolder.FAILURE), failure.to_text())
+        self.folder.write(self.folder.reached(generation, self.rank, RelayFolder.FAILURE), failure.to_text())
 
     def await_stop(self, generation: int, failure: RollbackFailure, wait: float = FALLBACK_WAIT) -> NoReturn:
         """After :meth:`rollback_failed`: wait for the agent to stop this rank for the job-level restart
@@ -355,7 +355,7 @@ class MindSporeRepair:
             self._watch.join(deadline)
 
     def _watch_loop(self, exit: Callable[[int], Any] = os._exit) -> None:
-        """Look at the repair folder until a repair is announced, then make sure the main thread takes
+        """Look at the relay folder until a repair is announced, then make sure the main thread takes
         part: stop the device under a step that does not leave, and leave the process (to be replaced)
         if even that does not free it within fault_wait."""
         while not self._closed.wait(WATCH_POLL):

@@ -29,13 +29,13 @@ from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
-from ftrun.agent.repair_relay import RepairRelay
+from ftrun.agent.relay import FolderRelay
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import GenerationEnv, ProcessOps, Worker, WorkerGroup, WorkerPlacement
 from ftrun.auth import Signer, new_token
 from ftrun.config import LaunchConfig
-from ftrun.contract import RepairFolder
+from ftrun.contract import RelayFolder
 from ftrun.controller.controller import Controller
 from ftrun.controller.journal import Journal
 from ftrun.errors import ExitCode, FtrunError
@@ -134,8 +134,8 @@ class Agent:
         self._refill_at = 0.0
         #: where this node's rank tables go (its log folder)
         self._table_dir = ""
-        #: --framework mindspore --recovery process: the relay of repairs to the node's ranks
-        self.repair_relay: RepairRelay | None = None
+        #: --framework mindspore: the relay between the node's ranks and the control store
+        self.relay: FolderRelay | None = None
         #: the run's folder under --log-dir, once made ("" without one)
         self._run_folder_path: str | None = None
         #: which agent holds which node (the rendezvous's, then the controller's after takeovers and resizes)
@@ -246,7 +246,7 @@ class Agent:
                 self.slot.first_rank + self.slot.nproc - 1, self.placement.world_size,
             )
             group.log_dir = self._table_dir = self._log_dir()
-            self.repair_relay = self._repair_relay()
+            self.relay = self._relay()
             self._start_snapshots(ops)
             # what the agent made to get here (torch's modules among it: 175,000 objects) lives as long
             # as it does; out of the collector's sight, its full collections no longer stop the agent
@@ -261,12 +261,12 @@ class Agent:
             ops.close()
         return self._finish(code, reason)
 
-    def _repair_relay(self) -> RepairRelay | None:
-        """A MindSpore job repaired at process level: the relay between its ranks and the control store."""
-        if self.config.framework != "mindspore" or self.config.recovery != "process":
+    def _relay(self) -> FolderRelay | None:
+        """A MindSpore job: the relay between its ranks, which cannot read the control store, and the store."""
+        if self.config.framework != "mindspore":
             return None
-        folder = RepairFolder(os.path.join(self._table_dir, f"repair-node{self.slot.node_rank}"))
-        return RepairRelay(lambda: self.store, self.keys, folder, lambda: self.layout.world_size)
+        folder = RelayFolder(os.path.join(self._table_dir, f"relay-node{self.slot.node_rank}"))
+        return FolderRelay(lambda: self.store, self.keys, folder, lambda: self.layout.world_size)
 
     def _preflight(self) -> str:
         """This node's device problems before training, or "" (the rendezvous fails the job on any)."""
@@ -503,8 +503,8 @@ class Agent:
             for local_rank in self.devices.apply(event):
                 group.fail(local_rank, "device", event.reason)
         self._retry_pending(group)
-        if self.repair_relay is not None:
-            self.repair_relay.tick()
+        if self.relay is not None:
+            self.relay.tick()
         if self._refill_at and now >= self._refill_at:
             self._refill_at = 0.0
             group.fill_standbys()
@@ -522,6 +522,8 @@ class Agent:
         if not ended:
             return
         # the status the report below is read with holds the ranks' last steps
+        if self.relay is not None:
+            self.relay.tick()  # a MindSpore rank's, written as it ended
         self._keepalive(group, now, judge_hangs=False)
         loop.next_beat = now + AGENT_HEARTBEAT_INTERVAL
         failed = [w for w in ended if w.returncode != 0]
@@ -792,7 +794,7 @@ class Agent:
             snapshot_env=tuple(self.snapshots.worker_env(self._left_plan(command)).items()) if self.snapshots else (),
             control_store_file=self.etcd.store_file if self.etcd is not None else "",
             scheduler=command.scheduler,
-            repair_dir=self.repair_relay.folder.path if self.repair_relay is not None else "",
+            relay_dir=self.relay.folder.path if self.relay is not None else "",
         )
 
     def _left_plan(self, command: Command) -> str:

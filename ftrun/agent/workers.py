@@ -158,8 +158,8 @@ class GenerationEnv:
     control_store_file: str = ""
     #: --framework mindspore: the generation's scheduler, "host:port" (MS_SCHED_HOST, MS_SCHED_PORT)
     scheduler: str = ""
-    #: --framework mindspore --recovery process: the node's repair folder (FTRUN_REPAIR_DIR), "" for none
-    repair_dir: str = ""
+    #: --framework mindspore: the node's relay folder (FTRUN_RELAY_DIR), "" for none
+    relay_dir: str = ""
 
 
 class WorkerGroup:
@@ -468,7 +468,7 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
-    if gen.repair_dir:
+    if gen.relay_dir and config.recovery == "process":  # a MindSpore job on Ascend (config.py)
         env.update(mindspore.recovery_env())
     return env
 
@@ -492,7 +492,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         node_rank=placement.node_rank,
         recovery=config.recovery,
         previous_world_size=gen.previous_world_size or gen.world_size,
-        repair_dir=gen.repair_dir,
+        relay_dir=gen.relay_dir,
     ).to_environ())
     env.update(gen.rank_tables)
     env.update(gen.snapshot_env)

@@ -193,6 +193,9 @@ def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_fre
                                 env=launcher.env(STEPS=str(STEPS), DUMP="1", OUT_DIR=str(reference), PYTHONPATH=pythonpath))
     assert launcher.wait() == [0, 0], launcher.output()
     assert "1 of 1 restart used" in faulty.output and "0 of 1 restart used" in fault_free.output
+    # the ranks' progress reaches the controller through their agents: the summary names the last step run
+    for run in (faulty, fault_free):
+        assert "job succeeded in " in run.output and f"at step {STEPS - 1};" in run.output, run.output
 
     done_before = max(int((out / f"progress{rank}-0").read_text()) for rank in (0, 1))
     resumed_at = {int((out / f"begin{rank}-1").read_text()) for rank in (0, 1)}

@@ -147,7 +147,7 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
     names |= set(WorkerEnv(rank=3, local_rank=1, world_size=4, run_id="job", generation=1, control_store="head:29400",
                            replacement=False, heartbeat_timeout=30, ranktable="ranktable.json",
                            device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1),
-                           control_store_file="/tmp/x/control_store", repair_dir="/tmp/x/repair").to_environ())
+                           control_store_file="/tmp/x/control_store", relay_dir="/tmp/x/repair").to_environ())
     # a MindSpore job's workers and scheduler (msrun's contract)
     scheduler = mindspore.Scheduler("head", 31000)
     names |= set(mindspore.worker_env(scheduler, 4, 600, 3, 1)) | set(mindspore.scheduler_env(scheduler, 4, 600))

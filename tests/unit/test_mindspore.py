@@ -125,14 +125,18 @@ def test_mindspore_repairs_at_process_level_only_on_ascend(tmp_path, monkeypatch
     assert any("needs Ascend NPUs" in note for note in notes) is (recovery == "job")
 
 
-def test_a_process_level_mindspore_worker_gets_recovery_and_its_repair_folder(tmp_path):
-    config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu",
-                                  "nproc_per_node": "2"}, check_script=False)
+def test_a_process_level_mindspore_worker_gets_recovery_and_its_relay_folder(tmp_path):
     gen = GenerationEnv(1, 0, 2, 1, "127.0.0.1", 29500, "127.0.0.1:29400", 3, replacement=True,
-                        scheduler=str(SCHEDULER), repair_dir=str(tmp_path / "repair"))
-    env = worker_env(config, WorkerPlacement(1, 1, 0, "node0"), gen, str(tmp_path / "error.json"))
-    assert (env["MS_ENABLE_RECOVERY"], env["MS_NODE_ID"], env["FTRUN_REPAIR_DIR"]) == ("1", "1", str(tmp_path / "repair"))
-    assert env["MS_SCHED_PORT"] == str(SCHEDULER.port)  # the running scheduler's
+                        scheduler=str(SCHEDULER), relay_dir=str(tmp_path / "relay"))
+    for device, recovery in (("npu", "1"), ("cpu", None)):  # process level on Ascend only
+        config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": device,
+                                      "framework": "mindspore",
+                                      "nproc_per_node": "2", "recovery": "process"}, check_script=False)
+        env = worker_env(config, WorkerPlacement(1, 1, 0, "node0"), gen, str(tmp_path / "error.json"))
+        # the relay folder either way: the rank's progress goes through it
+        assert (env.get("MS_ENABLE_RECOVERY"), env["MS_NODE_ID"], env["FTRUN_RELAY_DIR"]) == \
+            (recovery, "1", str(tmp_path / "relay"))
+        assert env["MS_SCHED_PORT"] == str(SCHEDULER.port)  # the running scheduler's
 
 
 def test_python_on_path_runs_mindspore_when_ftrun_s_own_cannot(tmp_path, monkeypatch):

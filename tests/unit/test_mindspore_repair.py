@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from torch.distributed import TCPStore
 
-from ftrun.agent.repair_relay import RepairRelay
-from ftrun.contract import Endpoint, Fallback, Milestone, RepairFolder, RollbackFailure
+import ftrun.mindspore_elastic
+from ftrun.agent.relay import FolderRelay
+from ftrun.contract import Endpoint, Fallback, Milestone, RelayFolder, RollbackFailure, WorkerEnv
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.mindspore_repair import AscendHooks, MindSporeRepair, RepairChannel, RepairError, RepairGuard
 from ftrun.rollback import NO_STATE
@@ -83,13 +84,13 @@ class State:
 class Agent:
     """What the rank's agent writes into the repair folder (the relay's part, done by the test)."""
 
-    def __init__(self, folder: RepairFolder):
+    def __init__(self, folder: RelayFolder):
         self.folder = folder
 
     def announce(self, generation):
         self.folder.write(self.folder.target, str(generation))
 
-    def ready(self, generation, said=RepairFolder.READY):
+    def ready(self, generation, said=RelayFolder.READY):
         self.folder.write(self.folder.ready(generation), said)
 
     def reached(self):
@@ -98,7 +99,7 @@ class Agent:
 
 @pytest.fixture
 def folder(tmp_path):
-    return RepairFolder(str(tmp_path))
+    return RelayFolder(str(tmp_path))
 
 
 def make_repair(folder, state, generation=0, replacement=False, timeout=5.0, fault_wait=5.0):
@@ -153,7 +154,7 @@ def test_no_snapshot_either_falls_back_to_job_level_through_the_agent(monkeypatc
     repair = make_repair(folder, State(rank=0, sharded=True))
     with pytest.raises(SystemExit):
         repair.rollback(1)
-    said = RollbackFailure.from_text(folder.read(folder.reached(1, 0, RepairFolder.FAILURE)))
+    said = RollbackFailure.from_text(folder.read(folder.reached(1, 0, RelayFolder.FAILURE)))
     assert said is not None and said.cause is Fallback.NO_SNAPSHOTS
     assert channel_waits == [said]
 
@@ -251,7 +252,7 @@ def store():
 
 def test_the_relay_carries_announcements_and_counts_milestones_in_the_store(store, folder):
     keys = JobKeys("run")
-    relay = RepairRelay(lambda: store, keys, folder, world_size=lambda: 2)
+    relay = FolderRelay(lambda: store, keys, folder, world_size=lambda: 2)
     store.set_text(keys.target_generation, "1")
     relay.tick()
     channel = RepairChannel(folder, rank=0)
@@ -268,7 +269,7 @@ def test_the_relay_carries_announcements_and_counts_milestones_in_the_store(stor
 
 def test_the_relay_hands_a_ranks_rollback_failure_to_the_controller(store, folder):
     keys = JobKeys("run")
-    relay = RepairRelay(lambda: store, keys, folder, world_size=lambda: 2)
+    relay = FolderRelay(lambda: store, keys, folder, world_size=lambda: 2)
     failure = RollbackFailure(Fallback.NO_COMMON_SNAPSHOT, replicas=True)
     RepairChannel(folder, rank=1).rollback_failed(3, failure)
     relay.tick()
@@ -279,7 +280,7 @@ def test_the_relay_follows_the_agents_store_when_the_controller_moved(store, fol
     """Under etcd the agent reconnects to the successor's store: the relay reads and counts there."""
     keys = JobKeys("run")
     current = [store]
-    relay = RepairRelay(lambda: current[0], keys, folder, world_size=lambda: 1)
+    relay = FolderRelay(lambda: current[0], keys, folder, world_size=lambda: 1)
     store.set_text(keys.target_generation, "1")
     relay.tick()
     current[0] = successor = control_store()
@@ -289,3 +290,26 @@ def test_the_relay_follows_the_agents_store_when_the_controller_moved(store, fol
     assert RepairChannel(folder, rank=0).target() == 2
     assert successor.try_text(keys.group_ready(2)) == GROUP_READY
     assert not store.try_text(keys.group_ready(2))
+
+
+def test_a_mindspore_rank_s_progress_reaches_the_store_through_its_agent(store, folder, monkeypatch):
+    """Its first step at once, then at most once a PROGRESS_INTERVAL, and the last one as it closes."""
+    env = WorkerEnv(rank=1, local_rank=1, world_size=2, run_id="run", generation=0, control_store="127.0.0.1:1",
+                    replacement=False, heartbeat_timeout=30.0, recovery="job", relay_dir=folder.path)
+    for name, value in env.to_environ().items():
+        monkeypatch.setenv(name, value)
+    keys = JobKeys("run")
+    relay = FolderRelay(lambda: store, keys, folder, world_size=lambda: 2)
+    job = ftrun.mindspore_elastic.init()
+    assert job.repair is None  # job level: no repair watch
+    job.commit()
+    relay.tick()
+    assert store.try_text(keys.rank_progress(1)) == "1"
+    job.commit()
+    job.commit()  # within the interval: not written yet
+    relay.tick()
+    assert store.try_text(keys.rank_progress(1)) == "1"
+    job.close()
+    relay.tick()
+    assert store.try_text(keys.rank_progress(1)) == "3"
+    assert folder.reports() == []  # progress is no milestone

@@ -1,9 +1,11 @@
-"""The agent's relay of a process-level repair to its MindSpore ranks, which cannot read the control store.
+"""The agent's relay between its MindSpore ranks, which cannot read the control store, and the store.
 
 A MindSpore rank's python has no torch, so it has no ``TCPStore`` client; its agent reads and writes the
-store for it, through the node's :class:`~ftrun.contract.RepairFolder` (``ftrun/mindspore_repair.py``
+store for it, through the node's :class:`~ftrun.contract.RelayFolder` (``ftrun/mindspore_repair.py``
 says why files). Each tick of the agent's supervision loop:
 
+* a rank's committed step that moved (its ``progress`` file) goes where a torch rank's heartbeat puts
+  it, for the status view and the job's summary;
 * the newest generation announced (one store read) goes into the folder's ``target`` file when it moved;
 * every milestone file the ranks left is counted in the store, as a torch rank counts itself, then
   deleted; the relay that counts the last rank to arrive in a generation marks its groups ready, as the
@@ -19,17 +21,17 @@ import logging
 import os
 from typing import Callable
 
-from ftrun.contract import Milestone, RepairFolder
+from ftrun.contract import Milestone, RelayFolder
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.store import ControlStore
 
 log = logging.getLogger(__name__)
 
 
-class RepairRelay:
+class FolderRelay:
     """Carries one node's MindSpore ranks' side of every repair between ``folder`` and the control store."""
 
-    def __init__(self, store: Callable[[], ControlStore], keys: JobKeys, folder: RepairFolder,
+    def __init__(self, store: Callable[[], ControlStore], keys: JobKeys, folder: RelayFolder,
                  world_size: Callable[[], int]):
         #: the agent's control store now: under etcd it is another one once the controller moved
         self._store = store
@@ -37,6 +39,8 @@ class RepairRelay:
         self.folder = folder
         #: the job's world size now (the layout may change at a job-level restart)
         self.world_size = world_size
+        #: each rank's progress file as last relayed (its mtime)
+        self._progress_seen: dict[int, int] = {}
         #: the newest generation written to the folder (0: none)
         self.target = 0
         #: the newest generation whose readiness is in the folder
@@ -48,9 +52,23 @@ class RepairRelay:
         return self._store()
 
     def tick(self) -> None:
+        self._relay_progress()
         self._relay_target()
         self._count_reports()
         self._relay_ready()
+
+    def _relay_progress(self) -> None:
+        for rank in self.folder.ranks_with_progress():
+            path = self.folder.progress(rank)
+            try:
+                changed = os.stat(path).st_mtime_ns
+            except FileNotFoundError:
+                continue
+            if self._progress_seen.get(rank) != changed:
+                self._progress_seen[rank] = changed
+                step = self.folder.read(path).strip()
+                if step:
+                    self.store.set_text(self.keys.rank_progress(rank), step)
 
     def _relay_target(self) -> None:
         text = self.store.try_text(self.keys.target_generation)
@@ -61,7 +79,7 @@ class RepairRelay:
 
     def _count_reports(self) -> None:
         for path, generation, rank, what in self.folder.reports():
-            if what == RepairFolder.FAILURE:
+            if what == RelayFolder.FAILURE:
                 self.store.set_text(self.keys.rollback_failure(generation), self.folder.read(path))
             elif what in {m.value for m in Milestone}:
                 reached = self.store.add(self.keys.milestone(generation, what))
@@ -76,5 +94,5 @@ class RepairRelay:
             return
         said = self.store.try_text(self.keys.group_ready(self.target))
         if said:
-            self.folder.write(self.folder.ready(self.target), RepairFolder.READY if said == GROUP_READY else said)
+            self.folder.write(self.folder.ready(self.target), RelayFolder.READY if said == GROUP_READY else said)
             self.ready = self.target
