@@ -405,8 +405,12 @@ def parse_script_args(value: Any) -> tuple[str, ...]:
     raise UsageError(f"script_args must be a list of strings or one string, got '{value}'")
 
 
-def parse_rank_filter(text: str) -> frozenset[int] | None:
-    text = str(text).strip()
+def parse_rank_filter(text: str | frozenset[int] | None) -> frozenset[int] | None:
+    """--local-ranks-filter's text; a set as is (msrun's --tail_worker_log, mapped onto this node's local
+    ranks, may leave none of them: nothing shown, where the empty text shows every rank)."""
+    if isinstance(text, frozenset):
+        return text
+    text = str(text or "").strip()
     if not text:
         return None
     try:
@@ -640,7 +644,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
         redirects=parse_streams(raw.get("redirects", DEFAULT_STREAMS), "--redirects"),
         tee=parse_streams(raw.get("tee", DEFAULT_STREAMS), "--tee"),
-        local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter") or ""),
+        local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter")),
         head_managed=bool(raw.get("ssh_agent")),
         spares=whole_number(raw.get("spares") or DEFAULTS.spares, "--spares", maximum=MAX_COUNT),
         status=choice(raw.get("status") or DEFAULTS.status, STATUS_MODES, "--status"),

@@ -4,16 +4,25 @@ whole migration.
 ``--master_addr``, ``--master_port``, ``--node_rank`` and ``--log_dir`` are ftrun's own flags already (every
 flag takes both spellings). The others are read here: ``--worker_num`` and ``--local_worker_num`` become
 ``--nnodes`` and ``--nproc-per-node`` (with msrun's defaults, 8 and 8, once either is given),
-``--cluster_time_out`` the cluster's MS_TOPO_TIMEOUT, ``--bind_core True`` ``--numa-binding exclusive``, and
-``--join`` is accepted (ftrun always stays with its job: it must, to recover it). Any of them implies
-``--framework mindspore``, and ``--master_port`` then defaults to msrun's 8118. Several nodes without
-``--node_rank`` meet at ``--master_addr:--master_port`` as ftrun's c10d rendezvous (node ranks in the order
-the nodes join, as msrun numbers them then). A combination that contradicts itself is one line and
-exit code 2.
+``--cluster_time_out`` the cluster's MS_TOPO_TIMEOUT, ``--bind_core True`` ``--numa-binding exclusive``,
+``--bind_numa True`` ``--numa-binding node``, and ``--tail_worker_log`` (global ranks, as msrun compares them
+with each worker's RANK_ID) this node's ``--local-ranks-filter``. ``--join`` and ``--worker_log_name`` are
+accepted with a note: ftrun always stays with its job (it must, to recover it), and it names its log files
+itself, one folder per node and per restart. Any of them implies ``--framework mindspore``, and
+``--master_port`` then defaults to msrun's 8118. Several nodes without ``--node_rank`` meet at
+``--master_addr:--master_port`` as ftrun's c10d rendezvous (node ranks in the order the nodes join, as msrun
+numbers them then).
+
+Refused, one line each: ``--rank_table_file`` (ftrun writes RANK_TABLE_FILE itself at every restart, from
+where the ranks run then; a static table would be stale after a repair moves one) and ``--sim_level`` /
+``--sim_rank_id`` (msrun's dry run compiles in one process with no cluster: there is nothing to launch or
+recover, and the line gives the command that runs it). A combination that contradicts itself is one line
+and exit code 2 too.
 """
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from ftrun.config import LaunchConfig
@@ -25,9 +34,23 @@ MSRUN_WORKER_NUM = 8
 #: msrun's --master_port default, taken by a launch that uses msrun's flags (firewalls opened for msrun fit)
 MSRUN_MASTER_PORT = 8118
 #: the option names (as click stores them) that only msrun has
-MSRUN_ONLY = ("worker_num", "local_worker_num", "join", "cluster_time_out", "bind_core")
+MSRUN_ONLY = ("worker_num", "local_worker_num", "join", "cluster_time_out", "bind_core", "bind_numa",
+              "tail_worker_log", "worker_log_name", "rank_table_file", "sim_level", "sim_rank_id")
 #: how --bind_core True binds: each worker to CPUs near its device, no two sharing one (msrun's automatic mode)
 BIND_CORE_MODE = "exclusive"
+#: how --bind_numa True binds: each worker to its device's NUMA node (msrun: numactl --cpunodebind N)
+BIND_NUMA_MODE = "node"
+#: --numa-binding modes that keep a worker on its device's NUMA node, so they satisfy --bind_numa True too
+WITHIN_NUMA_NODE = ("node", "exclusive", "core-complex")
+#: --tail_worker_log's default: every worker's output reaches the console
+TAIL_EVERY_WORKER = "-1"
+#: msrun's flags ftrun cannot honour: why, and what to do instead
+REFUSED = {
+    "rank_table_file": "--rank_table_file: ftrun writes the HCCL rank table itself at every restart "
+                       "(RANK_TABLE_FILE on Ascend) from where each rank runs then, and a static table goes stale "
+                       "once a repair moves a rank to another node or device: drop the flag (--device-ips FILE "
+                       "supplies device IPs where hccn_tool is missing)",
+}
 
 
 def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -36,6 +59,7 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     used = [name for name in MSRUN_ONLY if name in given]
     if not used:
         return values, []
+    _refuse(values, given)
     values = dict(values)
     flags = ", ".join(f"--{name}" for name in used)
     if "framework" in given and values.get("framework") != "mindspore":
@@ -55,6 +79,14 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         values["cluster_timeout"] = _whole(values["cluster_time_out"], "--cluster_time_out", minimum=None)
     if "bind_core" in given:
         _bind_core(values, given)
+    if "bind_numa" in given:
+        _bind_numa(values, given)
+    if "tail_worker_log" in given:
+        notes += _tail_worker_log(values, given)
+    if _text(values, "worker_log_name"):
+        notes.append(f"--worker_log_name {values['worker_log_name']}: ftrun names the log files itself, one folder "
+                     "per node and per restart (LOG_DIR/RUN_ID/node<N>/attempt_<G>/<RANK>/stdout.log with --tee "
+                     "or --redirects), so nodes sharing LOG_DIR need no {ip} or {hostname} to tell them apart")
     values["given"] = frozenset(given | {"framework"})
     return values, notes
 
@@ -82,6 +114,24 @@ def _place_workers(values: dict[str, Any], given: set[str]) -> None:
         given.add("rdzv_endpoint")
 
 
+def _refuse(values: dict[str, Any], given: set[str]) -> None:
+    """msrun's flags that have no honest equivalent under ftrun: one line each, with what to do instead."""
+    for name, text in REFUSED.items():
+        if name in given and _text(values, name):  # msrun's default, "", asks for nothing
+            raise UsageError(text)
+    if "sim_level" in given or _text(values, "sim_rank_id") not in ("", "-1"):
+        # msrun's dry run: MS_SIMULATION_LEVEL, no scheduler, no MS_ROLE, RANK_ID the simulated rank. One
+        # process compiling without devices has no cluster to form and no fault to recover from.
+        level = values.get("sim_level") if "sim_level" in given else "LEVEL"
+        size = values.get("worker_num") if "worker_num" in given else MSRUN_WORKER_NUM
+        rank = values.get("sim_rank_id") if "sim_rank_id" in given else 0
+        script = shlex.join(["python", str(values.get("script") or "SCRIPT"), *(values.get("script_args") or ())])
+        flag = "--sim_level" if "sim_level" in given else "--sim_rank_id"
+        raise UsageError(f"{flag} is msrun's dry run, one process compiling without devices, with no cluster to "
+                         f"launch or recover: run it without a launcher, MS_SIMULATION_LEVEL={level} "
+                         f"RANK_SIZE={size} RANK_ID={rank} {script}")
+
+
 def _bind_core(values: dict[str, Any], given: set[str]) -> None:
     text = str(values["bind_core"]).strip()
     if text.startswith("{"):
@@ -94,6 +144,63 @@ def _bind_core(values: dict[str, Any], given: set[str]) -> None:
                          f"--numa-binding {values.get('numa_binding')}")
     values["numa_binding"] = BIND_CORE_MODE
     given.add("numa_binding")
+
+
+def _bind_numa(values: dict[str, Any], given: set[str]) -> None:
+    """--bind_numa True: msrun runs each worker under ``numactl --cpunodebind N --membind N``, N its device's
+    NUMA node. ftrun's node mode binds the same CPUs; memory then comes from that node by Linux's
+    local-first policy rather than by a hard rule."""
+    text = str(values["bind_numa"]).strip()
+    if text.startswith("{") or text.lower().endswith(".json"):
+        raise UsageError("--bind_numa with a NUMA map or a bind file is msrun's own: ftrun binds each worker to "
+                         f"its device's NUMA node (--bind_numa True, as --numa-binding {BIND_NUMA_MODE}), or to "
+                         "part of it (--numa-binding exclusive or core-complex)")
+    if not _truth(text, "--bind_numa"):
+        return
+    if "numa_binding" in given:
+        if values.get("numa_binding") not in WITHIN_NUMA_NODE:
+            raise UsageError(f"--bind_numa True binds to the device's NUMA node: it contradicts --numa-binding "
+                             f"{values.get('numa_binding')}")
+        return  # --bind_core True's exclusive (or the user's mode) already keeps each worker on its node
+    values["numa_binding"] = BIND_NUMA_MODE
+    given.add("numa_binding")
+
+
+def _tail_worker_log(values: dict[str, Any], given: set[str]) -> list[str]:
+    """--tail_worker_log R,R: msrun tails the workers whose RANK_ID (the global rank) is listed; "-1" tails
+    all. ftrun's filter counts local ranks, so the global ones are taken onto this node's."""
+    text = str(values["tail_worker_log"]).strip()
+    if text == TAIL_EVERY_WORKER:
+        return []
+    try:
+        ranks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        ranks = [-1]
+    if not ranks or ranks[0] < 0:
+        raise UsageError(f"--tail_worker_log must be -1 (every worker) or comma-separated ranks, got '{text}'")
+    if "local_ranks_filter" in given:
+        raise UsageError("--tail_worker_log and --local-ranks-filter both choose whose output the console shows: "
+                         "give one of them")
+    node_rank = values.get("node_rank")
+    if str(values.get("nnodes")).strip() == "1":
+        node_rank, per_node = 0, max(ranks) + 1  # one node: global ranks are local ranks
+    elif "node_rank" in given and isinstance(node_rank, int) and node_rank >= 0:
+        per_node = _whole(values.get("nproc_per_node"), "--tail_worker_log with --nproc-per-node")
+    else:
+        raise UsageError("--tail_worker_log names global ranks, and a node without --node_rank learns which it runs "
+                         "only at rendezvous: give --node_rank, or --local-ranks-filter with local ranks")
+    first = node_rank * per_node
+    local = frozenset(rank - first for rank in ranks if first <= rank < first + per_node)
+    values["local_ranks_filter"] = local
+    given.add("local_ranks_filter")
+    if local:
+        return []
+    return [f"--tail_worker_log {text}: none of those ranks runs on node {node_rank} (ranks {first}-"
+            f"{first + per_node - 1}): its workers' output stays off the console"]
+
+
+def _text(values: dict[str, Any], name: str) -> str:
+    return str(values.get(name) or "").strip()
 
 
 def _truth(value: Any, flag: str) -> bool:

@@ -234,7 +234,8 @@ NOT_A_FIELD = {
     "print_hosts", "dry_run", "standalone", "rdzv_endpoint", "rdzv_conf", "run_id", "rdzv_id", "fault_retry_times",
     "shutdown_timeout", "token_file", "warm_standby", "snapshot_memory", "module", "no_python", "run_path",
     "start_method", "logs_specs", "event_log_handler", "config", "version", "as_json",
-    "framework", "python", "worker_num", "local_worker_num", "join", "bind_core",
+    "framework", "python", "worker_num", "local_worker_num", "join", "bind_core", "bind_numa", "tail_worker_log",
+    "worker_log_name", "rank_table_file", "sim_level", "sim_rank_id",
 }
 
 

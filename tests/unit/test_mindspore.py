@@ -12,7 +12,7 @@ import pytest
 from ftrun import mindspore
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.cli import launch_command, msrun
-from ftrun.config import build_launch_config
+from ftrun.config import build_launch_config, parse_rank_filter
 from ftrun.errors import UsageError
 from ftrun.faults.levels import load_fault_table
 from ftrun.faults.process import classify_exit
@@ -205,11 +205,98 @@ def test_join_false_is_accepted_with_a_note():
     (["--cluster_time_out=soon"], "--cluster_time_out must be a whole number"),
     (["--bind_core={\"0\": [1]}"], "--bind_core with a core map is msrun's own"),
     (["--bind_core=True", "--numa-binding", "node"], "contradicts --numa-binding node"),
+    (["--bind_numa={\"device0\": [\"0\"]}"], "--bind_numa with a NUMA map or a bind file is msrun's own"),
+    (["--bind_numa=bind.json"], "--bind_numa with a NUMA map or a bind file is msrun's own"),
+    (["--bind_numa=True", "--numa-binding", "socket"], "--bind_numa True .* contradicts --numa-binding socket"),
+    (["--bind_numa=maybe"], "--bind_numa must be True or False"),
+    (["--tail_worker_log=0,x"], "--tail_worker_log must be -1 .* got '0,x'"),
+    (["--tail_worker_log=-2"], "--tail_worker_log must be -1"),
+    (["--tail_worker_log=0", "--local-ranks-filter=1"], "give one of them"),
+    (["--worker_num=4", "--local_worker_num=2", "--tail_worker_log=0"], "give --node_rank, or --local-ranks-filter"),
+    (["--rank_table_file=/etc/hccl_8p.json"], "--rank_table_file: ftrun writes the HCCL rank table itself"),
+    (["--sim_level=1", "--sim_rank_id=3", "--worker_num=16", "--local_worker_num=8"],
+     "--sim_level is msrun's dry run.* MS_SIMULATION_LEVEL=1 RANK_SIZE=16 RANK_ID=3 python train.py$"),
+    (["--sim_rank_id=3"], "--sim_rank_id is msrun's dry run.* RANK_ID=3 "),
 ], ids=["not-a-multiple", "local-above-total", "nproc-clash", "nnodes-clash", "word", "zero", "torch",
-        "join-word", "timeout-word", "core-map", "numa-clash"])
+        "join-word", "timeout-word", "core-map", "numa-clash", "numa-map", "numa-file", "numa-socket", "numa-word",
+        "tail-word", "tail-negative", "tail-and-filter", "tail-without-node-rank", "rank-table", "sim-level",
+        "sim-rank-id"])
 def test_an_msrun_combination_that_cannot_work_is_one_line(argv, words):
     with pytest.raises(UsageError, match=words.replace("{", r"\{")):
         msrun.translate(parsed([*argv, "train.py"]))
+
+
+@pytest.mark.parametrize("argv", [["--bind_numa=True"], ["--bind-numa", "true"]], ids=["msrun", "ftrun"])
+def test_bind_numa_true_binds_each_worker_to_its_device_s_numa_node(argv):
+    values, notes = msrun.translate(parsed([*argv, "train.py"]))
+    assert values["numa_binding"] == "node" and values["framework"] == "mindspore" and not notes
+
+
+def test_bind_numa_with_bind_core_keeps_bind_core_s_exclusive_cpus_on_that_node():
+    values, _ = msrun.translate(parsed(["--bind_core=True", "--bind_numa=True", "train.py"]))
+    assert values["numa_binding"] == "exclusive"
+    values, _ = msrun.translate(parsed(["--bind_numa=True", "--numa-binding", "core-complex", "train.py"]))
+    assert values["numa_binding"] == "core-complex"
+    values, _ = msrun.translate(parsed(["--bind_numa=False", "train.py"]))
+    assert "numa_binding" not in values["given"]
+
+
+@pytest.mark.parametrize("argv", [["--tail_worker_log=0,2"], ["--tail-worker-log", "2,0"]], ids=["msrun", "ftrun"])
+def test_tail_worker_log_on_one_node_shows_those_ranks(argv):
+    values, notes = msrun.translate(parsed(["--worker_num=4", "--local_worker_num=4", *argv, "train.py"]))
+    assert values["local_ranks_filter"] == frozenset({0, 2}) and not notes
+
+
+def test_tail_worker_log_names_global_ranks_taken_onto_this_node_s_local_ones():
+    """msrun compares the listed ranks with each worker's RANK_ID: node 1 of 2x4 runs ranks 4-7."""
+    node = ["--worker_num=8", "--local_worker_num=4", "--node_rank=1"]
+    values, notes = msrun.translate(parsed([*node, "--tail_worker_log=0,5,7", "train.py"]))
+    assert values["local_ranks_filter"] == frozenset({1, 3}) and not notes
+    values, notes = msrun.translate(parsed([*node, "--tail_worker_log=0", "train.py"]))
+    assert values["local_ranks_filter"] == frozenset()  # this node's workers stay off the console
+    assert notes == ["--tail_worker_log 0: none of those ranks runs on node 1 (ranks 4-7): its workers' output "
+                     "stays off the console"]
+    assert parse_rank_filter(values["local_ranks_filter"]) == frozenset()  # the launch's config: none shown
+
+
+def test_tail_worker_log_minus_one_is_msrun_s_default_every_worker():
+    values, notes = msrun.translate(parsed(["--worker_num=8", "--local_worker_num=4", "--tail_worker_log=-1",
+                                            "train.py"]))
+    assert not values["local_ranks_filter"] and "local_ranks_filter" not in values["given"] and not notes
+
+
+def test_worker_log_name_is_accepted_with_a_note_on_where_the_logs_go():
+    _, notes = msrun.translate(parsed(["--worker_log_name=worker_{ip}_{hostname}", "train.py"]))
+    assert len(notes) == 1 and notes[0].startswith("--worker_log_name worker_{ip}_{hostname}: ftrun names the log")
+    assert "node<N>/attempt_<G>/<RANK>/stdout.log" in notes[0]
+
+
+def test_msrun_s_empty_defaults_ask_for_nothing():
+    """Launch scripts pass their variables through: --rank_table_file "" and --sim_rank_id -1 are msrun's
+    defaults, not a request."""
+    values, notes = msrun.translate(parsed(["--rank-table-file=", "--sim_rank_id=-1", "--worker_log_name=",
+                                            "train.py"]))
+    assert values["framework"] == "mindspore" and not notes
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rank_table_file", "hccl.json"], "--rank_table_file: ftrun writes the HCCL rank table itself"),
+    (["--sim-level", "2"], "MS_SIMULATION_LEVEL=2 RANK_SIZE=8 RANK_ID=0 python"),
+], ids=["rank-table", "sim-level"])
+def test_a_refused_msrun_flag_is_one_line_and_exit_code_2(argv, words, tmp_path, monkeypatch, capsys):
+    import logging
+
+    from ftrun.cli import main
+
+    logger = logging.getLogger("ftrun")
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))  # main() sets up logging: put it back
+    monkeypatch.setattr(logger, "level", logger.level)
+    (tmp_path / "train.py").write_text("import mindspore\n")
+    with pytest.raises(SystemExit) as leaving:
+        main([*argv, str(tmp_path / "train.py")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert leaving.value.code == 2
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error: ") and words in lines[0]
 
 
 def test_the_scheduler_s_failure_is_named_as_such():

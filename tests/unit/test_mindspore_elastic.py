@@ -1,6 +1,8 @@
 """MindSpore snapshots without MindSpore: numpy arrays through the snapshot format and a rank's writer, the
 restore plan the agent leaves in a file, the persister's command, and the rule that the library imports no
-torch (a MindSpore python has none). The library's MindSpore side runs in tests/integration/test_mindspore.py."""
+torch (a MindSpore python has none), and the Model.train callback driven by a real Model.train (in the
+MindSpore python, outside ftrun). The rest of the library's MindSpore side runs in
+tests/integration/test_mindspore.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from ftrun.snapshots.format import HEADER_SIZE, copy_arrays, lay_out, load_array
 from ftrun.snapshots.plan import MEMORY, RestorePlan, RestoreSource
 from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_own, own_steps
 from tests.conftest import ROOT
+from tests.integration.test_mindspore import mindspore_python
 
 
 def parameters() -> collections.OrderedDict:
@@ -98,3 +102,43 @@ def test_the_mindspore_library_imports_no_torch_and_nothing_of_the_launcher():
     assert not [name for name in loaded if name.split(".")[0] in ("torch", "numpy", "mindspore", "yaml", "psutil")]
     assert not [name for name in loaded if name.split(".")[:2] in (["ftrun", "elastic"], ["ftrun", "agent"],
                                                                    ["ftrun", "controller"], ["ftrun", "config"])]
+
+
+#: a tiny Model.train (3 batches a epoch, 2 epochs) with job.callback(), recording restore() and commit() calls
+MODEL_TRAIN = textwrap.dedent("""
+    import json
+    import numpy as np
+    from mindspore import nn
+    from mindspore.dataset import NumpySlicesDataset
+    from mindspore.train import Model
+    import ftrun.mindspore_elastic
+
+    net = nn.Dense(2, 1)
+    job = ftrun.mindspore_elastic.init()
+    job.register(network=net)
+    calls = []
+    restore, commit = job.restore, job.commit
+    job.restore = lambda start=0: calls.append(["restore", job.step]) or restore(start)
+    job.commit = lambda: calls.append(["commit", job.step]) or commit()
+    data = NumpySlicesDataset({"x": np.ones((6, 2), np.float32), "y": np.zeros((6, 1), np.float32)},
+                              shuffle=False).batch(2)
+    model = Model(net, nn.MSELoss(), nn.SGD(net.trainable_params(), 0.1))
+    model.train(2, data, callbacks=[job.callback()], dataset_sink_mode=False)
+    print(json.dumps({"step": job.step, "calls": calls}))
+""")
+
+
+def test_the_model_train_callback_restores_at_train_begin_and_commits_every_step():
+    """Outside ftrun (no FTRUN_* variables) nothing is restored or snapshotted: the callback's calls and the
+    step count are what Model.train drives. About 7 s, most of it importing mindspore."""
+    python = mindspore_python()
+    if not python:
+        pytest.skip("mindspore is not installed for any python here: scripts/test.sh makes .msvenv "
+                    "(mindspore==2.10.0, numpy<2), or set FTRUN_TEST_MINDSPORE_PYTHON")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "MS_", "RANK_"))}
+    done = subprocess.run([python, "-c", MODEL_TRAIN], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["calls"] == [["restore", 0]] + [["commit", step] for step in range(6)]
+    assert result["step"] == 6
