@@ -42,6 +42,9 @@ BIND_CORE_MODE = "exclusive"
 BIND_NUMA_MODE = "node"
 #: --numa-binding modes that keep a worker on its device's NUMA node, so they satisfy --bind_numa True too
 WITHIN_NUMA_NODE = ("node", "exclusive", "core-complex")
+#: what msrun's flags with --log_dir copy into the log files, unless --tee or --redirects says otherwise: both
+#: streams of every worker, as msrun writes each worker's log there (and the console shows it too)
+MSRUN_STREAMS = "3"
 #: --tail_worker_log's default: every worker's output reaches the console
 TAIL_EVERY_WORKER = "-1"
 #: msrun's flags ftrun cannot honour: why, and what to do instead
@@ -83,10 +86,14 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         _bind_numa(values, given)
     if "tail_worker_log" in given:
         notes += _tail_worker_log(values, given)
+    if _text(values, "log_dir") and not {"tee", "redirects"} & given:
+        # msrun writes every worker's output into LOG_DIR as well as to the console (--join)
+        values["tee"] = MSRUN_STREAMS
+        given.add("tee")
     if _text(values, "worker_log_name"):
         notes.append(f"--worker_log_name {values['worker_log_name']}: ftrun names the log files itself, one folder "
-                     "per node and per restart (LOG_DIR/RUN_ID/node<N>/attempt_<G>/<RANK>/stdout.log with --tee "
-                     "or --redirects), so nodes sharing LOG_DIR need no {ip} or {hostname} to tell them apart")
+                     "per node and per restart (LOG_DIR/RUN_ID/node<N>/attempt_<G>/<RANK>/stdout.log), so nodes "
+                     "sharing LOG_DIR need no {ip} or {hostname} to tell them apart")
     values["given"] = frozenset(given | {"framework"})
     return values, notes
 

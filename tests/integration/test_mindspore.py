@@ -79,7 +79,7 @@ def check_results(launcher, size: int, restart: str) -> dict[int, dict]:
 def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_level(launcher, python):
     port = free_port()
     msrun_flags = ["--worker_num=4", "--local_worker_num=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-                   "--join=True", "--cluster_time_out=60"]
+                   "--join=True", "--cluster_time_out=60", f"--log_dir={launcher.tmp / 'logs'}"]
     env = launcher.env(STEPS=str(STEPS), FAULT="3:4:sigkill", FAULT_RESTARTS="0")
     for _ in range(2):
         launcher.start([*msrun_flags, "--run-id", launcher.mark, "--python", python, "--max-restarts", "2",
@@ -92,7 +92,10 @@ def test_msrun_s_command_line_on_two_nodes_restarts_a_sigkilled_worker_at_job_le
     assert "rank 3 failed: killed by SIGKILL" in output
     assert "MindSpore scheduler of generation 1" in output
     assert "job succeeded" in output and "1 of 2 restarts used" in output
-
+    # as msrun does with --log_dir, every worker's output is in a file there too (per node and restart)
+    logs = sorted(str(p.relative_to(launcher.tmp / "logs")) for p in (launcher.tmp / "logs").rglob("stdout.log"))
+    schedulers = [log for log in logs if "/scheduler/" in log]
+    assert len(logs) == 10 and len(schedulers) == 2, logs  # 4 ranks and a scheduler, 2 generations
 
 def test_the_scheduler_killed_restarts_it_and_every_worker_on_a_fresh_port(launcher, python):
     out = launcher.out_dir

@@ -271,6 +271,15 @@ def test_worker_log_name_is_accepted_with_a_note_on_where_the_logs_go():
     assert "node<N>/attempt_<G>/<RANK>/stdout.log" in notes[0]
 
 
+def test_msrun_s_log_dir_writes_every_worker_s_output_there_as_msrun_does():
+    values, _ = msrun.translate(parsed(["--worker_num=2", "--local_worker_num=2", "--log_dir=logs", "train.py"]))
+    assert values["tee"] == "3"  # both streams copied to the files, and still on the console
+    values, _ = msrun.translate(parsed(["--worker_num=2", "--local_worker_num=2", "--log_dir=logs", "--redirects", "1", "train.py"]))
+    assert values.get("tee") != "3"  # the user's own choice stands
+    values, _ = msrun.translate(parsed(["--worker_num=2", "--local_worker_num=2", "train.py"]))
+    assert values.get("tee") != "3"  # no log folder, no files
+
+
 def test_msrun_s_empty_defaults_ask_for_nothing():
     """Launch scripts pass their variables through: --rank_table_file "" and --sim_rank_id -1 are msrun's
     defaults, not a request."""
