@@ -13,6 +13,7 @@ import threading
 import time
 
 from rich.text import Text
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -225,6 +226,29 @@ class TopApp(App):
         box.display = True
         box.value = self.wanted
         box.focus()
+
+    def _filtering(self) -> bool:
+        """The filter box is open: what is typed goes into it, even before it has the focus."""
+        try:
+            return bool(self.query_one("#filter", Input).display)
+        except NoMatches:
+            return False
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # the focus moves to the box a moment after "/": letters typed right behind it reach the table first,
+        # and an "r" there would open the restart dialog
+        return action in ("filter", "clear_filter") or not self._filtering()
+
+    def on_key(self, event: events.Key) -> None:
+        box = self.query_one("#filter", Input)
+        if not self._filtering() or box.has_focus:
+            return
+        if event.key == "enter":
+            self._close_filter()
+            event.stop()
+        elif event.is_printable and event.character:
+            box.insert_text_at_cursor(event.character)
+            event.stop()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.wanted = event.value

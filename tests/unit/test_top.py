@@ -225,6 +225,28 @@ def test_app_event_log_with_a_filter_and_help():
     assert "leave the view (the job goes on)" in drive(source, "question_mark")
 
 
+def test_app_filter_takes_what_is_typed_right_behind_the_slash():
+    """A fast typist's letters arrive before the box has the focus: they go into it, and none of them (the
+    "r" here) acts on the table."""
+    pytest.importorskip("textual")
+    from textual.widgets import Input
+
+    from ftrun.top.app import TopApp
+
+    async def run() -> tuple[str, bool, str]:
+        source = FakeSource(True)
+        app = TopApp(source)  # type: ignore[arg-type]
+        async with app.run_test(size=(120, 40)) as pilot:
+            await press_each(pilot, ["e"])
+            for key in ("slash", "r", "e", "p", "enter"):  # no pause between them
+                app.simulate_key(key)
+            await pilot.pause()
+            box = app.query_one("#filter", Input)
+            return box.value, bool(box.display), type(app.screen).__name__ + repr(source.asked)
+
+    assert asyncio.run(run()) == ("rep", False, "Screen[]")
+
+
 # --- the same view on the controller's own terminal ------------------------------------------------------------
 
 def drive_controller_view(source: FakeSource, *keys: str, close_lifeline: bool = False) -> tuple[int | None, str]:
