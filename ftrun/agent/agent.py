@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import psutil
 
@@ -55,6 +56,7 @@ from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_st
 from ftrun.top.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
 #: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
 ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
@@ -436,61 +438,70 @@ class Agent:
 
     # -- the supervision loop: observe, report, execute ----------------------------------------
 
+    def _following(self, turns: Callable[[], T]) -> T | tuple[int, str]:
+        """``turns()``; when it loses the control store under etcd, find the controller (or become it) and
+        run it again there, as often as the controller moves: a loop, not a call deeper each time."""
+        while True:
+            try:
+                return turns()
+            except StoreUnavailable as e:
+                if self.etcd is None:
+                    return ExitCode.JOB_FAILED, f"lost the controller: {e}"
+                ended = self._follow(str(e))
+                if ended is not None:
+                    return ended
+
     def _stand_by(self, group: WorkerGroup) -> tuple[int, str] | None:
         """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
         Returns how the job ended, when it ended first."""
+        return self._following(lambda: self._stand_by_turns(group))
+
+    def _stand_by_turns(self, group: WorkerGroup) -> tuple[int, str] | None:
         log.info("standing by as a spare node (the job has %d nodes)", self.placement.node_count)
         group.fill_standbys()
-        try:
-            while True:
-                now = time.monotonic()
-                self._publish_status(group)  # the spare's keepalive
-                self.protocol.observe([], now)  # the controller's keepalive, and the commands published
-                if self.interrupts.requested:
-                    return self.interrupts.exit_code, "interrupted while standing by as a spare"
-                for command in self.protocol.commands():
-                    if command.kind is CommandKind.EXIT:
-                        self.store.add(self.keys.spares_left)  # the store's host may go now
-                        return command.exit_code, command.reason
-                    if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
-                        # the controller published the layout with this agent in it before the command
-                        self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
-                        self.protocol.node_rank = command.node_rank
-                        self._refresh_layout(command.layout)
-                        log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
-                        return None
-                select.select([self._wakeup], [], [], AGENT_HEARTBEAT_INTERVAL)
-                self._wakeup.drain()
-        except StoreUnavailable as e:
-            if self.etcd is None:
-                return ExitCode.JOB_FAILED, f"lost the controller: {e}"
-            return self._follow(str(e)) or self._stand_by(group)
+        while True:
+            now = time.monotonic()
+            self._publish_status(group)  # the spare's keepalive
+            self.protocol.observe([], now)  # the controller's keepalive, and the commands published
+            if self.interrupts.requested:
+                return self.interrupts.exit_code, "interrupted while standing by as a spare"
+            for command in self.protocol.commands():
+                if command.kind is CommandKind.EXIT:
+                    self.store.add(self.keys.spares_left)  # the store's host may go now
+                    return command.exit_code, command.reason
+                if command.kind is CommandKind.TAKEOVER and command.agent_id == self.agent_id:
+                    # the controller published the layout with this agent in it before the command
+                    self.slot = dataclasses.replace(self.slot, node_rank=command.node_rank)
+                    self.protocol.node_rank = command.node_rank
+                    self._refresh_layout(command.layout)
+                    log.warning("taking the place of node %d: %s", command.node_rank, command.reason)
+                    return None
+            select.select([self._wakeup], [], [], AGENT_HEARTBEAT_INTERVAL)
+            self._wakeup.drain()
 
     def _supervise(self, group: WorkerGroup) -> tuple[int, str]:
         """The supervision loop: tend the node, report what its ranks did, carry out the controller's
         commands, wait; until a command ends it (or an interrupt that the controller does not answer)."""
+        return self._following(lambda: self._supervise_turns(group))
+
+    def _supervise_turns(self, group: WorkerGroup) -> tuple[int, str]:
         loop = self._supervision = Supervision()
         self._group = group
-        try:
-            while True:
-                if self.controller is not None and self.controller.stepped_down.is_set():
-                    raise StoreUnavailable("this agent's controller stepped down: another agent leads now")
-                now = time.monotonic()
-                self._tend(group, now)
-                if loop.interrupted_at is not None and now - loop.interrupted_at > INTERRUPT_GRACE:
-                    return self.interrupts.exit_code, "interrupted; the controller did not answer"
-                self._report_ended(group, now)
-                for command in self.protocol.commands():
-                    loop.answer_due = 0.0
-                    ended = self._carry_out[command.kind](group, command)
-                    if ended is not None:
-                        return ended
-                answer_soon = time.monotonic() < loop.answer_due
-                group.wait(ANSWER_TICK if answer_soon else self.config.monitor_interval, self._wakeup)
-        except StoreUnavailable as e:
-            if self.etcd is None:
-                return ExitCode.JOB_FAILED, f"lost the controller: {e}"
-            return self._follow(str(e)) or self._supervise(group)
+        while True:
+            if self.controller is not None and self.controller.stepped_down.is_set():
+                raise StoreUnavailable("this agent's controller stepped down: another agent leads now")
+            now = time.monotonic()
+            self._tend(group, now)
+            if loop.interrupted_at is not None and now - loop.interrupted_at > INTERRUPT_GRACE:
+                return self.interrupts.exit_code, "interrupted; the controller did not answer"
+            self._report_ended(group, now)
+            for command in self.protocol.commands():
+                loop.answer_due = 0.0
+                ended = self._carry_out[command.kind](group, command)
+                if ended is not None:
+                    return ended
+            answer_soon = time.monotonic() < loop.answer_due
+            group.wait(ANSWER_TICK if answer_soon else self.config.monitor_interval, self._wakeup)
 
     def _tend(self, group: WorkerGroup, now: float) -> None:
         """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm
