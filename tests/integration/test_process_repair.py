@@ -1,4 +1,11 @@
-"""Process-level recovery on 2 simulated nodes x 2 ranks: only failed ranks are replaced."""
+"""Process-level recovery on 2 simulated nodes x 2 ranks: only failed ranks are replaced.
+
+Rank 0's replacement is checked with a BatchNorm in the model too: ElasticDDP hands every rank the group's
+first rank's buffers at the end of each backward pass, so a replacement rank 0 receives rank 0's buffers
+from whichever healthy rank sends the state, and the healthy ranks put back what the forward of the lost
+step did to theirs; every rank's parameters, buffers and optimizer state end bit-identical to a fault-free
+run's.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +18,39 @@ from tests.conftest import WORKERS, Launcher
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
 STEPS = 10
+#: a test that replaces one rank per node, once, needs one warm standby per node, not the default one per
+#: rank (each standby imports torch while the job starts); the others keep the default
+ONE_STANDBY = ("--warm-standby", "1")
 
 
-def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: int = 60, flags=(), **env):
+def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: int = 60, flags=(), nodes: int = 2,
+        **env):
+    """The job's 4 ranks on 2 nodes, or on 1 (``nodes``)."""
     env = launcher.env(STEPS=str(STEPS), **env)
     flags = ["--recovery", "process", "--max-restarts", str(max_restarts), "--repair-timeout", str(repair_timeout),
              *flags]
-    launcher.start_job(2, 2, [script], flags=flags, env=env)
+    launcher.start_job(nodes, 4 // nodes, [script], flags=flags, env=env)
     return launcher.wait()
+
+
+def fault_free_run(tmp_path_factory, name: str, **env) -> dict[int, dict]:
+    """Every rank's result of the job run without a fault."""
+    runner = Launcher(tmp_path_factory.mktemp(name), name)
+    # one agent, no step sleep, no warm standby: the reference depends on none of them, and the run starts faster
+    assert run(runner, flags=("--warm-standby", "0"), nodes=1, STEP_SLEEP="0", **env) == [0], runner.output()
+    results = runner.results()
+    assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {STEPS}
+    return results
 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    runner = Launcher(tmp_path_factory.mktemp("elastic-fault-free"), "elastic-fault-free")
-    # no step sleep, no warm standby: the reference checksum depends on neither, and the run starts faster
-    assert run(runner, flags=("--warm-standby", "0"), STEP_SLEEP="0") == [0, 0], runner.output()
-    results = runner.results()
-    assert sorted(results) == [0, 1, 2, 3]
-    return results[0]["checksum"]
+    return fault_free_run(tmp_path_factory, "elastic-fault-free")[0]["checksum"]
+
+
+@pytest.fixture(scope="module")
+def fault_free_batchnorm(tmp_path_factory) -> dict[int, dict]:
+    return fault_free_run(tmp_path_factory, "batchnorm-fault-free", BATCHNORM="1")
 
 
 def start_pids(launcher) -> dict[int, list[int]]:
@@ -60,20 +82,28 @@ def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max
 
 @pytest.mark.parametrize("kind", ["sigkill", "exit1"])
 def test_one_failed_rank_is_replaced_while_the_others_live_on(launcher, fault_free, kind):
-    assert run(launcher, FAULT=f"1:4:{kind}") == [0, 0], launcher.output()
+    assert run(launcher, flags=ONE_STANDBY, FAULT=f"1:4:{kind}") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={1}, restarts=1)
 
 
 def test_two_ranks_failing_at_once_cost_one_repair(launcher, fault_free):
     # the long step 3 leaves time for both ranks to finish its all-reduce before either fails (the other
     # steps need no such margin: SLOW_STEPS)
-    assert run(launcher, FAULT="1:4:sigkill,2:4:exit1", STEP_SLEEP="0.5", SLOW_STEPS="3") == [0, 0], launcher.output()
+    # (ranks 1 and 2 are on different nodes: one standby each)
+    codes = run(launcher, flags=ONE_STANDBY, FAULT="1:4:sigkill,2:4:exit1", STEP_SLEEP="0.5", SLOW_STEPS="3")
+    assert codes == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={1, 2}, restarts=1)
 
 
-def test_rank_zero_on_the_controller_node_is_replaced_too(launcher, fault_free):
-    assert run(launcher, FAULT="0:3:sigkill") == [0, 0], launcher.output()
-    assert_repaired(launcher, fault_free, replaced={0}, restarts=1)
+def test_rank_zero_on_the_controller_node_is_replaced_too_and_every_ranks_buffers_end_bit_identical(
+        launcher, fault_free_batchnorm):
+    # rank 0 dies as step 4 begins, after the buffers of step 3 were broadcast from it; rank 1 (the
+    # lowest healthy rank) sends the replacement its state
+    assert run(launcher, flags=ONE_STANDBY, BATCHNORM="1", FAULT="0:4:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free_batchnorm[0]["checksum"], replaced={0}, restarts=1)
+    for rank, result in sorted(launcher.results().items()):
+        assert result["digest"] == fault_free_batchnorm[rank]["digest"], (
+            f"rank {rank}: parameters, buffers or optimizer state differ from the fault-free run's")
 
 
 def test_fault_during_the_repair_is_absorbed(launcher, fault_free):
