@@ -40,7 +40,9 @@ def test_forged_messages_are_ignored_and_logged_and_the_job_is_unaffected(launch
     port = free_port()
     env = launcher.env(STEPS=str(STEPS), STEP_SLEEP="0.1")
     for node in (0, 1):
-        start(launcher, port, token, node, "--recovery", "process", "--max-restarts", "1", env=env)
+        # no rank is replaced (asserted below): no warm standby to start
+        start(launcher, port, token, node, "--recovery", "process", "--max-restarts", "1", "--warm-standby", "0",
+              env=env)
     progress = launcher.out_dir / "progress-rank3"
     wait_for(lambda: progress.exists() and int(progress.read_text() or 0) >= 3, 120, "training to begin")
 

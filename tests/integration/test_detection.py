@@ -62,7 +62,8 @@ def wait_for_step(launcher: Launcher, rank: int, step: int) -> None:
 
 
 def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str, ...] = ()) -> list:
-    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", *flags]
+    # each repair here replaces one rank of the node: one warm standby serves it
+    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", "--warm-standby", "1", *flags]
     return launcher.start_job(nnodes, 2, [ELASTIC], flags=common, env=env)
 
 
@@ -189,7 +190,7 @@ def test_explicit_device_kind_with_too_few_devices_stops_the_job_with_exit_4(lau
 
 def test_sigstopped_rank_is_detected_dumped_killed_and_recovered(launcher):
     env = launcher.env(STEPS="12", STEP_SLEEP="0.05")
-    flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3"]
+    flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3", "--warm-standby", "1"]
     launcher.start_job(2, 2, [ELASTIC], flags=flags, env=dict(env, FAULT="3:4:sigstop"))
     assert launcher.wait() == [0, 0], launcher.output()
     results = launcher.results()
