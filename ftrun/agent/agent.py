@@ -268,7 +268,8 @@ class Agent:
         if self.config.framework != "mindspore":
             return None
         folder = RelayFolder(os.path.join(self._table_dir, f"relay-node{self.slot.node_rank}"))
-        return FolderRelay(lambda: self.store, self.keys, folder, lambda: self.layout.world_size)
+        return FolderRelay(lambda: self.store, self.keys, folder, lambda: self.layout.world_size,
+                           repairs=self.config.recovery == "process")
 
     def _preflight(self) -> str:
         """This node's device problems before training, or "" (the rendezvous fails the job on any)."""

@@ -6,6 +6,9 @@ says why files). Each tick of the agent's supervision loop:
 
 * a rank's committed step that moved (its ``progress`` file) goes where a torch rank's heartbeat puts
   it, for the status view and the job's summary;
+
+and at process level (on Ascend) only, where the ranks take part in a repair:
+
 * the newest generation announced (one store read) goes into the folder's ``target`` file when it moved;
 * every milestone file the ranks left is counted in the store, as a torch rank counts itself, then
   deleted; the relay that counts the last rank to arrive in a generation marks its groups ready, as the
@@ -29,16 +32,20 @@ log = logging.getLogger(__name__)
 
 
 class FolderRelay:
-    """Carries one node's MindSpore ranks' side of every repair between ``folder`` and the control store."""
+    """Carries one node's MindSpore ranks' progress, and their side of every repair, between ``folder``
+    and the control store."""
 
     def __init__(self, store: Callable[[], ControlStore], keys: JobKeys, folder: RelayFolder,
-                 world_size: Callable[[], int]):
+                 world_size: Callable[[], int], repairs: bool = True):
         #: the agent's control store now: under etcd it is another one once the controller moved
         self._store = store
         self.keys = keys
         self.folder = folder
         #: the job's world size now (the layout may change at a job-level restart)
         self.world_size = world_size
+        #: the ranks take part in process-level repairs: without, a job-level job's agents read nothing
+        #: of them from the store (a read every tick of every node's agent)
+        self.repairs = repairs
         #: each rank's progress file as last relayed (its mtime)
         self._progress_seen: dict[int, int] = {}
         #: the newest generation written to the folder (0: none)
@@ -53,6 +60,8 @@ class FolderRelay:
 
     def tick(self) -> None:
         self._relay_progress()
+        if not self.repairs:
+            return
         self._relay_target()
         self._count_reports()
         self._relay_ready()
