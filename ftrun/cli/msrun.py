@@ -131,12 +131,14 @@ def _refuse(values: dict[str, Any], given: set[str]) -> None:
         # process compiling without devices has no cluster to form and no fault to recover from.
         level = values.get("sim_level") if "sim_level" in given else "LEVEL"
         size = values.get("worker_num") if "worker_num" in given else MSRUN_WORKER_NUM
-        rank = values.get("sim_rank_id") if "sim_rank_id" in given else 0
+        one = _text(values, "sim_rank_id") not in ("", "-1")
+        rank = values.get("sim_rank_id") if one else 0
         script = shlex.join(["python", str(values.get("script") or "SCRIPT"), *(values.get("script_args") or ())])
         flag = "--sim_level" if "sim_level" in given else "--sim_rank_id"
-        raise UsageError(f"{flag} is msrun's dry run, one process compiling without devices, with no cluster to "
-                         f"launch or recover: run it without a launcher, MS_SIMULATION_LEVEL={level} "
-                         f"RANK_SIZE={size} RANK_ID={rank} {script}")
+        every = "" if one else f" (msrun dry-runs every rank so: RANK_ID 0 to {int(size) - 1})"
+        raise UsageError(f"{flag} is msrun's dry run, compiling without devices, with no cluster to launch or "
+                         f"recover: run it without a launcher, MS_SIMULATION_LEVEL={level} RANK_SIZE={size} "
+                         f"RANK_ID={rank} {script}{every}")
 
 
 def _bind_core(values: dict[str, Any], given: set[str]) -> None:

@@ -289,8 +289,8 @@ def test_msrun_s_empty_defaults_ask_for_nothing():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--rank_table_file", "hccl.json"], "--rank_table_file: ftrun writes the HCCL rank table itself"),
-    (["--sim-level", "2"], "MS_SIMULATION_LEVEL=2 RANK_SIZE=8 RANK_ID=0 python"),
+    (["--rank_table_file", "hccl.json"], ("--rank_table_file: ftrun writes the HCCL rank table itself",)),
+    (["--sim-level", "2"], ("MS_SIMULATION_LEVEL=2 RANK_SIZE=8 RANK_ID=0 python", "every rank so: RANK_ID 0 to 7)")),
 ], ids=["rank-table", "sim-level"])
 def test_a_refused_msrun_flag_is_one_line_and_exit_code_2(argv, words, tmp_path, monkeypatch, capsys):
     import logging
@@ -305,7 +305,7 @@ def test_a_refused_msrun_flag_is_one_line_and_exit_code_2(argv, words, tmp_path,
         main([*argv, str(tmp_path / "train.py")])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert leaving.value.code == 2
-    assert len(lines) == 1 and lines[0].startswith("ftrun: error: ") and words in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error: ") and all(w in lines[0] for w in words)
 
 
 def test_the_scheduler_s_failure_is_named_as_such():
