@@ -40,8 +40,9 @@ checks=0
 .venv/bin/mypy || checks=1
 # Two test processes, each taking whole files (a module's reference run is made once): most of the
 # suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one.
+# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores.
 code=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" || code=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=20 "$@" || code=$?
 [ -z "$installer" ] || wait "$installer" || true  # never left running
 [ "$code" = 0 ] || exit "$code"
 [ "$checks" = 0 ] || { echo "ruff or mypy found problems (above)"; exit 1; }
