@@ -603,7 +603,9 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")
     recovery = choice(raw.get("recovery") or DEFAULTS.recovery, RECOVERY_LEVELS, "--recovery")
     framework = framework_of(raw, check_script)
-    if framework == "mindspore" and recovery == "process" and not mindspore_repairs_in_place(raw):
+    devices = device_options(raw)
+    if framework == "mindspore" and recovery == "process" and not mindspore_repairs_in_place(devices["device"],
+                                                                                           devices["npu_smi"]):
         recovery = "job"  # off Ascend MindSpore cannot re-form its communication in a process (the CLI says so)
     if raw.get("rdzv_timeout") is not None:  # 0 is a bad timeout, not "the default"
         rdzv_timeout = positive_seconds(raw["rdzv_timeout"], "--rdzv-timeout")
@@ -662,18 +664,17 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""),
         framework=framework,
         cluster_timeout=_cluster_timeout(raw.get("cluster_timeout")),
-        **device_options(raw),
+        **devices,
     )
 
 
-def mindspore_repairs_in_place(raw: Mapping[str, Any]) -> bool:
+def mindspore_repairs_in_place(kind: str, npu_smi: str) -> bool:
     """Whether a MindSpore job's devices are Ascend NPUs (--device npu, or npu-smi found by --device auto):
     only there does MindSpore stop, clean and rebuild its communication in a running process
     (docs/mindspore.md shows the CPU build failing to)."""
-    kind = choice(raw.get("device") or DEFAULTS.device, DEVICE_KINDS, "--device")
     if kind != "auto":
         return kind == "npu"
-    return detect_kind(DeviceOptions(npu_smi=str(raw.get("npu_smi") or DEFAULTS.npu_smi))) == "npu"
+    return detect_kind(DeviceOptions(npu_smi=npu_smi)) == "npu"
 
 
 def framework_of(raw: Mapping[str, Any], check_script: bool = True) -> str:

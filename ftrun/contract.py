@@ -142,20 +142,25 @@ class RelayFolder:
         """A rank's committed step."""
         return os.path.join(self.path, f"progress.r{rank}")
 
-    def ranks_with_progress(self) -> list[int]:
-        """The ranks that wrote their progress."""
-        names = (name.split(".") for name in os.listdir(self.path))
-        return sorted(int(parts[1][1:]) for parts in names
+    def names(self) -> list[str]:
+        """What the folder holds now (one listing, which a reader may parse in several ways)."""
+        return os.listdir(self.path)
+
+    def ranks_with_progress(self, names: list[str] | None = None) -> list[int]:
+        """The ranks that wrote their progress (among ``names``, the folder's listing, by default read now)."""
+        split = (name.split(".") for name in (self.names() if names is None else names))
+        return sorted(int(parts[1][1:]) for parts in split
                       if len(parts) == 2 and parts[0] == "progress" and parts[1][1:].isdigit())
 
     def reached(self, generation: int, rank: int, what: str) -> str:
         """A rank's file for ``what`` (a Milestone's value, or FAILURE) in ``generation``."""
         return os.path.join(self.path, f"g{generation}.r{rank}.{what}")
 
-    def reports(self) -> list[tuple[str, int, int, str]]:
-        """The ranks' files waiting to be counted, oldest generation first: (path, generation, rank, what)."""
+    def reports(self, names: list[str] | None = None) -> list[tuple[str, int, int, str]]:
+        """The ranks' files waiting to be counted, oldest generation first: (path, generation, rank, what)
+        (among ``names``, the folder's listing, by default read now)."""
         found = []
-        for name in os.listdir(self.path):
+        for name in self.names() if names is None else names:
             parts = name.split(".")
             if len(parts) == 3 and parts[0][:1] == "g" and parts[1][:1] == "r":
                 try:

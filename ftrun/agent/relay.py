@@ -29,6 +29,8 @@ from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.store import ControlStore
 
 log = logging.getLogger(__name__)
+#: what a rank's milestone file may be called after
+MILESTONES = frozenset(m.value for m in Milestone)
 
 
 class FolderRelay:
@@ -59,15 +61,16 @@ class FolderRelay:
         return self._store()
 
     def tick(self) -> None:
-        self._relay_progress()
+        names = self.folder.names()  # one listing a tick, for the progress and the reports alike
+        self._relay_progress(names)
         if not self.repairs:
             return
         self._relay_target()
-        self._count_reports()
+        self._count_reports(names)
         self._relay_ready()
 
-    def _relay_progress(self) -> None:
-        for rank in self.folder.ranks_with_progress():
+    def _relay_progress(self, names: list[str]) -> None:
+        for rank in self.folder.ranks_with_progress(names):
             path = self.folder.progress(rank)
             try:
                 changed = os.stat(path).st_mtime_ns
@@ -86,11 +89,11 @@ class FolderRelay:
             self.folder.write(self.folder.target, str(target))
             self.target = target
 
-    def _count_reports(self) -> None:
-        for path, generation, rank, what in self.folder.reports():
+    def _count_reports(self, names: list[str]) -> None:
+        for path, generation, rank, what in self.folder.reports(names):
             if what == RelayFolder.FAILURE:
                 self.store.set_text(self.keys.rollback_failure(generation), self.folder.read(path))
-            elif what in {m.value for m in Milestone}:
+            elif what in MILESTONES:
                 reached = self.store.add(self.keys.milestone(generation, what))
                 if what == Milestone.ARRIVED.value and reached >= self.world_size():
                     self.store.set_text(self.keys.group_ready(generation), GROUP_READY)
