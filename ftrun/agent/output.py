@@ -1,4 +1,9 @@
-"""Worker output: to the console (prefixed when teed), to per-rank files, and a tail for the summary."""
+"""Worker output: to the console (prefixed when teed), to per-rank files, and a tail for the summary.
+
+The files get every line. On the console and in the tail a C++ stack trace of torch's is left out (one line
+on the console says so, and which file has it): after a lost store or a cut gloo link each rank prints one
+of 20 to 30 lines, which buried the Python exception that says what failed.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import sys
 import threading
 from typing import IO
 
+from ftrun.faults.process import is_cpp_trace_line
 from ftrun.folders import private_dirs
 
 STDOUT, STDERR = 1, 2
@@ -39,7 +45,13 @@ class StreamPump:
         #: only lines that start with this reach the console (all of them reach the file)
         self._console_only = console_only
         self._file = open(file_path, "wb") if file_path else None
+        #: the last lines, less C++ stack traces: the summary's "last stderr lines" and the exit's evidence
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: what the console shows for a C++ stack trace: said at its first line, when it happens (a rank
+        #: that survives the error may print nothing more for a while)
+        where = f"; it is in {file_path}" if file_path else ""
+        self._trace_note = prefix + f"(C++ stack trace left out{where})\n".encode()
+        self._in_trace = False
         #: lines seen so far: output is a sign of life for the hang check
         self.lines = 0
         #: while a list, every line is also appended to it (a stack dump being read back)
@@ -51,7 +63,9 @@ class StreamPump:
         try:
             for line in iter(self._pipe.readline, b""):
                 text = line.decode("utf-8", "replace").rstrip("\n")
-                self.tail.append(text)
+                trace = is_cpp_trace_line(text)
+                if not trace:
+                    self.tail.append(text)
                 if self.recent is not None:
                     self.recent.append(text[:RECENT_WIDTH])
                 if self.capture is not None:
@@ -62,10 +76,11 @@ class StreamPump:
                     self._file.flush()
                 if self._filtered is not None:
                     self._filtered.offer(self._file_prefix + line)
-                if self._console is not None and line.startswith(self._console_only):
+                if self._console is not None and line.startswith(self._console_only) and not (trace and self._in_trace):
                     with _console_lock:
-                        self._console.write(self._prefix + line)
+                        self._console.write(self._trace_note if trace else self._prefix + line)
                         self._console.flush()
+                self._in_trace = trace
         except (OSError, ValueError):
             pass  # the console or file went away; the worker's exit still gets reported
         finally:

@@ -4,6 +4,7 @@
 exit status, the last lines of its stderr, the exception it recorded, whether
 the kernel's OOM killer took it, whether it hung) and names one cause, in this
 order: hang, device error, OOM, Python exception, signal, exit code.
+:func:`is_cpp_trace_line` names the lines of torch's C++ stack traces, which are no evidence.
 :class:`OomWatch` finds the OOM evidence in the agent's cgroup (or dmesg).
 """
 
@@ -32,6 +33,17 @@ MESSAGE_LIMIT = 200
 
 # torch.distributed prefixes every line of an uncaught exception with the rank ("[rank0]: ")
 _RANK_PREFIX = re.compile(r"^\[(?:rank)?\d+\]:\s?")
+# c10's errors (TCPStore, gloo, NCCL) carry the C++ stack trace of where they were raised, and torch's C++
+# logging prints it whole: a TCPStore client whose server was killed (torch 2.13) logs a warning, then
+#   Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent call first):
+#   frame #0: c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<...>) + 0x9d (0x7f34b4d94b8d in .../libc10.so)
+#   <omitting python frames>
+# and 20 more frames. With TORCH_SHOW_CPP_STACKTRACES=1 the Python exception carries one too, symbolized:
+#   C++ CapturedTraceback:
+#   #12 c10d::TCPStore::get(std::__cxx11::basic_string<...> const&) from ??:0
+_CPP_TRACE_LINE = re.compile(
+    r"Exception raised from .+ \(most recent call first\):|frame #\d+: .*|<omitting python frames>"
+    r"|C\+\+ CapturedTraceback:|#\d+ .+ from \S+:\d+")
 _EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::\s?(?P<message>.*))?$")
 # without its Traceback header a line must look unmistakably like an exception to count
 _BARE_EXCEPTION_LINE = re.compile(
@@ -93,6 +105,15 @@ def classify_exit(
     if returncode is not None and returncode < 0:
         return ProcessFault("signal", ended)
     return ProcessFault("exit", ended)
+
+
+def is_cpp_trace_line(line: str) -> bool:
+    """Whether ``line`` belongs to a C++ stack trace that torch prints with a c10 error (its header, a frame).
+
+    Such a trace says where in libtorch a failure surfaced, not why, and its 20 to 30 lines per error would
+    push the Python exception, which does say why, out of a rank's last lines.
+    """
+    return _CPP_TRACE_LINE.fullmatch(_RANK_PREFIX.sub("", line.rstrip())) is not None
 
 
 def exception_from_error(error: str) -> str:

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from ftrun.faults.levels import FaultLevel, load_fault_table
-from ftrun.faults.process import OomWatch, ProcessFault, classify_exit
+from ftrun.faults.process import OomWatch, ProcessFault, classify_exit, is_cpp_trace_line
 
 TABLE = load_fault_table()
 SIGKILL = -signal.SIGKILL
@@ -114,6 +114,44 @@ def test_classify_exit(case, args, expected):
 def test_long_exception_message_is_shortened():
     fault = classify_exit(1, (), "ValueError: " + "x" * 500, TABLE)
     assert len(fault.detail) == len("Python exception ValueError: ") + 200 and fault.detail.endswith("...")
+
+
+# -- C++ stack traces ----------------------------------------------------------------------------------
+# lines from torch 2.13's traces (tests/unit/test_worker_output.py has one whole): a TCPStore client whose
+# server was killed, then the same under init_process_group with TORCH_SHOW_CPP_STACKTRACES=1
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 "
+     "(most recent call first):", True),
+    ("frame #0: c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<char, std::char_traits<char>, "
+     "std::allocator<char> >) + 0x9d (0x7f34b4d94b8d in /venv/lib/python3.11/site-packages/torch/lib/libc10.so)", True),
+    ("frame #3: <unknown function> + 0x674888d (0x7f34a4f4888d in "
+     "/venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so)", True),
+    ("<omitting python frames>", True),
+    ("frame #21: _start + 0x21 (0x555e40429081 in /venv/bin/python)", True),
+    ("[rank1]: C++ CapturedTraceback:", True),
+    ("[rank1]: #5 c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<char, std::char_traits<char>, "
+     "std::allocator<char> >) from ??:0", True),
+    ("#16 cfunction_vectorcall_FASTCALL_KEYWORDS from /tmp/python-build/Python-3.11.7/Objects/methodobject.c:443", True),
+    ("#25 __libc_start_main from /lib/x86_64-linux-gnu/libc.so.6:160516", True),
+    ("[rank1]: Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 "
+     "(most recent call first):", True),
+    # what tells the user why, and look-alikes
+    ("[W1127 22:14:02.451523951 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=3): Failed to "
+     "recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?", False),
+    ("[rank1]: torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.", False),
+    ("[rank1]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+     "by peer [127.0.0.1]:22674.", False),
+    ("Traceback (most recent call last):", False),
+    ('  File "/tmp/trace/client.py", line 6, in <module>', False),
+    ("Thread 0x00007f3a (most recent call first):", False),  # faulthandler's dump of a hung rank
+    ("step 3: frame #12 decoded", False),
+    ("#1 best checkpoint so far", False),
+    ("", False),
+])
+def test_is_cpp_trace_line(line, expected):
+    assert is_cpp_trace_line(line) is expected
 
 
 # -- OomWatch ---------------------------------------------------------------------------------------
