@@ -109,6 +109,37 @@ class RollbackFailure:
             return None
 
 
+@dataclass(frozen=True)
+class CollectiveFailure:
+    """What a rank tells the controller the moment one of its collectives fails while its own process
+    lives (``JobKeys.collective_failure``): a link cut or reset, a timeout, a communicator error. With
+    no process dead the controller repairs in place (the online level, docs/recovery.md)."""
+
+    rank: int
+    #: the generation whose collective failed
+    generation: int
+    #: the error, in one line
+    error: str
+    #: when it failed (the rank's wall clock): the repair's detection is timed from it
+    at: float = 0.0
+
+    def describe(self) -> str:
+        return f"a collective of rank {self.rank} failed while every process lived ({self.error})"
+
+    def to_text(self) -> str:
+        # plain JSON, unsigned, as RollbackFailure: a rank without snapshots holds no token to sign with
+        return json.dumps({"rank": self.rank, "generation": self.generation, "error": self.error, "at": self.at})
+
+    @classmethod
+    def from_text(cls, text: str) -> "CollectiveFailure | None":
+        """None for a text that is not one."""
+        try:
+            data = json.loads(text)
+            return cls(int(data["rank"]), int(data["generation"]), str(data["error"])[:200], float(data.get("at", 0.0)))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
 class RelayFolder:
     """The files through which a rank that cannot read the control store (a MindSpore rank: its python
     has no torch, and the store is torch's ``TCPStore``) talks to the controller through its agent

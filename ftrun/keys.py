@@ -271,6 +271,12 @@ class JobKeys:
         state), set by the ranks that found it; the controller falls back to job level once it reads it."""
         return f"{self.generation(generation)}/rollback_failure"
 
+    def collective_failure(self, generation: int) -> str:
+        """The first CollectiveFailure of the generation (a rank's collective failed, its process alive),
+        set by the rank that saw it (one round trip; later ones leave the first in place); the controller
+        reads it once a tick while the generation runs."""
+        return f"{self.generation(generation)}/collective_failure"
+
     # ftrun top: what an operator asks of the job, and what the view reads beyond the status
     @property
     def operator_count(self) -> str:

@@ -351,7 +351,8 @@ class WorkerFailure:
     error: str = ""
     timestamp: float = 0.0
     generation: int = 0
-    #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.faults.process)
+    #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.faults.process),
+    #: or collective (a collective failed while the process lived: ``ftrun.contract.CollectiveFailure``)
     cause: str = ""
     #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")
     detail: str = ""
@@ -359,6 +360,8 @@ class WorkerFailure:
     level: str = ""
 
     def describe(self) -> str:
+        if self.cause == "collective":  # the process lived (the online level): no pid or exit code to give
+            return f"rank {self.rank} on node {self.node_rank} ({self.host}): a collective failed ({self.detail})"
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"
         who = f"rank {self.rank} (local rank {self.local_rank})" if self.rank >= 0 else "the MindSpore scheduler"
         text = f"{who} on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"

@@ -753,8 +753,11 @@ class Agent:
         if self._pending is not None and self._pending.command.kind is CommandKind.REPLACE:
             mine = sorted(set(mine) | set(self._pending.local_ranks))  # still waiting from the repair before
         if not mine:
-            log.info("generation %d: rank%s %s replaced on another node; this node's ranks stay and repair in place",
-                     command.generation, "s" if len(command.ranks) > 1 else "", ", ".join(map(str, command.ranks)))
+            if command.ranks:
+                log.info("generation %d: rank%s %s replaced on another node; this node's ranks stay and repair in place",
+                         command.generation, "s" if len(command.ranks) > 1 else "", ", ".join(map(str, command.ranks)))
+            else:
+                log.debug("generation %d: an online repair; every rank stays and repairs in place", command.generation)
             group.generation = command.generation
             self._rank_tables(command.generation)  # the new generation's table (a spare may hold a node now)
             return

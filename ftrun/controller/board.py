@@ -97,7 +97,7 @@ class StatusBoard:
             "elapsed": now - self.started,
             "generation": view.generation,
             "phase": view.phase.value,
-            "level": view.level.value if view.phase in REPAIR_PHASES else "",
+            "level": view.repair_level if view.phase in REPAIR_PHASES else "",
             "phase_for": now - phase_since,
             "recovery": view.recovery.value,
             "restarts_used": view.restarts_used,

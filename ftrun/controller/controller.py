@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from ftrun.contract import Milestone, RollbackFailure
+from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.journal import Journal, JournalWriter
 from ftrun.controller.leadership import Leadership, LeadershipLost
@@ -28,6 +28,7 @@ from ftrun.controller.policy import (
     JobView,
     Level,
     Phase,
+    on_collective_failed,
     on_library_ranks,
     on_milestone,
     on_node_joined,
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 #: tick is one read of the report counter, whatever the job's size
 BUSY_TICK = 0.01
 IDLE_TICK = 0.02
+#: how long a rank's failed collective is held before it counts as a fault of its own (the online level):
+#: a peer that died breaks the same collectives, and its agent, which sees the death at once (pidfds),
+#: reports it within this; the death then decides, and the failed collective was its echo
+ONLINE_GRACE = 0.25
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
 #: between two tries of a journal write while etcd has no quorum
@@ -137,6 +142,8 @@ class Controller:
         #: the agents' reports read so far, and the operator's requests (sequences)
         self._next_report = 0
         self._next_operator = 0
+        #: the generation whose failed collective is held for ONLINE_GRACE, and since when (monotonic)
+        self._collective_held: tuple[int, float] | None = None
         #: the world size of the last generation started (0 before the first)
         self._started_world = 0
         #: how each kind of command is made ready to publish (None: held back for now)
@@ -293,6 +300,7 @@ class Controller:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._keepalive(now)
             self._take_reports()
+            self._check_collectives(now)
             self._release_replacements()
             self._check_repair()
             if self.narrator.restarting is not None:
@@ -354,7 +362,7 @@ class Controller:
         ready = [command for command in (self._ready[c.kind](c, before) for c in commands) if command is not None]
         self._write_journal()  # before the commands: a successor goes on from here
         self.publisher.commands(ready)
-        if any(command.kind is CommandKind.REPLACE for command in ready):  # not held back
+        if any(command.kind is CommandKind.REPLACE and command.ranks for command in ready):  # not held back
             self._apply(on_replacements_started(self.view))
 
     # -- the journal (--rdzv-backend etcd) -----------------------------------------------------------
@@ -451,6 +459,8 @@ class Controller:
         command = dataclasses.replace(command, worker_store=self.worker_stores.address,
                                       previous_world_size=self._started_world, scheduler=self._scheduler)
         self.publisher.announce(command.generation, self.view.world_size)  # the healthy ranks leave their groups now
+        if not command.ranks:
+            return command  # the online level: nothing to start, the agents only move to the new generation
         if self.policy.gather_timeout <= 0:
             return command
         # The replacements start a moment later (the healthy ranks take longer to stop). If the reports
@@ -566,6 +576,27 @@ class Controller:
         # a forged one (None) does not count: its node is waited for still
         return view.generation, frozenset(node for (node, agent), ack in zip(waiting, acks)
                                           if ack is not None and ack.agent_id == agent)
+
+    def _check_collectives(self, now: float) -> None:
+        """A rank's collective failed in the running generation (or in an online repair's): once it was
+        held ONLINE_GRACE with no death reported meanwhile, the policy repairs in place. One read a tick,
+        only where process level is ready (else a rank's own wait for an announcement ends it)."""
+        view = self.view
+        watched = (view.phase is Phase.RUNNING and view.process_level_ready) or (
+            view.online and view.phase in REPAIR_PHASES)
+        if not watched:
+            return
+        said = self.store.try_text(self.keys.collective_failure(view.generation))
+        failure = CollectiveFailure.from_text(said) if said else None
+        if failure is None:
+            return
+        if self._collective_held is None or self._collective_held[0] != view.generation:
+            self._collective_held = (view.generation, now)
+            return
+        if now - self._collective_held[1] < ONLINE_GRACE:
+            return
+        slot = self.roster.holder_of_rank(failure.rank)
+        self._apply(on_collective_failed(view, failure, slot.node_rank if slot else -1, slot.host if slot else ""))
 
     def _check_library(self) -> None:
         """Whether every rank runs ftrun.elastic, and whether its layout allows process-level repair."""

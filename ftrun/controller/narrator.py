@@ -13,7 +13,7 @@ import logging
 from typing import Callable
 
 from ftrun.contract import Fallback, RollbackFailure
-from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.controller.policy import REPAIR_PHASES, JobView, Level, Phase
 from ftrun.errors import ExitCode
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, OperatorAction, OperatorRequest, RendezvousResult
@@ -137,12 +137,14 @@ class Narrator:
         for line in after.resized[len(before.resized) if before else 0:]:
             log.warning(line)
             self.events.emit("resized", after.generation, line, world_size=after.world_size)
-        if before is None or (before.phase, before.generation, before.level) == (after.phase, after.generation,
-                                                                                 after.level):
+        if before is None or (before.phase, before.generation, before.level, before.online) == (
+                after.phase, after.generation, after.level, after.online):
             return False  # nothing moved (a process-level repair that goes to job level may stay STOPPING)
         if before.phase is not after.phase:
             self.events.emit("phase", after.generation, f"{before.phase.value} -> {after.phase.value}",
-                             phase=after.phase.value, level=after.level.value)
+                             phase=after.phase.value, level=after.repair_level)
+        if before.online and not after.online and after.level is Level.PROCESS and after.phase in REPAIR_PHASES:
+            self._went_down(after)
         if after.phase is Phase.EXITING:
             pass  # the controller says how the job finished, with the final status
         elif before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
@@ -150,7 +152,7 @@ class Narrator:
         elif before.level is Level.PROCESS and after.level is Level.JOB and after.no_replica:
             self._decision(after)  # the process-level repair under way is given up: every rank failed
         elif before.level is Level.PROCESS and after.level is Level.JOB and after.phase is Phase.STOPPING:
-            self._fell_back(after)
+            self._fell_back(before, after)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
             start = PROCESS_PHASES.index(before.phase) + 1 if before.phase in PROCESS_PHASES else 0
@@ -162,7 +164,7 @@ class Narrator:
                 self.repair.mark("restart", now)
                 self.restarting = after.generation
             else:
-                self._repaired(before.level, before.free_restart, after, now)
+                self._repaired(before.level, before.free_restart, after, now, before.online)
         return True
 
     def check_restarted(self, view: JobView, now: float) -> None:
@@ -191,10 +193,22 @@ class Narrator:
                             after.library_ranks, after.world_size)
         self._decision(after)
 
-    def _fell_back(self, after: JobView) -> None:
-        """The process-level repair under way gives way to a job-level restart: said here once for the
-        whole job (the ranks that found it print nothing), with what would have avoided it."""
-        line = f"process-level repair of generation {after.generation} falls back to job level: {after.reason}"
+    def _went_down(self, after: JobView) -> None:
+        """The online repair under way goes down to process level: a rank died or hung during it (or its
+        peers saw its death first, as a failed collective). Said once, with the rank replaced."""
+        ranks = ", ".join(str(rank) for rank in sorted(after.replacing))
+        cause = after.failures[-1].describe() if after.failures else "a rank failed"
+        line = (f"process-level repair into generation {after.generation}: {cause}; replacing "
+                f"rank{'s' if len(after.replacing) != 1 else ''} {ranks} (the online repair under way goes down to it)")
+        log.warning(line)
+        self.events.emit("decision", after.generation, line, level=Level.PROCESS.value, action="step_down",
+                         budget_left=after.budget_left, target_generation=after.generation)
+
+    def _fell_back(self, before: JobView, after: JobView) -> None:
+        """The process-level (or online) repair under way gives way to a job-level restart: said here once
+        for the whole job (the ranks that found it print nothing), with what would have avoided it."""
+        repair = "online repair" if before.online else "process-level repair"
+        line = f"{repair} of generation {after.generation} falls back to job level: {after.reason}"
         remedy = fallback_remedy(after.fallback) if after.fallback is not None else ""
         if remedy:
             line += f"; {remedy} would keep it at process level"
@@ -208,19 +222,22 @@ class Narrator:
         target = after.generation if after.level is Level.PROCESS else after.generation + 1
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"
+        elif after.online:
+            line = f"online repair into generation {target}: {after.reason}; every process lives, none is replaced"
         else:
             line = f"{after.level.value}-level repair into generation {target}: {after.reason}"
         log.warning(line)
-        self.events.emit("decision", after.generation, line, level="grow" if after.free_restart else after.level.value,
+        self.events.emit("decision", after.generation, line, level="grow" if after.free_restart else after.repair_level,
                          budget_left=after.budget_left, target_generation=target)
 
-    def _repaired(self, level: Level, free_restart: bool, after: JobView, now: float) -> None:
-        """Training runs again: the repair's phase breakdown."""
+    def _repaired(self, level: Level, free_restart: bool, after: JobView, now: float, online: bool = False) -> None:
+        """Training runs again: the repair's phase breakdown (``online``: no process was replaced)."""
         phases = self.repair.breakdown(now)
         total = sum(seconds for _, seconds in phases)
         detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
         if level is Level.PROCESS:
             line = f"generation {after.generation} resumed training {total:.2f}s after the fault ({detail})"
+            line += ", repaired online: no process replaced" if online else ""
         elif free_restart:
             line = f"generation {after.generation} starting with {len(after.present)} nodes"
         elif phases[-1][0] == "restart":
@@ -230,7 +247,7 @@ class Narrator:
         log.warning(line)
         self.repair = RepairClock()
         if not free_restart:
-            self.events.emit("repair_done", after.generation, line, level=level.value,
+            self.events.emit("repair_done", after.generation, line, level="online" if online else level.value,
                              durations={name: round(seconds, 6) for name, seconds in phases}, total=round(total, 6))
 
     # -- what the controller did --------------------------------------------------------------------

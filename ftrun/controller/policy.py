@@ -11,6 +11,12 @@ the ranks and agents reach (healthy ranks left the old group, failed processes
 reaped, the new group formed, state rolled back) until RUNNING again. Job level:
 STOPPING until every agent stopped its workers, then every worker starts anew.
 
+The online level is a process-level repair that replaces nobody: a rank's collective failed while
+every process lived (:func:`on_collective_failed`), so every rank is healthy and only the groups and the
+step are redone. Its phases are process level's, with no rank to reap; a death or a hang during it
+takes the same repair down to process level (``online`` goes False), a failure of the re-formed groups
+to job level.
+
 When every rank of a generation has failed, no healthy replica can hand the training state on, and
 a process-level repair would replace every rank only to find that out at the rollback: the job goes
 to job level at once (restoring the snapshots, with --snapshot-every). The failures of several nodes
@@ -33,7 +39,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from ftrun.contract import Milestone, RollbackFailure
+from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure
 from ftrun.errors import ExitCode
 from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 
@@ -107,6 +113,9 @@ class JobView:
     phase: Phase = Phase.RUNNING
     #: the level of the repair under way (meaningful outside RUNNING)
     level: Level = Level.JOB
+    #: the process-level repair under way replaces no process: the online level (a collective failed while
+    #: every process lived). A process that dies or hangs meanwhile takes it down to process level
+    online: bool = False
     generation: int = 0
     #: the generation the last START began: its healthy ranks live on through process-level repairs
     start_generation: int = 0
@@ -150,6 +159,11 @@ class JobView:
         if phase not in TRANSITIONS[self.phase]:
             raise IllegalTransition(f"{self.phase.name} -> {phase.name}")
         return dataclasses.replace(self, phase=phase, **changes)
+
+    @property
+    def repair_level(self) -> str:
+        """The level of the repair under way as the views name it: online, process or job."""
+        return "online" if self.online and self.level is Level.PROCESS else self.level.value
 
     @property
     def present(self) -> frozenset[int]:
@@ -228,7 +242,7 @@ def on_milestone(view: JobView, milestone: Milestone) -> Decision:
         return view, []
     if after is Phase.RUNNING:
         return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset(),
-                         replacements_started=False, stateless=frozenset()), []
+                         replacements_started=False, stateless=frozenset(), online=False), []
     return _advance_clear(view.move(after)), []
 
 
@@ -239,7 +253,8 @@ def on_repair_failed(view: JobView, detail: str, fallback: RollbackFailure | Non
         return view, []
     if view.budget_left <= 0:
         return _exit(view, ExitCode.JOB_FAILED, f"{detail}; retry budget spent, no job-level fallback left")
-    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail, fallback=fallback)
+    view = view.move(Phase.STOPPING, level=Level.JOB, online=False, acknowledged=frozenset(), reason=detail,
+                     fallback=fallback)
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{detail}; falling back to job level")]
 
 
@@ -301,6 +316,7 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
         replacing=replacing,
         clearing=view.clearing | {node_rank},
         acknowledged=frozenset(),
+        online=False,
     )
     return view, [takeover, _replace_command(view, replacing)]
 
@@ -403,12 +419,14 @@ def _on_failure(view: JobView, report: Report) -> Decision:
             # counts a dead rank forms without its replacement and hangs (seen with staggered deaths: 60 s
             # to the repair deadline): the repair goes on in a generation no dead rank has touched
             return _repair_in_a_new_generation(view, ranks, report.node_rank)
-        # the reports of one crash, a few milliseconds apart: replace these ranks in the same repair
+        # the reports of one crash, a few milliseconds apart: replace these ranks in the same repair (an
+        # online repair goes down to process level so: the peers saw the death first, as a failed collective)
         view = view.move(
             Phase.STOPPING,
             replacing=view.replacing | ranks,
             clearing=view.clearing | {report.node_rank},
             acknowledged=view.acknowledged - {report.node_rank},
+            online=False,
         )
         return view, [_replace_command(view, ranks)]
     if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
@@ -448,8 +466,46 @@ def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank:
         stateless=view.stateless | view.replacing,
         clearing=frozenset({node_rank}),
         acknowledged=frozenset(),
+        online=False,
     )
     return view, [_replace_command(view, ranks)]
+
+
+def on_collective_failed(view: JobView, failure: CollectiveFailure, node_rank: int = -1, host: str = "") -> Decision:
+    """A rank's collective failed and, a moment later (the controller waits ONLINE_GRACE for a death's
+    report), no process of the job has died: a link cut or reset, a timeout, a communicator error. The
+    online level: every rank leaves the failed step, re-forms its groups in the next generation and rolls
+    back to the consistent step, and no process is replaced; one unit of budget, as any repair.
+
+    Inside the online repair's own generation (its groups failed again as they re-formed) no process is
+    to blame, and replacing one would not mend a link: the repair falls back to job level. A rank that
+    dies or hangs meanwhile is replaced (process level: :func:`_on_failure`)."""
+    if failure.generation != view.generation:
+        return view, []  # a late word about a generation already left
+    record = WorkerFailure(rank=failure.rank, local_rank=-1, node_rank=node_rank, host=host, pid=0, exit_code=None,
+                           generation=failure.generation, timestamp=failure.at, cause="collective",
+                           detail=failure.error)
+    if view.phase is Phase.RUNNING and view.process_level_ready:
+        view = dataclasses.replace(view, failures=view.failures + (record,))
+        if view.budget_left <= 0:
+            spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
+            return _exit(view, ExitCode.JOB_FAILED, f"{failure.describe()}; {spent}")
+        view = view.move(
+            Phase.STOPPING,
+            level=Level.PROCESS,
+            online=True,
+            generation=view.generation + 1,
+            restarts_used=view.restarts_used + 1,
+            replacing=frozenset(),
+            clearing=frozenset(),
+            acknowledged=frozenset(),
+            reason=failure.describe(),
+        )
+        return view, [_replace_command(view, frozenset())]
+    if view.online and view.level is Level.PROCESS and view.phase in REPAIR_PHASES:
+        view = dataclasses.replace(view, failures=view.failures + (record,))
+        return on_repair_failed(view, f"{failure.describe()} during the online repair")
+    return view, []
 
 
 def on_replacements_started(view: JobView) -> Decision:
@@ -479,7 +535,7 @@ def _no_replica_left(view: JobView, first: str) -> Decision:
     cause = first if starting else view.reason  # the repair's reason names the root cause
     reason = f"{cause}; every rank failed, no healthy replica holds the training state"
     refund = 0 if starting else 1
-    view = view.move(Phase.STOPPING, level=Level.JOB, restarts_used=view.restarts_used - refund,
+    view = view.move(Phase.STOPPING, level=Level.JOB, online=False, restarts_used=view.restarts_used - refund,
                      acknowledged=frozenset(), no_replica=True, reason=reason)
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{reason}; restarting at job level")]
 
@@ -512,6 +568,7 @@ def _restart_when_stopped(view: JobView) -> Decision:
         start_generation=view.generation + 1,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
+        online=False,
         no_replica=False,
         fallback=None,
         replacements_started=False,

@@ -23,6 +23,7 @@ Heavy imports (torch_npu) happen only inside the backend that needs them.
 from __future__ import annotations
 
 import datetime
+import enum
 import logging
 import os
 import socket
@@ -30,6 +31,18 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
+
+
+class Memory(enum.Enum):
+    """What a fault did to this rank's device memory, as the device tells it after the release (Ascend's
+    check of an on-chip memory UCE; ``torch_npu.npu.check_uce_in_memory``)."""
+
+    #: untouched, or only memory a step uses for a while (its activations): the step is redone anyway
+    INTACT = "intact"
+    #: memory that holds the training state: this rank takes a healthy replica's state in the rollback
+    STATE_LOST = "state lost"
+    #: memory torch does not manage: nothing in place can vouch for it, the process is replaced
+    UNKNOWN = "unknown"
 
 
 class CommBackend:
@@ -52,6 +65,8 @@ class CommBackend:
         self._group_fds: set[int] = set()
         #: the real groups connected since the last release
         self._live: list = []
+        #: what the last fault did to the device's memory, known after release()
+        self.memory = Memory.INTACT
 
     def device(self):
         import torch
@@ -201,10 +216,28 @@ class HcclBackend(CommBackend):
     def release(self, groups: list) -> None:
         import torch_npu
 
-        # the device's tasks stop and its resources are rebuilt once for every group on it
+        # the device's tasks stop and its resources are rebuilt once for every group on it; in between, the
+        # device says whether an on-chip memory fault (UCE) hit memory the training state lives in
         torch_npu.npu.stop_device(self.local_rank)
+        self.memory = _uce_memory(torch_npu, self.local_rank)
         torch_npu.npu.restart_device(self.local_rank, rebuild_all_resources=False)
         self._live = []
+
+
+#: check_uce_in_memory's answers: 0 no UCE, 1 in memory torch_npu does not manage, 2 in its temporary
+#: memory, 3 in its resident memory (torch_npu's API reference, "check_uce_in_memory")
+UCE_MEMORY = {0: Memory.INTACT, 1: Memory.UNKNOWN, 2: Memory.INTACT, 3: Memory.STATE_LOST}
+
+
+def _uce_memory(torch_npu, device: int) -> Memory:
+    check = getattr(torch_npu.npu, "check_uce_in_memory", None)
+    if check is None:  # a torch_npu without it: no UCE can be told apart, as before it existed
+        return Memory.INTACT
+    try:
+        return UCE_MEMORY.get(int(check(device)), Memory.UNKNOWN)
+    except Exception as e:  # PYTORCH_NO_NPU_MEMORY_CACHING=1 turns the check off
+        log.warning("the device's memory could not be checked for a UCE (%s): its state is taken from a replica", e)
+        return Memory.STATE_LOST
 
 
 BACKENDS = {cls.name: cls for cls in (CommBackend, NcclBackend, HcclBackend)}

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import re
 import threading
 import time
 import weakref
@@ -66,9 +67,15 @@ class GroupFailed(RuntimeError):
     """A collective of this step failed: the step's results are not to be used."""
 
 
+#: where in its sources a backend raised, ahead of its message ("[/.../gloo/transport/tcp/pair.cc:537] ")
+_SOURCE_PLACE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
+
+
 def first_line(error: BaseException) -> str:
-    """A failure in one line, for a log: a collective's error can run to a page of C++ context."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    """A failure in one line, for a log: a collective's error can run to a page of C++ context, and
+    starts with the place in gloo's sources it came from, which tells a user nothing."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return _SOURCE_PLACE.sub("", line)[:200]
 
 
 class ElasticGroup(dist.ProcessGroup):
@@ -164,6 +171,8 @@ class GroupSet:
         self.failure: BaseException | None = None
         #: the newest generation a newer one superseded: its groups' connections give up
         self.abandoned = -1
+        #: told of the first failure of a step's collectives, from whichever thread saw it (the link reports it)
+        self.on_failure: Callable[[BaseException], None] | None = None
         self._lock = threading.Lock()
 
     def create(self, options, backend_options=None) -> ElasticGroup:
@@ -201,6 +210,8 @@ class GroupSet:
             log.info("a collective failed (%s); the step goes on without communication until the repair",
                      first_line(error))
             self.failure = error
+            if self.on_failure is not None:
+                self.on_failure(error)
 
     def interrupt(self) -> None:
         """Release a collective blocked on a healthy peer (from another thread, once a repair is announced)."""

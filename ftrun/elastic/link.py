@@ -21,7 +21,7 @@ from typing import Callable, NoReturn
 import torch.distributed as dist
 
 from ftrun.auth import Signer
-from ftrun.contract import Milestone, RollbackFailure, WorkerEnv, parse_endpoint
+from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure, WorkerEnv, parse_endpoint
 from ftrun.elastic.groups import GroupSet, first_line
 from ftrun.elastic.store_location import StoreLocation
 from ftrun.errors import EXIT_STUCK
@@ -69,6 +69,9 @@ class NullLink:
     def lost_collective(self) -> BaseException | None:
         return None
 
+    def collective_failed(self, error: BaseException) -> None:
+        pass
+
     def tell_total_steps(self, total: int) -> None:
         pass
 
@@ -114,6 +117,10 @@ class ControlLink:
         self.repairing = False
         self._groups: GroupSet | None = None
         self._closed = threading.Event()
+        #: wakes the heartbeat before its second is up: a failed collective to report, or the close
+        self._wake = threading.Event()
+        #: a failed collective of this rank, for the heartbeat to report (then None)
+        self._failed: CollectiveFailure | None = None
         self._heartbeat: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         #: the announcement key the repair watch waits on (this rank's own, of the next generation);
@@ -124,6 +131,7 @@ class ControlLink:
         """Start the heartbeat, which reports ``progress()`` (the committed step), and the repair watch,
         which releases ``groups`` when a repair is announced."""
         self._groups = groups
+        groups.on_failure = self.collective_failed
         self._heartbeat = threading.Thread(target=self._beat, name="ftrun-heartbeat", args=(progress,), daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="ftrun-repair-watch", daemon=True)
         self._heartbeat.start()
@@ -141,6 +149,17 @@ class ControlLink:
 
     def lost_collective(self) -> BaseException | None:
         return self._groups.failure if self._groups is not None else None
+
+    def collective_failed(self, error: BaseException) -> None:
+        """One of this rank's collectives failed (from whichever thread saw it: a future's callback may run
+        in the backend's): the heartbeat tells the controller at once, on its own connection. Where every
+        process lives (a link cut), nobody else would: the controller repairs in place (the online level).
+        Not when a repair announced already released the collective: that one is under way."""
+        generation = self.generation
+        if self._groups is not None and self._groups.abandoned >= generation:
+            return
+        self._failed = CollectiveFailure(self.rank, generation, first_line(error), time.time())
+        self._wake.set()
 
     def repair_target(self, error: BaseException, step: int) -> int | None:
         """The generation to repair into if ``error`` comes from a fault elsewhere (a collective
@@ -250,6 +269,7 @@ class ControlLink:
         store's wait is let out by setting the key it waits on, this rank's own; else a repair announced,
         or the store gone, as the process ends would take it out of there then."""
         self._closed.set()
+        self._wake.set()
         self.location.closing = True  # a store gone now is not waited for: the rank is ending
         deadline = time.monotonic() + LET_GO_DEADLINE
         # _closed first, the key second; the watch sets its key, then checks _closed: it sees the close, or
@@ -269,13 +289,21 @@ class ControlLink:
     def _beat(self, progress: Callable[[], int]) -> None:
         """Once a second: this rank's heartbeat and committed step, on a connection of its own. A store
         client runs one operation at a time: behind the main thread's wait for a slow replacement to
-        form the group, the heartbeat would stop and the agent would take this healthy rank for hung."""
+        form the group, the heartbeat would stop and the agent would take this healthy rank for hung.
+        Woken at once to report a failed collective (:meth:`collective_failed`)."""
         try:
             store = ControlStore(self.location.connect(self.collective_timeout), self.location.endpoint, is_host=False)
         except Exception:
             return
-        while not self._closed.wait(WORKER_HEARTBEAT_INTERVAL):
+        while True:
+            self._wake.wait(WORKER_HEARTBEAT_INTERVAL)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             try:
+                failed, self._failed = self._failed, None
+                if failed is not None:  # the first rank's word stays: the root cause
+                    store.raw.compare_set(self.keys.collective_failure(failed.generation), "", failed.to_text())
                 store.add(self.keys.rank_heartbeat(self.rank))
                 store.set_text(self.keys.rank_progress(self.rank), str(progress()))
             except Exception:

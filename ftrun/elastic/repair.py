@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ftrun.contract import Fallback, Milestone, RollbackFailure
+from ftrun.elastic.backends import Memory
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.shards import to_local
 from ftrun.elastic.snapshots import load_own, own_steps
 from ftrun.elastic.state import TrainingState
+from ftrun.errors import EXIT_STUCK
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
 
@@ -70,6 +73,7 @@ class Repair:
             except RepairError:
                 raise
             except Exception as e:
+                self.link.collective_failed(e)  # an online repair whose groups fail again: the controller decides
                 newer = self.link.await_target(above=target, timeout=self.link.fault_wait)
                 if newer is None:
                     raise
@@ -91,6 +95,10 @@ class Repair:
     def leave(self) -> None:
         self.state.reset_wrappers()
         self.groups.release()
+        if self.groups.backend.memory is Memory.UNKNOWN:
+            # an on-chip memory fault outside what torch manages: nothing here can vouch for the process
+            log.error("rank %d: a memory fault (UCE) outside torch's memory; exiting to be replaced", self.link.rank)
+            os._exit(EXIT_STUCK)
 
     def form(self, generation: int) -> bool:
         """Every group of the script now belongs to ``generation``, once every rank arrived; False if
@@ -122,7 +130,8 @@ class Repair:
         # a row: the committed step, the layout's replica dimensions (a replacement has yet to learn those
         # of a mesh that the first step shows), the snapshots held
         mine = torch.full((2 + HELD,), NO_STATE, dtype=torch.int64, device=device)
-        mine[0] = NO_STATE if state.committed is None else state.committed
+        lost = state.committed is None or self.groups.backend.memory is Memory.STATE_LOST  # a UCE in the state
+        mine[0] = NO_STATE if lost else state.committed
         mine[1] = state.layout.replica_mask()
         mine[2:2 + len(held)] = torch.tensor(held, dtype=torch.int64)
         gathered = [torch.zeros(2 + HELD, dtype=torch.int64, device=device) for _ in range(self.link.world_size)]

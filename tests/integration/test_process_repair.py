@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from tests.conftest import WORKERS, Launcher
+from tests.conftest import WORKERS, Launcher, wait_for
+from tests.links import can_cut_links, cut_links
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -156,3 +157,32 @@ def test_repair_past_its_deadline_falls_back_to_job_level(launcher, fault_free):
     assert {r["step"] for r in results.values()} == {STEPS}
     assert {r["checksum"] for r in results.values()} == {fault_free}
     assert "2 of 3 restarts used" in output  # the repair, then the job-level restart
+
+
+def test_a_link_cut_while_every_process_lives_is_repaired_in_place(launcher, fault_free_batchnorm):
+    # 1 node x 4 ranks; at step 3 every connection between rank 1 and its peers is reset by the kernel (its
+    # store connections stay): the online level re-forms the groups and rolls back, no process is replaced
+    why = can_cut_links()
+    if why:
+        pytest.skip(why)
+    env = launcher.env(STEPS=str(STEPS), BATCHNORM="1", STEP_SLEEP="0.2")
+    flags = ["--recovery", "process", "--max-restarts", "3", "--warm-standby", "0"]
+    launcher.start_job(1, 4, [ELASTIC], flags=flags, env=env)
+    progress = launcher.out_dir / "progress-rank1"
+    wait_for(lambda: progress.exists() and progress.read_text().strip() not in ("", "0", "1", "2")
+             and len(start_pids(launcher)) == 4, what="rank 1 at step 3")
+    pids = {rank: found[0] for rank, found in start_pids(launcher).items()}
+    assert cut_links(pids[1], [pids[rank] for rank in (0, 2, 3)]) >= 3  # one connection to each peer at least
+    assert launcher.wait() == [0], launcher.output()
+    results = launcher.results()
+    assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {STEPS}
+    for rank, result in results.items():
+        assert result["digest"] == fault_free_batchnorm[rank]["digest"], (
+            f"rank {rank}: parameters, buffers or optimizer state differ from the fault-free run's")
+    assert start_pids(launcher) == {rank: [pid] for rank, pid in pids.items()}  # no process started
+    assert {r["pid"] for r in results.values()} == set(pids.values())
+    output = launcher.output()
+    assert output.count("online repair into generation 1: a collective of rank") == 1, output  # the level, once
+    assert "process-level repair" not in output and "job-level" not in output
+    assert re.search(r"generation 1 resumed training [0-9.]+s after the fault \(detect .*\), repaired online", output)
+    assert "1 of 3 restarts used" in output

@@ -36,6 +36,7 @@ class FakeLink:
         self.ready: list[int] = []
         self.failures: dict[int, RollbackFailure] = {}
         self.timed_out = False
+        self.collective_errors: list[BaseException] = []
 
     def reach(self, generation: int, milestone: Milestone) -> int:
         self.reached.append((generation, milestone))
@@ -54,6 +55,9 @@ class FakeLink:
 
     def await_target(self, above: int, timeout: float) -> int | None:
         return self.announced if self.announced > above else None
+
+    def collective_failed(self, error: BaseException) -> None:
+        self.collective_errors.append(error)
 
     def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
         self.failures[generation] = failure
