@@ -34,6 +34,9 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
   worth a second).
 * reports: an agent appends one (O(1): two round trips); the controller polls ``report_count`` (O(1)
   per tick).
+* failed collectives (the online level): a rank whose collective fails while it lives writes one
+  ``collective_failure`` (a ``compare_set``: the first rank's stays), from its heartbeat's connection; the
+  controller reads that one key per tick while the generation runs at process level (O(1)).
 * STOP acknowledgements: each agent sets its own ``stopped`` key once its workers are gone (one round
   trip, O(N) in all, none of them in the sequence of reports); while it waits for them the controller
   checks the keys of the nodes it waits for in one ``check`` per tick (O(N) bytes), and reads them in one

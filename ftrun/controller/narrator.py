@@ -223,7 +223,7 @@ class Narrator:
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"
         elif after.online:
-            line = f"online repair into generation {target}: {after.reason}; every process lives, none is replaced"
+            line = f"online repair into generation {target}: {after.reason}; no process is replaced"
         else:
             line = f"{after.level.value}-level repair into generation {target}: {after.reason}"
         log.warning(line)

@@ -1,0 +1,148 @@
+"""The online level: a collective that fails while every process lives is repaired in place. Its edges in
+the policy, the narration, the rank's report, and Ascend's UCE check (no store, no processes)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch.distributed as dist
+
+from ftrun.contract import CollectiveFailure, Milestone
+from ftrun.controller.narrator import Narrator
+from ftrun.controller.policy import JobView, Level, Phase, on_collective_failed, on_milestone, on_report
+from ftrun.elastic.backends import CommBackend, HcclBackend, Memory
+from ftrun.elastic.groups import GroupSet, first_line
+from ftrun.events import EventLog, read_events
+from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
+
+
+def ready(**fields) -> JobView:
+    """A running job of 2 nodes x 2 ranks, every rank under ftrun.elastic, --recovery process."""
+    return JobView(node_count=2, max_restarts=fields.pop("max_restarts", 3), world_size=4, recovery=Level.PROCESS,
+                   library_ranks=4, **fields)
+
+
+def cut(rank=1, generation=0) -> CollectiveFailure:
+    return CollectiveFailure(rank, generation, "Read error [127.0.0.1]:906: Connection reset by peer", at=100.0)
+
+
+def died(rank=1, node=0, generation=0) -> Report:
+    failure = WorkerFailure(rank=rank, local_rank=rank % 2, node_rank=node, host=f"h{node}", pid=100 + rank,
+                            exit_code=None, signal="SIGKILL", generation=generation)
+    return Report(ReportKind.WORKER_FAILED, node, generation, (failure,))
+
+
+def test_transition_running_to_stopping_online_replaces_nobody_and_spends_one_unit():
+    v, commands = on_collective_failed(ready(), cut(), node_rank=0, host="h0")
+    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, True, 1, 1)
+    assert v.replacing == frozenset() and v.clearing == frozenset()
+    assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 1, ())]
+    assert v.repair_level == "online"
+    assert v.failures[-1].cause == "collective" and v.failures[-1].timestamp == 100.0
+    assert "rank 1 on node 0 (h0): a collective failed (Read error" in v.failures[-1].describe()
+
+
+def test_transition_online_repair_through_its_phases_back_to_running():
+    v, _ = on_collective_failed(ready(), cut())
+    v, _ = on_milestone(v, Milestone.STOPPED)
+    assert v.phase is Phase.REPAIR  # no rank to reap: env clear passes at once
+    v, _ = on_milestone(v, Milestone.JOINED)
+    v, _ = on_milestone(v, Milestone.RESUMED)
+    assert (v.phase, v.online, v.generation) == (Phase.RUNNING, False, 1)
+
+
+def test_a_failed_collective_of_a_generation_already_left_is_ignored():
+    v, _ = on_collective_failed(ready(), cut())
+    assert on_collective_failed(v, cut(generation=0)) == (v, [])
+
+
+def test_without_process_level_a_failed_collective_decides_nothing():
+    # the rank's own wait for an announcement ends it, and the job restarts at job level as before
+    job_level = JobView(node_count=2, max_restarts=3, world_size=4, recovery=Level.JOB, library_ranks=4)
+    assert on_collective_failed(job_level, cut()) == (job_level, [])
+
+
+def test_transition_running_to_exiting_when_the_budget_is_spent():
+    v, commands = on_collective_failed(ready(max_restarts=0), cut())
+    assert v.phase is Phase.EXITING and "retry budget spent" in v.reason
+    assert [c.kind for c in commands] == [CommandKind.EXIT]
+
+
+def test_transition_online_to_process_level_when_a_rank_dies_during_it():
+    # the peers of a dying rank see its death first, as a failed collective: the death's report takes the
+    # same repair down to process level, in the same generation, with no second unit of budget
+    v, _ = on_collective_failed(ready(), cut(rank=0))
+    v, commands = on_report(v, died(rank=1))
+    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, False, 1, 1)
+    assert v.replacing == {1} and [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (1,))]
+
+
+def test_transition_online_to_job_level_when_its_regrouped_collectives_fail_again():
+    v, _ = on_collective_failed(ready(), cut())
+    v, _ = on_milestone(v, Milestone.STOPPED)
+    v, commands = on_collective_failed(v, cut(rank=2, generation=1))
+    assert (v.phase, v.level, v.online) == (Phase.STOPPING, Level.JOB, False)
+    assert "during the online repair" in v.reason
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+
+
+def test_the_narrator_says_the_level_once_and_its_step_down(tmp_path):
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    narrator = Narrator(events, lambda generation: 4)
+    before = ready()
+    online, _ = on_collective_failed(before, cut(), node_rank=0, host="h0")
+    assert narrator.decided(before, online, 100.0)
+    down, _ = on_report(online, died(rank=1))
+    assert narrator.decided(online, down, 100.1)
+    events.close()
+    decisions = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == "decision"]
+    assert [e["level"] for e in decisions] == ["online", "process"]
+    assert decisions[0]["detail"].startswith("online repair into generation 1: a collective of rank 1 failed")
+    assert decisions[1]["detail"].startswith(
+        "process-level repair into generation 1: rank 1 (local rank 1) on node 0 (h0), pid 101: killed by SIGKILL")
+    assert decisions[1]["action"] == "step_down"
+
+
+@pytest.mark.parametrize("answer, memory", [(0, Memory.INTACT), (1, Memory.UNKNOWN), (2, Memory.INTACT),
+                                            (3, Memory.STATE_LOST), (7, Memory.UNKNOWN)])
+def test_hccl_release_checks_the_memory_for_a_uce_between_stop_and_restart(monkeypatch, answer, memory):
+    calls = []
+    npu = types.SimpleNamespace(
+        stop_device=lambda device: calls.append(("stop_device", device)),
+        check_uce_in_memory=lambda device: calls.append(("check_uce_in_memory", device)) or answer,
+        restart_device=lambda device, rebuild_all_resources: calls.append(("restart_device", device)),
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    backend = HcclBackend(dist=types.SimpleNamespace(), local_rank=3)
+    backend.release([object()])
+    assert calls == [("stop_device", 3), ("check_uce_in_memory", 3), ("restart_device", 3)]
+    assert backend.memory is memory
+
+
+def test_a_torch_npu_without_the_uce_check_leaves_the_memory_intact(monkeypatch):
+    npu = types.SimpleNamespace(stop_device=lambda device: None, restart_device=lambda device, rebuild_all_resources: None)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    backend = HcclBackend(dist=types.SimpleNamespace(), local_rank=0)
+    backend.release([])
+    assert backend.memory is Memory.INTACT
+
+
+def test_a_collective_failure_reads_back_and_a_stranger_text_is_none():
+    failure = cut()
+    assert CollectiveFailure.from_text(failure.to_text()) == failure
+    assert CollectiveFailure.from_text("not json") is None
+    assert CollectiveFailure.from_text('{"rank": "x"}') is None
+
+
+def test_a_step_s_first_failed_collective_is_told_once_and_in_one_line():
+    told = []
+    groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+    groups.on_failure = told.append
+    first = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                         "[127.0.0.1]:906: Connection reset by peer\nC++ context")
+    groups.fail(first)
+    groups.fail(RuntimeError("a later one, an echo of the first"))
+    assert told == [first]
+    assert first_line(first) == "Read error [127.0.0.1]:906: Connection reset by peer"
