@@ -149,13 +149,17 @@ class RelayFolder:
     (the newest generation) and ``ready-<g>`` ("ready" once every rank arrived in generation g,
     "superseded" once a newer one was announced). A rank writes one file per milestone it reaches,
     ``g<g>.r<rank>.<milestone>``, and ``g<g>.r<rank>.failure`` (a :class:`RollbackFailure`) when its
-    rollback falls back; the agent counts each in the store once and deletes it.
+    rollback falls back, and ``g<g>.r<rank>.collective`` (a :class:`CollectiveFailure`) when a collective of
+    its step failed while it lived; the agent counts each in the store once and deletes it. For a repair
+    that replaces no process (the online level) the agent writes ``online-<g>`` before the target.
 
     Every file is written whole under a temporary name and renamed, so that a reader sees all of it or
     nothing."""
 
     #: what a rank's failure file is called in place of a milestone
     FAILURE = "failure"
+    #: what a rank's file for a failed collective (its process alive) is called in place of a milestone
+    COLLECTIVE = "collective"
     #: what a ``ready-<g>`` file says once every rank arrived in generation g (else "superseded")
     READY = "ready"
 
@@ -168,6 +172,10 @@ class RelayFolder:
 
     def ready(self, generation: int) -> str:
         return os.path.join(self.path, f"ready-{generation}")
+
+    def online(self, generation: int) -> str:
+        """Present when the repair into ``generation`` replaces no process (the online level)."""
+        return os.path.join(self.path, f"online-{generation}")
 
     def progress(self, rank: int) -> str:
         """A rank's committed step."""
@@ -184,7 +192,7 @@ class RelayFolder:
                       if len(parts) == 2 and parts[0] == "progress" and parts[1][1:].isdigit())
 
     def reached(self, generation: int, rank: int, what: str) -> str:
-        """A rank's file for ``what`` (a Milestone's value, or FAILURE) in ``generation``."""
+        """A rank's file for ``what`` (a Milestone's value, FAILURE or COLLECTIVE) in ``generation``."""
         return os.path.join(self.path, f"g{generation}.r{rank}.{what}")
 
     def reports(self, names: list[str] | None = None) -> list[tuple[str, int, int, str]]:

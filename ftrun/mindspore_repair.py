@@ -8,14 +8,19 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
    in its step, stops the device (``_stop_device``): the blocked step raises and its guard hands the rank
    to :meth:`MindSporeRepair.recover`.
 2. **env clear**: the rank says ``stopped``; ``clean_tdt_channel()`` and ``_reset_snapshot_state()``, as
-   the callback's clean does for a repair that replaces a process ("recover"). ``resume_hccl_comm()``
-   is its other branch ("retry": no process replaced, the same communicators go on), which is online
-   level, not this one.
+   the callback's clean does for a repair that replaces a process ("recover"). For a repair that replaces
+   none (the online level: a collective failed while every process lived, which the rank told the
+   controller through its agent), its other branch ("retry"): ``resume_hccl_comm()``, the same
+   communicators go on. After an on-chip memory error (UCE) in the rank's step, the device says where it
+   hit (``_get_uce_mem_info``, ``_get_uce_process_strategy``): in the training state, the rank takes a
+   healthy replica's; in memory a step uses for a while, the step is redone; elsewhere, the process exits
+   to be replaced.
 3. **repair**: the agent respawns the failed rank under its old ``MS_NODE_ID`` with
    ``MS_ENABLE_RECOVERY=1``, so that its ``init()`` rejoins the generation's scheduler, which keeps running.
    Once every rank arrived, the healthy ones destroy and rebuild their communication groups
    (``_finalize_comm()``, ``_rebuild_group()``) and every rank prepares the point-to-point links
-   (``_pre_launch_send_recv``).
+   (``_pre_launch_send_recv``); at the online level they rebuild nothing. A rank that had a UCE repairs
+   its device (``_repair_device``).
 4. **rollback**: the ranks gather what each committed and which snapshots it holds (an all-gather on the
    rebuilt world group) and decide alike (:func:`ftrun.rollback.choose_rollback`): a healthy replica sends
    the parameters to the replacement (``send_recv(parameters, src, dst)``, the call the callback makes on
@@ -46,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable, NoReturn, Protocol
 
-from ftrun.contract import Fallback, Milestone, RelayFolder, RollbackFailure
+from ftrun.contract import CollectiveFailure, Fallback, Milestone, RelayFolder, RollbackFailure
 from ftrun.errors import EXIT_STUCK
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
@@ -116,6 +121,14 @@ class RepairChannel:
     def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
         self.folder.write(self.folder.reached(generation, self.rank, RelayFolder.FAILURE), failure.to_text())
 
+    def collective_failed(self, failure: CollectiveFailure) -> None:
+        """A collective of this rank failed while it lived: the agent puts it where the controller reads it."""
+        self.folder.write(self.folder.reached(failure.generation, self.rank, RelayFolder.COLLECTIVE), failure.to_text())
+
+    def online(self, generation: int) -> bool:
+        """Whether the repair into ``generation`` replaces no process (its agent says so before the target)."""
+        return os.path.exists(self.folder.online(generation))
+
     def await_stop(self, generation: int, failure: RollbackFailure, wait: float = FALLBACK_WAIT) -> NoReturn:
         """After :meth:`rollback_failed`: wait for the agent to stop this rank for the job-level restart
         (its SIGTERM ends the process); a newer repair meanwhile cannot put the state back either, so it is
@@ -144,11 +157,31 @@ class AscendHooks:
 
         _stop_device(self.device_id)
 
-    def clean(self) -> None:
+    def clean(self, online: bool = False) -> None:
+        """After the stop: the data channel emptied; at the online level the communicators resumed as they
+        are, else the snapshot state reset for the rebuild."""
         from mindspore._c_expression import _reset_snapshot_state, clean_tdt_channel
 
         clean_tdt_channel()
-        _reset_snapshot_state()
+        if online:
+            from mindspore._c_expression import CollectiveManager
+
+            CollectiveManager.get_instance().resume_hccl_comm()
+        else:
+            _reset_snapshot_state()
+
+    def uce_strategy(self) -> str:
+        """Where an on-chip memory error (UCE) hit, as MindSpore names what to do about it (UCE_STRATEGIES)."""
+        from mindspore._c_expression import _get_uce_mem_info, _get_uce_process_strategy
+
+        _get_uce_mem_info(self.device_id)
+        return str(_get_uce_process_strategy())
+
+    def repair_device(self) -> None:
+        """Repair the device's memory after a UCE, once the communication is back."""
+        from mindspore._c_expression import _repair_device
+
+        _repair_device(self.device_id)
 
     def rebuild(self) -> None:
         """Destroy the communication groups and make them again, with the replacement in them."""
@@ -178,6 +211,13 @@ class AscendHooks:
 
         if send_recv(parameters, source, receiver) != 0:
             raise RuntimeError(f"send_recv of the parameters from rank {source} to rank {receiver} failed")
+
+
+#: what _get_uce_process_strategy answers, and whether the rank's training state is still good; any other
+#: answer: the error is outside what MindSpore manages, and the process is replaced
+UCE_STRATEGIES = {"RS_UCE_HIGHLEVEL": False, "RS_UCE_LOWLEVEL": True}
+#: how a UCE shows in the error a rank's step raises (docs: torch_npu's and ACL's texts for it)
+UCE_SIGNS = ("UCE ERROR", "507053")
 
 
 class RepairedState(Protocol):
@@ -227,6 +267,8 @@ class MindSporeRepair:
         self.in_step = False
         #: the main thread is in a repair: the watch leaves it alone
         self.repairing = False
+        #: the step that stopped raised an on-chip memory error (UCE): the device says where it hit
+        self.uce = False
         self._closed = threading.Event()
         self._watch: threading.Thread | None = None
 
@@ -242,6 +284,12 @@ class MindSporeRepair:
         None when no repair comes (the rank's own error, which must end the process)."""
         if not isinstance(error, RuntimeError):  # a stopped device or a lost peer raises one
             return None
+        text = str(error)
+        self.uce = any(sign in text for sign in UCE_SIGNS)
+        if self.channel.target() <= self.generation:  # no repair announced: nobody may know of it but this rank
+            self.channel.collective_failed(CollectiveFailure(self.state.rank, self.generation,
+                                                             (text.splitlines() or [type(error).__name__])[0][:200],
+                                                             time.time()))
         target = self.channel.await_target(above=self.generation, timeout=self.fault_wait)
         if target is not None:
             log.warning("rank %d: step %d interrupted (%s); repairing into generation %d", self.state.rank,
@@ -269,10 +317,12 @@ class MindSporeRepair:
         while True:
             self.repairing = True
             fresh = target == self.spawned_for  # the replacement's init() formed its communication already
+            online = self.channel.online(target)
             if not fresh:
                 self.channel.reach(target, Milestone.STOPPED)
                 self.hooks.stop()
-                self.hooks.clean()
+                self._check_memory()
+                self.hooks.clean(online)
             self.channel.reach(target, Milestone.ARRIVED)
             try:
                 ready = self.channel.group_ready(target, self.timeout)
@@ -281,13 +331,30 @@ class MindSporeRepair:
             if ready:
                 break
             target = self.channel.target()
-        if not fresh:
+        if not fresh and not online:
             self.hooks.rebuild()
-        self.hooks.prepare_transfers()
+        if not online:
+            self.hooks.prepare_transfers()
+        if self.uce:
+            self.hooks.repair_device()
+            self.uce = False
         self.spawned_for = None
         self.generation = target
         self.channel.reach(target, Milestone.JOINED)
         return target
+
+    def _check_memory(self) -> None:
+        """After a UCE, the device says where it hit: the training state (a replica's is taken), memory a
+        step uses for a while (the step is redone), or memory MindSpore does not manage (the process
+        exits to be replaced: nothing here can vouch for it)."""
+        if not self.uce:
+            return
+        strategy = self.hooks.uce_strategy()
+        if strategy not in UCE_STRATEGIES:
+            log.error("rank %d: a memory error (UCE) that MindSpore cannot repair (%s); exiting to be replaced",
+                      self.state.rank, strategy)
+            os._exit(EXIT_STUCK)
+        self.holds_state = self.holds_state and UCE_STRATEGIES[strategy]
 
     def rollback(self, generation: int) -> None:
         """Agree on the step; a healthy replica sends the parameters to the ranks that lack them."""

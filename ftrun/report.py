@@ -27,7 +27,8 @@ FLAGS = {"fault": f"h{2 * MARKER_SIZE} l{-MARKER_SIZE},{2 * MARKER_SIZE} z",
 FAULT_COLOUR, LINE_COLOUR, GENERATION_COLOUR = "#d62728", "#1f6fb4", "#8c8c8c"
 GRID_COLOUR, AXIS_COLOUR, TEXT_COLOUR = "#e6e6e6", "#999", "#444"
 #: by repair level (a decision's ``level`` is one of these, or "grow" for a restart that repairs nothing)
-REPAIR_COLOURS, OTHER_REPAIR_COLOUR, REPAIR_OPACITY = {"online": "#27ae60", "process": "#f0a030", "job": "#9b59b6"}, "#7f8c8d", 0.25
+REPAIR_COLOURS = {"online": "#27ae60", "process": "#f0a030", "job": "#9b59b6"}
+OTHER_REPAIR_COLOUR, REPAIR_OPACITY = "#7f8c8d", 0.25
 LEGEND = ((LINE_COLOUR, "throughput (steps/s)"), (FAULT_COLOUR, "fault (triangle) or node lost (square)"),
           *((colour, f"{level}-level repair") for level, colour in REPAIR_COLOURS.items()),
           (GENERATION_COLOUR, "generation start"))

@@ -9,10 +9,12 @@ says why files). Each tick of the agent's supervision loop:
 
 and at process level (on Ascend) only, where the ranks take part in a repair:
 
-* the newest generation announced (one store read) goes into the folder's ``target`` file when it moved;
+* the newest generation announced (one store read) goes into the folder's ``target`` file when it moved,
+  after its ``online-<g>`` file when the repair replaces no process (one more read, per repair);
 * every milestone file the ranks left is counted in the store, as a torch rank counts itself, then
   deleted; the relay that counts the last rank to arrive in a generation marks its groups ready, as the
-  last torch rank does; a rank's failure file becomes the generation's rollback failure;
+  last torch rank does; a rank's failure file becomes the generation's rollback failure, and its file
+  for a failed collective the generation's collective failure (the online level);
 * while a generation is not yet ready, its ``group_ready`` key (one read) goes into ``ready-<g>`` once set.
 
 The store sees O(nodes) traffic for a repair, not O(ranks): the tree the design asks for.
@@ -86,6 +88,8 @@ class FolderRelay:
         text = self.store.try_text(self.keys.target_generation)
         target = int(text) if text else 0
         if target > self.target:
+            if self.store.try_text(self.keys.online_repair(target)):
+                self.folder.write(self.folder.online(target), "")
             self.folder.write(self.folder.target, str(target))
             self.target = target
 
@@ -93,6 +97,8 @@ class FolderRelay:
         for path, generation, rank, what in self.folder.reports(names):
             if what == RelayFolder.FAILURE:
                 self.store.set_text(self.keys.rollback_failure(generation), self.folder.read(path))
+            elif what == RelayFolder.COLLECTIVE:  # the first rank's word stays, as a torch rank's does
+                self.store.raw.compare_set(self.keys.collective_failure(generation), "", self.folder.read(path))
             elif what in MILESTONES:
                 reached = self.store.add(self.keys.milestone(generation, what))
                 if what == Milestone.ARRIVED.value and reached >= self.world_size():

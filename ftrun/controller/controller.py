@@ -458,7 +458,8 @@ class Controller:
         # the generation before a repair's ran in the same world: a replacement sees no resize
         command = dataclasses.replace(command, worker_store=self.worker_stores.address,
                                       previous_world_size=self._started_world, scheduler=self._scheduler)
-        self.publisher.announce(command.generation, self.view.world_size)  # the healthy ranks leave their groups now
+        # the healthy ranks leave their groups now
+        self.publisher.announce(command.generation, self.view.world_size, online=not command.ranks)
         if not command.ranks:
             return command  # the online level: nothing to start, the agents only move to the new generation
         if self.policy.gather_timeout <= 0:

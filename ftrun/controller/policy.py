@@ -414,19 +414,22 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
         if view.stateless | view.replacing | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
+        if view.online:
+            # the online repair goes down to process level (its peers saw the death first, as a failed
+            # collective), in a generation of its own: its ranks may have resumed their communicators in
+            # place (MindSpore), which would leave the replacement out
+            return _repair_in_a_new_generation(view, ranks, report.node_rank)
         if view.replacements_started:
             # a healthy rank may have counted itself into the new group before it died, and a group that
             # counts a dead rank forms without its replacement and hangs (seen with staggered deaths: 60 s
             # to the repair deadline): the repair goes on in a generation no dead rank has touched
             return _repair_in_a_new_generation(view, ranks, report.node_rank)
-        # the reports of one crash, a few milliseconds apart: replace these ranks in the same repair (an
-        # online repair goes down to process level so: the peers saw the death first, as a failed collective)
+        # the reports of one crash, a few milliseconds apart: replace these ranks in the same repair
         view = view.move(
             Phase.STOPPING,
             replacing=view.replacing | ranks,
             clearing=view.clearing | {report.node_rank},
             acknowledged=view.acknowledged - {report.node_rank},
-            online=False,
         )
         return view, [_replace_command(view, ranks)]
     if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:

@@ -16,7 +16,8 @@ from torch.distributed import TCPStore
 
 import ftrun.mindspore_elastic
 from ftrun.agent.relay import FolderRelay
-from ftrun.contract import Endpoint, Fallback, Milestone, RelayFolder, RollbackFailure, WorkerEnv
+from ftrun.contract import CollectiveFailure, Endpoint, Fallback, Milestone, RelayFolder, RollbackFailure, WorkerEnv
+from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.mindspore_repair import AscendHooks, MindSporeRepair, RepairChannel, RepairError, RepairGuard
 from ftrun.rollback import NO_STATE
@@ -27,7 +28,7 @@ class FakeMindSpore:
     """``mindspore._c_expression`` and ``mindspore.communication`` as far as the repair calls them: each
     call is recorded; the all-gather answers with the rows the test gives."""
 
-    def __init__(self, monkeypatch, rows):
+    def __init__(self, monkeypatch, rows, uce_strategy="RS_UCE_HIGHLEVEL"):
         self.calls: list[tuple] = []
         self.rows = rows
         self.stopped = threading.Event()
@@ -41,6 +42,11 @@ class FakeMindSpore:
             set_is_arf=lambda on: record("set_is_arf", on),
             _pre_launch_send_recv=lambda device: record("_pre_launch_send_recv", device),
             send_recv=lambda params, src, dst: record("send_recv", len(params), src, dst) or 0,
+            CollectiveManager=types.SimpleNamespace(get_instance=lambda: types.SimpleNamespace(
+                resume_hccl_comm=lambda: record("resume_hccl_comm"))),
+            _get_uce_mem_info=lambda device: record("_get_uce_mem_info", device),
+            _get_uce_process_strategy=lambda: record("_get_uce_process_strategy") or uce_strategy,
+            _repair_device=lambda device: record("_repair_device", device),
         )
         comm_func = types.SimpleNamespace(all_gather_into_tensor=self._all_gather)
         mindspore = types.SimpleNamespace(Tensor=np.asarray, _c_expression=c_expression,
@@ -315,3 +321,95 @@ def test_a_mindspore_rank_s_progress_reaches_the_store_through_its_agent(store, 
     assert store.try_text(keys.rank_progress(1)) == "3"
     assert folder.reports() == []  # progress is no milestone
     assert RepairChannel(folder, rank=1).target() == 0
+
+
+# -- the online level: a collective failed while every process lived, no process replaced ---------------
+
+
+def announce_online(folder: RelayFolder, generation: int) -> None:
+    """What the relay writes for a repair that replaces nobody: the flag, then the target, then readiness."""
+    folder.write(folder.online(generation), "")
+    Agent(folder).announce(generation)
+    Agent(folder).ready(generation)
+
+
+def test_a_step_that_fails_with_no_repair_announced_tells_its_agent_at_once(monkeypatch, folder):
+    FakeMindSpore(monkeypatch, rows=[])
+    repair = make_repair(folder, State(rank=1), fault_wait=0.05)
+    assert repair.target_after(RuntimeError("HCCL function error: link down\ncontext")) is None  # none came
+    [(_, generation, rank, what)] = folder.reports()
+    assert (generation, rank, what) == (0, 1, RelayFolder.COLLECTIVE)
+    failure = CollectiveFailure.from_text(folder.read(folder.reached(0, 1, RelayFolder.COLLECTIVE)))
+    assert (failure.rank, failure.generation, failure.error) == (1, 0, "HCCL function error: link down")
+
+
+def test_a_step_stopped_by_an_announced_repair_reports_nothing(monkeypatch, folder):
+    FakeMindSpore(monkeypatch, rows=[])
+    Agent(folder).announce(1)
+    assert make_repair(folder, State(rank=0)).target_after(RuntimeError("device stopped")) == 1
+    assert folder.reports() == []
+
+
+def test_an_online_repair_resumes_the_communicators_and_rebuilds_nothing(monkeypatch, folder):
+    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    announce_online(folder, 1)
+    state = State(rank=0)
+    make_repair(folder, state).recover(1)
+    assert fake.calls == [("_stop_device", 3), ("clean_tdt_channel",), ("resume_hccl_comm",),
+                          ("all_gather", (5, NO_STATE, NO_STATE))]
+    assert state.step == 5
+
+
+def test_a_uce_in_the_training_state_repairs_the_device_and_takes_a_replica_s_state(monkeypatch, folder):
+    fake = FakeMindSpore(monkeypatch, rows=[[NO_STATE, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    announce_online(folder, 1)
+    repair = make_repair(folder, State(rank=0))
+    assert repair.target_after(RuntimeError("ACL stream synchronize failed, error code is 507053")) == 1
+    repair.recover(1)
+    assert fake.calls == [
+        ("_stop_device", 3), ("_get_uce_mem_info", 3), ("_get_uce_process_strategy",), ("clean_tdt_channel",),
+        ("resume_hccl_comm",), ("_repair_device", 3), ("all_gather", (NO_STATE, NO_STATE, NO_STATE)),
+        ("send_recv", 3, 1, 0)]
+
+
+def test_a_uce_in_memory_of_a_step_keeps_the_rank_s_own_state(monkeypatch, folder):
+    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]],
+                         uce_strategy="RS_UCE_LOWLEVEL")
+    announce_online(folder, 1)
+    repair = make_repair(folder, State(rank=0))
+    repair.target_after(RuntimeError("UCE ERROR happened on device"))
+    repair.recover(1)
+    assert ("all_gather", (5, NO_STATE, NO_STATE)) in fake.calls and "send_recv" not in fake.names()
+
+
+def test_a_uce_mindspore_cannot_repair_ends_the_process_to_be_replaced(monkeypatch, folder):
+    FakeMindSpore(monkeypatch, rows=[], uce_strategy="RS_NORMAL")
+    announce_online(folder, 1)
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr("ftrun.mindspore_repair.os._exit", exit_)
+    repair = make_repair(folder, State(rank=0))
+    repair.target_after(RuntimeError("UCE ERROR happened on device"))
+    with pytest.raises(SystemExit) as ended:
+        repair.recover(1)
+    assert ended.value.code == EXIT_STUCK
+
+
+def test_the_relay_hands_a_failed_collective_and_the_online_flag_on(store, folder):
+    keys = JobKeys("run")
+    relay = FolderRelay(lambda: store, keys, folder, world_size=lambda: 2)
+    first = CollectiveFailure(1, 0, "link down", at=5.0)
+    RepairChannel(folder, rank=1).collective_failed(first)
+    relay.tick()
+    RepairChannel(folder, rank=0).collective_failed(CollectiveFailure(0, 0, "an echo", at=6.0))
+    relay.tick()
+    assert CollectiveFailure.from_text(store.try_text(keys.collective_failure(0))) == first  # the first stays
+    store.set_text(keys.online_repair(1), "1")
+    store.set_text(keys.target_generation, "1")
+    relay.tick()
+    assert RepairChannel(folder, rank=0).online(1) and RepairChannel(folder, rank=0).target() == 1
+    store.set_text(keys.target_generation, "2")  # a repair that replaces a process
+    relay.tick()
+    assert not RepairChannel(folder, rank=0).online(2)

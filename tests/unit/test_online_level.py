@@ -72,10 +72,10 @@ def test_transition_running_to_exiting_when_the_budget_is_spent():
 
 def test_transition_online_to_process_level_when_a_rank_dies_during_it():
     # the peers of a dying rank see its death first, as a failed collective: the death's report takes the
-    # same repair down to process level, in the same generation, with no second unit of budget
+    # same repair down to process level, in a generation of its own, with no second unit of budget
     v, _ = on_collective_failed(ready(), cut(rank=0))
     v, commands = on_report(v, died(rank=1))
-    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, False, 1, 1)
+    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, False, 2, 1)
     assert v.replacing == {1} and [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (1,))]
 
 
@@ -101,7 +101,7 @@ def test_the_narrator_says_the_level_once_and_its_step_down(tmp_path):
     assert [e["level"] for e in decisions] == ["online", "process"]
     assert decisions[0]["detail"].startswith("online repair into generation 1: a collective of rank 1 failed")
     assert decisions[1]["detail"].startswith(
-        "process-level repair into generation 1: rank 1 (local rank 1) on node 0 (h0), pid 101: killed by SIGKILL")
+        "process-level repair into generation 2: rank 1 (local rank 1) on node 0 (h0), pid 101: killed by SIGKILL")
     assert decisions[1]["action"] == "step_down"
 
 
