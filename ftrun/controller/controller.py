@@ -29,6 +29,7 @@ from ftrun.controller.policy import (
     Level,
     Phase,
     on_collective_failed,
+    on_controller_moved,
     on_library_ranks,
     on_milestone,
     on_node_joined,
@@ -65,7 +66,9 @@ BUSY_TICK = 0.01
 IDLE_TICK = 0.02
 #: how long a rank's failed collective is held before it counts as a fault of its own (the online level):
 #: a peer that died breaks the same collectives, and its agent, which sees the death at once (pidfds),
-#: reports it within this; the death then decides, and the failed collective was its echo
+#: reports it within this; the death then decides, and the failed collective was its echo. It is held
+#: too until every node's agent has sent a keepalive since (at most AGENT_HEARTBEAT_INTERVAL): a node
+#: whose agent died with its ranks reports nothing, and its loss, told by --node-timeout, decides
 ONLINE_GRACE = 0.25
 #: how long the controller waits for every agent to acknowledge the exit
 EXIT_GRACE = 10.0
@@ -142,8 +145,9 @@ class Controller:
         #: the agents' reports read so far, and the operator's requests (sequences)
         self._next_report = 0
         self._next_operator = 0
-        #: the generation whose failed collective is held for ONLINE_GRACE, and since when (monotonic)
-        self._collective_held: tuple[int, float] | None = None
+        #: the generation whose failed collective is held (ONLINE_GRACE), since when (monotonic), and every
+        #: node's keepalive counter then
+        self._collective_held: tuple[int, float, dict[int, int]] | None = None
         #: the world size of the last generation started (0 before the first)
         self._started_world = 0
         #: how each kind of command is made ready to publish (None: held back for now)
@@ -166,6 +170,8 @@ class Controller:
             self.board.controller = {"host": advertised_host, "moves": resume.moves + 1 if resume is not None else 0}
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
+        #: set by its agent when it goes to another controller (``retire``)
+        self.retired = threading.Event()
         #: etcd did not answer for --store-timeout: why the job stops ("" while it answers)
         self._etcd_lost = ""
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -295,6 +301,8 @@ class Controller:
         while self.view.phase is not Phase.DONE:
             if self.leadership is not None and self.leadership.lost.is_set():
                 raise LeadershipLost("this agent's lease lapsed: another may lead now")
+            if self.retired.is_set():
+                raise LeadershipLost("this agent follows another controller now")
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
@@ -377,18 +385,53 @@ class Controller:
         journal = Journal(self.host_agent_id, self.advertised_host, self.view, self.rendezvous_result,
                           tuple(self.roster.nodes[n] for n in sorted(self.roster.nodes)), tuple(self.roster.spares),
                           self._started_world, moves, self._started_at)
+        if not self._journal.due(journal):
+            return
         since = time.monotonic()
         while True:
             try:
-                self._journal.write(self.leadership, journal)
+                self._beating_while(lambda: self._journal.write(self.leadership, journal))
                 return
             except EtcdUnavailable as e:
                 self._say_etcd_unreachable(str(e))
                 if time.monotonic() - since > self.policy.store_timeout:
                     self._etcd_lost = self._etcd_lost_reason(str(e))
                     return
-                self.publisher.heartbeat()  # the agents must not take this controller for gone
-                time.sleep(JOURNAL_RETRY)
+                self._beating_while(lambda: time.sleep(JOURNAL_RETRY))
+
+    def _beating_while(self, call: Callable[[], object]) -> None:
+        """``call()`` (a write to etcd) in a thread of its own while this one beats the controller's
+        keepalive, so that a decision that waits for etcd is not taken for a controller gone. Each call to
+        etcd may take the client's deadline (10 s) or more while it has no quorum; done in this thread, the
+        keepalive stopped with it, every agent took the controller for lost after --node-timeout and the
+        repair under way fell to job level (issue 40). Only this thread beats: a controller that hangs
+        anywhere else still goes silent."""
+        outcome: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as e:  # raised again in the controller's thread
+                outcome.append(e)
+
+        worker = threading.Thread(target=run, name="ftrun-journal", daemon=True)
+        worker.start()
+        while True:
+            worker.join(AGENT_HEARTBEAT_INTERVAL)
+            if not worker.is_alive():
+                break
+            if self.retired.is_set():  # what it writes, if etcd takes it, is the journal it had decided
+                raise LeadershipLost("this agent follows another controller now")
+            self.publisher.heartbeat()
+            if self.leadership is not None and self.leadership.unreachable_since:
+                self._say_etcd_unreachable("its lease could not be renewed")
+        if outcome:
+            raise outcome[0]
+
+    def retire(self) -> None:
+        """This controller's agent goes to another controller (or a new one of its own): change nothing
+        more. Its thread ends within a keepalive."""
+        self.retired.set()
 
     def _etcd_lost_reason(self, detail: str) -> str:
         return f"the control store (etcd) was unreachable for {self.policy.store_timeout:g}s: {detail}"
@@ -432,11 +475,20 @@ class Controller:
         self.publisher.list_job()
         self.narrator.took_office(journal, self.host_agent_id, self.advertised_host, time.time())
         self._write_journal()
+        # the agents reach this store only once they took the old one for gone (up to --node-timeout) and
+        # found this one in etcd: their silence counts from then
+        self.roster.keepalives.quiet_until(time.monotonic() + self.policy.node_timeout)
+        generation = self.view.generation
         lost = journal.held_by(journal.leader) if journal.leader != self.host_agent_id else None
         if lost is not None and lost.node_rank in self.view.present:
             self.lose_node(lost.node_rank, f"node {lost.node_rank} ({lost.host}) lost with the controller it hosted")
         elif journal.leader != self.host_agent_id:
             self.roster.spares = [s for s in self.roster.spares if s.agent_id != journal.leader]
+        if self.view.generation == generation and self.view.phase in REPAIR_PHASES:
+            # nothing above moved the repair on, and what it waits for was said in the store the agents left
+            log.warning("the %s-level repair under way goes on with this controller%s", self.view.repair_level,
+                        f" in generation {generation + 1}" if self.view.level is Level.PROCESS else "")
+            self._apply(on_controller_moved(self.view))
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:
         """A generation starts: the layout (a scale-in or a grow-back renumbers the global ranks), the
@@ -458,7 +510,10 @@ class Controller:
         # the generation before a repair's ran in the same world: a replacement sees no resize
         command = dataclasses.replace(command, worker_store=self.worker_stores.address,
                                       previous_world_size=self._started_world, scheduler=self._scheduler)
-        # the healthy ranks leave their groups now
+        # the healthy ranks leave their groups now, before the journal is written: a rank whose collective
+        # failed waits ``fault_wait`` (10 s) for this to tell a peer's fault from its own, and while etcd
+        # has no quorum the journal waits longer (announced after it, the healthy ranks took the lost peer
+        # for an error of their own, exited and were replaced too: 7 process starts for one fault)
         self.publisher.announce(command.generation, self.view.world_size, online=not command.ranks)
         if not command.ranks:
             return command  # the online level: nothing to start, the agents only move to the new generation
@@ -580,8 +635,9 @@ class Controller:
 
     def _check_collectives(self, now: float) -> None:
         """A rank's collective failed in the running generation (or in an online repair's): once it was
-        held ONLINE_GRACE with no death reported meanwhile, the policy repairs in place. One read a tick,
-        only where process level is ready (else a rank's own wait for an announcement ends it)."""
+        held ONLINE_GRACE with no death reported meanwhile, and every node's agent was heard from since,
+        the policy repairs in place. One read a tick, only where process level is ready (else a rank's own
+        wait for an announcement ends it), and the keepalive counters while one is held."""
         view = self.view
         watched = (view.phase is Phase.RUNNING and view.process_level_ready) or (
             view.online and view.phase in REPAIR_PHASES)
@@ -591,11 +647,15 @@ class Controller:
         failure = CollectiveFailure.from_text(said) if said else None
         if failure is None:
             return
-        if self._collective_held is None or self._collective_held[0] != view.generation:
-            self._collective_held = (view.generation, now)
+        held = self._collective_held
+        if held is None or held[0] != view.generation:
+            self._collective_held = (view.generation, now, self.roster.keepalive_counts(view))
             return
-        if now - self._collective_held[1] < ONLINE_GRACE:
+        if now - held[1] < ONLINE_GRACE:
             return
+        counts = self.roster.keepalive_counts(view)
+        if any(counts.get(node, 0) <= before for node, before in held[2].items()):
+            return  # a node not heard from since: its agent may be gone with its ranks
         slot = self.roster.holder_of_rank(failure.rank)
         self._apply(on_collective_failed(view, failure, slot.node_rank if slot else -1, slot.host if slot else ""))
 

@@ -25,6 +25,14 @@ class Keepalives:
 
     def __init__(self):
         self._seen: dict[str, tuple[int, float]] = {}
+        #: silence before this moment does not count (``quiet_until``)
+        self._heard_until = 0.0
+
+    def quiet_until(self, moment: float) -> None:
+        """No counter counts as quiet before ``moment``: a controller that took office in a store of its own
+        hears the agents only once each found it, and counted from its first look a node whose agent was
+        still on its way (etcd slow to answer it) would be lost --node-timeout later."""
+        self._heard_until = max(self._heard_until, moment)
 
     def quiet_for(self, key: str, count: int, now: float) -> float:
         """Seconds since ``key``'s counter last changed; 0 when it just did (or is new)."""
@@ -32,7 +40,7 @@ class Keepalives:
         if count != seen:
             self._seen[key] = (count, now)
             return 0.0
-        return now - since
+        return max(0.0, now - max(since, self._heard_until))
 
     def forget(self, key: str) -> None:
         self._seen.pop(key, None)
@@ -49,7 +57,7 @@ class Roster:
         #: idle spare agents
         self.spares: list[NodeSlot] = []
         #: the nodes' and spares' keepalive counters, as this controller last saw them move
-        self._keepalives = Keepalives()
+        self.keepalives = Keepalives()
         #: join records answered so far (the rendezvous's, then late arrivals)
         self._arrivals_seen = 0
 
@@ -110,15 +118,20 @@ class Roster:
         keys = [self.keys.node_heartbeat(node) for node in nodes]
         silent = []
         for node, key, count in zip(nodes, keys, self.store.counters(keys)):
-            if self._keepalives.quiet_for(key, count, now) > timeout:
+            if self.keepalives.quiet_for(key, count, now) > timeout:
                 silent.append(node)
-                self._keepalives.forget(key)
+                self.keepalives.forget(key)
         return silent
+
+    def keepalive_counts(self, view: JobView) -> dict[int, int]:
+        """Each node's keepalive counter now (one round trip for every node)."""
+        nodes = sorted(view.present)
+        return dict(zip(nodes, self.store.counters([self.keys.node_heartbeat(node) for node in nodes])))
 
     def drop_silent_spares(self, now: float, timeout: float) -> None:
         for spare in list(self.spares):
             key = self.keys.spare_heartbeat(spare.agent_id)
-            if self._keepalives.quiet_for(key, self.store.counter(key), now) > timeout:
+            if self.keepalives.quiet_for(key, self.store.counter(key), now) > timeout:
                 log.warning("spare %s lost: no keepalive for %gs", spare.host, timeout)
                 self.spares.remove(spare)
 
