@@ -44,6 +44,11 @@ class EtcdUnavailable(EtcdError):
     """No member answered within the deadline: all unreachable, or the cluster lost its quorum."""
 
 
+class NotAGateway(EtcdError):
+    """Every member answered, and none as etcd's v3 JSON gateway does (a web server on that port, an etcd
+    without the v3 API): no retry will change that."""
+
+
 @dataclass(frozen=True)
 class EtcdOptions:
     """How to reach the cluster: its members, and TLS and auth as ``--rdzv-conf`` names them (torchrun's
@@ -125,11 +130,14 @@ class TxnResult:
 class EtcdClient:
     """One client, shared by threads: each thread keeps its own connection."""
 
-    def __init__(self, options: EtcdOptions, deadline: float = CALL_DEADLINE):
+    def __init__(self, options: EtcdOptions, deadline: float = CALL_DEADLINE, member_timeout: float = MEMBER_TIMEOUT):
         if not options.endpoints:
             raise EtcdError("no etcd endpoint given")
         self.options = options
         self.deadline = deadline
+        #: how long one member may take to answer (a member without a quorum holds a write for etcd's own
+        #: request timeout, 5 s and more: a client that must see the quorum back at once gives up sooner)
+        self.member_timeout = member_timeout
         self._local = threading.local()
         #: the member that answered last: the next call starts there
         self._current = 0
@@ -234,7 +242,8 @@ class EtcdClient:
             headers["Authorization"] = self._token
         return headers
 
-    def _connect(self, endpoint: Endpoint, timeout: float = MEMBER_TIMEOUT) -> http.client.HTTPConnection:
+    def _connect(self, endpoint: Endpoint, timeout: float = 0.0) -> http.client.HTTPConnection:
+        timeout = timeout or self.member_timeout
         if self._ssl is not None:
             return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout, context=self._ssl)
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
@@ -254,11 +263,12 @@ class EtcdClient:
         if self.options.user and not self._token:
             self._authenticate()
         answer = self._post(path, body)
-        if "error" in answer and "token" in answer["error"] and self.options.user:
+        if "token" in _refusal(answer) and self.options.user:
             self._authenticate()  # the token expired (simple tokens last minutes): once more with a new one
             answer = self._post(path, body)
-        if "error" in answer:
-            raise EtcdError(f"etcd refused {path}: {answer['error']}")
+        refusal = _refusal(answer)
+        if refusal:
+            raise EtcdError(f"etcd refused {path}: {refusal}")
         return answer
 
     def _authenticate(self) -> None:
@@ -271,33 +281,66 @@ class EtcdClient:
 
     def _post(self, path: str, body: dict) -> dict:
         """One call, at the first member that answers; a member's "no leader" or "timed out" answer counts
-        as no answer (the cluster has no quorum there), and is tried again until the deadline."""
+        as no answer (the cluster has no quorum there), and is tried again until the deadline. When every
+        member answered but none as etcd's gateway, :class:`NotAGateway` at once."""
         data = json.dumps(body)
         end = time.monotonic() + self.deadline
         count = len(self.options.endpoints)
         last = "no member tried"
         while True:
+            strangers = []
             for step in range(count):
                 index = (self._current + step) % count
+                endpoint = self.options.endpoints[index]
                 try:
                     connection = self._connection(index)
                     connection.request("POST", API + path, data, self._headers())
                     response = connection.getresponse()
-                    answer = json.loads(response.read() or b"{}")
-                except (OSError, http.client.HTTPException, ValueError) as e:
+                    raw = response.read()
+                except (OSError, http.client.HTTPException) as e:
                     self._drop(index)
-                    last = f"{self.options.endpoints[index]}: {e or type(e).__name__}"
+                    last = f"{endpoint}: {e or type(e).__name__}"
                     continue
-                error = str(answer.get("error", "")) if isinstance(answer, dict) else ""
-                code = answer.get("code") if isinstance(answer, dict) else None
+                answer = _answer(raw)
+                if response.status < 500 and (answer is None or not _from_etcd(answer)):
+                    # a 404 with an empty body (another web server on the port): its KeyError on a field of
+                    # the answer was a 32-line traceback (issue 40)
+                    strangers.append(f"{endpoint} is not an etcd v3 gateway (HTTP {response.status} for {API}{path})")
+                    last = strangers[-1]
+                    continue
+                answer = answer or {}
+                error, code = _refusal(answer), answer.get("code")
                 if response.status >= 500 or code in TRANSIENT_CODES or any(m in error for m in TRANSIENT_ERRORS):
-                    last = f"{self.options.endpoints[index]}: {error or response.status}"
+                    last = f"{endpoint}: {error or response.status}"
                     continue
                 self._current = index
                 return answer
+            if len(strangers) == count:
+                raise NotAGateway("; ".join(strangers))
             if time.monotonic() > end:
-                raise EtcdUnavailable(f"no etcd member answered within {self.deadline:.0f}s ({last})")
+                raise EtcdUnavailable(f"no etcd member answered within {self.deadline:.3g}s ({last})")
             time.sleep(RETRY_PAUSE)
+
+
+def _answer(raw: bytes) -> dict | None:
+    """The JSON object an answer holds; None when it holds none."""
+    try:
+        answer = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def _refusal(answer: dict) -> str:
+    """Why etcd said no ("" when it did not): etcd 3.4's gateway says it as "error", 3.5's as "message"."""
+    if "header" in answer or "result" in answer:
+        return ""
+    return str(answer.get("error") or answer.get("message") or "")
+
+
+def _from_etcd(answer: dict) -> bool:
+    """The answer is the gateway's: a result (its header, or a stream's result) or an error of etcd's."""
+    return any(field in answer for field in ("header", "result", "error", "message"))
 
 
 def reachable(options: EtcdOptions, deadline: float) -> str:

@@ -354,6 +354,12 @@ class Agent:
         untouched; how the job ended when it ended meanwhile."""
         failed = str(self.store.endpoint)
         log.warning("lost the control store at %s (%s); looking for the controller in etcd", failed, why)
+        if self.controller is not None:
+            # this agent's own controller went silent (its thread held up) or stepped down: it must change
+            # nothing more before another takes its place, here or elsewhere (left running, it went on
+            # deciding on the store the agents had left, counted every node lost and dropped the repair's
+            # held replacement: issue 40)
+            self.controller.retire()
         self._stop_controller()
         if self.protocol is not None and self.protocol.watch is not None:
             self.protocol.watch.close(self.store)

@@ -22,7 +22,7 @@ from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal, read_journal
 from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, current_relay
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
-from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable
+from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdUnavailable
 from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ class EtcdControlPlane:
         self.agent_id = agent_id
         self.host = host
         self.signer = signer
-        self.client = EtcdClient(config.etcd)
+        # no call waits longer than the first contact may (--rdzv-timeout): the client's own 10 s won over
+        # a --rdzv-timeout of 3 with an unreachable endpoint
+        self.client = EtcdClient(config.etcd, deadline=min(CALL_DEADLINE, config.rdzv_timeout))
         self.keys = EtcdKeys(config.run_id)
         self.leadership = Leadership(self.client, self.keys, agent_id, config.node_timeout)
         self._folder = tempfile.TemporaryDirectory(prefix="ftrun-control-")
@@ -92,6 +94,11 @@ class EtcdControlPlane:
                     if left > 0:
                         log.error("the control store (etcd at %s) is unreachable: %s; trying for %.0fs more",
                                   self.config.etcd.describe(), e, left)
+            except EtcdError as e:  # it answers, and says no (not a gateway, a refused user): no retry helps
+                where = f"etcd at {self.config.etcd.describe()}"
+                if not joined:
+                    raise RendezvousError(f"cannot use {where}: {e}") from None
+                raise ControlPlaneLost(f"the control store ({where}) refused this agent: {e}") from None
             if time.monotonic() > end:
                 where = f"etcd at {self.config.etcd.describe()}"
                 if not joined:  # the launch: as a c10d store that never answers

@@ -614,7 +614,21 @@ class Controller:
         if report.kind is ReportKind.NODE_UNUSABLE and spare is not None:
             self.lose_node(report.node_rank, f"node {report.node_rank} ({owner.host}): {report.detail}")
             return
+        if report.kind is ReportKind.WORKER_FAILED:
+            self._catch_up_with_the_repair()
         self._apply(on_report(self.view, report))
+
+    def _catch_up_with_the_repair(self) -> None:
+        """Before a failure is judged: the milestones the ranks reached since the last tick, so that it is
+        judged where the repair stands. After a decision that waited for etcd the ranks were a whole
+        repair ahead (it ended while etcd had no quorum), and a rank killed as etcd answered joined that
+        repair as a failure of its rollback, its replacement taken for one without state."""
+        view = self.view
+        while view.level is Level.PROCESS and view.phase in REPAIR_PHASES:
+            self._check_repair()
+            if self.view is view:
+                return
+            view = self.view
 
     def _stop_acknowledgements(self) -> tuple[int, frozenset[int]] | None:
         """During a job-level STOP, once every node waited for has acknowledged it (one ``check`` of their

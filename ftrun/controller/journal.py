@@ -103,13 +103,13 @@ class JournalWriter:
     def __init__(self, resumed: Journal | None = None) -> None:
         self._written: dict[str, object] = resumed.parts() if resumed is not None else {}
 
+    def due(self, journal: Journal) -> bool:
+        """Whether writing ``journal`` would write anything."""
+        return bool(self._changed(journal))
+
     def write(self, leadership: Leadership, journal: Journal) -> int:
         """Write what changed (LeadershipLost, EtcdUnavailable as Leadership.write); the bytes written."""
-        if journal.over and self._ended_as(journal):
-            return 0
-        # the parts are compared as objects, not as text: the rendezvous result and the roster's slots
-        # are the same objects from one decision to the next, so that most comparisons are identities
-        changed = {name: part for name, part in journal.parts().items() if self._written.get(name) != part}
+        changed = self._changed(journal)
         if not changed:
             return 0
         texts = {name: to_json(part) for name, part in changed.items()}
@@ -117,6 +117,13 @@ class JournalWriter:
         self._written.update(changed)
         return sum(len(text) for text in texts.values())
 
+    def _changed(self, journal: Journal) -> dict[str, object]:
+        """The parts of ``journal`` that differ from what etcd holds."""
+        if journal.over and self._ended_as(journal):
+            return {}
+        # the parts are compared as objects, not as text: the rendezvous result and the roster's slots
+        # are the same objects from one decision to the next, so that most comparisons are identities
+        return {name: part for name, part in journal.parts().items() if self._written.get(name) != part}
 
     def _ended_as(self, journal: Journal) -> bool:
         """etcd holds already that the job is over, with ``journal``'s exit code and reason: a successor

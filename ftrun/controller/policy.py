@@ -321,6 +321,24 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
     return view, [takeover, _replace_command(view, replacing)]
 
 
+def on_controller_moved(view: JobView) -> Decision:
+    """A controller took office from its predecessor's journal while a repair was under way, and no node
+    is lost with the move (the same agent took the office again in a new term, its old controller given
+    up). What the repair's phase waits for lived in the store the agents left: the announcement and the
+    milestones of a process-level repair, its REPLACE commands (held back, or published there), the STOP
+    of a job-level restart. A process-level repair goes on in a new generation, which supersedes the one
+    under way, replacing the same ranks (left as it was, it sat until the repair deadline, 60 s "stuck in
+    stopping", and fell to job level: issue 40); a job-level restart is told again. No second unit of
+    budget: one fault, one repair."""
+    if view.phase is Phase.STOPPING and view.level is Level.JOB:
+        return view, [Command(CommandKind.STOP, view.generation, reason=view.reason)]
+    if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
+        return view, []
+    view = view.move(Phase.STOPPING, generation=view.generation + 1, acknowledged=frozenset(),
+                     replacements_started=False)
+    return view, [_replace_command(view, view.replacing)]
+
+
 def _scale_in(view: JobView, node_rank: int, detail: str, nproc: int) -> Decision:
     """Go on without the node: every rank restarts (job level) in a smaller world."""
     if view.budget_left <= 0:

@@ -27,7 +27,8 @@ CASES = [
     ("endpoint-port-range", ["--rdzv-endpoint", "head:70000", SCRIPT], 2, "70000"),
     ("endpoint-unresolvable", ["--rdzv-endpoint", "no-such-host.invalid:29400", SCRIPT], 2, "no-such-host.invalid"),
     ("etcd-unreachable", ["--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2", "--run-id",
-                          "x", "--rdzv-timeout", "1", SCRIPT], 3, "cannot reach etcd at 127.0.0.1:1"),
+                          "x", "--rdzv-timeout", "1", SCRIPT], 3, "cannot reach etcd at 127.0.0.1:1 within 1s: "
+                                                                  "no etcd member answered within 1s"),
     ("unknown-flag", ["--frobnicate", SCRIPT], 2, "--frobnicate"),
     ("static-without-node-rank", ["--nnodes", "2", SCRIPT], 2, "--node-rank"),
     ("node-rank-out-of-range", ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "localhost:1", SCRIPT], 2, "--node-rank 2"),

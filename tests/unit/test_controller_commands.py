@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 import time
 
 import pytest
 
 from ftrun.auth import Signer
 from ftrun.config import Endpoint
+from ftrun.contract import Milestone
 from ftrun.controller.controller import Controller, RecoveryPolicy
+from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.etcd import EtcdUnavailable
 from ftrun.keys import JobKeys
-from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, Report, ReportKind, WorkerFailure
+from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, RendezvousResult, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
 
@@ -142,3 +146,73 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     assert (second.previous_world_size, second.layout) == (4, 2)  # what on_resize is called with: 4 -> 2
     assert (repair.previous_world_size, repair.layout) == (2, 2)  # the same world as the generation before
     assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.roster.nodes[0],)
+
+
+class OfficeWithoutQuorum:
+    """A controller's office in an etcd that has lost its quorum: its writes wait as ``waits`` say, each
+    (seconds, refused): a refused one then gives up (EtcdUnavailable), as the client does. Later ones
+    are written at once."""
+
+    def __init__(self, waits: list[tuple[float, bool]]):
+        self.keys = EtcdKeys("no-quorum")
+        self.lost = threading.Event()
+        self.unreachable_since = time.monotonic()  # the lease's renewals fail too
+        self.waits, self.written = waits, 0
+
+    def write(self, ops: list[dict]) -> None:
+        wait, refused = self.waits.pop(0) if self.waits else (0.0, False)
+        time.sleep(wait)
+        if refused:
+            raise EtcdUnavailable("no etcd member answered within 1s")
+        self.written += 1
+
+
+def test_a_decision_that_waits_for_etcd_keeps_the_controllers_keepalive_beating_issue_40(controller):
+    # the decision's journal waited in the controller's thread (10 s a try, while etcd had no quorum):
+    # its keepalive stopped, and every agent took the controller for lost after --node-timeout
+    controller.leadership = office = OfficeWithoutQuorum([(0.3, True), (1.8, False)])
+    controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
+    controller.rendezvous_result = RendezvousResult(tuple(controller.roster.nodes.values()), 4)
+    beats, done = [], threading.Event()
+
+    def watch() -> None:  # what an agent's keepalive reads: when the controller's counter moved
+        last = None
+        while not done.is_set():
+            count = controller.store.counter(controller.keys.controller_heartbeat)
+            if count != last:
+                beats.append(time.monotonic())
+                last = count
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, name="test-agent-keepalive")
+    watcher.start()
+    began = time.monotonic()
+    try:
+        controller._on_report(failed(3))  # waits for the journal: one try refused, the next one written
+    finally:
+        done.set()
+        watcher.join()
+    assert office.written == 1 and time.monotonic() - began >= 2.1
+    gaps = [b - a for a, b in zip([began, *beats], [*beats, time.monotonic()])]
+    assert max(gaps) < 1.4, gaps  # beaten all along (every 0.5 s), not once after each try of etcd
+    assert controller.narrator.etcd_down  # said once, while it waited
+    assert controller.store.try_text(controller.keys.target_generation) == "1"  # the ranks were told at once
+    time.sleep(HOLD)
+    controller._release_replacements()  # and the replacement goes out once the journal holds the decision
+    assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
+
+
+def test_a_failure_after_the_ranks_resumed_is_a_repair_of_its_own_however_far_behind_the_controller_is(controller):
+    # the controller's decisions waited for etcd while the ranks finished the repair on their own; a rank
+    # killed as etcd answered was taken for a failure of that repair's rollback, its replacement for one
+    # without state (issue 40)
+    controller._on_report(failed(3))
+    time.sleep(HOLD)
+    controller._release_replacements()
+    controller.view = dataclasses.replace(controller.view, phase=Phase.REPAIR)  # as far as it got
+    for milestone in (Milestone.JOINED, Milestone.RESUMED):  # where the ranks are: training again
+        controller.store.add(controller.keys.milestone(1, milestone.value), 4)
+    controller._on_report(dataclasses.replace(failed(2), generation=1))  # its agent is in generation 1 too
+    view = controller.view
+    assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2, 2)
+    assert view.replacing == {2} and view.stateless == frozenset()  # rank 3's replacement holds the state now

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import http.server
 import json
 import threading
 import time
@@ -12,11 +13,15 @@ import urllib.request
 
 import pytest
 
+from ftrun.agent.control_plane import EtcdControlPlane
+from ftrun.auth import Signer
+from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
 from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost
 from ftrun.controller.policy import JobView, Level, Phase
-from ftrun.etcd import EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, created_at, put, read
+from ftrun.errors import ExitCode, RendezvousError
+from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
 from ftrun.messages import NodeSlot, RendezvousResult, from_json, to_json
 
 
@@ -100,6 +105,80 @@ def test_a_leader_stopped_past_its_lease_is_refused_and_steps_down(etcd):
     third = Leadership(EtcdClient(options(etcd)), keys, "agent-c", ttl=1)
     assert third.try_lead()
     third.resign()
+
+
+def test_a_write_refused_after_the_lease_lapsed_with_no_successor_takes_the_office_back(etcd):
+    # etcd without a quorum may let a lease of a few seconds lapse; the first write after it came before
+    # the renewals noticed, and the controller stepped down with the repair it was deciding
+    keys = EtcdKeys("lapsed")
+    office = Leadership(EtcdClient(options(etcd)), keys, "agent-a", ttl=1)
+    assert office.try_lead()
+    term = office.term
+    office._stop.set()  # no renewal: the lease lapses, and no other candidate looks meanwhile
+    deadline = time.monotonic() + 30
+    while office.client.get(keys.leader) is not None:
+        assert time.monotonic() < deadline, "the lease never lapsed"
+        time.sleep(0.1)
+    office.publish(keys.journal_part("decision"), {"by": "a"})  # goes through, in a new term
+    assert office.leads and office.term > term
+    assert office.client.get(keys.leader).value == b"agent-a"
+    assert json.loads(office.client.get(keys.journal_part("decision")).value) == {"by": "a"}
+    assert not Leadership(EtcdClient(options(etcd)), keys, "agent-b", ttl=1).try_lead()
+    office.resign()
+
+
+class NotEtcd(http.server.BaseHTTPRequestHandler):
+    """A web server that is not etcd: 404, empty body, to every POST."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def not_etcd():
+    """The address of an HTTP server on loopback that is not an etcd v3 gateway."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotEtcd)
+    thread = threading.Thread(target=server.serve_forever, name="not-etcd", daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+def launch_config(endpoint: str, **flags):
+    raw = {"rdzv_backend": "etcd", "rdzv_endpoint": endpoint, "nnodes": "2", "run_id": "x", "script": "train.py"}
+    return build_launch_config({**raw, **flags}, check_script=False)
+
+
+def test_an_endpoint_that_is_not_an_etcd_gateway_is_one_line_and_exit_3_issue_40(not_etcd):
+    # its 404 with an empty body was a 32-line traceback ending in KeyError: 'ID', exit 1
+    client = EtcdClient(EtcdOptions((parse_endpoint(not_etcd, 2379),)), deadline=30)
+    with pytest.raises(NotAGateway, match="is not an etcd v3 gateway") as raised:
+        client.grant(3)  # at once: no retry would change the answer (within 30 s, it would be EtcdUnavailable)
+    assert "\n" not in str(raised.value) and not_etcd in str(raised.value)
+    plane = EtcdControlPlane(launch_config(not_etcd), "agent-0", "127.0.0.1", Signer())
+    try:
+        with pytest.raises(RendezvousError, match=f"{not_etcd} is not an etcd v3 gateway") as raised:
+            plane.find(30, joined=False)
+        assert raised.value.exit_code == ExitCode.RENDEZVOUS
+    finally:
+        plane.leave()
+
+
+def test_the_first_contact_with_etcd_waits_no_longer_than_the_rdzv_timeout_issue_40():
+    # an unreachable endpoint with --rdzv-timeout 3 took 10.3 s: the client's own deadline won
+    plane = EtcdControlPlane(launch_config("127.0.0.1:1", rdzv_timeout=3), "agent-0", "127.0.0.1", Signer())
+    assert plane.client.deadline == 3
+    plane.leave()
+    plane = EtcdControlPlane(launch_config("127.0.0.1:1"), "agent-0", "127.0.0.1", Signer())
+    assert plane.client.deadline == CALL_DEADLINE  # --rdzv-timeout's default (600 s): a call's own deadline
+    plane.leave()
 
 
 def test_a_journal_comes_back_as_it_was_written():

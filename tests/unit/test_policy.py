@@ -12,6 +12,7 @@ from ftrun.controller.policy import (
     JobView,
     Level,
     Phase,
+    on_controller_moved,
     on_milestone,
     on_node_joined,
     on_node_lost,
@@ -184,6 +185,29 @@ def test_every_rank_lost_one_by_one_after_the_replacements_started_is_one_job_le
     v, commands = on_report(v, failed(node=1, gen=0, rank=3))
     # the repair's unit comes back: the job-level restart spends the one unit of this fault as it starts
     assert v.level is Level.JOB and v.no_replica and v.restarts_used == 0
+
+
+def test_controller_moved_during_a_process_level_repair_goes_on_in_a_new_generation_replacing_the_same_ranks():
+    # the same agent took the office again in a new term: no node lost, but the announcement, the milestones
+    # and the held REPLACE lived in the store the agents left (issue 40: 60 s "stuck in stopping")
+    v, _ = on_report(view(recovery=Level.PROCESS, world_size=4, library_ranks=4), failed(node=0, rank=1))
+    for phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK):
+        moved, commands = on_controller_moved(dataclasses.replace(v, phase=phase, replacements_started=True))
+        assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 2, (1,))]
+        assert (moved.phase, moved.level, moved.replacing, moved.clearing) == (Phase.STOPPING, Level.PROCESS,
+                                                                              {1}, {0})
+        assert moved.restarts_used == 1 and not moved.replacements_started  # one fault, one repair
+
+
+def test_controller_moved_during_a_job_level_restart_tells_the_stop_again():
+    v, _ = on_report(view(), failed(node=0))
+    v, _ = on_report(v, report(ReportKind.STOPPED, node=0))
+    moved, commands = on_controller_moved(v)
+    assert moved == v and [(c.kind, c.generation) for c in commands] == [(CommandKind.STOP, 0)]
+
+
+def test_controller_moved_while_the_job_runs_changes_nothing():
+    assert on_controller_moved(view()) == (view(), [])
 
 
 def test_lost_node_during_a_job_level_restart_lets_the_restart_finish():

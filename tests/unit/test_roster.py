@@ -44,6 +44,18 @@ def test_a_node_whose_keepalive_stands_still_past_the_timeout_is_silent_once(ros
     assert roster.silent_nodes(view, 104.0, TIMEOUT) == []
 
 
+def test_a_successor_counts_no_silence_of_the_agents_still_finding_its_store(roster):
+    # a controller that took office at 100.0: the agents reach its store once they took the old one for
+    # gone and found this one in etcd, up to --node-timeout later
+    view = JobView(node_count=3, max_restarts=1, world_size=6)
+    roster.keepalives.quiet_until(100.0 + TIMEOUT)
+    assert roster.silent_nodes(view, 100.0, TIMEOUT) == []
+    roster.store.add(KEYS.node_heartbeat(0))  # node 0's agent found it at once
+    assert roster.silent_nodes(view, 105.5, TIMEOUT) == []  # nodes 1 and 2: silent since 103.0 only
+    roster.store.add(KEYS.node_heartbeat(1))  # node 1's agent arrived late; node 2's never does
+    assert roster.silent_nodes(view, 106.5, TIMEOUT) == [2]  # silent for a whole timeout since 103.0
+
+
 def test_a_silent_spare_is_dropped(roster):
     roster.drop_silent_spares(100.0, TIMEOUT)
     roster.drop_silent_spares(102.0, TIMEOUT)
