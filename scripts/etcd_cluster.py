@@ -142,10 +142,12 @@ class EtcdCluster:
         member = self.members[index]
         self._launch(etcd_program(), member)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        """Stop every member: with SIGTERM (a member may take seconds to hand its leadership over), or, not
+        ``graceful``, with SIGKILL, for a cluster whose data goes with it."""
         for member in self.members:
             if member.proc is not None and member.proc.poll() is None:
-                member.proc.terminate()
+                member.proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
         for member in self.members:
             if member.proc is None:
                 continue

@@ -223,7 +223,8 @@ def etcd(tmp_path):
 
     cluster = start_cluster(tmp_path / "etcd")
     yield cluster
-    cluster.stop()
+    # its data goes with the test: no graceful leave (a member whose peers are gone waited 5 s for them)
+    cluster.stop(graceful=False)
 
 
 # -- control stores that a test kills as a lost node would go ---------------------------------------------
