@@ -174,6 +174,10 @@ class GroupSet:
         #: told of the first failure of a step's collectives, from whichever thread saw it (the link reports it)
         self.on_failure: Callable[[BaseException], None] | None = None
         self._lock = threading.Lock()
+        #: the futures of guarded collectives not yet settled, which abandon() settles locally
+        self._pending: "weakref.WeakSet[_Settled]" = weakref.WeakSet()
+        #: a collective of the current real groups was given up while it waited: it may never end
+        self.stuck = False
 
     def create(self, options, backend_options=None) -> ElasticGroup:
         """torch's creator for the ``ftrun`` backend (``Backend.register_backend(..., extended_api=True)``)."""
@@ -219,8 +223,13 @@ class GroupSet:
 
     def abandon(self, generation: int) -> None:
         """A newer generation was announced (from another thread): a group of ``generation`` or
-        older that is still connecting gives up, since a peer it waits for may be dead."""
+        older that is still connecting gives up, since a peer it waits for may be dead, and so does every
+        collective of theirs still waited for. A cut link can leave one that never ends: its sockets
+        aborted under it, gloo's work waits out the collective timeout (seen after ``ss -K``, 300 s)."""
         self.abandoned = max(self.abandoned, generation)
+        for pending in list(self._pending):
+            if pending.generation <= generation:
+                pending.give_up()
 
     def release(self) -> None:
         """Abort and drop every real group: their peers blocked on this rank are released.
@@ -232,6 +241,13 @@ class GroupSet:
         """
         dropped = [real for real in (group.drop() for group in list(self.groups)) if real is not None]
         self.backend.release(dropped)
+        if self.stuck:
+            # a collective given up still runs in gloo's worker thread, which the group's destructor joins:
+            # it would hold this rank until the collective timeout (300 s, after a cut link); let another
+            # thread wait for it (the groups of the next generation are new ones)
+            self.stuck = False
+            threading.Thread(target=dropped.clear, name="ftrun-group-reaper", daemon=True).start()
+            return
         alive = [weakref.ref(real) for real in dropped]
         del dropped
         for generation in (0, 1, 2):
@@ -359,6 +375,10 @@ class _Abandonable(dist.Store):
         self._store.multi_set(keys, values)
 
 
+#: how long a guarded collective's wait lasts before it looks whether its generation was given up
+WAIT_SLICE = datetime.timedelta(seconds=0.05)
+
+
 class _Guarded(dist._Work):
     """A real collective's work whose failure is recorded on the group set instead of raised."""
 
@@ -366,13 +386,28 @@ class _Guarded(dist._Work):
         super().__init__()
         self._real, self._owner = real, owner
         self._op, self._rank, self._size, self._args = op, rank, size, args
+        #: the generation it belongs to: once a newer one is announced, nothing waits for it any more
+        self._generation = owner.generation
 
     def wait(self, timeout=None) -> bool:
         try:
-            return self._real.wait() if timeout is None else self._real.wait(timeout)
+            return self._real.wait(timeout) if timeout is not None else self._wait_unless_given_up()
         except Exception as e:
             self._owner.fail(e)
             return True
+
+    def _wait_unless_given_up(self) -> bool:
+        """Wait in slices (a wait returns the moment the work completes, whatever its slice), and give up
+        once the generation was: the work may never end (its sockets aborted under it by a cut link)."""
+        while True:
+            try:
+                return self._real.wait(WAIT_SLICE)
+            except RuntimeError as e:
+                if self._real.is_completed() or "timed out" not in str(e):
+                    raise  # it failed ("Operation timed out!" is torch's word for the slice's end)
+                if self._owner.abandoned >= self._generation:
+                    self._owner.stuck = True
+                    raise GroupError(f"generation {self._generation} was superseded while a collective waited") from None
 
     def is_completed(self) -> bool:
         try:
@@ -384,17 +419,50 @@ class _Guarded(dist._Work):
         return self._owner.failure is None
 
     def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
+        settled = _Settled(self._owner, self._generation,
+                           lambda: answer_locally(self._op, self._rank, self._size, self._args).get_future().value())
+        self._owner._pending.add(settled)
+        self._real.get_future().add_done_callback(settled.settle)
+        return settled.future
 
-        def settle(done: torch.futures.Future) -> None:
-            try:
-                future.set_result(done.value())
-            except Exception as e:
-                self._owner.fail(e)
-                future.set_result(answer_locally(self._op, self._rank, self._size, self._args).get_future().value())
 
-        self._real.get_future().add_done_callback(settle)
-        return future
+class _Settled:
+    """The future a guarded collective hands out: settled by the real one, or locally, as a failure,
+    when its generation is given up first (the real one may never complete: ``GroupSet.abandon``);
+    whichever comes first, once."""
+
+    def __init__(self, owner: GroupSet, generation: int, local: Callable[[], object]):
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.generation = generation
+        self._owner, self._local = owner, local
+        self._lock = threading.Lock()
+        self._done = False
+
+    def settle(self, done: torch.futures.Future) -> None:
+        try:
+            result = done.value()
+        except Exception as e:
+            self._fail(e)
+            return
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self.future.set_result(result)
+
+    def give_up(self) -> None:
+        if self._fail(GroupError(f"generation {self.generation} was superseded while a collective waited")):
+            self._owner.stuck = True
+
+    def _fail(self, error: BaseException) -> bool:
+        """Settle it locally, as a failure; False when it was settled already."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+        self._owner.fail(error)
+        self.future.set_result(self._local())
+        return True
 
 
 def answer_locally(op: str, rank: int, size: int, args: tuple) -> dist._Work:

@@ -4,16 +4,18 @@ the policy, the narration, the rank's report, and Ascend's UCE check (no store, 
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ftrun.contract import CollectiveFailure, Milestone
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import JobView, Level, Phase, on_collective_failed, on_milestone, on_report
 from ftrun.elastic.backends import CommBackend, HcclBackend, Memory
-from ftrun.elastic.groups import GroupSet, first_line
+from ftrun.elastic.groups import GroupError, GroupSet, _Guarded, first_line
 from ftrun.events import EventLog, read_events
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
 
@@ -146,3 +148,45 @@ def test_a_step_s_first_failed_collective_is_told_once_and_in_one_line():
     groups.fail(RuntimeError("a later one, an echo of the first"))
     assert told == [first]
     assert first_line(first) == "Read error [127.0.0.1]:906: Connection reset by peer"
+
+
+class NeverEnds:
+    """A real collective's work whose sockets a cut link aborted under it: it never completes."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return False
+
+    def get_future(self):
+        return torch.futures.Future()  # never set
+
+
+def test_a_collective_that_never_ends_is_given_up_once_its_generation_is():
+    groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+    groups.generation = 0
+    work = NeverEnds()
+    guarded = _Guarded(work, groups, "allreduce", 0, 2, ([torch.ones(2)],))
+    future = guarded.get_future()
+    threading.Timer(0.2, groups.abandon, args=(0,)).start()  # the repair watch, as the repair is announced
+    assert guarded.wait() is True  # the step goes on to its end, the failure recorded
+    assert work.waits >= 2 and isinstance(groups.failure, GroupError)
+    assert future.done()  # settled locally: nothing waits for it
+    assert groups.stuck  # its real group is let go of in a thread of its own
+
+
+def test_a_collective_that_failed_by_itself_is_not_given_up():
+    groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+    groups.generation = 0
+
+    class Failed(NeverEnds):
+        def is_completed(self):
+            return True
+
+    assert _Guarded(Failed(), groups, "barrier", 0, 2, ()).wait() is True
+    assert str(groups.failure) == "Operation timed out!" and not groups.stuck
