@@ -154,6 +154,12 @@ def event_lines(events: list[dict], width: int) -> Text:
     return text
 
 
+def moved_line(host: str) -> str:
+    """What a view (``ftrun status --watch``, ``ftrun top``) says once when its store went and etcd named the
+    controller's new one, on ``host``, which it reads from now on."""
+    return f"the controller moved to {host}; following it"
+
+
 def plain_line(s: dict) -> str:
     """One line: for logs, and for ``--status plain``'s progress report."""
     alive = sum(n["ranks_alive"] for n in s["nodes"] if n["role"] == "active")

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import click
 
 from ftrun.cli.console import out, say
+from ftrun.contract import Endpoint
 from ftrun.errors import ExitCode, FtrunError, RendezvousError, UsageError
 
 if TYPE_CHECKING:
+    from ftrun.etcd import EtcdClient
     from ftrun.store import ControlStore
 
 STATUS_HELP = """Show a running job's state: its nodes, ranks, recovery phase and last events.
@@ -72,21 +75,34 @@ def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_
         raise RendezvousError(str(e)) from None
 
 
-#: how long ``ftrun status --watch`` of an etcd-backed job waits for a successor when the controller's store goes
+#: how long a view (``ftrun status --watch``, ``ftrun top``) of an etcd-backed job looks for the controller when
+#: its store stops answering: the old controller's lease lapses after the job's --node-timeout (30 s by default),
+#: and its successor publishes its store a moment later
 FOLLOW_DEADLINE = 60.0
+#: the longest one wait for a change of the job's keys in etcd lasts before the relay is read again
+LOOK_AGAIN = 1.0
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the job's control store listens (``endpoint``), and the host of the controller there."""
+
+    endpoint: Endpoint
+    host: str
 
 
 class StoreFinder:
     """Where the job's control store is: the endpoint given (c10d, static), or where etcd says the
     controller in office hosts it (``moves``: found again after the controller moved)."""
 
-    def __init__(self, endpoint=None, etcd=None, run_id: str = ""):
+    def __init__(self, endpoint: Endpoint | None = None, etcd: EtcdClient | None = None, run_id: str = ""):
         self._endpoint, self._etcd, self._run_id = endpoint, etcd, run_id
         self.moves = etcd is not None
 
-    def __call__(self):
+    def __call__(self) -> Location:
         if self._etcd is None:
-            return self._endpoint
+            assert self._endpoint is not None
+            return Location(self._endpoint, self._endpoint.host)
         from ftrun.config import parse_endpoint
         from ftrun.controller.leadership import EtcdKeys, current_relay
         from ftrun.etcd import EtcdError
@@ -98,7 +114,31 @@ class StoreFinder:
         if relay is None:
             raise RendezvousError(f"job '{self._run_id}' has no controller in etcd at {self._etcd.options.describe()} "
                                   "(a wrong --run-id, or the job has ended or not started)")
-        return parse_endpoint(relay.endpoint, 0, "the job's relay in etcd")
+        return Location(parse_endpoint(relay.endpoint, 0, "the job's relay in etcd"), relay.host)
+
+    def revision(self) -> int:
+        """etcd's revision now (0 when it does not answer): :meth:`wait` waits for a change after it."""
+        from ftrun.etcd import EtcdError
+
+        try:
+            return self._etcd.revision() if self._etcd is not None else 0
+        except EtcdError:
+            return 0
+
+    def wait(self, after_revision: int, timeout: float) -> None:
+        """Until one of the job's keys in etcd changes after ``after_revision`` (a lease lapsed, a successor
+        published its store), or ``timeout``: a watch, as the agents wait, rather than reads in a loop."""
+        from ftrun.controller.leadership import EtcdKeys
+        from ftrun.etcd import EtcdError
+
+        if self._etcd is not None and after_revision:
+            try:
+                if not self._etcd.wait_change(EtcdKeys(self._run_id).root, after_revision, timeout, prefix=True):
+                    time.sleep(min(timeout, 0.05))  # a member that went ends the watch early: not a busy loop
+                return
+            except EtcdError:
+                pass
+        time.sleep(min(timeout, 0.2))
 
 
 def store_finder(backend: str, endpoint: str, run_id: str, rdzv_conf: str, timeout: float) -> StoreFinder:
@@ -122,38 +162,52 @@ class StatusReader:
 
         self.find, self.timeout = find, timeout
         self.store: ControlStore | None = None
-        self.store = self._open(find())
+        self.location = find()
+        self.store = self._open(self.location.endpoint, timeout)
+        self.endpoint = self.store.endpoint
         self.keys = JobKeys(run_id or self._only_run_id())
 
-    def _open(self, endpoint) -> ControlStore:
-        from ftrun.config import Endpoint
+    def _open(self, endpoint: Endpoint, timeout: float) -> ControlStore:
         from ftrun.keys import CONTROL_STORE
         from ftrun.store import ControlStore, connect_store
 
-        raw = connect_store(endpoint, self.timeout, refused_is_final=True)  # a host that does not answer is waited for
+        raw = connect_store(endpoint, timeout, refused_is_final=True)  # a host that does not answer is waited for
         if raw.check([CONTROL_STORE]):  # a static rendezvous's --master-port: the control store is elsewhere
             endpoint = Endpoint(endpoint.host, int(raw.get(CONTROL_STORE)))
-            raw = connect_store(endpoint, self.timeout, refused_is_final=True)
-        self.endpoint = endpoint
-        return ControlStore(raw, endpoint, is_host=False, signer=self.store.signer if self.store else None)
+            raw = connect_store(endpoint, timeout, refused_is_final=True)
+        # a store that moves (etcd) is given up within --timeout when its host stops answering without closing
+        # the connection (stopped, cut off: a TCPStore call waits for good), so that the view looks for the next
+        call_timeout = self.timeout if self.find.moves else 0.0
+        return ControlStore(raw, endpoint, is_host=False, signer=self.store.signer if self.store else None,
+                            call_timeout=call_timeout)
 
-    def follow(self, deadline: float) -> bool:
-        """--rdzv-backend etcd: the controller moved; read from its new store (True), waiting up to
-        ``deadline`` seconds for a successor to take office."""
+    def follow(self, deadline: float) -> str:
+        """--rdzv-backend etcd: the store stopped answering. Look in etcd, as the agents do, until it names a
+        controller whose store is not the one that went, that store answers and holds the job's status, then
+        read from it. The new controller's host; "" when none came within ``deadline`` seconds (at once with
+        c10d, whose store never moves)."""
+        from ftrun.store import StoreUnavailable
+
         if not self.find.moves:
-            return False
+            return ""
         end = time.monotonic() + deadline
         while True:
+            revision = self.find.revision()  # before the look: a change between the two wakes the wait
+            left = end - time.monotonic()
             try:
-                endpoint = self.find()
-                if endpoint != self.endpoint:
-                    self.store = self._open(endpoint)
-                    return True
-            except RendezvousError:
+                found = self.find()
+                if found.endpoint != self.location.endpoint:
+                    store = self._open(found.endpoint, max(0.1, min(self.timeout, left)))
+                    # its controller publishes the status once it took over from the journal
+                    if store.wait_for(self.keys.status, max(0.1, min(self.timeout, left))):
+                        self.store, self.location, self.endpoint = store, found, store.endpoint
+                        return found.host
+            except (RendezvousError, StoreUnavailable, RuntimeError):  # none in office yet, or its store went too
                 pass
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.2)
+            left = end - time.monotonic()
+            if left <= 0:
+                return ""
+            self.find.wait(revision, min(LOOK_AGAIN, left))
 
     def _only_run_id(self) -> str:
         from ftrun.keys import JOBS_COUNT, job_entry
@@ -192,34 +246,39 @@ def show(snapshot: dict, as_json: bool) -> None:
 
 
 def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: float) -> int:
-    """Redraw (or print a JSON line) every ``interval`` until the job ends, its store goes, or Ctrl-C."""
+    """Redraw (or print a JSON line) every ``interval`` until the job ends, its store goes, or Ctrl-C. Under
+    --rdzv-backend etcd a store that goes is looked for again (``StatusReader.follow``): the controller moved."""
     from rich.live import Live
 
-    from ftrun.status import plain_line, render
+    from ftrun.status import moved_line, plain_line, render
     from ftrun.store import StoreUnavailable
 
     live = None if as_json else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)
     if live is not None:
         live.start()
-    ended = False
+    ended, fresh = False, True
     try:
         while True:
-            if as_json:
+            if fresh and as_json:
                 print(json.dumps(snapshot), flush=True)
-            else:
+            elif fresh:
                 live.update(render(snapshot, out.width, out.height), refresh=True)
             if ended or snapshot["phase"] == "done":
                 return ExitCode.OK
             try:
                 ended = reader.pause(interval)
-                snapshot = reader.read()
+                snapshot, fresh = reader.read(), True
             except StoreUnavailable:
                 if ended or snapshot["phase"] in ("exiting", "done"):
                     return ExitCode.OK  # the job ended and its store with it
-                if reader.follow(FOLLOW_DEADLINE):
-                    continue  # the controller moved (--rdzv-backend etcd)
-                raise RendezvousError(f"the job's store at {reader.endpoint} went away (the job ended, or its host "
-                                      f"is gone); last seen: {plain_line(snapshot)}") from None
+                went = reader.endpoint
+                host = reader.follow(FOLLOW_DEADLINE)
+                if not host:
+                    looked = f"; etcd named no other controller within {FOLLOW_DEADLINE:g}s" if reader.find.moves else ""
+                    raise RendezvousError(f"the job's store at {went} went away (the job ended, or its host is "
+                                          f"gone){looked}; last seen: {plain_line(snapshot)}") from None
+                say(f"ftrun: {moved_line(host)}")  # above the live view, or on stderr beside the JSON lines
+                fresh = False  # what was last read is the old controller's: the next read is the new one's
     except KeyboardInterrupt:
         return ExitCode.OK
     finally:

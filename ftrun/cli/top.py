@@ -29,7 +29,8 @@ INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip
               help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
 @click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
 @click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
-              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members.")
+              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members and the job "
+                   "is found wherever its controller is now, and again when it moves.")
 @click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", help="With etcd: the job's TLS and auth.")
 @click.option("--token-file", default="", metavar="FILE",
               help="The job's token: needed for r, d and x, and for stacks when the job has a token.")
@@ -37,8 +38,8 @@ INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip
               help="Seconds to wait for the store to answer.")
 def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_file: str, timeout: float) -> int:
     from ftrun.auth import Signer, read_token
-    from ftrun.cli.status import StatusReader, store_finder
-    from ftrun.store import StoreUnavailable
+    from ftrun.cli.status import FOLLOW_DEADLINE, StatusReader, store_finder
+    from ftrun.store import ControlStore, StoreUnavailable
 
     find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
     token = read_token(token_file) if token_file else b""
@@ -55,6 +56,12 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
         raise UsageError("ftrun top needs a terminal; in a pipe use ftrun status --watch --json")
     from ftrun.top.source import JobSource
 
-    reader.store.signer = Signer(token)
-    TopApp(JobSource(reader.store, reader.keys)).run()
+    reader.store.signer = Signer(token)  # the reader's next stores keep it
+
+    def relocate() -> tuple[ControlStore, str] | None:
+        """--rdzv-backend etcd: the controller's store now, found through etcd as the agents find it."""
+        host = reader.follow(FOLLOW_DEADLINE)
+        return (reader.store, host) if host else None
+
+    TopApp(JobSource(reader.store, reader.keys, relocate if find.moves else None)).run()
     return ExitCode.OK

@@ -3,7 +3,9 @@ its stack, the event log or the help, and one line for answers. ``ControllerTopA
 the controller's own terminal (``ftrun.top.attached``).
 
 Every store read happens in the refresh timer (once a second, twice while a stack is awaited); keys only
-change what is shown, or send one request.
+change what is shown, or send one request. A store that stops answering under --rdzv-backend etcd is looked
+for in a thread of its own (``ftrun-top-follow``) while the view keeps its keys; the reads start again on
+the new controller's store.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from ftrun.errors import ExitCode
 from ftrun.messages import OperatorAction
-from ftrun.status import job_line
+from ftrun.status import job_line, moved_line
 from ftrun.status import render as status_render
 from ftrun.store import StoreUnavailable
 from ftrun.top import panes
@@ -34,6 +36,9 @@ REFRESH_EVERY = 1.0
 #: how long to wait for an agent's stack before saying it did not come
 STACK_DEADLINE = 15.0
 ACTIONS = {"r": OperatorAction.RESTART, "d": OperatorAction.DRAIN, "x": OperatorAction.STOP}
+STORE_GONE = "the job's store does not answer (the job ended, or its host is gone); q leaves"
+LOOKING = "the job's store does not answer; looking for its controller in etcd…"
+ENDED = "the job has ended; q leaves"
 
 
 class Confirm(ModalScreen[bool]):
@@ -90,6 +95,10 @@ class TopApp(App):
         #: (rank, nonce, when asked) of the stack awaited, and the answer once it came
         self.stack_asked: tuple[int, str, float] | None = None
         self.stack_answer: dict | None = None
+        #: the store went and the controller's new one is looked for (--rdzv-backend etcd): no reads meanwhile
+        self.following = False
+        #: a look that found no controller in its time: the view says the store is gone, and stays so
+        self.gave_up = False
 
     def compose(self) -> ComposeResult:
         yield Static(id="job")
@@ -117,6 +126,8 @@ class TopApp(App):
     # --- reading -------------------------------------------------------------------------------------------
 
     def refresh_data(self) -> None:
+        if self.following:
+            return
         try:
             snapshot = self.source.snapshot()
             events = self.source.read_events()
@@ -127,7 +138,7 @@ class TopApp(App):
                     self.stack_answer = {"lines": [f"no stack came from rank {rank}'s agent in {STACK_DEADLINE:g}s"]}
             detail = self._detail(events) if self.mode == "detail" else None
         except StoreUnavailable:
-            self.say("the job's store does not answer (the job ended, or its host is gone); q leaves")
+            self._store_went()
             return
         if not snapshot and not self.snapshot:
             self.query_one("#job", Static).update(status_render({}))  # the rendezvous runs
@@ -136,8 +147,34 @@ class TopApp(App):
             self._fill_table()
             self.query_one("#job", Static).update(job_line(snapshot, self.size.width or 120))
             if snapshot["phase"] == "done":
-                self.say("the job has ended; q leaves")
+                self.say(ENDED)
         self._draw(events, detail)
+
+    def _store_went(self) -> None:
+        """The store stopped answering: the job ended, its host is gone, or (--rdzv-backend etcd, the job not
+        ending) its controller moved: looked for in a thread of its own, for a bounded time (the source's)."""
+        if self.source.follows and self.snapshot.get("phase") not in ("exiting", "done") and not self.gave_up:
+            self.following = True
+            self.say(LOOKING)
+            threading.Thread(target=self._follow, name="ftrun-top-follow", daemon=True).start()
+        else:
+            self.say(STORE_GONE)
+
+    def _follow(self) -> None:
+        host = self.source.follow()
+        try:
+            self.call_from_thread(self._followed, host)
+        except RuntimeError:
+            pass  # the view left meanwhile
+
+    def _followed(self, host: str) -> None:
+        self.following = False
+        if not host:
+            self.gave_up = True
+            self.say(STORE_GONE)
+            return
+        self.say(moved_line(host))
+        self.refresh_data()
 
     def _fill_table(self) -> None:
         table = self.query_one(DataTable)

@@ -3,6 +3,7 @@
 Reads are on demand: the snapshot each second, the event batches from where it left off, a node's
 output lines and the rank history only while a rank is opened, a stack only after asking for one. The
 operator's requests are signed with the job's token (``ftrun.auth``); without one they are not sent.
+Under --rdzv-backend etcd the store moves with the controller: ``follow`` finds the new one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import getpass
 import json
 import socket
 import uuid
+from typing import Callable
 
 from ftrun.keys import JobKeys
 from ftrun.messages import OperatorAction, OperatorRequest, StackRequest
@@ -32,16 +34,37 @@ def who_am_i() -> str:
 class JobSource:
     """One job's store, as ``ftrun top`` sees it."""
 
-    def __init__(self, store: ControlStore, keys: JobKeys):
+    def __init__(self, store: ControlStore, keys: JobKeys,
+                 relocate: Callable[[], tuple[ControlStore, str] | None] | None = None):
+        """``relocate``: where the store that stopped answering is now, and the controller's host there
+        (None when none came in time); given only where the store moves (--rdzv-backend etcd)."""
         self.store = store
         self.keys = keys
         self.who = who_am_i()
         self.events: list[dict] = []
         self._batches_read = 0
+        self._relocate = relocate
 
     @property
     def has_token(self) -> bool:
         return self.store.signer.enabled
+
+    @property
+    def follows(self) -> bool:
+        """The store may move with the controller (--rdzv-backend etcd): one that stops answering is looked for."""
+        return self._relocate is not None
+
+    def follow(self) -> str:
+        """The store stopped answering: find the controller's new one (a bounded wait) and read from it from
+        now on. The new controller's host; "" when none came."""
+        found = self._relocate() if self._relocate is not None else None
+        if found is None:
+            return ""
+        self.store, host = found
+        # the new controller numbers its event batches from 0 (its log starts as it takes office): the
+        # events read so far are kept, and the new ones go after them
+        self._batches_read = 0
+        return host
 
     def snapshot(self) -> dict:
         text = self.store.try_text(self.keys.status)

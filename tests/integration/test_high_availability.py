@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -62,19 +64,25 @@ def fault_free(tmp_path_factory):
 
 
 def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free,
-                                                                                        ftrun_cli):
+                                                                                        ftrun_cli, views):
     token = launcher.tmp / "token"  # the job's messages are signed, the successor's as the first one's
     token.write_text("a-secret-of-the-jobs-own-0123456789")
     token.chmod(0o600)
     logs, began = launcher.tmp / "logs", time.monotonic()
-    leader, *others = start(launcher, etcd, flags=["--token-file", str(token), "--log-dir", str(logs)])
+    # steps 1-15 slow: time for the views to open before the kill (the digests do not depend on the pace)
+    leader, *others = start(launcher, etcd, flags=["--token-file", str(token), "--log-dir", str(logs)],
+                            SLOW_STEPS=",".join(str(step) for step in range(1, 16)), STEP_SLEEP="0.4")
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
+    wait_for_progress(launcher, 1, 1)
+    watching = views()  # ftrun status --watch and ftrun top follow the controller (issue 40)
     wait_for_progress(launcher, 1, 3)
     etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, 5)
+    step_before = watching.opened()
     started_for = time.monotonic() - began
     leader.proc.kill()  # the agent hosting the store and the controller; its guardian takes ranks 0 and 1
+    watching.see_the_move()
     assert launcher.wait(others) == [0, 0], launcher.output()
     results = launcher.results()
     assert {r["step"] for r in results.values()} == {STEPS}
@@ -99,6 +107,69 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     assert report["duration"] > started_for, (report["duration"], started_for)
     code, out, err = ftrun_cli("report", str(events))
     assert "the controller moved from 127.0.0.2 to" in out and "takes the place of node 0" in out, out
+    # the views went on from the new controller's store, and said once that it moved
+    watching.followed(f"127.0.0.{others.index(successor) + 3}", step_before)
+
+
+class Views:
+    """``ftrun status --watch --json`` (its lines in files) and, with tmux, ``ftrun top`` in a pane: both
+    find the job through etcd."""
+
+    def __init__(self, launcher, etcd):
+        found = ["--rdzv-backend", "etcd", "--run-id", launcher.mark]
+        self.into = launcher.tmp / "watch"
+        self.watcher = ftrun_status(etcd.endpoints, *found, "--watch", "--json", "--interval", "0.5", into=self.into,
+                                    env=launcher.env())
+        self.top = None
+        if shutil.which("tmux"):
+            self.top = Pane(launcher.tmp, "top", ["top", "--rdzv-endpoint", etcd.endpoints, *found], dict(os.environ),
+                            size=(240, 30))
+        self.screen = ""
+
+    def lines(self) -> list[dict]:
+        return [json.loads(line) for line in Path(f"{self.into}.out").read_text().splitlines()]
+
+    def opened(self) -> int:
+        """Once both show the job on its first controller: the step they show."""
+        wait_for(lambda: self.lines(), timeout=60, what="ftrun status --watch's first line")
+        if self.top is not None:
+            self.top.wait_for("RUNNING", "controller on 127.0.0.2 ·")
+        assert {s["controller"]["host"] for s in self.lines()} == {"127.0.0.2"}
+        return max(s["step"] or 0 for s in self.lines())
+
+    def see_the_move(self) -> None:
+        """top says that the controller moved while the job still runs (its end says that it ended)."""
+        if self.top is not None:
+            self.screen = self.top.wait_for("the controller moved to 127.0.0.", "following it", "(moved 1x)", timeout=120)
+
+    def followed(self, host: str, step_before: int) -> None:
+        assert self.watcher.wait(timeout=60) == 0, Path(f"{self.into}.err").read_text()
+        after = [s for s in self.lines() if s["controller"]["host"] == host]
+        assert after and after[-1]["controller"]["moves"] == 1 and after[-1]["step"] > step_before, self.lines()
+        assert Path(f"{self.into}.err").read_text().count(f"the controller moved to {host}; following it") == 1
+        if self.top is not None:
+            assert f"the controller moved to {host}; following it" in self.screen, self.screen
+            assert f"controller on {host} (moved 1x)" in self.screen, self.screen
+            shown = re.search(r"· step (\d+)", self.top.screen())
+            assert shown and int(shown.group(1)) > step_before, self.top.screen()
+            self.top.keys("q")
+            assert self.top.exit_code() == 0
+
+    def close(self) -> None:
+        if self.watcher.poll() is None:
+            self.watcher.kill()
+            self.watcher.wait()
+        if self.top is not None:
+            self.top.close()
+
+
+@pytest.fixture
+def views(launcher, etcd):
+    """Opens the views of the launcher's job (``Views``); closes them after the test."""
+    opened: list[Views] = []
+    yield lambda: opened.append(Views(launcher, etcd)) or opened[-1]
+    for view in opened:
+        view.close()
 
 
 def signal_if_alive(process: psutil.Process, number: int) -> None:

@@ -254,3 +254,152 @@ def test_eta(step, total, rate, expected):
     from ftrun.controller.board import eta
 
     assert eta(step, total, rate) == expected
+
+
+# --- a view that follows the controller (--rdzv-backend etcd) ---------------------------------------------------
+
+class MovingFinder:
+    """etcd as a view reads it: each look names the next of ``answers`` (a Location, or None while no
+    controller is in office); the last one stays."""
+
+    moves = True
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.looks = 0
+
+    def __call__(self):
+        from ftrun.errors import RendezvousError
+
+        answer = self.answers[min(self.looks, len(self.answers) - 1)]
+        self.looks += 1
+        if answer is None:
+            raise RendezvousError("job 'job1' has no controller in etcd")
+        return answer
+
+    def revision(self) -> int:
+        return 1
+
+    def wait(self, after_revision: int, timeout: float) -> None:
+        import time
+
+        time.sleep(min(timeout, 0.01))
+
+
+def hosted_store(status: dict | None = None) -> ControlStore:
+    from torch.distributed import TCPStore
+
+    raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    store = ControlStore(raw, Endpoint("127.0.0.1", raw.port), is_host=True)
+    if status is not None:
+        store.set_text(KEYS.status, json.dumps(status))
+    return store
+
+
+def located(store: ControlStore, host: str):
+    from ftrun.cli.status import Location
+
+    return Location(store.endpoint, host)
+
+
+def test_follow_waits_out_the_old_relay_and_no_leader_then_reads_the_successors_store():
+    from ftrun.cli.status import Location, StatusReader
+    from tests.conftest import free_port
+
+    old, new = hosted_store({"step": 5}), hosted_store({"step": 6})
+    gone = Location(Endpoint("127.0.0.1", free_port()), "127.0.0.9")
+    # the lease of the store that went has not lapsed yet; then no one leads; then a successor whose store went
+    # at once (refused); then the one that answers
+    find = MovingFinder(located(old, "127.0.0.2"), located(old, "127.0.0.2"), None, gone, located(new, "127.0.0.3"))
+    reader = StatusReader(find, "job1", timeout=5)  # type: ignore[arg-type]
+    assert reader.read() == {"step": 5}
+    assert reader.follow(deadline=10) == "127.0.0.3"
+    assert reader.read() == {"step": 6} and reader.endpoint == new.endpoint and find.looks == 5
+
+
+def test_follow_gives_up_at_its_deadline_while_etcd_names_the_store_that_went():
+    import time
+
+    from ftrun.cli.status import StatusReader
+
+    old = hosted_store({"step": 5})
+    reader = StatusReader(MovingFinder(located(old, "127.0.0.2")), "job1", timeout=5)  # type: ignore[arg-type]
+    began = time.monotonic()
+    assert reader.follow(deadline=0.3) == ""
+    assert time.monotonic() - began < 2 and reader.endpoint == old.endpoint
+
+
+def test_follow_waits_for_the_successors_status_before_it_reads_there():
+    """A successor publishes its store in etcd before its controller took over and wrote the status: a
+    read there in between said 'has no status' and ended the watch."""
+    import threading
+
+    from ftrun.cli.status import StatusReader
+
+    old, new = hosted_store({"step": 5}), hosted_store()
+    reader = StatusReader(MovingFinder(located(old, "127.0.0.2"), located(new, "127.0.0.3")), "job1", timeout=5)  # type: ignore[arg-type]
+    threading.Timer(0.3, lambda: new.set_text(KEYS.status, json.dumps({"step": 6}))).start()
+    assert reader.follow(deadline=10) == "127.0.0.3" and reader.read() == {"step": 6}
+
+
+def test_a_c10d_store_is_not_followed(store):
+    from ftrun.cli.status import StatusReader, StoreFinder
+
+    store.set_text(KEYS.status, json.dumps({"step": 5}))
+    reader = StatusReader(StoreFinder(store.endpoint), "job1", timeout=5)
+    assert reader.follow(deadline=600) == ""  # at once: its store never moves
+
+
+class MovingReader:
+    """A StatusReader whose store goes once (after the first snapshot) and is found again on ``host``."""
+
+    def __init__(self, snapshots: list[dict], host: str):
+        self.snapshots, self.host = snapshots, host
+        self.endpoint = Endpoint("127.0.0.2", 29500)
+        self.find = MovingFinder()
+        self.reads = 0
+        self.follows = 0
+
+    def pause(self, seconds: float) -> bool:
+        return False
+
+    def read(self) -> dict:
+        from ftrun.store import StoreUnavailable
+
+        self.reads += 1
+        if self.reads == 1:
+            raise StoreUnavailable(f"the control store at {self.endpoint} stopped answering")
+        return self.snapshots[self.reads - 2]
+
+    def follow(self, deadline: float) -> str:
+        self.follows += 1
+        return self.host
+
+
+def status_of(step: int, phase: str, host: str) -> dict:
+    return {"phase": phase, "step": step, "controller": {"host": host, "moves": int(host != "127.0.0.2")}}
+
+
+def test_watch_says_once_that_the_controller_moved_and_goes_on_with_the_new_ones_status(capsys):
+    from ftrun.cli.status import watch_status
+
+    first = status_of(5, "running", "127.0.0.2")
+    reader = MovingReader([status_of(9, "running", "127.0.0.3"), status_of(40, "done", "127.0.0.3")], "127.0.0.3")
+    assert watch_status(reader, first, as_json=True, interval=0.1) == 0  # type: ignore[arg-type]
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [(s["step"], s["controller"]["host"]) for s in lines] == [(5, "127.0.0.2"), (9, "127.0.0.3"), (40, "127.0.0.3")]
+    assert captured.err.count("the controller moved to 127.0.0.3; following it") == 1
+
+
+def test_watch_gives_up_with_the_stores_last_state_when_no_controller_came(store, capsys):
+    from ftrun.cli.status import watch_status
+    from ftrun.errors import RendezvousError
+
+    last = snapshot(store, JobView(node_count=2, max_restarts=3, world_size=4))
+    reader = MovingReader([], "")
+    with pytest.raises(RendezvousError, match=r"at 127.0.0.2:29500 went away \(the job ended, or its host is gone\); "
+                                              r"etcd named no other controller within 60s; last seen: generation 0"):
+        watch_status(reader, last, as_json=True, interval=0.1)  # type: ignore[arg-type]
+    assert "moved" not in capsys.readouterr().err
+    assert reader.follows == 1

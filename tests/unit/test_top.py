@@ -321,3 +321,95 @@ def test_controller_view_without_textual_says_how_to_get_it_once_and_keeps_the_l
     assert attached.controller_view(controller, "auto", b"token") == "the live view" and started == ["auto"]
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [attached.INSTALL_HINT] and "pip install 'ftrun[top]'" in said[0]
+
+
+# --- a store that moves with the controller (--rdzv-backend etcd) ---------------------------------------------
+
+class MovingSource(FakeSource):
+    """A store that stops answering; ``follow`` finds the controller on ``host`` ("": none came)."""
+
+    def __init__(self, follows: bool, host: str):
+        super().__init__(False)
+        self.follows, self.host = follows, host
+        self.looks = 0
+
+    def snapshot(self):
+        from ftrun.store import StoreUnavailable
+
+        if not self.looks or not self.host:
+            raise StoreUnavailable("the control store at 127.0.0.2:29500 stopped answering")
+        return {**SNAPSHOT, "step": 99, "controller": {"host": self.host, "moves": 1}}
+
+    def follow(self):
+        self.looks += 1
+        return self.host
+
+
+def watch_the_store_go(source: MovingSource) -> tuple[str, str]:
+    """The view of ``source`` until it has looked for the controller: its message line and its job line."""
+    pytest.importorskip("textual")
+    from textual.widgets import Static
+
+    from ftrun.top.app import TopApp
+
+    async def run() -> tuple[str, str]:
+        app = TopApp(source)  # type: ignore[arg-type]
+        async with app.run_test(size=(200, 40)) as pilot:
+            for _ in range(100):  # the look runs in a thread of its own, then hands the view its answer
+                await pilot.pause()
+                if not app.following:
+                    break
+                await asyncio.sleep(0.02)
+            app.refresh_data()  # one more read: after a look that found none, no other look
+            return str(app.query_one("#message", Static).render()), str(app.query_one("#job", Static).render())
+
+    return asyncio.run(run())
+
+
+def test_top_follows_the_controller_to_its_new_store_and_says_so_once():
+    source = MovingSource(True, "127.0.0.3")
+    message, job = watch_the_store_go(source)
+    assert message == "the controller moved to 127.0.0.3; following it" and source.looks == 1
+    assert "step 99" in job and "controller on 127.0.0.3 (moved 1x)" in job
+
+
+def test_top_gives_up_when_no_controller_came_and_says_the_store_does_not_answer():
+    source = MovingSource(True, "")
+    message, _ = watch_the_store_go(source)
+    assert message.startswith("the job's store does not answer (the job ended") and source.looks == 1
+
+
+def test_top_of_a_c10d_job_does_not_look_for_the_controller():
+    source = MovingSource(False, "127.0.0.3")
+    message, _ = watch_the_store_go(source)
+    assert message.startswith("the job's store does not answer (the job ended") and source.looks == 0
+
+
+def test_a_followed_source_keeps_the_events_read_and_reads_the_new_controllers_from_its_first_batch():
+    import datetime
+    import json
+
+    from torch.distributed import TCPStore
+
+    from ftrun.config import Endpoint
+    from ftrun.keys import JobKeys
+    from ftrun.store import ControlStore
+    from ftrun.top.source import JobSource
+
+    keys = JobKeys("job1")
+
+    def store_with(*batches: list[dict]) -> ControlStore:
+        raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+        store = ControlStore(raw, Endpoint("127.0.0.1", raw.port), is_host=True)
+        for index, batch in enumerate(batches):
+            store.set_text(keys.event_batch(index), json.dumps(batch))
+            store.add(keys.event_count)
+        return store
+
+    old = store_with([{"kind": "job_started"}], [{"kind": "fault"}])
+    new = store_with([{"kind": "controller_moved"}])
+    source = JobSource(old, keys, relocate=lambda: (new, "127.0.0.3"))
+    assert [e["kind"] for e in source.read_events()] == ["job_started", "fault"]
+    assert source.follows and source.follow() == "127.0.0.3" and source.store is new
+    assert [e["kind"] for e in source.read_events()] == ["job_started", "fault", "controller_moved"]
+    assert not JobSource(old, keys).follows and JobSource(old, keys).follow() == ""
