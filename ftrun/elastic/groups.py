@@ -403,8 +403,12 @@ class _Guarded(dist._Work):
             try:
                 return self._real.wait(WAIT_SLICE)
             except RuntimeError as e:
-                if self._real.is_completed() or "timed out" not in str(e):
+                if "timed out" not in str(e):
                     raise  # it failed ("Operation timed out!" is torch's word for the slice's end)
+                if self._real.is_completed():
+                    # it ended just after the slice did: its own outcome (taken for a failure, a healthy
+                    # job's collective that took a little over a slice started an online repair)
+                    return self._real.wait()
                 if self._owner.abandoned >= self._generation:
                     self._owner.stuck = True
                     raise GroupError(f"generation {self._generation} was superseded while a collective waited") from None

@@ -190,3 +190,24 @@ def test_a_collective_that_failed_by_itself_is_not_given_up():
 
     assert _Guarded(Failed(), groups, "barrier", 0, 2, ()).wait() is True
     assert str(groups.failure) == "Operation timed out!" and not groups.stuck
+
+
+def test_a_collective_that_ends_just_after_a_slice_of_its_wait_is_no_failure():
+    groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+    groups.generation = 0
+
+    class EndsAtTheSlice(NeverEnds):
+        """Its first wait's slice ends as it completes: the slice's timeout, then a completed work."""
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits == 1:
+                raise RuntimeError("Operation timed out!")
+            return True
+
+        def is_completed(self):
+            return self.waits >= 1
+
+    work = EndsAtTheSlice()
+    assert _Guarded(work, groups, "allreduce", 0, 2, ([torch.ones(2)],)).wait() is True
+    assert groups.failure is None and work.waits == 2
