@@ -47,7 +47,7 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all) it gives a row per way of laying a model
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all; link-cut: below) it gives a row per way of laying a model
 out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
 --torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
@@ -65,6 +65,22 @@ the table. --repeat N alternates N runs of each (every other repeat the other la
 medians: the step-time goal is finer than the noise of one run on a busy machine.
 
     .venv/bin/python scripts/bench_recovery.py --layouts all --repeat 2 --json layouts.json
+
+The link-cut row is the online level's: pure DP (train_ddp_elastic.py, job.ddp()) at 1 node x 4 ranks, and
+once every rank has finished --kill-at-step the benchmark resets every TCP connection between rank 1's
+process and the other ranks' (ss -K, one connection at a time; a connection to anything else stays, such
+as ftrun's control store; torchrun-noshare's workers' store lives in rank 0's process, so rank 1's
+connection to it goes too), while every process lives. ftrun --recovery process re-forms the groups in
+place; under torchrun-noshare the ranks fail and it restarts every worker from the disk checkpoint. Per
+launcher: the stand-still (the longest time from the first reset on in which the highest step finished by
+every rank did not move: the step in flight at the cut may still finish, so regain progress's measure
+would stop at once), the processes started after the cut (any process carrying the run's marker, standbys
+included), steps redone, and whether the final checkpoint (rank 0's model and optimizer at the last step)
+is bit-identical to that of a fault-free run of the same launcher, run once before the repeats; then
+ftrun's over torchrun's. Goal: ftrun stands still at most 1.0 s, starts no process, ends bit-identical. It
+needs root and ss (iproute2); without them the row says so and is skipped.
+
+    .venv/bin/python scripts/bench_recovery.py --layouts link-cut --repeat 3
 
 With --controller-loss it loses the node that hosts the control store and the controller (node 0's
 launcher with everything under it, SIGKILLed once every rank has finished --kill-at-step) in a job of
@@ -104,6 +120,7 @@ process groups and every marked process left, since launchers put their workers 
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -122,7 +139,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from benchlib import find_program, free_port, kill_everything
+from benchlib import find_program, free_port, kill_everything, marked_processes
 from etcd_cluster import EtcdCluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,6 +205,10 @@ REPAIR_LINE = "s after the fault ("
 LOST_CONTROLLER_LINE = "lost the controller"
 #: what an ftrun agent says once it leads under etcd
 TOOK_OFFICE_LINE = "hosting the control store"
+#: what ftrun's controller says when it decides how to recover: online, at process level, at job level
+DECISION_LINES = ("repair into generation", "falls back to job level", "job-level restart into generation")
+#: the examples' checkpoint file (train_ddp.py's CHECKPOINT_NAME)
+CHECKPOINT_NAME = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -251,6 +272,16 @@ class Scenario:
     regain_deadline: float = 45.0
     #: --controller-loss: the node lost is node 0, which hosts the store and the controller (with node_loss)
     controller_loss: bool = False
+    #: instead of a kill: once every rank finished kill_at_step, the benchmark resets every connection between
+    #: rank kill_rank's process and the other ranks' (every process lives)
+    link_cut: bool = False
+    #: no fault at all: the run whose final checkpoint a link cut's runs are compared with
+    fault_free: bool = False
+
+    @property
+    def script_kills(self) -> bool:
+        """Whether the training script is told to kill a rank (else the benchmark makes the fault, or none)."""
+        return not (self.node_loss or self.link_cut or self.fault_free)
 
     @property
     def lost_node(self) -> int:
@@ -265,7 +296,8 @@ class Scenario:
 
     @property
     def shape(self) -> str:
-        return f"{self.nnodes} nodes x {self.nproc_per_node} rank{'s' if self.nproc_per_node > 1 else ''}"
+        return (f"{self.nnodes} node{'s' if self.nnodes > 1 else ''} x {self.nproc_per_node} "
+                f"rank{'s' if self.nproc_per_node > 1 else ''}")
 
 
 @dataclass(frozen=True)
@@ -299,6 +331,15 @@ class RunResult:
     repair_lines: tuple[str, ...] = ()
     #: --controller-loss: the agents' lines saying they lost the controller (the job ends under c10d)
     lost_controller_lines: tuple[str, ...] = ()
+    #: link cut: when the first connection was reset (Unix seconds), how many were, and the processes started
+    #: after it or taking a rank's place after it ("<pid> <command>")
+    cut_time: float | None = None
+    links_cut: int | None = None
+    started_after_fault: tuple[str, ...] = ()
+    #: link cut, fault-free: a digest of the final checkpoint (model, optimizer, step) bit for bit
+    final_digest: str | None = None
+    #: ftrun's decisions on a fault ("online repair into generation 1: ...", "... falls back to job level")
+    decision_lines: tuple[str, ...] = ()
 
     def outcome_text(self) -> str:
         if self.outcome == "ok":
@@ -312,6 +353,115 @@ class RunResult:
         if any(code is not None for code in self.exit_codes):
             details.insert(0, "exit " + ", ".join("-" if code is None else str(code) for code in self.exit_codes))
         return f"{self.outcome}: {'; '.join(details)}"
+
+
+# --- a link cut: every connection between one rank's process and the others' reset -----------------
+
+Endpoint = tuple[str, int]
+Connection = tuple[Endpoint, Endpoint]  # (this end, the other end)
+
+
+@dataclass(frozen=True)
+class LinkCut:
+    """A link cut: when the first connection was reset, whose, how many, and what started after it."""
+
+    time: float
+    rank: int
+    connections: int
+    #: "<pid> <command>" of each process of the run that started after the cut (a restart's workers, a standby)
+    started: tuple[str, ...] = ()
+
+
+def why_links_cannot_be_cut() -> str:
+    """Why the benchmark cannot reset other processes' connections here ("" when it can)."""
+    if os.geteuid() != 0:
+        return "resetting another process's connections (ss -K) needs root"
+    if shutil.which("ss") is None:
+        return "ss (iproute2) is not installed"
+    return ""
+
+
+def tcp_connections(pid: int) -> list[Connection]:
+    """A process's established TCP connections (none once it is gone)."""
+    try:
+        found = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
+    return [((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port)) for c in found
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+
+
+def connections_to_peers(own: list[Connection], peers: list[list[Connection]]) -> list[Connection]:
+    """Those of a process's connections whose other end is one of the peers' own ends: a connection to
+    anything else (the control store, its agent) is left out."""
+    peer_ends = {local for connections in peers for local, _ in connections}
+    return [(local, remote) for local, remote in own if remote in peer_ends]
+
+
+def ss_address(endpoint: Endpoint) -> str:
+    host, port = endpoint
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # ss reads an IPv6 host in brackets
+
+
+def ss_kill_command(connection: Connection) -> list[str]:
+    """The ss command that destroys this one connection (the kernel resets it, so the other end fails too)."""
+    local, remote = connection
+    return ["ss", "-K", "-tn", "src", ss_address(local), "dst", ss_address(remote)]
+
+
+def rank_pids(lines: list[ProgressLine]) -> dict[int, int]:
+    """Each rank's process: the pid of its latest progress line."""
+    return {line.rank: line.pid for line in lines}  # the lines are in time order
+
+
+def cut_rank_links(pids: dict[int, int], rank: int) -> LinkCut:
+    """Reset every connection between rank ``rank``'s process and the other ranks' processes, one at a time."""
+    peers = [tcp_connections(pid) for other, pid in pids.items() if other != rank]
+    doomed = connections_to_peers(tcp_connections(pids[rank]), peers)
+    if not doomed:  # the run would go on as if fault-free, and its row would say nothing
+        raise RuntimeError(f"found no connection between rank {rank}'s process ({pids[rank]}) and its peers'")
+    started = time.time()
+    for connection in doomed:
+        done = subprocess.run(ss_kill_command(connection), capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(ss_kill_command(connection))} failed: {done.stderr.strip()}")
+    left = set(doomed) & set(tcp_connections(pids[rank]))
+    if left:  # ss -K says nothing where the kernel cannot destroy sockets (no CONFIG_INET_DIAG_DESTROY)
+        raise RuntimeError(f"ss -K left {len(left)} of rank {rank}'s {len(doomed)} connections to its peers open")
+    return LinkCut(started, rank, len(doomed))
+
+
+class LinkCutter:
+    """A run's link cut: once every rank has finished the kill step, the kill rank's links are cut; from
+    then on, every process of the run (by its marker) that was not there before counts as started."""
+
+    def __init__(self, scenario: Scenario, marker: str) -> None:
+        self.scenario, self.marker = scenario, marker
+        self.cut: LinkCut | None = None
+        self.before: set[int] = set()
+        self.started: dict[int, str] = {}
+
+    def tick(self, workdir: Path) -> None:
+        if self.cut is None:
+            if every_rank_reached(workdir, self.scenario):
+                self.before = {process.pid for process in marked_processes(MARKER_VARIABLE, self.marker)}
+                pids = rank_pids(read_progress(workdir / "progress.txt"))
+                self.cut = cut_rank_links(pids, self.scenario.kill_rank)
+            return
+        for process in marked_processes(MARKER_VARIABLE, self.marker):
+            if process.pid not in self.before and process.pid not in self.started:
+                self.started[process.pid] = describe_process(process)
+
+    def result(self) -> LinkCut | None:
+        return None if self.cut is None else replace(self.cut, started=tuple(self.started.values()))
+
+
+def describe_process(process: psutil.Process) -> str:
+    try:
+        command = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        command = "(gone)"
+    return f"{process.pid} {command[:160]}"
 
 
 # --- running a launcher ---------------------------------------------------------------------------
@@ -330,8 +480,8 @@ def launcher_command(launcher: Launcher, scenario: Scenario, port: int, run_id: 
     if scenario.node_loss and launcher.program in SPARE_CAPABLE:
         placement += ["--spares", "1", "--node-timeout", f"{scenario.node_timeout:g}"]
         placement += ["--node-rank", str(node)] if node < scenario.nnodes and not etcd else []
-    fault = [] if scenario.node_loss else ["--kill-rank", "all" if scenario.kill_all else str(scenario.kill_rank),
-                                           "--kill-at-step", str(scenario.kill_at_step)]
+    fault = [] if not scenario.script_kills else ["--kill-rank", "all" if scenario.kill_all else str(scenario.kill_rank),
+                                                  "--kill-at-step", str(scenario.kill_at_step)]
     if scenario.kill_all and scenario.kill_stagger:
         fault += ["--kill-stagger", f"{scenario.kill_stagger:g}"]
     return [
@@ -364,14 +514,14 @@ class NodeLoss:
 
 
 def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path, endpoint: str | None = None
-                 ) -> tuple[float, list[int | None], NodeLoss | None]:
+                 ) -> tuple[float, list[int | None], NodeLoss | None, LinkCut | None]:
     """Start one launcher process per node (and a spare's), wait for all to exit or the deadline, kill
     what is left. With --node-loss, kill the last node (--controller-loss: node 0) once every rank passed
-    the kill step. Under etcd (``endpoint``: the cluster's), node 0's launcher starts first and the others
-    once it leads.
+    the kill step; with a link cut, cut the kill rank's links then. Under etcd (``endpoint``: the
+    cluster's), node 0's launcher starts first and the others once it leads.
 
     Returns the launch time (Unix seconds), the exit codes (None for a process still running at the
-    deadline; the lost node's left out) and the node loss.
+    deadline; the lost node's left out), the node loss and the link cut.
     """
     port, run_id, marker = free_port(), f"bench-{launcher.name}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     # Launchers set OMP_NUM_THREADS=1 only for several ranks per node; the simulated nodes share one
@@ -380,6 +530,7 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path, endpoint
     processes: list[subprocess.Popen] = []
     launch_time = time.time()
     loss = None
+    cutter = LinkCutter(scenario, marker) if scenario.link_cut else None
     try:
         deadline = time.monotonic() + scenario.deadline
         for node in range(scenario.nnodes + scenario.spares(launcher)):
@@ -396,9 +547,12 @@ def run_launcher(launcher: Launcher, scenario: Scenario, workdir: Path, endpoint
                 loss = kill_node(victim)
             if loss and time.time() - loss.time > scenario.regain_deadline and not trained_on(workdir, scenario, loss):
                 break  # no one trains past the fault: the job waits for the lost node, for good
+            if cutter is not None:
+                cutter.tick(workdir)
             time.sleep(0.2)
         codes = [process.poll() for process in processes]
-        return launch_time, [code for p, code in zip(processes, codes) if not (loss and p is victim)], loss
+        return (launch_time, [code for p, code in zip(processes, codes) if not (loss and p is victim)], loss,
+                None if cutter is None else cutter.result())
     finally:
         kill_everything(processes, MARKER_VARIABLE, marker)
 
@@ -494,6 +648,36 @@ def regain_progress_s(lines: list[ProgressLine], scenario: Scenario, fault: Prog
     return max(passed.values()) - fault.time if len(passed) == scenario.world_size else None
 
 
+def stand_still(lines: list[ProgressLine], world_size: int, since: float) -> tuple[float, float] | None:
+    """The longest time from ``since`` on that training stood still, and when that began; None if training
+    never went two steps past where it stood at ``since``.
+
+    Training's progress is the highest step that every rank has finished, in any of its processes (a step
+    redone after a restart is no progress); the stretch looked at ends once that is two steps past where it
+    was at ``since``. For a fault that leaves the processes alive (a link cut) regain_progress_s's measure
+    does not hold: the step in flight may still finish after the fault, the next one failing, so that
+    every rank passes the step finished at the fault at once. The longest pause also covers that case: it
+    runs from that step's end until training moves again.
+    """
+    highest: dict[int, int] = {}  # rank -> the highest step it has finished
+    for line in lines:
+        if line.time > since:
+            break
+        highest[line.rank] = max(highest.get(line.rank, 0), line.step)
+    start = min(highest.values()) if len(highest) == world_size else 0
+    progress, moved, longest = start, since, None
+    for line in (line for line in lines if line.time > since):
+        highest[line.rank] = max(highest.get(line.rank, 0), line.step)
+        now = min(highest.values()) if len(highest) == world_size else 0
+        if now > progress:
+            if longest is None or line.time - moved > longest[1]:
+                longest = (moved, line.time - moved)
+            progress, moved = now, line.time
+            if progress >= start + 2:
+                return longest
+    return None
+
+
 def median_step_s(before_fault: list[ProgressLine], warmup_s: float = 0.0) -> float | None:
     """The median gap between rank 0's steps, leaving out the first ``warmup_s`` seconds, but never more
     than the first half of its steps (a fast job may reach the fault within the warm-up)."""
@@ -516,15 +700,24 @@ def outcome_of(exit_codes: list[int | None], last_step: int | None, scenario: Sc
 
 def analyse(
     launcher: Launcher, scenario: Scenario, launch_time: float, exit_codes: list[int | None],
-    lines: list[ProgressLine], wall_s: float, loss: NodeLoss | None = None,
+    lines: list[ProgressLine], wall_s: float, loss: NodeLoss | None = None, cut: LinkCut | None = None,
 ) -> RunResult:
     lost_ranks = None
+    pause = None  # a link cut: when training stood still longest after it, and for how long
     if loss is not None:  # the fault is the kill; training must pass the highest step finished before it
         lost = [line for line in lines if line.pid in loss.pids]
         lost_ranks = frozenset(line.rank for line in lost) or None
         pre_fault = max(line.step for line in lines if line.time <= loss.time)
         scenario = replace(scenario, kill_at_step=pre_fault, kill_rank=lost[-1].rank if lost else scenario.kill_rank)
         fault = ProgressLine(loss.time, scenario.kill_rank, pre_fault, -1, 0)
+    elif cut is not None:  # no rank is lost: every one should keep its process
+        lost_ranks = frozenset()
+        pause = stand_still(lines, scenario.world_size, cut.time)
+        # the steps redone count from the highest step finished when training stood still (a step in flight at
+        # the cut may still have finished)
+        pre_fault = max(line.step for line in lines if line.time <= (cut.time if pause is None else pause[0]))
+        scenario = replace(scenario, kill_at_step=pre_fault)
+        fault = ProgressLine(cut.time, cut.rank, pre_fault, -1, 0)
     else:
         fault = next(
             (line for line in lines if line.rank == scenario.kill_rank and line.step == scenario.kill_at_step), None
@@ -532,8 +725,14 @@ def analyse(
     before_fault = [line for line in lines if fault is None or line.time <= fault.time]
     resumed_after = resumed_after_step(lines, {line.pid for line in before_fault})
     last_step = max((line.step for line in lines), default=None)
-    regain = None if fault is None else regain_progress_s(lines, scenario, fault)
+    if cut is not None:
+        regain = None if pause is None else pause[1]
+    else:
+        regain = None if fault is None else regain_progress_s(lines, scenario, fault)
     outcome = outcome_of(exit_codes, last_step, scenario)
+    redone = None if resumed_after is None else scenario.kill_at_step - resumed_after
+    if cut is not None and redone is None and regain is not None:
+        redone = 0  # repaired in place: the same processes went on, and none finished a step a second time
     if loss is not None and regain is None:
         # stopped by the benchmark: nothing would have brought the lost node back; or, the controller's
         # node lost, the others ended the job themselves
@@ -548,13 +747,27 @@ def analyse(
         exit_codes=exit_codes,
         last_step=last_step,
         resumed_after_step=resumed_after,
-        steps_redone=None if resumed_after is None else scenario.kill_at_step - resumed_after,
+        steps_redone=redone,
         healthy_pids_kept=healthy_pids_kept(lines, scenario, lost_ranks),
         regain_progress_s=regain,
         median_step_s=median_step_s(before_fault, scenario.warmup_s),
         launch_to_first_step_s=lines[0].time - launch_time if lines else None,
         wall_s=wall_s,
+        cut_time=None if cut is None else cut.time,
+        links_cut=None if cut is None else cut.connections,
+        started_after_fault=() if cut is None else started_after(cut, lines),
     )
+
+
+def started_after(cut: LinkCut, lines: list[ProgressLine]) -> tuple[str, ...]:
+    """The processes started after the cut, and those that took a rank's place after it: a warm standby,
+    started long before, that replaces a rank is a process started for it all the same."""
+    started = {int(entry.split()[0]): entry for entry in cut.started}
+    ranks_before = {line.pid for line in lines if line.time <= cut.time}
+    for line in lines:
+        if line.time > cut.time and line.pid not in ranks_before:
+            started.setdefault(line.pid, f"{line.pid} (in rank {line.rank}'s place)")
+    return tuple(started.values())
 
 
 def compare_with_baseline(results: list[RunResult]) -> list[RunResult]:
@@ -591,20 +804,62 @@ def benchmark(launcher: Launcher, scenario: Scenario, workdir: Path) -> RunResul
     cluster = EtcdCluster.start(workdir / "etcd") if launcher.rdzv_backend == "etcd" else None
     started = time.monotonic()
     try:
-        launch_time, exit_codes, loss = run_launcher(launcher, scenario, workdir,
-                                                     None if cluster is None else cluster.endpoints)
+        launch_time, exit_codes, loss, cut = run_launcher(launcher, scenario, workdir,
+                                                          None if cluster is None else cluster.endpoints)
     finally:
         if cluster is not None:
             cluster.stop()
     wall_s = time.monotonic() - started
-    result = analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s, loss)
+    result = analyse(launcher, scenario, launch_time, exit_codes, read_progress(workdir / "progress.txt"), wall_s,
+                     loss, cut)
     logs = sorted(workdir.glob("node*.log"))
-    return replace(result, repair_lines=repair_lines(logs), lost_controller_lines=lines_saying(logs, LOST_CONTROLLER_LINE))
+    result = replace(result, repair_lines=repair_lines(logs), lost_controller_lines=lines_saying(logs, LOST_CONTROLLER_LINE),
+                     decision_lines=lines_saying(logs, *DECISION_LINES))
+    if scenario.link_cut or scenario.fault_free:
+        result = replace(result, final_digest=checkpoint_digest(workdir / "checkpoints" / CHECKPOINT_NAME))
+    return result
 
 
-def lines_saying(logs: list[Path], text: str) -> tuple[str, ...]:
-    """Each log's lines that contain ``text``, stripped."""
-    return tuple(line.strip() for log in logs for line in log.read_text(errors="replace").splitlines() if text in line)
+def checkpoint_digest(path: Path) -> str | None:
+    """A digest of a checkpoint's contents bit for bit (every tensor's dtype, shape and bytes, every other
+    value's repr, under its key); None when there is none."""
+    if not path.exists():
+        return None
+    import torch  # only the link-cut row reads checkpoints; the rest of the benchmark runs without torch
+
+    digest = hashlib.sha256()
+
+    def feed(key: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}:".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for name in sorted(value, key=str):
+                feed(f"{key}/{name}", value[name])
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                feed(f"{key}/{index}", item)
+        else:
+            digest.update(f"{key}={value!r};".encode())
+
+    feed("", torch.load(path, map_location="cpu", weights_only=True))
+    return digest.hexdigest()
+
+
+def lines_saying(logs: list[Path], *texts: str) -> tuple[str, ...]:
+    """Each log's lines that contain one of ``texts``, stripped, in the logs' order."""
+    return tuple(line.strip() for log in logs for line in log.read_text(errors="replace").splitlines()
+                 if any(text in line for text in texts))
+
+
+def recovery_level(decision_lines: tuple[str, ...]) -> str:
+    """The lowest level ftrun's decisions went down to: online, process, job; "-" without a decision."""
+    if any("job-level repair" in line or "falls back to job level" in line for line in decision_lines):
+        return "job"
+    if any("process-level repair" in line for line in decision_lines):
+        return "process"
+    return "online" if any("online repair" in line for line in decision_lines) else "-"
 
 
 def repair_lines(logs: list[Path]) -> tuple[str, ...]:
@@ -759,9 +1014,17 @@ class LayoutCase:
     redone_goal: int = 0
     #: pure DP: also torch DDP (train_ddp.py) under torchrun, to hold job.ddp()'s step time against
     torch_ddp_reference: bool = False
+    #: the online level's row: the benchmark cuts fault_rank's links, no rank is killed; its goal is
+    #: LINK_CUT_GOAL_S, not a ratio, and each launcher's final checkpoint is held against a fault-free run's
+    link_cut: bool = False
+    #: nodes x ranks per node, and the rank whose fault it is, where the case sets its own
+    shape: tuple[int, int] | None = None
+    fault_rank: int | None = None
 
 
 STEP_TIME_GOAL = 1.03
+#: link-cut: the goal for ftrun's stand-still (with no process started and the final state bit-identical)
+LINK_CUT_GOAL_S = 1.0
 
 
 def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, LayoutCase]:
@@ -780,6 +1043,8 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
         LayoutCase("all-lost-staggered", f"every rank lost at step 25 over {kill_stagger:g} s, job.ddp(), "
                    f"--snapshot-every {snapshot_every}", elastic_ddp, (), snapshots, kill_all=True,
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
+        LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
+                   shape=(1, 4), fault_rank=1),
     )
     return {case.name: case for case in cases}
 
@@ -795,6 +1060,11 @@ class LayoutRow:
     ftrun: list[RunResult]
     torchrun: list[RunResult]
     torch_ddp: list[RunResult]  # pure DP only: torch DDP under torchrun
+    #: link-cut: each launcher's fault-free run, whose final checkpoint the other runs' are held against
+    ftrun_fault_free: RunResult | None = None
+    torchrun_fault_free: RunResult | None = None
+    #: why the row was not run ("" when it was)
+    skipped: str = ""
 
     @property
     def regain_ratio(self) -> float | None:
@@ -812,7 +1082,25 @@ class LayoutRow:
         redone = [run.steps_redone for run in runs if run.steps_redone is not None]
         return max(redone) if len(redone) == len(runs) else None
 
+    def bit_identical(self, runs: list[RunResult], fault_free: RunResult | None) -> list[bool | None]:
+        """Per run: whether its final checkpoint equals the fault-free run's bit for bit (None: one is missing)."""
+        reference = None if fault_free is None else fault_free.final_digest
+        return [None if reference is None or run.final_digest is None else run.final_digest == reference
+                for run in runs]
+
+    def link_cut_goals(self) -> dict[str, bool | None]:
+        """ftrun's three goals on a link cut: met, missed, or None where not measured."""
+        stand_still = median_of(self.ftrun, "regain_progress_s")
+        identical = self.bit_identical(self.ftrun, self.ftrun_fault_free)
+        return {"stand_still": None if stand_still is None else stand_still <= LINK_CUT_GOAL_S,
+                "no_process_started": all(not run.started_after_fault for run in self.ftrun) if self.ftrun else None,
+                "bit_identical": None if not identical or None in identical else all(identical)}
+
     def to_json(self) -> dict:
+        if self.skipped:
+            return {"layout": self.case.name, "description": self.case.description, "skipped": self.skipped}
+        if self.case.link_cut:
+            return self.link_cut_json()
         return {"layout": self.case.name, "description": self.case.description,
                 "goals": {"regain_ratio": self.case.regain_goal, "steps_redone": self.case.redone_goal,
                           "step_ratio": STEP_TIME_GOAL},
@@ -821,6 +1109,27 @@ class LayoutRow:
                 "steps_redone": {"ftrun": self.most_redone(self.ftrun), "torchrun": self.most_redone(self.torchrun)},
                 "runs": {role: [asdict(run) for run in runs] for role, runs in
                          (("ftrun", self.ftrun), ("torchrun", self.torchrun), ("torch_ddp", self.torch_ddp)) if runs}}
+
+    def link_cut_json(self) -> dict:
+        roles = (("ftrun", self.ftrun, self.ftrun_fault_free), ("torchrun", self.torchrun, self.torchrun_fault_free))
+        return {"layout": self.case.name, "description": self.case.description,
+                "goals": {"stand_still_s": LINK_CUT_GOAL_S, "processes_started": 0, "bit_identical": True},
+                "goals_met": self.link_cut_goals(),
+                "stand_still_s": {role: median_of(runs, "regain_progress_s") for role, runs, _ in roles},
+                "stand_still_ratio": self.regain_ratio,
+                "processes_started": {role: [len(run.started_after_fault) for run in runs] for role, runs, _ in roles},
+                "steps_redone": {role: self.most_redone(runs) for role, runs, _ in roles},
+                "bit_identical": {role: self.bit_identical(runs, fault_free) for role, runs, fault_free in roles},
+                "fault_free_runs_agree": fault_free_runs_agree(self),
+                "ftrun_levels": [recovery_level(run.decision_lines) for run in self.ftrun],
+                "runs": {role: [asdict(run) for run in runs] for role, runs, _ in roles},
+                "fault_free_runs": {role: asdict(fault_free) for role, _, fault_free in roles if fault_free}}
+
+
+def fault_free_runs_agree(row: LayoutRow) -> bool | None:
+    """Whether ftrun's and torchrun's fault-free runs end with the same checkpoint (None: one is missing)."""
+    digests = [None if run is None else run.final_digest for run in (row.ftrun_fault_free, row.torchrun_fault_free)]
+    return None if None in digests else digests[0] == digests[1]
 
 
 def median_of(runs: list[RunResult], field: str) -> float | None:
@@ -854,15 +1163,38 @@ def run_layouts(cases: list[LayoutCase], scenario: Scenario, work_root: Path, re
     for case in cases:
         torchrun, ftrun, reference = layout_launchers(case)
         launchers = [torchrun, ftrun, *([reference] if reference else [])]
-        case_scenario = replace(scenario, kill_all=case.kill_all, kill_stagger=case.kill_stagger,
-                                kill_at_step=case.kill_at_step or scenario.kill_at_step)
+        case_scenario = layout_scenario(case, scenario)
+        why_not = why_links_cannot_be_cut() if case.link_cut else ""
+        if why_not:
+            console.print(f"layout {case.name}: skipped: {why_not}")
+            rows.append(LayoutRow(case, ftrun=[], torchrun=[], torch_ddp=[], skipped=why_not))
+            continue
         console.print(f"[bold]layout {case.name}[/bold]: {case.description}")
+        fault_free: list[RunResult | None] = [None, None]
+        if case.link_cut:  # the final checkpoint each launcher's runs must end with
+            fault_free = run_scenario(replace(case_scenario, link_cut=False, fault_free=True),
+                                      [fault_free_launcher(launcher) for launcher in launchers[:2]], work_root)
         runs = [run_scenario(case_scenario, launchers, work_root, repeat, reverse=repeat % 2 == 1)
                 for repeat in range(repeats)]
         by_launcher = [[repeat[i] for repeat in runs] for i in range(len(launchers))]
         rows.append(LayoutRow(case, ftrun=by_launcher[1], torchrun=by_launcher[0],
-                              torch_ddp=by_launcher[2] if reference else []))
+                              torch_ddp=by_launcher[2] if reference else [], ftrun_fault_free=fault_free[1],
+                              torchrun_fault_free=fault_free[0]))
     return rows
+
+
+def layout_scenario(case: LayoutCase, scenario: Scenario) -> Scenario:
+    """The command line's scenario with what the case sets itself: its fault, its step, its shape."""
+    nnodes, nproc_per_node = case.shape or (scenario.nnodes, scenario.nproc_per_node)
+    kill_rank = (case.fault_rank if case.fault_rank is not None
+                 else nnodes * nproc_per_node - 1 if case.shape else scenario.kill_rank)
+    return replace(scenario, nnodes=nnodes, nproc_per_node=nproc_per_node, kill_rank=kill_rank,
+                   kill_all=case.kill_all, kill_stagger=case.kill_stagger, link_cut=case.link_cut,
+                   kill_at_step=case.kill_at_step or scenario.kill_at_step)
+
+
+def fault_free_launcher(launcher: Launcher) -> Launcher:
+    return replace(launcher, name=f"{launcher.name}-fault-free", description=f"{launcher.description}, no fault")
 
 
 def goal_text(value: float | None, goal: float, digits: int = 2) -> str:
@@ -872,6 +1204,12 @@ def goal_text(value: float | None, goal: float, digits: int = 2) -> str:
 
 
 def print_layouts_table(rows: list[LayoutRow], scenario: Scenario, repeats: int) -> None:
+    for row in rows:
+        if row.case.link_cut:
+            print_link_cut(row, layout_scenario(row.case, scenario), repeats)
+    rows = [row for row in rows if not row.case.link_cut]
+    if not rows:
+        return
     title = (f"Process-level recovery by layout: {scenario.shape}, rank {scenario.kill_rank} SIGKILLed after step "
              f"{scenario.kill_at_step} (all-lost: every rank after step 25), disk checkpoint every {scenario.ckpt_every} "
              f"steps, median step after the first {scenario.warmup_s:g} s"
@@ -912,6 +1250,57 @@ def print_layouts_table(rows: list[LayoutRow], scenario: Scenario, repeats: int)
 
 def milliseconds(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def met(value: bool | None) -> str:
+    return "-" if value is None else "met" if value else "missed"
+
+
+def print_link_cut(row: LayoutRow, scenario: Scenario, repeats: int) -> None:
+    """The online level's row: a table of each launcher's runs, ftrun over torchrun, the goals, what ftrun decided."""
+    if row.skipped:
+        console.print(f"{row.case.name}: skipped: {row.skipped}")
+        return
+    table = Table(
+        title=f"Online level: rank {scenario.kill_rank}'s connections to the other ranks reset (ss -K) once every rank "
+              f"finished step {scenario.kill_at_step}, {scenario.shape}, job.ddp(), checkpoint every {scenario.ckpt_every} "
+              f"steps" + (f", medians of {repeats} runs" if repeats > 1 else ""),
+        caption=f"goal: ftrun stands still <= {LINK_CUT_GOAL_S:g} s, starts no process, ends bit-identical to a "
+                f"fault-free run")
+    for header in ("launcher", "stand-still (s)", "each run (s)", "processes started", "steps redone", "pids kept",
+                   "bit-identical", "level", "median step (ms)", "outcome"):
+        table.add_column(header, justify="left" if header in ("launcher", "level", "outcome") else "right")
+    for runs, fault_free in ((row.ftrun, row.ftrun_fault_free), (row.torchrun, row.torchrun_fault_free)):
+        if not runs:
+            continue
+        redone = row.most_redone(runs)
+        table.add_row(
+            runs[0].description, seconds(median_of(runs, "regain_progress_s")),
+            ", ".join(regain_text(run) for run in runs),
+            ", ".join(str(len(run.started_after_fault)) for run in runs),
+            "-" if redone is None else str(redone),
+            ", ".join(yes_no(run.healthy_pids_kept) for run in runs),
+            ", ".join(yes_no(same) for same in row.bit_identical(runs, fault_free)),
+            ", ".join(recovery_level(run.decision_lines) for run in runs) if runs is row.ftrun else "-",
+            milliseconds(median_of(runs, "median_step_s")),
+            ", ".join(sorted({run.outcome_text() for run in runs})),
+        )
+    console.print(table)
+    goals = row.link_cut_goals()
+    console.print(f"{row.case.name}: stand-still ftrun / torchrun: {seconds(median_of(row.ftrun, 'regain_progress_s'))} / "
+                  f"{seconds(median_of(row.torchrun, 'regain_progress_s'))} s = "
+                  f"{'-' if row.regain_ratio is None else f'{row.regain_ratio:.3f}x'}; ftrun's goals: stand-still <= "
+                  f"{LINK_CUT_GOAL_S:g} s {met(goals['stand_still'])}, no process started {met(goals['no_process_started'])}, "
+                  f"bit-identical {met(goals['bit_identical'])}")
+    console.print(f"{row.case.name}: connections reset per run: ftrun "
+                  f"{', '.join(str(run.links_cut) for run in row.ftrun)}; torchrun "
+                  f"{', '.join(str(run.links_cut) for run in row.torchrun)}; the fault-free runs of both launchers end "
+                  f"with the same checkpoint: {yes_no(fault_free_runs_agree(row))}")
+    for index, run in enumerate(row.ftrun, start=1):
+        for line in (*run.decision_lines, *run.repair_lines):
+            console.print(f"{row.case.name}: ftrun run {index}: {line}")
+        for process in run.started_after_fault:
+            console.print(f"{row.case.name}: ftrun run {index}: started after the cut: {process}")
 
 
 # --- --controller-loss: the controller's node lost, under c10d and under etcd ----------------------
@@ -1069,7 +1458,7 @@ def node_counts(text: str) -> list[int]:
 def layout_names(text: str) -> list[str]:
     names = list(LAYOUT_NAMES) if text == "all" else [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in LAYOUT_NAMES]
-    if unknown or not (names or args.mindspore):  # --mindspore: its own pair (run_mindspore)
+    if unknown or not names:
         raise argparse.ArgumentTypeError(f"choose from all, {', '.join(LAYOUT_NAMES)}")
     return names
 
