@@ -211,3 +211,34 @@ def test_a_collective_that_ends_just_after_a_slice_of_its_wait_is_no_failure():
     work = EndsAtTheSlice()
     assert _Guarded(work, groups, "allreduce", 0, 2, ([torch.ones(2)],)).wait() is True
     assert groups.failure is None and work.waits == 2
+
+
+def test_when_hccl_s_own_operator_retry_fails_the_online_level_takes_over_on_the_device(monkeypatch):
+    # HCCL retries a failed operator itself (HCCL_OP_RETRY_ENABLE); when that fails too, the rank's collective
+    # raises, its process alive: the failure is told at once, and the release stops, checks and restarts the
+    # device in place (the stand-in torch_npu records it)
+    calls = []
+    npu = types.SimpleNamespace(
+        stop_device=lambda device: calls.append("stop_device"),
+        check_uce_in_memory=lambda device: calls.append("check_uce_in_memory") or 0,
+        restart_device=lambda device, rebuild_all_resources: calls.append("restart_device"),
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    groups = GroupSet(HcclBackend(dist=types.SimpleNamespace(), local_rank=0), dist.HashStore(),
+                      lambda generation: f"g{generation}", timeout=5)
+    groups.generation, groups.in_step = 0, True
+    told = []
+    groups.on_failure = told.append
+
+    class RetryFailed(NeverEnds):
+        def wait(self, timeout=None):
+            raise RuntimeError("HCCL OP RETRY FAILED, error code is 507904\n[ERROR] context")
+
+        def is_completed(self):
+            return True
+
+    assert _Guarded(RetryFailed(), groups, "allreduce", 0, 2, ([torch.ones(2)],)).wait() is True
+    assert [first_line(error) for error in told] == ["HCCL OP RETRY FAILED, error code is 507904"]
+    groups.release()
+    assert calls == ["stop_device", "check_uce_in_memory", "restart_device"]
+    assert groups.backend.memory is Memory.INTACT  # its own state stays: the step is redone from the rollback
