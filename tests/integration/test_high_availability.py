@@ -153,7 +153,7 @@ class Views:
             shown = re.search(r"· step (\d+)", self.top.screen())
             assert shown and int(shown.group(1)) > step_before, self.top.screen()
             self.top.keys("q")
-            assert self.top.exit_code() == 0
+            assert self.top.exit_code() == 0, self.top.screen()  # what it printed as it left
 
     def close(self) -> None:
         if self.watcher.poll() is None:
