@@ -55,6 +55,10 @@ class CommBackend:
     name = "gloo"
     #: the torch device type whose tensors the real groups carry
     device_type = "cpu"
+    #: a guarded collective's wait goes in slices, to give up a work that a cut link left waiting (gloo's
+    #: waits out its timeout). Not NCCL's or HCCL's: their wait with a timeout holds the CPU until the
+    #: kernel ends, where a plain one only orders the streams; an abort of the communicator frees them
+    sliced_waits = True
 
     def __init__(self, dist=None, local_rank: int = 0):
         if dist is None:
@@ -128,6 +132,7 @@ class CommBackend:
 class NcclBackend(CommBackend):
     name = "nccl"
     device_type = "cuda"
+    sliced_waits = False
 
     def _extra_devices(self) -> tuple[str, ...]:
         return ()
@@ -187,6 +192,7 @@ def _abort(group) -> None:
 class HcclBackend(CommBackend):
     name = "hccl"
     device_type = "npu"
+    sliced_waits = False
 
     def _extra_devices(self) -> tuple[str, ...]:
         return ()

@@ -391,7 +391,9 @@ class _Guarded(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         try:
-            return self._real.wait(timeout) if timeout is not None else self._wait_unless_given_up()
+            if timeout is not None:
+                return self._real.wait(timeout)
+            return self._wait_unless_given_up() if self._owner.backend.sliced_waits else self._real.wait()
         except Exception as e:
             self._owner.fail(e)
             return True

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ftrun.contract import CollectiveFailure, Milestone
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import JobView, Level, Phase, on_collective_failed, on_milestone, on_report
-from ftrun.elastic.backends import CommBackend, HcclBackend, Memory
+from ftrun.elastic.backends import CommBackend, HcclBackend, Memory, NcclBackend
 from ftrun.elastic.groups import GroupError, GroupSet, _Guarded, first_line
 from ftrun.events import EventLog, read_events
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
@@ -242,3 +242,17 @@ def test_when_hccl_s_own_operator_retry_fails_the_online_level_takes_over_on_the
     groups.release()
     assert calls == ["stop_device", "check_uce_in_memory", "restart_device"]
     assert groups.backend.memory is Memory.INTACT  # its own state stays: the step is redone from the rollback
+
+
+def test_nccl_and_hccl_waits_are_not_sliced():
+    # their wait with a timeout holds the CPU until the kernel ends; an abort frees a stuck one instead
+    class Plain(NeverEnds):
+        def wait(self, timeout=None):
+            self.waits += 1
+            assert timeout is None
+            return True
+
+    for backend in (NcclBackend(dist=types.SimpleNamespace()), HcclBackend(dist=types.SimpleNamespace())):
+        groups = GroupSet(backend, dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+        work = Plain()
+        assert _Guarded(work, groups, "allreduce", 0, 2, ([torch.ones(2)],)).wait() is True and work.waits == 1
