@@ -114,10 +114,9 @@ class Roster:
     def silent_nodes(self, view: JobView, now: float, timeout: float) -> list[int]:
         """The nodes in the job whose keepalive has not moved for ``timeout`` seconds (one round trip for
         every node); each one's clock starts again, for a spare that takes the node."""
-        nodes = sorted(view.present)
-        keys = [self.keys.node_heartbeat(node) for node in nodes]
         silent = []
-        for node, key, count in zip(nodes, keys, self.store.counters(keys)):
+        for node, count in self.keepalive_counts(view).items():
+            key = self.keys.node_heartbeat(node)
             if self.keepalives.quiet_for(key, count, now) > timeout:
                 silent.append(node)
                 self.keepalives.forget(key)

@@ -173,9 +173,11 @@ def test_a_collective_that_never_ends_is_given_up_once_its_generation_is():
     work = NeverEnds()
     guarded = _Guarded(work, groups, "allreduce", 0, 2, ([torch.ones(2)],))
     future = guarded.get_future()
-    threading.Timer(0.2, groups.abandon, args=(0,)).start()  # the repair watch, as the repair is announced
+    watch = threading.Timer(0.2, groups.abandon, args=(0,))  # the repair watch, as the repair is announced
+    watch.start()
     assert guarded.wait() is True  # the step goes on to its end, the failure recorded
     assert work.waits >= 2 and isinstance(groups.failure, GroupError)
+    watch.join(5)  # the wait ends as soon as the generation is marked given up, before the futures are settled
     assert future.done()  # settled locally: nothing waits for it
     assert groups.stuck  # its real group is let go of in a thread of its own
 
