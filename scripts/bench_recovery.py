@@ -1591,7 +1591,10 @@ def run_scenario(scenario: Scenario, launchers: list[Launcher], work_root: Path,
         if scenario.spares(launcher):
             console.print("  with one spare node")
         result = benchmark(launcher, scenario, workdir)
-        console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s")
+        # each run's figures as it ends: a benchmark stopped early (a device's lease ran out) keeps them
+        step = f", median step {result.median_step_s * 1000:.1f} ms" if result.median_step_s else ""
+        regain = f", progress regained in {result.regain_progress_s:.2f} s" if result.regain_progress_s else ""
+        console.print(f"  {result.outcome_text()} in {result.wall_s:.1f} s{step}{regain}")
         results.append(result)
     return compare_with_baseline(results[::-1] if reverse else results)
 

@@ -138,10 +138,15 @@ def _collective(op: str) -> Callable:
         if not owner.in_step:
             return getattr(self.real(), op)(*args, **options)
         try:
-            return _Guarded(getattr(self.real(), op)(*args, **options), owner, op, self.rank(), self.size(), everything)
+            work = getattr(self.real(), op)(*args, **options)
         except Exception as e:
             owner.fail(e)
             return answer_locally(op, self.rank(), self.size(), everything)
+        if work is None:
+            # the backend waited for it already: NCCL does for a caller that will not wait
+            # (``opts.asyncOp`` False, torch 2.8 on), and torch reads None as done
+            return None
+        return _Guarded(work, owner, op, self.rank(), self.size(), everything)
 
     run.__name__ = op
     run.__doc__ = f"``{op}`` on the current generation's real group."

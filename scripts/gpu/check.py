@@ -9,6 +9,9 @@ Parts (--parts, default all):
              and an FSDP2 module
   snapshot   scripts/bench_checkpoint.py --device cuda (part 1): what a snapshot blocks, against torch.save
   overhead   job.ddp() under ftrun against torch DDP under torchrun, 2 ranks over gloo, median step time
+  online     the online level on NCCL: 1 rank, job.ddp() over NCCL, its communicators aborted at
+             --kill-step of --steps with the process alive; repaired in place (abort, re-form), against
+             a fault-free run of the same job
 
 Exits non-zero when any check fails. Every figure and log goes to --out (JSON: results.json).
 """
@@ -30,7 +33,7 @@ SCRIPT = ROOT / "scripts" / "gpu" / "cuda_train.py"
 PY = sys.executable
 #: the snapshot part's device: cuda, or cpu for the check's own dry run (TRAIN_DEVICE=cpu)
 DEVICE_TYPE = os.environ.get("TRAIN_DEVICE", "cuda").split(":")[0]
-PARTS = ("probe", "placement", "repair", "nccl", "snapshot", "overhead")
+PARTS = ("probe", "placement", "repair", "nccl", "snapshot", "overhead", "online")
 
 
 class Checks:
@@ -144,15 +147,17 @@ def placement(checks: Checks, out: Path) -> None:
                    f"backend={seen['backend']}")
 
 
-def elastic_run(work: Path, name: str, steps: int, kill: tuple[int, int] | None, extra: tuple[str, ...] = ()) -> dict:
-    """One ftrun job of cuda_train.py's elastic mode in ``work/name``: its exit code and every rank's report."""
+def elastic_run(work: Path, name: str, steps: int, kill: tuple[int, int] | None, extra: tuple[str, ...] = (),
+                mode: str = "elastic", ranks: int = 2, env_extra: dict | None = None) -> dict:
+    """One ftrun job of cuda_train.py's elastic (or online) mode in ``work/name``: its exit code and every
+    rank's report."""
     folder = work / name
     folder.mkdir()
-    env = {"OUT_DIR": str(folder), "GPU_MODE": "elastic", "STEPS": str(steps)}
+    env = {"OUT_DIR": str(folder), "GPU_MODE": mode, "STEPS": str(steps), **(env_extra or {})}
     if kill:
         env.update(KILL_RANK=str(kill[0]), KILL_STEP=str(kill[1]))
     began = time.time()
-    result = run(ftrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", *extra, str(SCRIPT)),
+    result = run(ftrun("--standalone", "--nproc-per-node", str(ranks), "--max-restarts", "3", *extra, str(SCRIPT)),
                  folder / "ftrun.log", 300, env)
     reports = {int(p.stem.removeprefix("elastic-rank")): json.loads(p.read_text()) for p in folder.glob("elastic-rank*.json")}
     killed = folder / "killed-rank1.json"
@@ -257,6 +262,49 @@ def overhead(checks: Checks, out: Path, runs: int, steps: int) -> None:
                f"({ratio:.2f}x); per run: {[round(x * 1000, 2) for x in ours_ms]} vs {[round(x * 1000, 2) for x in theirs_ms]}")
 
 
+def online(checks: Checks, out: Path, steps: int, fault_step: int) -> None:
+    """The online level's CUDA path. NCCL refuses two ranks on one GPU, so the job is one rank whose
+    communicators break under it: the rank reports its failed collective, the controller repairs in
+    place, and the rank aborts and re-forms its NCCL groups and redoes the step, no process started."""
+    work = out / "online"
+    work.mkdir()
+    flags = ("--recovery", "process", "--device", DEVICE_TYPE)
+    reference = elastic_run(work, "reference", steps, None, flags, mode="online", ranks=1)
+    faulted = elastic_run(work, "faulted", steps, None, flags, mode="online", ranks=1,
+                          env_extra={"FAULT_STEP": str(fault_step)})
+    if faulted["code"] == 0 and faulted["reports"].get(0, {}).get("generation") == 0:
+        # the aborted communicator was made again at the next collective and nothing failed: tell the
+        # step's collectives of an NCCL error as well (the abort and re-form that follow are real)
+        checks.add("online", "an aborted NCCL communicator fails the next collective", None,
+                   "no: torch made it again; the next run tells the step of an NCCL error after the abort")
+        faulted = elastic_run(work, "faulted-error", steps, None, flags, mode="online", ranks=1,
+                              env_extra={"FAULT_STEP": str(fault_step), "FAULT_HOW": "error"})
+    for name, job in (("fault-free", reference), ("faulted", faulted)):
+        ok = job["code"] == 0 and sorted(job["reports"]) == [0] and job["reports"][0]["step"] == steps
+        checks.add("online", f"{name} run ends at step {steps}, exit 0", ok,
+                   f"exit {job['code']}, {job['wall_s']:.1f} s" + ("" if ok else f": {tail(job['log'])}"))
+    quiet = reference["reports"].get(0, {}).get("generation") == 0 and "repair" not in reference["log"].read_text()
+    checks.add("online", "the fault-free run had no repair (generation 0 at the end)", quiet,
+               "" if quiet else tail(reference["log"]))
+    folder = faulted["log"].parent
+    fault = folder / "fault-rank0.json"
+    if not fault.exists() or 0 not in faulted["reports"] or 0 not in reference["reports"]:
+        checks.add("online", "the communicators were aborted and both runs reported", False, tail(faulted["log"]))
+        return
+    report, broke = faulted["reports"][0], json.loads(fault.read_text())
+    log = faulted["log"].read_text()
+    checks.add("online", f"repaired online ({broke['how']}): said so in the log, generation 0 -> 1",
+               "repaired online" in log and report["generation"] == 1, f"generation {report['generation']}; "
+               + " | ".join(line.strip() for line in log.splitlines() if "online" in line)[:300])
+    started = sorted(int(p.name.split("-")[-1]) for p in folder.glob("pid-start-rank0-*"))
+    checks.add("online", "no process started: the rank kept its pid", started == [report["pid"]], f"pids {started}")
+    regained = min(t for step, _, t, _ in report["steps"] if t > broke["time"] and step >= fault_step)
+    checks.add("online", "time to regain progress (abort -> the broken step done again)", None,
+               f"{regained - broke['time']:.2f} s")
+    same = report["digest"] == reference["reports"][0]["digest"]
+    checks.add("online", "model and Adam state equal the fault-free run's bit for bit", same, "identical" if same else "differ")
+
+
 def print_table(checks: Checks, versions: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -289,7 +337,7 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out", type=Path, required=True, help="folder for logs and results.json (emptied)")
     parser.add_argument("--steps", type=int, default=40, help="repair: steps of the job (default 40)")
-    parser.add_argument("--kill-step", type=int, default=20, help="repair: rank 1 dies during this step (default 20)")
+    parser.add_argument("--kill-step", type=int, default=20, help="repair: rank 1 dies during this step; online: the communicators break in it (default 20)")
     parser.add_argument("--cycles", type=int, default=20, help="nccl: abort/re-form cycles (default 20)")
     parser.add_argument("--sizes", default="64,512,2048", help="snapshot: model sizes in MB (default 64,512,2048)")
     parser.add_argument("--runs", type=int, default=3, help="overhead: runs of each launcher (default 3)")
@@ -306,7 +354,8 @@ def main() -> int:
     steps = {"probe": lambda: probe(checks, args.out), "placement": lambda: placement(checks, args.out),
              "repair": lambda: repair(checks, args.out, args.steps, args.kill_step),
              "nccl": lambda: nccl(checks, args.out, args.cycles), "snapshot": lambda: snapshot(checks, args.out, args.sizes),
-             "overhead": lambda: overhead(checks, args.out, args.runs, args.overhead_steps)}
+             "overhead": lambda: overhead(checks, args.out, args.runs, args.overhead_steps),
+             "online": lambda: online(checks, args.out, args.steps, args.kill_step)}
     for part in parts:
         began = time.time()
         try:

@@ -3,6 +3,11 @@
     GPU_MODE=placement   (under ftrun) the device variables ftrun set, job.device, one all-reduce on it
     GPU_MODE=elastic     (under ftrun) job.ddp() over gloo, the model on cuda:0; KILL_RANK/KILL_STEP:
                          that rank SIGKILLs itself during that step (generation 0, never a replacement)
+    GPU_MODE=online      (under ftrun) job.ddp() over the backend ftrun picks (NCCL on a GPU); at FAULT_STEP
+                         of generation 0 the rank aborts its communicators itself, as NCCL does when a
+                         link fails, and the step's collectives fail with the process alive
+                         (FAULT_HOW=error: the step's collectives are told of an NCCL error instead, for a
+                         torch whose aborted communicator is made again at the next collective)
     GPU_MODE=torch       (under torchrun) torch's DistributedDataParallel over gloo, the same model
 
 Each rank writes OUT_DIR/<mode>-rank<r>.json at the end: the final step, a digest of the parameters
@@ -73,16 +78,17 @@ def placement() -> None:
     job.close()
 
 
-def elastic() -> None:
+def elastic(backend: str | None = "gloo") -> None:
     import ftrun.elastic
 
-    job = ftrun.elastic.init(backend="gloo")
+    job = ftrun.elastic.init(backend=backend)
     open(os.path.join(OUT_DIR, f"pid-start-rank{job.rank}-{os.getpid()}"), "w").close()
     device = DEVICE
     model = job.ddp(mlp(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     job.register(model=model, optimizer=optimizer)
     kill_rank, kill_step = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_STEP", "-1"))
+    fault_step = int(os.environ.get("FAULT_STEP", "-1"))
     replacement = os.environ.get("FTRUN_REPLACEMENT") == "1"
     finished = []
     for step in job.steps(STEPS):
@@ -91,6 +97,8 @@ def elastic() -> None:
             if job.rank == kill_rank and step == kill_step and job.generation == 0 and not replacement:
                 write(f"killed-rank{job.rank}", {"time": time.time(), "step": step})
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == fault_step and job.generation == 0:
+                break_communicators(job, os.environ.get("FAULT_HOW", "abort"))
             model(batch_for(step, job.rank, device)).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -98,8 +106,20 @@ def elastic() -> None:
         if job.step == step + 1:  # committed (a step a repair cut short is not: it runs again)
             finished.append((step, job.generation, time.time(), time.perf_counter() - began))
     write(f"elastic-rank{job.rank}", {"rank": job.rank, "step": job.step, "pid": os.getpid(), "replacement": replacement,
+                                      "generation": job.generation,
                                       "digest": digest(model.state_dict(), optimizer.state_dict()), "steps": finished})
     job.close()
+
+
+def break_communicators(job, how: str) -> None:
+    """Abort every communicator this rank holds, as NCCL's own error handling does when a link fails:
+    the step's collectives then fail while the process lives (the online level's case)."""
+    write(f"fault-rank{job.rank}", {"time": time.time(), "generation": job.generation, "how": how})
+    for group in job.groups.groups:
+        if group._real is not None:
+            group._real.abort()
+    if how == "error":
+        job.groups.fail(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
 
 
 def plain_torch() -> None:
@@ -122,4 +142,4 @@ def plain_torch() -> None:
 
 
 if __name__ == "__main__":
-    {"placement": placement, "elastic": elastic, "torch": plain_torch}[MODE]()
+    {"placement": placement, "elastic": elastic, "online": lambda: elastic(None), "torch": plain_torch}[MODE]()

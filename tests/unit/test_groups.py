@@ -111,6 +111,18 @@ def test_a_failed_collective_in_a_step_is_recorded_and_the_rest_of_the_step_is_a
     assert groups.failure is None
 
 
+def test_a_collective_the_backend_already_waited_for_is_no_failure_nccl_returns_no_work(groups):
+    """NCCL answers a collective whose caller will not wait (``opts.asyncOp`` False) with no work: it
+    ordered the streams itself. On an H200 that None was taken for a failed collective, and a healthy
+    job was repaired online."""
+    world = dist.group.WORLD
+    world.real()
+    groups.in_step = True
+    world._real = BrokenGroup(allreduce=lambda *args: None)
+    dist.all_reduce(torch.ones(2))
+    assert world.allreduce([torch.ones(2)], dist.AllreduceOptions()) is None and groups.failure is None
+
+
 def test_a_failed_future_settles_with_the_collective_s_outputs(groups):
     world = dist.group.WORLD
     world.real()
