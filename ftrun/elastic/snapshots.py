@@ -1,8 +1,8 @@
 """A torch rank's snapshots: ``ftrun.snapshots.rank`` with torch tensors for arrays.
 
 The parameters and the optimizer's state are copied straight from each tensor into the file's pages;
-GPU tensors through a :class:`~ftrun.snapshots.staging.DeviceStaging` (a CUDA stream of their own),
-and checkpoint files (``--checkpoint-dir``) are ``torch.save`` files.
+GPU tensors as a :class:`~ftrun.snapshots.staging.DeviceStaging` says (a plain copy on the training's
+stream, unless told otherwise), and checkpoint files (``--checkpoint-dir``) are ``torch.save`` files.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class TorchArrays(ArrayKind):
     name = "torch"
 
     def __init__(self, staging: DeviceStaging | None = None):
-        #: how GPU tensors reach the file (None: the default, a CUDA stream of their own)
+        #: how GPU tensors reach the file (None: the default, a plain copy on the training's stream)
         self.staging = staging if staging is not None else DeviceStaging()
 
     def prepare(self, tensors: list) -> None:

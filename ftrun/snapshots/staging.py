@@ -1,22 +1,18 @@
-"""Copying a snapshot's GPU tensors into its file's pages beside training, not in its way.
+"""Copying a snapshot's GPU tensors into its file's pages.
 
-A plain ``pages.copy_(cuda_tensor)`` from the snapshot's thread copies on the default stream: it
-waits for every kernel queued before it, and the training kernels queued after it wait for the
-copy. Here the copy runs on a CUDA stream of its own, which starts from an event recorded on the
-training stream when the snapshot was asked for (so it copies the tensors as that step left them)
-and goes on beside the training stream's kernels.
-
-Two ways to reach the pages, measured against each other by ``scripts/bench_checkpoint.py --device
-cuda`` (3 GiB of model and Adam state, what a snapshot blocked the loop, on an H200):
-  * straight into the (pageable) pages, the driver staging the bytes: 337 ms; the default.
-  * through two pinned host buffers in turn (``pinned=True``), each chunk's transfer overlapping the
-    host's copy of the one before into the pages: 443 ms, the host's second copy the bottleneck. On
-    an H100 before the pages were populated ahead of the copy it was the quicker (276 against 409 ms
-    for the plain copy), hence kept, and benchmarked beside the default.
-The plain copy on the default stream blocked 239 ms there, but holds the next step's kernels back
-for as long: ``bench_checkpoint.py`` reports what each way adds to the step after it.
-
-Only CUDA tensors go this way; every other tensor is copied as before.
+Three ways, measured against each other by ``scripts/bench_checkpoint.py --device cuda`` on an H200
+(3 GiB of model and Adam state; 0.19 GiB in brackets), by what a snapshot adds to the step after it
+(the call, the wait before that step's optimizer, and the step's own kernels held back):
+  * a plain copy from the snapshot's thread, on the training's (default) stream: 483 ms (40 ms). It
+    waits for the kernels queued before it, and the next step's kernels wait for it; it is the default.
+  * on a CUDA stream of its own (``own_stream=True``), which starts from an event recorded on the
+    training stream when the snapshot was asked for and goes on beside the training kernels: 756 ms
+    (47 ms). The copy and the kernels share the GPU's memory bandwidth and the host's cores, and the
+    copy is no shorter for running beside them.
+  * through two pinned host buffers in turn on that stream (``pinned=True``), each chunk's transfer
+    overlapping the host's copy of the one before into the pages: 501 ms (35 ms); the host's second
+    copy costs what the pinned transfer saves.
+Each way's snapshot is read back and compared bit for bit by the benchmark.
 """
 
 from __future__ import annotations
@@ -28,20 +24,22 @@ CHUNK_BYTES = 64 * 2**20
 
 
 class DeviceStaging:
-    """One rank's stream (and, ``pinned``, two pinned buffers) for copying GPU tensors into snapshot files."""
+    """How one rank copies GPU tensors into snapshot files: plainly on the training's stream (the default),
+    or on a stream of its own (``own_stream``), through two pinned buffers (``pinned``)."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pinned: bool = False):
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, pinned: bool = False, own_stream: bool = False):
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
+        #: copy on a CUDA stream of its own (pinned buffers need one); else plainly, on the training's stream
+        self.own_stream = own_stream or pinned
         self._stream: torch.cuda.Stream | None = None
         self._buffers: list[torch.Tensor] = []
         self._filled: list[torch.cuda.Event] = []
         #: recorded on the training stream when the snapshot was asked for
         self._ready: torch.cuda.Event | None = None
 
-    @staticmethod
-    def takes(tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda and tensor.is_contiguous()
+    def takes(self, tensor: torch.Tensor) -> bool:
+        return self.own_stream and tensor.is_cuda and tensor.is_contiguous()
 
     def mark_ready(self, tensors) -> None:
         """Remember where the training stream is now: the copies start from there (call it on the
