@@ -280,7 +280,7 @@ def launch_options(fn):
                     "folder (LOG_DIR/RUN_ID/; with --log-layout torchrun, LOG_DIR/RUN_ID_XXXXXXXX/)."),
         option("status", group=LOGS, default=DEFAULTS.status, show_default=True,
                help="The job's status where the controller runs: live (ftrun top's interactive view when the "
-                    "terminal is stdin too and textual is installed, pip install 'ftrun[top]'; else a view "
+                    "terminal is stdin too; else a view "
                     "redrawn in place), plain (log lines and a progress line every 30s), off, or auto (live on a "
                     "terminal, else plain)."),
         option("config", group="General", default="", envvar="FTRUN_CONFIG",

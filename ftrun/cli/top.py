@@ -1,4 +1,4 @@
-"""``ftrun top``: the interactive view of a running job (textual, an optional extra)."""
+"""``ftrun top``: the interactive view of a running job (textual, imported only once the view opens)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ TOP_HELP = """Watch a running job and act on it: select a rank, read its output 
 The controller's own terminal shows the same view (--status live).
 Keys: j/k or arrows move, Enter opens a rank, s its stack, e the event log (/ filters), ? help, q leaves
 (the job goes on). r (restart the rank, a drill), d (drain its node) and x (stop the job) need the job's
-token and ask first. Needs textual: pip install 'ftrun[top]'. Exits 0, 2 on bad input, 3 when the store
+token and ask first. Exits 0, 2 on bad input, 3 when the store
 cannot be reached or holds no ftrun job.
 """
-INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip install textual)"
+#: textual is one of ftrun's dependencies: only an install that lost it, or holds a broken one, meets this
+INSTALL = "ftrun top needs the textual package, a dependency of ftrun missing here: pip install 'textual>=8.0'"
 
 
 @click.command(help=TOP_HELP, context_settings={"max_content_width": 110})

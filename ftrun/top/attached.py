@@ -41,8 +41,8 @@ INTERRUPTED = int(ExitCode.INTERRUPTED)
 #: what a view that was killed may have left on: mouse reports, bracketed paste, focus events, a hidden
 #: cursor, the alternate screen
 TERMINAL_RESET = b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1006l\x1b[?1015l\x1b[?2004l\x1b[?1004l\x1b[?25h\x1b[?1049l"
-INSTALL_HINT = ("ftrun: the interactive view needs textual (pip install 'ftrun[top]'); "
-                "showing the live view that takes no keys")
+INSTALL_HINT = ("ftrun: the interactive view needs textual, a dependency of ftrun missing here "
+                "(pip install 'textual>=8.0'); showing the live view that takes no keys")
 
 
 def interactive_wanted(mode: str, terminals: tuple[bool, bool, bool] | None = None) -> bool:

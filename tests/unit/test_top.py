@@ -171,7 +171,6 @@ async def press_each(pilot, keys) -> None:
 
 def drive(source: FakeSource, *keys: str) -> str:
     """Press ``keys`` in the view of ``source``; the pane's text and the message line afterwards."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
     from ftrun.top.app import TopApp
@@ -228,7 +227,6 @@ def test_app_event_log_with_a_filter_and_help():
 def test_app_filter_takes_what_is_typed_right_behind_the_slash():
     """A fast typist's letters arrive before the box has the focus: they go into it, and none of them (the
     "r" here) acts on the table."""
-    pytest.importorskip("textual")
     from textual.widgets import Input
 
     from ftrun.top.app import TopApp
@@ -252,7 +250,6 @@ def test_app_filter_takes_what_is_typed_right_behind_the_slash():
 def drive_controller_view(source: FakeSource, *keys: str, close_lifeline: bool = False) -> tuple[int | None, str]:
     """Press ``keys`` in the controller's view (then close its lifeline); its exit status (None while it
     runs on) and the message line."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
     from ftrun.top.app import ControllerTopApp
@@ -320,7 +317,7 @@ def test_controller_view_without_textual_says_how_to_get_it_once_and_keeps_the_l
     controller = SimpleNamespace(status={}, store=SimpleNamespace(endpoint="h:1"), keys=SimpleNamespace(run_id="r"))
     assert attached.controller_view(controller, "auto", b"token") == "the live view" and started == ["auto"]
     said = capsys.readouterr().err.strip().splitlines()
-    assert said == [attached.INSTALL_HINT] and "pip install 'ftrun[top]'" in said[0]
+    assert said == [attached.INSTALL_HINT] and "pip install 'textual>=8.0'" in said[0]
 
 
 # --- a store that moves with the controller (--rdzv-backend etcd) ---------------------------------------------
@@ -347,7 +344,6 @@ class MovingSource(FakeSource):
 
 def watch_the_store_go(source: MovingSource) -> tuple[str, str]:
     """The view of ``source`` until it has looked for the controller: its message line and its job line."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
     from ftrun.top.app import TopApp
