@@ -582,6 +582,10 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
             is_host = node_rank == 0
     else:
         # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
+        if backend != "static" and min_nodes != max_nodes:
+            raise UsageError(f"--nnodes {min_nodes}:{max_nodes} (elastic) needs --rdzv-endpoint HOST:PORT, the store "
+                             "the agents gather at (or --rdzv-backend etcd); without one ftrun uses torchrun's static "
+                             "rendezvous (--master-addr, --master-port), which takes a fixed --nnodes")
         endpoint = Endpoint(check_address(str(raw.get("master_addr") or DEFAULTS.endpoint.host), "--master-addr"), master_port)
         backend = "static" if max_nodes > 1 or backend == "static" else backend
         worker_port = master_port  # the workers' MASTER_PORT, as under torchrun (ftrun.store._open_static)

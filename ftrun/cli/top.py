@@ -14,7 +14,7 @@ TOP_HELP = """Watch a running job and act on it: select a rank, read its output 
 
 \b
   ftrun top --rdzv-endpoint head:29400
-  ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun/token
+  ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun-token
 
 The controller's own terminal shows the same view (--status live).
 Keys: j/k or arrows move, Enter opens a rank, s its stack, e the event log (/ filters), ? help, q leaves
