@@ -23,7 +23,7 @@ import yaml
 
 from ftrun import contract, mindspore
 from ftrun.auth import read_token
-from ftrun.contract import Endpoint, EndpointError
+from ftrun.contract import HEARTBEAT_TIMEOUT, STORE_TIMEOUT, Endpoint, EndpointError
 from ftrun.devices import DEVICE_KINDS, DeviceOptions, detect_kind
 from ftrun.errors import UsageError
 from ftrun.etcd import EtcdOptions
@@ -92,7 +92,7 @@ class LaunchConfig:
     etcd: EtcdOptions | None = None
     #: --store-timeout: how long the job goes on without its control store (etcd without a quorum)
     #: before it stops
-    store_timeout: float = 300.0
+    store_timeout: float = STORE_TIMEOUT
     #: --run-id ("default" when none is given, as under torchrun)
     run_id: str = "default"
     #: --rdzv-timeout (or --rdzv-conf join_timeout): seconds to wait for every node to join
@@ -102,7 +102,7 @@ class LaunchConfig:
     recovery: str = "job"
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     node_timeout: float = 30.0
     stop_timeout: float = 5.0
     repair_timeout: float = 60.0

@@ -35,6 +35,10 @@ from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.elastic")
+#: init()'s collective_timeout: seconds that every group formation (and gloo's collectives) may take
+COLLECTIVE_TIMEOUT = 300.0
+#: init()'s fault_wait: after a collective raises, seconds to wait for the controller to announce a repair
+FAULT_WAIT = 10.0
 #: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
 COMMIT_DEADLINE = 60.0
 
@@ -81,7 +85,7 @@ class ElasticJob:
     environment as usual and its steps simply run, so the same script works under both.
     """
 
-    def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0,
+    def __init__(self, backend: str | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT, fault_wait: float = FAULT_WAIT,
                  sharded: bool = False, snapshot_overlap: bool = True):
         self.env = WorkerEnv.from_environ()
         #: every rank holds its own part of the state: a repair restores each rank's own snapshot
