@@ -450,7 +450,7 @@ def whole_number(value: Any, flag: str, minimum: int = 0, maximum: int | None = 
     return number
 
 
-#: --status: the controller's display (ftrun.status)
+#: --status: the controller's display (ftrun.live_view)
 STATUS_MODES = ("auto", "live", "plain", "off")
 #: --numa-binding: torchrun's modes (torch/numa/binding.py), ftrun.agent.numa says what each binds
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")

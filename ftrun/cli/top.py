@@ -46,7 +46,7 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
     find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
     token = read_token(token_file) if token_file else b""
     try:
-        from ftrun.top.app import TopApp
+        from ftrun.top_view.app import TopApp
     except ImportError:
         raise UsageError(INSTALL) from None
     try:
@@ -56,7 +56,7 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
         raise RendezvousError(str(e)) from None
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("ftrun top needs a terminal; in a pipe use ftrun status --watch --json")
-    from ftrun.top.source import JobSource
+    from ftrun.top_view.source import JobSource
 
     reader.store.signer = Signer(token)  # the reader's next stores keep it
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ftrun.auth import Signer
 from ftrun.contract import WorkerEnv
+from ftrun.elastic.arrays import TorchSnapshotWriter, snapshot_signer
 from ftrun.elastic.backends import CommBackend, make_comm_backend
 from ftrun.elastic.ddp import ElasticDDP, pin_buckets, torch_ddps, track_torch_ddp
 from ftrun.elastic.groups import GroupSet, install
@@ -30,7 +31,6 @@ from ftrun.elastic.link import ControlLink, NullLink
 from ftrun.elastic.meshes import PartMesh, read_part_mesh
 from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
-from ftrun.elastic.snapshots import SnapshotWriter, snapshot_signer
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
 
@@ -115,7 +115,7 @@ class ElasticJob:
             return
         _dump_stack_on_signal()
         track_torch_ddp()
-        snapshots = SnapshotWriter.for_rank(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
+        snapshots = TorchSnapshotWriter.for_rank(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
         self._signer = snapshot_signer(snapshots.folder) if snapshots else Signer()
         self.link = link = ControlLink(self.env, self._signer, collective_timeout, fault_wait)
         self.state = TrainingState(_default_layout(self.env.world_size, sharded), snapshots, snapshot_overlap,
@@ -160,7 +160,7 @@ class ElasticJob:
         return self.state.layout
 
     @property
-    def snapshots(self) -> SnapshotWriter | None:
+    def snapshots(self) -> TorchSnapshotWriter | None:
         """This rank's snapshots into its agent's memory (--snapshot-every), or None."""
         return self.state.snapshots
 

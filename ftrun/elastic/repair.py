@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from ftrun.contract import Fallback, Milestone, RollbackFailure
+from ftrun.elastic.arrays import load_own, own_steps
 from ftrun.elastic.backends import Memory
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.shards import to_local
-from ftrun.elastic.snapshots import load_own, own_steps
 from ftrun.elastic.state import TrainingState
 from ftrun.errors import EXIT_STUCK
 from ftrun.repair_loop import RepairError, repair_until_resumed

@@ -36,8 +36,8 @@ rank's part in a process-level repair). What is framework-free is shared with ``
 
 from __future__ import annotations
 
+from ftrun.mindspore_elastic.arrays import MindSporeArrays
 from ftrun.mindspore_elastic.job import MindSporeJob, read_plan
-from ftrun.mindspore_elastic.snapshots import MindSporeArrays
 
 
 def init(sharded: bool = False) -> MindSporeJob:

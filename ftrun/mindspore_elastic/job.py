@@ -15,10 +15,10 @@ from ftrun.contract import Milestone, RelayFolder, WorkerEnv
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.messages import from_json
 from ftrun.mindspore import DEFAULT_CLUSTER_TIMEOUT
+from ftrun.mindspore_elastic.arrays import MindSporeArrays
 from ftrun.mindspore_elastic.backends import AscendHooks
 from ftrun.mindspore_elastic.link import RepairChannel
 from ftrun.mindspore_elastic.repair import MindSporeRepair, RepairGuard
-from ftrun.mindspore_elastic.snapshots import MindSporeArrays
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.snapshots.rank import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer, sources_to_restore

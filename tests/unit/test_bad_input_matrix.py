@@ -696,7 +696,7 @@ def test_bad_input_to_status_or_report(argv, words, tmp_path, capsys):
 def test_top_in_an_install_that_lost_textual_says_how_to_install_it(capsys, monkeypatch):
     for name in [m for m in sys.modules if m == "textual" or m.startswith("textual.")] + ["textual"]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
-    monkeypatch.delitem(sys.modules, "ftrun.top.app", raising=False)
+    monkeypatch.delitem(sys.modules, "ftrun.top_view.app", raising=False)
     code, stderr = run_main(["top", "--rdzv-endpoint", "127.0.0.1:1"], capsys)
     assert code == USAGE
     assert_one_clear_line(stderr, "pip install 'textual>=8.0'")

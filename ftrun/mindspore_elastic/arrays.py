@@ -1,5 +1,5 @@
 """A MindSpore rank's state in ftrun's snapshots: numpy arrays by parameter name, and ``.ckpt`` files for
-its checkpoints (``ftrun/elastic/snapshots.py`` is the same for torch tensors)."""
+its checkpoints (``ftrun/elastic/arrays.py`` is the same for torch tensors)."""
 
 from __future__ import annotations
 
