@@ -23,7 +23,7 @@ import yaml
 
 from ftrun import contract, mindspore
 from ftrun.auth import read_token
-from ftrun.contract import Endpoint, EndpointError
+from ftrun.contract import HEARTBEAT_TIMEOUT, STORE_TIMEOUT, Endpoint, EndpointError
 from ftrun.devices import DEVICE_KINDS, DeviceOptions, detect_kind
 from ftrun.errors import UsageError
 from ftrun.etcd import EtcdOptions
@@ -92,7 +92,7 @@ class LaunchConfig:
     etcd: EtcdOptions | None = None
     #: --store-timeout: how long the job goes on without its control store (etcd without a quorum)
     #: before it stops
-    store_timeout: float = 300.0
+    store_timeout: float = STORE_TIMEOUT
     #: --run-id ("default" when none is given, as under torchrun)
     run_id: str = "default"
     #: --rdzv-timeout (or --rdzv-conf join_timeout): seconds to wait for every node to join
@@ -102,7 +102,7 @@ class LaunchConfig:
     recovery: str = "job"
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     node_timeout: float = 30.0
     stop_timeout: float = 5.0
     repair_timeout: float = 60.0
@@ -450,7 +450,7 @@ def whole_number(value: Any, flag: str, minimum: int = 0, maximum: int | None = 
     return number
 
 
-#: --status: the controller's display (ftrun.status)
+#: --status: the controller's display (ftrun.live_view)
 STATUS_MODES = ("auto", "live", "plain", "off")
 #: --numa-binding: torchrun's modes (torch/numa/binding.py), ftrun.agent.numa says what each binds
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
@@ -582,6 +582,10 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
             is_host = node_rank == 0
     else:
         # torchrun's static rendezvous: --master-addr/--master-port, node ranks from --node-rank
+        if backend != "static" and min_nodes != max_nodes:
+            raise UsageError(f"--nnodes {min_nodes}:{max_nodes} (elastic) needs --rdzv-endpoint HOST:PORT, the store "
+                             "the agents gather at (or --rdzv-backend etcd); without one ftrun uses torchrun's static "
+                             "rendezvous (--master-addr, --master-port), which takes a fixed --nnodes")
         endpoint = Endpoint(check_address(str(raw.get("master_addr") or DEFAULTS.endpoint.host), "--master-addr"), master_port)
         backend = "static" if max_nodes > 1 or backend == "static" else backend
         worker_port = master_port  # the workers' MASTER_PORT, as under torchrun (ftrun.store._open_static)

@@ -281,6 +281,14 @@ class SnapshotSettings:
                    env.get("FTRUN_RESTORE_PLAN", ""))
 
 
+#: --heartbeat-timeout's default, and a worker's when FTRUN_HEARTBEAT_TIMEOUT is not set: seconds without a
+#: rank's heartbeat before its agent takes it for hung
+HEARTBEAT_TIMEOUT = 30.0
+#: --store-timeout's default, and a worker's when FTRUN_STORE_TIMEOUT is not set: seconds a rank (and the job)
+#: goes on without its control store before giving up
+STORE_TIMEOUT = 300.0
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """What ftrun tells a worker through its environment: its ``FTRUN_*`` variables and the torchrun ones
@@ -315,7 +323,7 @@ class WorkerEnv:
     #: successor hosts a new one); the agent replaces it atomically. "": the store never moves
     control_store_file: str = ""
     #: how long a rank whose control store is gone waits for the file to name another (FTRUN_STORE_TIMEOUT)
-    store_timeout: float = 300.0
+    store_timeout: float = STORE_TIMEOUT
     #: a MindSpore rank's way to the controller (its progress, a process-level repair): its node's
     #: :class:`RelayFolder` (FTRUN_RELAY_DIR); "" for a torch rank, which reads the control store
     relay_dir: str = ""
@@ -366,7 +374,7 @@ class WorkerEnv:
             generation=int(env["FTRUN_GENERATION"]),
             control_store=env["FTRUN_CONTROL_STORE"],
             replacement=env.get("FTRUN_REPLACEMENT") == "1",
-            heartbeat_timeout=float(env.get("FTRUN_HEARTBEAT_TIMEOUT", "30")),
+            heartbeat_timeout=float(env.get("FTRUN_HEARTBEAT_TIMEOUT") or HEARTBEAT_TIMEOUT),
             node_rank=int(env.get("GROUP_RANK", "0")),
             recovery=env.get("FTRUN_RECOVERY", ""),
             previous_world_size=int(env.get("FTRUN_PREVIOUS_WORLD_SIZE") or 0),
@@ -374,6 +382,6 @@ class WorkerEnv:
             device=DeviceAssignment.from_environ(env),
             snapshots=SnapshotSettings.from_environ(env),
             control_store_file=env.get("FTRUN_CONTROL_STORE_FILE", ""),
-            store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or 300.0),
+            store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or STORE_TIMEOUT),
             relay_dir=env.get("FTRUN_RELAY_DIR", ""),
         )

@@ -29,11 +29,11 @@ from ftrun.errors import ExitCode, FtrunError, UsageError
 from ftrun.folders import run_folder
 from ftrun.hosts import Host
 from ftrun.interrupts import Interrupts
+from ftrun.live_view import StatusView
 from ftrun.orphans import die_with_parent
 from ftrun.ports import PortRange, free_port
-from ftrun.status import StatusView
 from ftrun.store import ControlStore, host_store, is_local_host
-from ftrun.top.attached import AttachedTop, controller_view
+from ftrun.top_view.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
 

@@ -282,7 +282,7 @@ class JobKeys:
 
     def online_repair(self, generation: int) -> str:
         """Set with the announcement of a repair that replaces no process (the online level): a MindSpore
-        rank resumes its communicators instead of rebuilding them (``ftrun/mindspore_repair.py``)."""
+        rank resumes its communicators instead of rebuilding them (``ftrun/mindspore_elastic/repair.py``)."""
         return f"{self.generation(generation)}/online_repair"
 
     # ftrun top: what an operator asks of the job, and what the view reads beyond the status

@@ -1,6 +1,6 @@
 """Choosing the consistent step after a fault: pure, over what each rank says it holds. It imports nothing
 but the standard library, so that the repair of torch ranks (ftrun/elastic/repair.py) and of MindSpore
-ranks (ftrun/mindspore_repair.py, whose python has no torch) decide alike.
+ranks (ftrun/mindspore_elastic/repair.py, whose python has no torch) decide alike.
 
 Each rank belongs to one replica set: the ranks whose training state is the same as its own
 (``ftrun/elastic/layout.py`` finds them from the script's mesh). In pure data parallelism every

@@ -44,9 +44,9 @@ def job_summary(events: list[dict]) -> list[str]:
     """The lines printed when the job ends (and by ``ftrun report``)."""
     f = figures(events)
     faults = [e for e in events if e["kind"] == "fault"]
-    # the events count the steps committed, which is the number of the next step to run (steps() counts
-    # from 0): the user's loop last finished the one before it
-    at_step = f" at step {f['step'] - 1}" if f["step"] else ""
+    # the steps committed, the number the status view and ftrun status show as "step N": counted from 1,
+    # the last step finished (job.steps numbers the loop from 0, so its last was N - 1)
+    at_step = f" at step {f['step']}" if f["step"] else ""
     budget = ""
     if f["max_restarts"] is not None:
         plural = "s" if f["max_restarts"] != 1 else ""

@@ -53,7 +53,7 @@ from bench_recovery import LAUNCHERS, Scenario, console, print_table, raise_keyb
 from benchlib import emit_json
 from rich.table import Table
 
-from ftrun.elastic.snapshots import SnapshotWriter, load_own
+from ftrun.elastic.arrays import TorchSnapshotWriter, load_own
 from ftrun.snapshots.keeper import memory_root
 from ftrun.snapshots.staging import DeviceStaging
 
@@ -114,7 +114,7 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
 
     try:
         for overlap, staging, key in ways:
-            writer = SnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staging=staging())
+            writer = TorchSnapshotWriter(str(memory), 0, 1, False, every=1, limit=0, copies=2, staging=staging())
             for step in range(1, repeats + 2):
                 began = time.perf_counter()
                 writer.write(step, state, optimized if overlap else frozenset())
@@ -145,7 +145,7 @@ def blocking_times(megabytes: int, repeats: int, batch: int, disk_dir: Path, dev
     return {"model_mb": megabytes, "state_bytes": state_bytes(state), "batch": batch, "device": str(device), **results}
 
 
-def check_snapshot(writer: SnapshotWriter, step: int, state: dict, optimized: frozenset, way: str) -> None:
+def check_snapshot(writer: TorchSnapshotWriter, step: int, state: dict, optimized: frozenset, way: str) -> None:
     """One more snapshot, of the state as it is now, holds every tensor bit for bit, else the
     benchmark stops: a fast copy of the wrong bytes is no result."""
     writer.write(step, state, optimized)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 # (Debian's etcd-server); the partition test cuts a veth link with `ip`;
 # the HTML report test renders the report in headless Chromium; the status view test draws it in a
 # tmux pane. Installed here when this runs as root
-# on Debian or Ubuntu (as CI does); elsewhere those tests skip and say why.
+# on Debian or Ubuntu (as CI does); elsewhere those tests skip and say why (-rs below lists the reasons).
+# On CI (CI=true) a part that is missing or fails to start fails its tests instead (tests/parts.py).
 missing=()
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || missing+=(iproute2)
@@ -16,13 +17,13 @@ command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || missing+=(etcd-server)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing ${missing[*]} for the SSH, etcd, partition, HTML report and status view tests"
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null 2>&1 ||
-        echo "could not install ${missing[*]}: those tests will skip"
+        echo "could not install ${missing[*]}: those tests will skip (fail on CI)"
 fi
 bash scripts/setup.sh
 # The MindSpore tests need mindspore (the CPU build, about 2.8 GB, numpy<2) in an interpreter of its own:
 # .msvenv, made once (Python 3.11) and kept (.msvenv/ready says it is complete). It installs while the first
 # tests run, which it hardly slows (it mostly waits on the disk); those tests wait for it
-# (FTRUN_TEST_MINDSPORE_INSTALL), and skip, saying why, if it failed (its output: .msvenv.log).
+# (FTRUN_TEST_MINDSPORE_INSTALL), and skip, saying why, if it failed (its output: .msvenv.log); on CI they fail.
 # FTRUN_TEST_MINDSPORE=0 leaves it out.
 installer=""
 if [ "${FTRUN_TEST_MINDSPORE:-1}" = 1 ] && [ ! -e .msvenv/ready ]; then
@@ -40,9 +41,10 @@ checks=0
 .venv/bin/mypy || checks=1
 # Two test processes, each taking whole files (a module's reference run is made once): most of the
 # suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one.
-# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores.
+# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores. -rs: every
+# skip's reason is in the log, not only their count.
 code=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=20 "$@" || code=$?
+.venv/bin/python -m pytest -q -rs -n 2 --dist loadfile --durations=20 "$@" || code=$?
 [ -z "$installer" ] || wait "$installer" || true  # never left running
 [ "$code" = 0 ] || exit "$code"
 [ "$checks" = 0 ] || { echo "ruff or mypy found problems (above)"; exit 1; }

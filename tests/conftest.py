@@ -134,6 +134,35 @@ class Launcher:
                 pass
 
 
+class FakeClock:
+    """A monotonic clock that moves only when the test moves it: what unit tests give code that times
+    something, so that they depend on no wall time."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def step_reached(out_dir: Path, rank: int) -> int:
+    """The steps a rank of ``tests/workers/elastic_train.py`` has finished (0 before its first): one read of
+    the progress file, which the worker replaces whole after each step."""
+    try:
+        return int((out_dir / f"progress-rank{rank}").read_text())
+    except FileNotFoundError:
+        return 0
+
+
+def unique_mark(name: str) -> str:
+    """A process mark of this run alone: ``kill_all`` and the leftover check reach no other run's processes
+    (another checkout's suite on the same machine, say), as a fixed mark would."""
+    return f"{name}-{uuid.uuid4().hex}"
+
+
 def wait_for(predicate, timeout: float = 60, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -147,7 +176,7 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition"):
 @pytest.fixture
 def launcher(tmp_path):
     """Agents started through it are checked for leftovers: no process may outlive the test."""
-    runner = Launcher(tmp_path, uuid.uuid4().hex)
+    runner = Launcher(tmp_path, unique_mark("test"))
     yield runner
     for node in runner.nodes:
         if node.proc.poll() is None:

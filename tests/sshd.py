@@ -21,7 +21,7 @@ START_DEADLINE = 15.0
 
 
 class SshdUnavailable(Exception):
-    """Why no server could be started here (the tests skip with this reason)."""
+    """Why no server could be started here (the tests skip with this reason; on CI they fail)."""
 
 
 @dataclass

@@ -23,7 +23,8 @@ class Pane:
         env = {**env, "COLUMNS": str(size[0]), "LINES": str(size[1])}
         assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier())
         command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)}; "
-                   f"code=$?; stty -a > {self.stty_file}; echo $code > {self.exit_file}; sleep 600")
+                   f"code=$?; stty -a > {self.stty_file}; echo $code > {self.exit_file}.tmp; "
+                   f"mv {self.exit_file}.tmp {self.exit_file}; sleep 600")  # the exit file appears whole
         self._tmux("new-session", "-d", "-x", str(size[0]), "-y", str(size[1]), command)
 
     def _tmux(self, *args: str) -> str:
@@ -61,7 +62,7 @@ class Pane:
 
     def exit_code(self, timeout: float = 15) -> int:
         deadline = time.monotonic() + timeout
-        while not self.exit_file.exists() or not self.exit_file.read_text().strip():
+        while not self.exit_file.exists():
             assert time.monotonic() < deadline, f"ftrun top did not leave:\n{self.screen()}"
             time.sleep(0.1)
         return int(self.exit_file.read_text())

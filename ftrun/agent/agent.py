@@ -39,21 +39,21 @@ from ftrun.config import LaunchConfig
 from ftrun.contract import RelayFolder
 from ftrun.controller.controller import Controller
 from ftrun.controller.journal import Journal
+from ftrun.device_report import probe
 from ftrun.errors import ExitCode, FtrunError
 from ftrun.faults.levels import FaultLevel, FaultTable, load_fault_table
 from ftrun.faults.process import OomWatch
 from ftrun.folders import private_dirs, run_folder
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
+from ftrun.live_view import StatusView
 from ftrun.messages import Command, CommandKind, JoinRecord, NodeLayout, NodeSlot, NodeStatus, Placement, RankState, ReportKind
-from ftrun.probe import probe
 from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.rendezvous import linger_for_readers
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
 from ftrun.snapshots.plan import RestorePlan, SnapshotInventory
-from ftrun.status import StatusView
 from ftrun.store import ControlStore, StoreUnavailable, bind_address, connect_store, open_control_store
-from ftrun.top.attached import AttachedTop, controller_view
+from ftrun.top_view.attached import AttachedTop, controller_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

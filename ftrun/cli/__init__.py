@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ftrun.cli.console import ConsoleLogHandler, abort, say
-from ftrun.cli.launch import GroupedCommand, accepted_only_notes, launch_options, merge_config
+from ftrun.cli.launch import GroupedCommand, accepted_only_notes, launch_options, merge_config, naming_variables, set_by_variables
 from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:  # the launch's modules load only when a job runs
@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         abort("interrupted", ExitCode.INTERRUPTED)
+    except click.BadParameter as e:
+        flag = next((o for o in e.param.opts if o.startswith("--")), "") if e.param else ""
+        variable = set_by_variables(e.ctx).get(flag) if e.ctx else None
+        if variable:  # PET_MAX_RESTARTS=abc: name the variable, not a flag the user never typed
+            e.param_hint = f"'{variable}'"
+        abort(e.format_message().replace("\n", " "), ExitCode.USAGE)
     except click.ClickException as e:
         abort(e.format_message().replace("\n", " "), ExitCode.USAGE)
     except FtrunError as e:
@@ -83,6 +89,7 @@ def run_launch(values: dict) -> int:
 
     for note in accepted_only_notes(values):
         say(f"ftrun: {note}")
+    variables = values.get("variables", {})  # an error about a value a PET_* variable gave names it
     try:
         values, notes = msrun.translate(values)
         for note in notes:
@@ -110,7 +117,7 @@ def run_launch(values: dict) -> int:
                 agent.watch_session()
             outcome = agent.run()
     except FtrunError as e:
-        abort(e.message, e.exit_code)
+        abort(naming_variables(e.message, variables), e.exit_code)
     except KeyboardInterrupt:
         abort("interrupted", ExitCode.INTERRUPTED)
     return report_outcome(outcome.exit_code, outcome.reason, outcome.controller)

@@ -10,9 +10,10 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+#: no emoji codes: a value the user gave ("--rdzv-endpoint a:b:c") is printed as given, not as "a🅱c"
+console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 #: results a command was asked for (``ftrun probe``'s table or JSON) go to stdout, for pipes
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+out = Console(highlight=False, soft_wrap=True, emoji=False, width=None if sys.stdout.isatty() else 160)
 
 
 def say(text: str, style: str | None = None) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import click
 
 from ftrun import __version__
@@ -280,7 +283,7 @@ def launch_options(fn):
                     "folder (LOG_DIR/RUN_ID/; with --log-layout torchrun, LOG_DIR/RUN_ID_XXXXXXXX/)."),
         option("status", group=LOGS, default=DEFAULTS.status, show_default=True,
                help="The job's status where the controller runs: live (ftrun top's interactive view when the "
-                    "terminal is stdin too and textual is installed, pip install 'ftrun[top]'; else a view "
+                    "terminal is stdin too; else a view "
                     "redrawn in place), plain (log lines and a progress line every 30s), off, or auto (live on a "
                     "terminal, else plain)."),
         option("config", group="General", default="", envvar="FTRUN_CONFIG",
@@ -314,8 +317,42 @@ def accepted_only_notes(values: dict) -> list[str]:
     return [text for name, text in ACCEPTED_ONLY.items() if values.get(name)]
 
 
+def set_by_variables(ctx: click.Context) -> dict[str, str]:
+    """Each option that an environment variable set (``PET_NNODES``, ``FTRUN_CONFIG``): its long flag ->
+    that variable, so that an error about its value names what the user wrote."""
+    found = {}
+    for param in ctx.command.params:
+        if param.name is None or ctx.get_parameter_source(param.name) is not click.core.ParameterSource.ENVIRONMENT:
+            continue
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+        variable = next((name for name in names if os.environ.get(name)), names[0] if names else "")
+        flag = next((o for o in param.opts if o.startswith("--")), "")
+        if variable and flag:
+            found[flag] = variable
+    return found
+
+
+def naming_variables(message: str, variables: dict[str, str]) -> str:
+    """``message`` with each flag that a variable set replaced by that variable: "PET_NNODES must be N or
+    MIN:MAX ..." rather than "--nnodes must be ...", which the user never typed."""
+    for flag, variable in variables.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", variable, message)
+    return message
+
+
 def merge_config(ctx: click.Context, params: dict) -> dict:
     """Flags (and PET_* variables) override the config file, which overrides the defaults."""
+    variables = set_by_variables(ctx)
+    try:
+        values = _merge_config(ctx, params)
+    except UsageError as e:
+        raise UsageError(naming_variables(e.message, variables)) from None
+    #: the options environment variables set, for the errors of the checks that come later
+    values["variables"] = variables
+    return values
+
+
+def _merge_config(ctx: click.Context, params: dict) -> dict:
     given = {k for k in params if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)}
     values = {k: v for k, v in params.items() if k not in ALIASES}
     for alias, target in ALIASES.items():
@@ -328,7 +365,12 @@ def merge_config(ctx: click.Context, params: dict) -> dict:
     path = params.get("config")
     from_file: dict = {}
     if path:
-        from_file = read_config_file(path)
+        try:
+            from_file = read_config_file(path)
+        except UsageError as e:
+            if ctx.get_parameter_source("config") is click.core.ParameterSource.ENVIRONMENT:
+                raise UsageError(f"FTRUN_CONFIG: {e.message}") from None
+            raise
         check_known_keys(from_file, sorted(set(params) - NOT_IN_CONFIG), f"config file {path}")
         for alias, target in ALIASES.items():
             if alias in from_file and target in from_file and from_file[alias] != from_file[target]:

@@ -31,9 +31,9 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
+    from ftrun.device_report import probe
     from ftrun.devices import DeviceOptions, make_device_backend
     from ftrun.faults.levels import load_fault_table
-    from ftrun.probe import probe
 
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)

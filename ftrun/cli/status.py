@@ -235,7 +235,7 @@ class StatusReader:
 
 
 def show(snapshot: dict, as_json: bool) -> None:
-    from ftrun.status import render
+    from ftrun.live_view import render
 
     if as_json and out.is_terminal:
         out.print_json(json.dumps(snapshot))
@@ -250,7 +250,7 @@ def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: 
     --rdzv-backend etcd a store that goes is looked for again (``StatusReader.follow``): the controller moved."""
     from rich.live import Live
 
-    from ftrun.status import moved_line, plain_line, render
+    from ftrun.live_view import moved_line, plain_line, render
     from ftrun.store import StoreUnavailable
 
     live = None if as_json else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)

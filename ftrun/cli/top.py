@@ -1,4 +1,4 @@
-"""``ftrun top``: the interactive view of a running job (textual, an optional extra)."""
+"""``ftrun top``: the interactive view of a running job (textual, imported only once the view opens)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ TOP_HELP = """Watch a running job and act on it: select a rank, read its output 
 
 \b
   ftrun top --rdzv-endpoint head:29400
-  ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun/token
+  ftrun top --rdzv-endpoint head:29400 --run-id train7 --token-file ~/.ftrun-token
 
 The controller's own terminal shows the same view (--status live).
 Keys: j/k or arrows move, Enter opens a rank, s its stack, e the event log (/ filters), ? help, q leaves
 (the job goes on). r (restart the rank, a drill), d (drain its node) and x (stop the job) need the job's
-token and ask first. Needs textual: pip install 'ftrun[top]'. Exits 0, 2 on bad input, 3 when the store
+token and ask first. Exits 0, 2 on bad input, 3 when the store
 cannot be reached or holds no ftrun job.
 """
-INSTALL = "ftrun top needs the textual package: pip install 'ftrun[top]' (or pip install textual)"
+#: textual is one of ftrun's dependencies: only an install that lost it, or holds a broken one, meets this
+INSTALL = "ftrun top needs the textual package, a dependency of ftrun missing here: pip install 'textual>=8.0'"
 
 
 @click.command(help=TOP_HELP, context_settings={"max_content_width": 110})
@@ -45,7 +46,7 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
     find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
     token = read_token(token_file) if token_file else b""
     try:
-        from ftrun.top.app import TopApp
+        from ftrun.top_view.app import TopApp
     except ImportError:
         raise UsageError(INSTALL) from None
     try:
@@ -55,7 +56,7 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
         raise RendezvousError(str(e)) from None
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("ftrun top needs a terminal; in a pipe use ftrun status --watch --json")
-    from ftrun.top.source import JobSource
+    from ftrun.top_view.source import JobSource
 
     reader.store.signer = Signer(token)  # the reader's next stores keep it
 

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure
+from ftrun.contract import STORE_TIMEOUT, CollectiveFailure, Milestone, RollbackFailure
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.journal import Journal, JournalWriter
 from ftrun.controller.leadership import Leadership, LeadershipLost
@@ -87,7 +87,7 @@ class RecoveryPolicy:
     #: how long a repair's REPLACE commands are held back for more failure reports (see Controller._ready_replace)
     gather_timeout: float = 0.03
     #: --rdzv-backend etcd: how long the job goes on while etcd does not answer, before it stops
-    store_timeout: float = 300.0
+    store_timeout: float = STORE_TIMEOUT
 
 
 class Controller:

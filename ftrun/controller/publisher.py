@@ -29,12 +29,15 @@ class Publisher:
     """Writes what the controller decided, for the agents and the ranks to read.
 
     ``audience()`` names the agents that hear each decision: every node's and every idle spare's.
+    ``clock`` (monotonic seconds) times the held commands; the tests give theirs.
     """
 
-    def __init__(self, store: ControlStore, keys: JobKeys, audience: Callable[[], list[str]]):
+    def __init__(self, store: ControlStore, keys: JobKeys, audience: Callable[[], list[str]],
+                 clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.keys = keys
         self._audience = audience
+        self.clock = clock
         #: the layout last written (``layout``); every command says its version
         self.layout = NodeLayout()
         #: the newest generation announced to the ranks, and that of the last START (every rank has
@@ -123,12 +126,12 @@ class Publisher:
         """Publish ``command`` (a repair's REPLACE) ``seconds`` from the first one held, with those held
         meanwhile (``release_held``), unless a STOP or an EXIT drops them first (``drop_held``)."""
         if not self._held:
-            self._held_until = time.monotonic() + seconds
+            self._held_until = self.clock() + seconds
         self._held.append(command)
 
     def release_held(self) -> bool:
         """The held REPLACE commands go out once their moment has passed (True when they did)."""
-        if self._held and time.monotonic() >= self._held_until:
+        if self._held and self.clock() >= self._held_until:
             held, self._held = self._held, []
             self.commands(held)
             return True

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ftrun.auth import Signer
 from ftrun.contract import WorkerEnv
+from ftrun.elastic.arrays import TorchSnapshotWriter, snapshot_signer
 from ftrun.elastic.backends import CommBackend, make_comm_backend
 from ftrun.elastic.ddp import ElasticDDP, pin_buckets, torch_ddps, track_torch_ddp
 from ftrun.elastic.groups import GroupSet, install
@@ -30,11 +31,14 @@ from ftrun.elastic.link import ControlLink, NullLink
 from ftrun.elastic.meshes import PartMesh, read_part_mesh
 from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
-from ftrun.elastic.snapshots import SnapshotWriter, snapshot_signer
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.elastic")
+#: init()'s collective_timeout: seconds that every group formation (and gloo's collectives) may take
+COLLECTIVE_TIMEOUT = 300.0
+#: init()'s fault_wait: after a collective raises, seconds to wait for the controller to announce a repair
+FAULT_WAIT = 10.0
 #: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
 COMMIT_DEADLINE = 60.0
 
@@ -81,7 +85,7 @@ class ElasticJob:
     environment as usual and its steps simply run, so the same script works under both.
     """
 
-    def __init__(self, backend: str | None = None, collective_timeout: float = 300.0, fault_wait: float = 10.0,
+    def __init__(self, backend: str | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT, fault_wait: float = FAULT_WAIT,
                  sharded: bool = False, snapshot_overlap: bool = True):
         self.env = WorkerEnv.from_environ()
         #: every rank holds its own part of the state: a repair restores each rank's own snapshot
@@ -111,7 +115,7 @@ class ElasticJob:
             return
         _dump_stack_on_signal()
         track_torch_ddp()
-        snapshots = SnapshotWriter.for_rank(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
+        snapshots = TorchSnapshotWriter.for_rank(self.env.snapshots, self.env.rank, self.env.world_size, sharded)
         self._signer = snapshot_signer(snapshots.folder) if snapshots else Signer()
         self.link = link = ControlLink(self.env, self._signer, collective_timeout, fault_wait)
         self.state = TrainingState(_default_layout(self.env.world_size, sharded), snapshots, snapshot_overlap,
@@ -156,7 +160,7 @@ class ElasticJob:
         return self.state.layout
 
     @property
-    def snapshots(self) -> SnapshotWriter | None:
+    def snapshots(self) -> TorchSnapshotWriter | None:
         """This rank's snapshots into its agent's memory (--snapshot-every), or None."""
         return self.state.snapshots
 

@@ -29,24 +29,20 @@ import torch
 import torch.distributed as dist
 
 from ftrun.contract import Fallback, Milestone, RollbackFailure
+from ftrun.elastic.arrays import load_own, own_steps
 from ftrun.elastic.backends import Memory
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.shards import to_local
-from ftrun.elastic.snapshots import load_own, own_steps
 from ftrun.elastic.state import TrainingState
 from ftrun.errors import EXIT_STUCK
+from ftrun.repair_loop import RepairError, repair_until_resumed
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.elastic")
 #: how many of its snapshots a rank names in the rollback (it keeps two)
 HELD = 2
-
-
-class RepairError(RuntimeError):
-    """The repair could not finish on this rank (its group did not form in time): the process ends, and
-    the controller falls back to job level."""
 
 
 class Repair:
@@ -63,23 +59,16 @@ class Repair:
 
     def recover(self, target: int, joined: bool = False) -> None:
         """From a stopped step to a resumed one in generation ``target`` (or a newer one)."""
-        while True:
-            if not joined:
-                target = self.join(target)
-            joined = False
-            try:
-                self.rollback(target)
-                return
-            except RepairError:
-                raise
-            except Exception as e:
-                self.link.collective_failed(e)  # an online repair whose groups fail again: the controller decides
-                newer = self.link.await_target(above=target, timeout=self.link.fault_wait)
-                if newer is None:
-                    raise
-                log.warning("rank %d: rollback of generation %d interrupted (%s)", self.link.rank, target,
-                            first_line(e))
-                target = newer
+        repair_until_resumed(target, self.join, self.rollback, self._interrupted, joined)
+
+    def _interrupted(self, target: int, error: Exception) -> int | None:
+        """A rollback that raised: the newer generation announced within fault_wait, or None."""
+        self.link.collective_failed(error)  # an online repair whose groups fail again: the controller decides
+        newer = self.link.await_target(above=target, timeout=self.link.fault_wait)
+        if newer is not None:
+            log.warning("rank %d: rollback of generation %d interrupted (%s)", self.link.rank, target,
+                        first_line(error))
+        return newer
 
     def join(self, target: int) -> int:
         """Leave the current generation's groups and form ``target``'s (or a newer one's); returns it."""

@@ -18,11 +18,11 @@ from typing import Any, Callable
 import torch
 
 from ftrun.auth import Signer
+from ftrun.elastic.arrays import TorchSnapshotWriter, load_first_good, sources_to_restore
 from ftrun.elastic.ddp import ElasticDDP
 from ftrun.elastic.groups import GroupFailed, first_line
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.shards import load_local, local_tensor, to_local
-from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, sources_to_restore
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.snapshots.format import SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
@@ -33,7 +33,7 @@ log = logging.getLogger("ftrun.elastic")
 class TrainingState:
     """One rank's training state: the registered objects, its step, and whether it holds them whole."""
 
-    def __init__(self, layout: ReplicaLayout, snapshots: SnapshotWriter | None = None, overlap: bool = True,
+    def __init__(self, layout: ReplicaLayout, snapshots: TorchSnapshotWriter | None = None, overlap: bool = True,
                  rank: int = 0, needs_state: bool = False,
                  lost_collective: Callable[[], BaseException | None] = lambda: None):
         #: the objects the script registered, by name

@@ -26,7 +26,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ftrun.contract import Endpoint, EndpointError, parse_endpoint
+from ftrun.contract import STORE_TIMEOUT, Endpoint, EndpointError, parse_endpoint
 from ftrun.elastic.groups import first_line
 from ftrun.store import HANDSHAKE_DEADLINE, OPERATION_TIMEOUT, connect_store
 
@@ -61,7 +61,7 @@ class StoreLocation:
     again); whichever reads the new address first moves the location, and the others follow it at once.
     """
 
-    def __init__(self, endpoint: Endpoint, file: str = "", timeout: float = 300.0, rank: int = 0):
+    def __init__(self, endpoint: Endpoint, file: str = "", timeout: float = STORE_TIMEOUT, rank: int = 0):
         self.file = file
         self.timeout = timeout
         self.rank = rank

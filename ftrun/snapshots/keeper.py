@@ -1,7 +1,7 @@
 """The agent's side of snapshots: the node's shared memory, pinned copies, peer replicas, persistence.
 
 The agent owns a private folder in shared memory (``/dev/shm``) for the job. Its ranks write their
-snapshots there (``rank-00003.0`` and ``.1``, in turn: ``ftrun.elastic.snapshots``), so a snapshot
+snapshots there (``rank-00003.0`` and ``.1``, in turn: ``ftrun.elastic.arrays``), so a snapshot
 outlives the process that wrote it. A thread of the agent then, for each rank:
 
 * pins every snapshot whose step is a multiple of --replicate-every: a verified copy of the agent's

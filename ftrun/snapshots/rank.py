@@ -7,7 +7,7 @@ between, the other file holds the last good snapshot. The rank holds an exclusiv
 while it writes, and the agent a shared one while it copies, so neither reads a half-written file.
 
 What the arrays are is the :class:`ArrayKind`'s business: torch tensors for ``ftrun.elastic``
-(``ftrun/elastic/snapshots.py``), numpy arrays for ``ftrun.mindspore_elastic``. This module imports
+(``ftrun/elastic/arrays.py``), numpy arrays for ``ftrun.mindspore_elastic``. This module imports
 neither torch nor numpy, so that a MindSpore rank (whose python has no torch) can use it.
 """
 
@@ -48,7 +48,7 @@ from ftrun.snapshots.transfer import TransferError, get
 
 class ArrayKind:
     """What a snapshot's arrays are, and how they reach the file and come back: numpy arrays here
-    (``ftrun/elastic/snapshots.py`` has torch's). A subclass whose framework reads checkpoint files
+    (``ftrun/elastic/arrays.py`` has torch's). A subclass whose framework reads checkpoint files
     (``--checkpoint-dir``) says how in :meth:`load_checkpoint`."""
 
     #: the name format.lay_out knows them by

@@ -176,7 +176,8 @@ def main() -> None:
         print(f"rank 0 of {world_size}: starting after step {start_step} (restart {restart_count})", flush=True)
 
     with open(args.progress or os.devnull, "a") as progress:
-        for step in job.steps(args.steps + 1, start=start_step + 1):
+        for done in job.steps(args.steps, start=start_step):  # the steps done before this one
+            step = done + 1  # counted from 1, as the checkpoint and --kill-at-step count them
             with job.guard():  # a fault elsewhere lands here; the loop then goes on from the consistent step
                 inputs, labels = synthetic_batch(step, rank)
                 loss = torch.nn.functional.cross_entropy(ddp_model(inputs), labels)

@@ -76,7 +76,8 @@ def train(job, args, model: torch.nn.Module, forward_backward: ForwardBackward) 
         print(f"rank 0 of {world_size}: starting after step {start_step} (restart {restart_count})", flush=True)
 
     with open(args.progress or os.devnull, "a") as progress:
-        for step in job.steps(args.steps + 1, start=start_step + 1):
+        for done in job.steps(args.steps, start=start_step):  # the steps done before this one
+            step = done + 1  # counted from 1, as the checkpoint and --kill-at-step count them
             with job.guard():
                 optimizer.zero_grad()
                 loss = forward_backward(step)

@@ -12,7 +12,7 @@ import pytest
 from ftrun.auth import Signer
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, NodeLayout, Report, ReportKind, WorkerFailure, to_json
-from tests.conftest import WORKERS, free_port, wait_for
+from tests.conftest import WORKERS, free_port, step_reached, wait_for
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -43,8 +43,7 @@ def test_forged_messages_are_ignored_and_logged_and_the_job_is_unaffected(launch
         # no rank is replaced (asserted below): no warm standby to start
         start(launcher, port, token, node, "--recovery", "process", "--max-restarts", "1", "--warm-standby", "0",
               env=env)
-    progress = launcher.out_dir / "progress-rank3"
-    wait_for(lambda: progress.exists() and int(progress.read_text() or 0) >= 3, 120, "training to begin")
+    wait_for(lambda: step_reached(launcher.out_dir, 3) >= 3, 120, "training to begin")
 
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     keys = JobKeys(launcher.mark)

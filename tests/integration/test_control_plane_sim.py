@@ -17,6 +17,7 @@ from bench_control_plane import COMPARED_COLUMNS, real_run, simulate, table  # n
 from etcd_cluster import EtcdUnavailable, etcd_program  # noqa: E402
 
 from tests.conftest import marked_processes  # noqa: E402
+from tests.parts import unavailable  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,7 @@ def test_on_etcd_every_decision_is_journaled_and_a_successor_takes_over_from_the
     try:
         etcd_program()
     except EtcdUnavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
     figures = simulate(8, 2, agent_processes=1, steady=1.0, node_timeout=2.0, backend="etcd", lease_ttl=2.0)
     assert figures["joined"] == 10  # 8 nodes and two spares: one for the lost node, one for the controller's
     assert figures["holders"] == 9 and figures["replace_holders"] == 9

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, Launcher, free_port, wait_for
+from tests.conftest import ROOT, WORKERS, Launcher, free_port, step_reached, unique_mark, wait_for
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -53,10 +53,7 @@ def npu_env(launcher: Launcher, state: NpuState, **extra: str) -> dict[str, str]
 
 def wait_for_step(launcher: Launcher, rank: int, step: int) -> None:
     def reached():
-        try:
-            return int((launcher.out_dir / f"progress-rank{rank}").read_text() or 0) >= step
-        except (OSError, ValueError):
-            return False
+        return step_reached(launcher.out_dir, rank) >= step
 
     wait_for(reached, timeout=120, what=f"rank {rank} to reach step {step}")
 
@@ -70,7 +67,7 @@ def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     """One node, 2 ranks, STEPS steps, no fault: the parameters every repaired run must end with."""
-    runner = Launcher(tmp_path_factory.mktemp("detection-fault-free"), "detection-fault-free")
+    runner = Launcher(tmp_path_factory.mktemp("detection-fault-free"), unique_mark("detection-fault-free"))
     # no warm standby: the reference checksum does not depend on it, and the run starts faster
     runner.start_job(1, 2, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
                      env=runner.env(STEPS=str(STEPS), STEP_SLEEP="0"))

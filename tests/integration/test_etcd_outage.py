@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import step_reached, wait_for
 from tests.integration import test_high_availability as ha
 from tests.integration.test_high_availability import STEPS, start, starts, wait_for_progress
 
@@ -88,7 +88,7 @@ def test_ranks_killed_just_before_and_just_after_the_outage_are_replaced_alone(l
     etcd.kill(1)
     etcd.kill(2)
     lost_at = time.monotonic()
-    progress = int((launcher.out_dir / "progress-rank0").read_text() or 0)
+    progress = step_reached(launcher.out_dir, 0)
     wait_for_progress(launcher, 0, progress + 3)  # the repair ended and training goes on meanwhile
     time.sleep(max(0.0, OUTAGE - (time.monotonic() - lost_at)))
     etcd.revive(1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, Launcher, ftrun_status, wait_for
+from tests.conftest import WORKERS, Launcher, ftrun_status, step_reached, unique_mark, wait_for
+from tests.parts import tmux_for_a_check
 from tests.terminal import Pane
 
 pytestmark = pytest.mark.integration
@@ -41,8 +41,7 @@ def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
 
 
 def wait_for_progress(launcher, rank: int, step: int) -> None:
-    progress = launcher.out_dir / f"progress-rank{rank}"
-    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= step,
+    wait_for(lambda: step_reached(launcher.out_dir, rank) >= step,
              timeout=120, what=f"rank {rank} to reach step {step}")
 
 
@@ -54,7 +53,7 @@ def starts(launcher) -> dict[int, int]:
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     """The same job under the c10d store, without a fault: every rank's digest."""
-    runner = Launcher(tmp_path_factory.mktemp("ha-fault-free"), "ha-fault-free")
+    runner = Launcher(tmp_path_factory.mktemp("ha-fault-free"), unique_mark("ha-fault-free"))
     # the 4 ranks on one agent, no warm standby, no step sleep: the digests depend on none of them, and the
     # run starts faster
     runner.start_job(1, NODES * NPROC, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
@@ -82,7 +81,7 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     wait_for_progress(launcher, 1, step_before + 2)
     etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, step_before + 4)
-    killed_at = int((launcher.out_dir / "progress-rank1").read_text().strip() or 0)  # written as it is read, at times
+    killed_at = step_reached(launcher.out_dir, 1)
     assert killed_at < STEPS - 5, f"the job reached step {killed_at} of {STEPS} before the kill"
     started_for = time.monotonic() - began
     leader.proc.kill()  # the agent hosting the store and the controller; its guardian takes ranks 0 and 1
@@ -125,7 +124,7 @@ class Views:
         self.watcher = ftrun_status(etcd.endpoints, *found, "--watch", "--json", "--interval", "0.5", into=self.into,
                                     env=launcher.env())
         self.top = None
-        if shutil.which("tmux"):
+        if tmux_for_a_check("ftrun top through etcd"):
             self.top = Pane(launcher.tmp, "top", ["top", "--rdzv-endpoint", etcd.endpoints, *found], dict(os.environ),
                             size=(240, 30))
         self.screen = ""
@@ -242,7 +241,7 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     out, err = status.communicate(timeout=60)
     assert status.returncode == 0, err
     assert json.loads(out)["controller"]["host"] == "127.0.0.2"
-    if shutil.which("tmux"):
+    if tmux_for_a_check("ftrun top through etcd"):
         top = Pane(launcher.tmp, "top", ["top", "--rdzv-endpoint", etcd.endpoints, *found], dict(os.environ),
                    size=(240, 30))
         try:
@@ -255,7 +254,7 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     etcd.kill(2)  # the quorum, for 10 s: training goes on
     lost_at = time.monotonic()
     wait_for(lambda: "etcd) is unreachable" in leader.output, timeout=60, what="the controller to say so")
-    progress = int((launcher.out_dir / "progress-rank1").read_text())
+    progress = step_reached(launcher.out_dir, 1)
     wait_for_progress(launcher, 1, progress + 3)
     time.sleep(max(0.0, 10 - (time.monotonic() - lost_at)))
     etcd.revive(1)
@@ -273,7 +272,7 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}  # no rank was restarted meanwhile
     # --save-on-failure: both snapshots held as the job stopped (--snapshot-every 2; a checkpoint is
     # written every 100th step only), on disk, every rank's
-    last = int((launcher.out_dir / "progress-rank1").read_text())
+    last = step_reached(launcher.out_dir, 1)
     saved = {int(p.name[len("step-"):]): p for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()}
     newest = max(saved)
     assert last - 3 <= newest <= last and newest - 2 in saved, (sorted(saved), last)

@@ -17,9 +17,9 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     """One fault-free run, shared: the reference checksum and the success path's own checks."""
-    from tests.conftest import Launcher
+    from tests.conftest import Launcher, unique_mark
 
-    runner = Launcher(tmp_path_factory.mktemp("fault-free"), "fault-free-reference")
+    runner = Launcher(tmp_path_factory.mktemp("fault-free"), unique_mark("fault-free-reference"))
     codes = run_with_fault(runner, fault="")
     return runner, codes
 

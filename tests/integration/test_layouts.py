@@ -11,11 +11,10 @@ meshes and with no job.mesh(): it is repaired the same, against the declared lay
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
-from tests.conftest import WORKERS, Launcher
+from tests.conftest import WORKERS, Launcher, unique_mark
 
 pytestmark = pytest.mark.integration
 SCRIPT = str(WORKERS / "layouts_train.py")
@@ -62,7 +61,7 @@ def fault_free(tmp_path_factory):
     def get(layout: str) -> dict[int, str]:
         if layout not in digests:
             # a mark of its own: kill_all() ends every process with it, another checkout's test run's too
-            runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), f"{layout}-fault-free-{uuid.uuid4().hex}")
+            runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), unique_mark(f"{layout}-fault-free"))
             try:
                 # one agent and no step sleep: the digests depend on neither, and the run starts faster
                 assert run(runner, layout, nodes=1, STEP_SLEEP="0") == [0], runner.output()

@@ -20,7 +20,7 @@ from ftrun.contract import Milestone, WorkerEnv
 from ftrun.controller.publisher import Publisher
 from ftrun.keys import JobKeys
 from ftrun.store import ControlStore
-from tests.conftest import ROOT, WORKERS, name_store, wait_for
+from tests.conftest import ROOT, WORKERS, name_store, step_reached, wait_for
 
 WORLD = 2
 #: against hangs only: each rank imports torch on a shared 2-core machine
@@ -28,10 +28,7 @@ DEADLINE = 120
 
 
 def progress(out: Path, rank: int) -> int:
-    try:
-        return int((out / f"progress-rank{rank}").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
+    return step_reached(out, rank)
 
 
 def slowest(out: Path) -> int:

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.conftest import WORKERS, Launcher, wait_for
+from tests.conftest import WORKERS, Launcher, step_reached, unique_mark, wait_for
 from tests.links import can_cut_links, cut_links
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: 
 
 def fault_free_run(tmp_path_factory, name: str, **env) -> dict[int, dict]:
     """Every rank's result of the job run without a fault."""
-    runner = Launcher(tmp_path_factory.mktemp(name), name)
+    runner = Launcher(tmp_path_factory.mktemp(name), unique_mark(name))
     # one agent, no step sleep, no warm standby: the reference depends on none of them, and the run starts faster
     assert run(runner, flags=("--warm-standby", "0"), nodes=1, STEP_SLEEP="0", **env) == [0], runner.output()
     results = runner.results()
@@ -168,8 +168,7 @@ def test_a_link_cut_while_every_process_lives_is_repaired_in_place(launcher, fau
     env = launcher.env(STEPS=str(STEPS), BATCHNORM="1", STEP_SLEEP="0.2")
     flags = ["--recovery", "process", "--max-restarts", "3", "--warm-standby", "0"]
     launcher.start_job(1, 4, [ELASTIC], flags=flags, env=env)
-    progress = launcher.out_dir / "progress-rank1"
-    wait_for(lambda: progress.exists() and progress.read_text().strip() not in ("", "0", "1", "2")
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= 3
              and len(start_pids(launcher)) == 4, what="rank 1 at step 3")
     pids = {rank: found[0] for rank, found in start_pids(launcher).items()}
     assert cut_links(pids[1], [pids[rank] for rank in (0, 2, 3)]) >= 3  # one connection to each peer at least

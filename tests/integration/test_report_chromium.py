@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.report import html_report
+from tests.parts import unavailable
 from tests.unit.test_report import HOSTILE, Page, job_events
 
 pytestmark = pytest.mark.integration
@@ -28,7 +29,7 @@ MIN_DISTINCT_BYTES = 64
 def chromium() -> str:
     found = shutil.which("chromium") or ("/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else "")
     if not found:
-        pytest.skip("the HTML report test renders in Debian's chromium, which is not installed (apt-get install chromium)")
+        unavailable("the HTML report test renders in Debian's chromium, which is not installed (apt-get install chromium)")
     return found
 
 

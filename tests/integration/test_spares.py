@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, Launcher, free_port, wait_for
+from tests.conftest import WORKERS, Launcher, free_port, step_reached, unique_mark, wait_for
 from tests.integration.test_detection import NpuState, npu_env
 from tests.unit.test_ranktable import assert_hccl_v1
 
@@ -35,7 +35,7 @@ def start(launcher, script: str, spares: int = 1, flags=(), environment=None, **
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    runner = Launcher(tmp_path_factory.mktemp("spares-fault-free"), "spares-fault-free")
+    runner = Launcher(tmp_path_factory.mktemp("spares-fault-free"), unique_mark("spares-fault-free"))
     start(runner, TRAIN, spares=1, STEP_SLEEP="0")
     # the spare stays idle: it leaves with the job's status (the store's host waits for it to read the exit)
     assert runner.wait() == [0] * (NODES + 1), runner.output()
@@ -150,7 +150,7 @@ def test_losing_the_node_that_hosts_the_store_ends_the_job_everywhere(launcher):
 
 @pytest.fixture(scope="module")
 def elastic_fault_free(tmp_path_factory):
-    runner = Launcher(tmp_path_factory.mktemp("spares-elastic-fault-free"), "spares-elastic-fault-free")
+    runner = Launcher(tmp_path_factory.mktemp("spares-elastic-fault-free"), unique_mark("spares-elastic-fault-free"))
     # the 3 ranks on one agent, no warm standby, no step sleep: the reference checksum depends on none of them,
     # and the run starts faster
     runner.start_job(1, NODES, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
@@ -162,8 +162,7 @@ def elastic_fault_free(tmp_path_factory):
 def test_spare_takes_a_lost_nodes_ranks_while_the_others_live_on(launcher, elastic_fault_free):
     start(launcher, ELASTIC, flags=["--recovery", "process", "--max-restarts", "2"])
     victim = node_agent(launcher, 1)
-    progress = launcher.out_dir / "progress-rank1"
-    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3,
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= 3,
              timeout=120, what="rank 1 to make progress")
     victim.proc.kill()  # the agent, and with it (its guardian) rank 1
     others = [n for n in launcher.nodes if n is not victim]

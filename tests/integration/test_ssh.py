@@ -13,7 +13,8 @@ import sys
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, marked_processes, wait_for
+from tests.conftest import WORKERS, marked_processes, step_reached, wait_for
+from tests.parts import unavailable
 from tests.sshd import HOSTS, SshdUnavailable, start_sshd
 
 pytestmark = pytest.mark.integration
@@ -29,7 +30,7 @@ def sshd(tmp_path_factory):
     try:
         server = start_sshd(tmp_path_factory.mktemp("sshd"))
     except SshdUnavailable as e:
-        pytest.skip(f"SSH tests need a local sshd: {e}")
+        unavailable(f"SSH tests need a local sshd: {e}")
     yield server
     server.stop()
 
@@ -72,8 +73,7 @@ def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
     env = launcher.env(STEPS="40", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [ELASTIC],
                       flags=["--recovery", "process", "--max-restarts", "2"], env=env)
-    progress = launcher.out_dir / "progress-rank2"
-    wait_for(lambda: progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 3,
+    wait_for(lambda: step_reached(launcher.out_dir, 2) >= 3,
              timeout=120, what="rank 2 to make progress")
     victim = worker_of_rank(launcher.mark, 2)
     victim.kill()

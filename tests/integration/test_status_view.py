@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from ftrun.events import KINDS, REQUIRED
-from tests.conftest import JOB_DEADLINE, WORKERS, Launcher, free_port, ftrun_status, marked_processes
+from tests.conftest import JOB_DEADLINE, WORKERS, Launcher, free_port, ftrun_status, marked_processes, unique_mark
+from tests.parts import tmux
 
 pytestmark = pytest.mark.integration
 STEPS = 40
@@ -28,6 +29,8 @@ REPAIR_PHASES = {"stopping", "env_clear", "repair", "rollback"}
 TMUX = shutil.which("tmux")
 #: the terminal the view is drawn in
 COLUMNS, LINES = 120, 50
+#: between the two captures of one screen: far below the view's half second between frames
+STEADY_GAP = 0.05
 
 
 @dataclass
@@ -60,7 +63,7 @@ class Terminal:
         if TMUX:
             assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier())
             command = (f"env {assigned} {shlex.quote(sys.executable)} -m ftrun {shlex.join(args)} < /dev/null; "
-                       f"echo $? > {self.exit_file}")
+                       f"echo $? > {self.exit_file}.tmp; mv {self.exit_file}.tmp {self.exit_file}")  # whole, once there
             self._tmux("new-session", "-d", "-x", str(COLUMNS), "-y", str(LINES), command + "; sleep 600")
         else:
             self.node = runner.start([*args[:-1], "--status", "plain", args[-1]], env=env)
@@ -69,7 +72,14 @@ class Terminal:
         return subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True, text=True, timeout=10).stdout
 
     def screen(self) -> str:
-        return self._tmux("capture-pane", "-p") if TMUX else ""
+        """The screen once it holds still ("" when not): tmux reads a frame in pieces (terminal writes
+        arrive 2,048 bytes at a time), and a capture between two pieces shows half a frame, so a capture
+        is kept only when a second one a moment later is the same. The view redraws twice a second."""
+        if not TMUX:
+            return ""
+        first = self._tmux("capture-pane", "-p")
+        time.sleep(STEADY_GAP)
+        return first if self._tmux("capture-pane", "-p") == first else ""
 
     def finished(self) -> bool:
         return self.exit_file.exists() if TMUX else self.node.proc.poll() is not None
@@ -89,7 +99,7 @@ class Terminal:
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory) -> WatchedRun:
     tmp = tmp_path_factory.mktemp("status-view")
-    runner = Launcher(tmp, "statusview")
+    runner = Launcher(tmp, unique_mark("statusview"))
     run = WatchedRun(tmp)
     port = free_port()
     env = runner.env(STEPS=str(STEPS), STEP_SLEEP="0.15", FAULT="3:25:sigkill", COLUMNS=str(COLUMNS))
@@ -146,8 +156,8 @@ def test_the_job_recovers(watched):
     assert "process-level repair into generation 1" in watched.output
 
 
-@pytest.mark.skipif(not TMUX, reason="tmux is not installed (scripts/test.sh installs it when run as root)")
 def test_live_view_shows_the_nodes_the_repair_and_the_summary(watched):
+    tmux()
     screens = watched.screens
     before = next((s for s in screens if "generation 0 · RUNNING" in s and " steps/s" in s), None)
     assert before is not None, "\n=====\n".join(screens[-5:])

@@ -9,7 +9,6 @@ time the terminal is given back as it was."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -18,10 +17,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import WORKERS, free_port, marked_processes, wait_for
+from tests.parts import tmux
 from tests.terminal import Pane
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not shutil.which("tmux"), reason="tmux is not installed")]
-pytest.importorskip("textual")
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _needs_tmux():
+    tmux()
 
 
 def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launcher, tmp_path):

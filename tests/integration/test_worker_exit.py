@@ -16,7 +16,7 @@ import psutil
 import pytest
 from torch.distributed import TCPStore
 
-from ftrun.elastic.snapshots import own_steps
+from ftrun.elastic.arrays import own_steps
 from tests.conftest import WORKERS, wait_for
 
 pytestmark = pytest.mark.integration

@@ -108,6 +108,7 @@ FLAGS = [
     ("nnodes-fraction", ["--nnodes", "1.5", S], "'1.5'"),
     ("nnodes-open-min", ["--nnodes", ":2", S], "':2'"),
     ("nnodes-open-max", ["--nnodes", "2:", S], "'2:'"),
+    ("nnodes-elastic-without-endpoint", ["--nnodes", "2:4", S], ("--nnodes 2:4 (elastic) needs --rdzv-endpoint", "static")),
     ("nnodes-zero-min", ["--nnodes", "0:2", S], "'0:2'"),
     ("nproc-empty", ["--nproc-per-node", "", S], "--nproc-per-node"),
     ("nproc-negative", ["--nproc-per-node", "-1", S], ("--nproc-per-node", "-1")),
@@ -561,38 +562,40 @@ def test_bad_config_file(text, words, tmp_path, capsys):
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "0"}
 ENVIRONMENT = [
     # (id, variables, arguments before the script, words of the error line)
-    ("pet-nnodes-word", {"PET_NNODES": "abc"}, [], ("--nnodes", "'abc'")),
-    ("pet-nnodes-non-utf8", {"PET_NNODES": NON_UTF8}, [], "--nnodes"),
-    ("pet-nproc-zero", {"PET_NPROC_PER_NODE": "0"}, [], "--nproc-per-node"),
-    ("pet-node-rank-word", {"PET_NODE_RANK": "x"}, [], "--node-rank"),
-    ("pet-max-restarts-negative", {"PET_MAX_RESTARTS": "-1"}, [], "--max-restarts"),
-    ("pet-fault-retry-times-word", {"PET_FAULT_RETRY_TIMES": "many"}, [], "--fault-retry-times"),
+    ("pet-nnodes-word", {"PET_NNODES": "abc"}, [], ("PET_NNODES", "'abc'")),
+    ("pet-nnodes-non-utf8", {"PET_NNODES": NON_UTF8}, [], "PET_NNODES"),
+    ("pet-nproc-zero", {"PET_NPROC_PER_NODE": "0"}, [], "PET_NPROC_PER_NODE"),
+    ("pet-node-rank-word", {"PET_NODE_RANK": "x"}, [], "PET_NODE_RANK"),
+    ("pet-max-restarts-negative", {"PET_MAX_RESTARTS": "-1"}, [], "PET_MAX_RESTARTS"),
+    ("pet-fault-retry-times-word", {"PET_FAULT_RETRY_TIMES": "many"}, [], "PET_FAULT_RETRY_TIMES"),
     ("pet-max-restarts-and-flag-alias", {"PET_MAX_RESTARTS": "1"}, ["--fault-retry-times", "2"], "set one option"),
-    ("torch-elastic-shutdown-timeout-word", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, [], "--shutdown-timeout"),
+    ("torch-elastic-shutdown-timeout-word", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, [], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
     ("torch-elastic-shutdown-timeout-and-flag", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}, ["--stop-timeout", "5"],
      "set one option"),
-    ("pet-signals-to-handle-unknown", {"PET_SIGNALS_TO_HANDLE": "SIGTERM,NOPE"}, [], ("--signals-to-handle", "NOPE")),
-    ("pet-numa-binding-word", {"PET_NUMA_BINDING": "all"}, [], "--numa-binding"),
-    ("pet-worker-port-range-word", {"PET_WORKER_PORT_RANGE": "a-b"}, [], "--worker-port-range"),
-    ("pet-start-method-word", {"PET_START_METHOD": "thread"}, [], "--start-method"),
-    ("pet-monitor-interval-nan", {"PET_MONITOR_INTERVAL": "nan"}, [], "--monitor-interval"),
-    ("pet-heartbeat-timeout-zero", {"PET_HEARTBEAT_TIMEOUT": "0"}, [], "--heartbeat-timeout"),
-    ("pet-rdzv-endpoint-port-zero", {"PET_RDZV_ENDPOINT": "head:0"}, [], "--rdzv-endpoint"),
-    ("pet-rdzv-conf-no-equals", {"PET_RDZV_CONF": "join_timeout"}, [], "--rdzv-conf"),
+    ("pet-signals-to-handle-unknown", {"PET_SIGNALS_TO_HANDLE": "SIGTERM,NOPE"}, [], ("PET_SIGNALS_TO_HANDLE", "NOPE")),
+    ("pet-numa-binding-word", {"PET_NUMA_BINDING": "all"}, [], "PET_NUMA_BINDING"),
+    ("pet-worker-port-range-word", {"PET_WORKER_PORT_RANGE": "a-b"}, [], "PET_WORKER_PORT_RANGE"),
+    ("pet-start-method-word", {"PET_START_METHOD": "thread"}, [], "PET_START_METHOD"),
+    ("pet-monitor-interval-nan", {"PET_MONITOR_INTERVAL": "nan"}, [], "PET_MONITOR_INTERVAL"),
+    ("pet-heartbeat-timeout-zero", {"PET_HEARTBEAT_TIMEOUT": "0"}, [], "PET_HEARTBEAT_TIMEOUT"),
+    ("pet-rdzv-endpoint-port-zero", {"PET_RDZV_ENDPOINT": "head:0"}, [], "PET_RDZV_ENDPOINT"),
+    ("pet-rdzv-conf-no-equals", {"PET_RDZV_CONF": "join_timeout"}, [], "PET_RDZV_CONF"),
     ("pet-rdzv-backend-etcd", {"PET_RDZV_BACKEND": "etcd", "PET_NNODES": "2"}, [], "needs --rdzv-endpoint"),
-    ("pet-recovery-unknown", {"PET_RECOVERY": "node"}, [], "--recovery"),
-    ("pet-device-unknown", {"PET_DEVICE": "tpu"}, [], "--device"),
-    ("pet-devices-word", {"PET_DEVICES": "all"}, [], "--devices"),
-    ("pet-status-unknown", {"PET_STATUS": "loud"}, [], "--status"),
-    ("pet-spares-negative", {"PET_SPARES": "-1"}, [], "--spares"),
-    ("pet-warm-standby-huge", {"PET_WARM_STANDBY": HUGE}, [], "--warm-standby"),
-    ("pet-standalone-word", {"PET_STANDALONE": "maybe"}, [], "--standalone"),
-    ("pet-redirects-nine", {"PET_REDIRECTS": "9"}, [], "--redirects"),
-    ("pet-ranks-filter-negative", {"PET_LOCAL_RANKS_FILTER": "-1"}, [], "--local-ranks-filter"),
-    ("pet-token-file-missing", {"PET_TOKEN_FILE": "no-such-token"}, [], "--token-file"),
+    ("pet-recovery-unknown", {"PET_RECOVERY": "node"}, [], "PET_RECOVERY"),
+    ("pet-device-unknown", {"PET_DEVICE": "tpu"}, [], "PET_DEVICE"),
+    ("pet-devices-word", {"PET_DEVICES": "all"}, [], "PET_DEVICES"),
+    ("pet-status-unknown", {"PET_STATUS": "loud"}, [], "PET_STATUS"),
+    ("pet-spares-negative", {"PET_SPARES": "-1"}, [], "PET_SPARES"),
+    ("pet-warm-standby-huge", {"PET_WARM_STANDBY": HUGE}, [], "PET_WARM_STANDBY"),
+    ("pet-standalone-word", {"PET_STANDALONE": "maybe"}, [], "PET_STANDALONE"),
+    ("pet-redirects-nine", {"PET_REDIRECTS": "9"}, [], "PET_REDIRECTS"),
+    ("pet-ranks-filter-negative", {"PET_LOCAL_RANKS_FILTER": "-1"}, [], "PET_LOCAL_RANKS_FILTER"),
+    ("pet-token-file-missing", {"PET_TOKEN_FILE": "no-such-token"}, [], "PET_TOKEN_FILE"),
     ("pet-hostfile-missing", {"PET_HOSTFILE": "no-such-hosts"}, [], "cannot read hostfile no-such-hosts"),
-    ("ftrun-config-missing", {"FTRUN_CONFIG": "no-such.yaml"}, [], "cannot read config file no-such.yaml"),
-    ("ftrun-config-folder", {"FTRUN_CONFIG": "."}, [], "cannot read config file"),
+    ("ftrun-config-missing", {"FTRUN_CONFIG": "no-such.yaml"}, [], "FTRUN_CONFIG: cannot read config file no-such.yaml"),
+    ("ftrun-config-folder", {"FTRUN_CONFIG": "."}, [], "FTRUN_CONFIG: cannot read config file"),
+    ("pet-nnodes-elastic-without-endpoint", {"PET_NNODES": "2:4"}, [], ("PET_NNODES 2:4 (elastic) needs --rdzv-endpoint",
+                                                                      "static rendezvous")),
     ("slurm-nnodes-word", {**SLURM, "SLURM_NNODES": "abc"}, [], ("SLURM_NNODES", "'abc'")),
     ("slurm-nnodes-digits", {**SLURM, "SLURM_NNODES": DIGITS}, [], "SLURM_NNODES"),
     ("slurm-nnodes-mismatch", {**SLURM, "SLURM_NNODES": "3"}, [], ("SLURM_NNODES is 3", "names 2 nodes")),
@@ -690,13 +693,13 @@ def test_bad_input_to_status_or_report(argv, words, tmp_path, capsys):
     assert_one_clear_line(stderr, words)
 
 
-def test_top_without_textual_says_how_to_install_it(capsys, monkeypatch):
+def test_top_in_an_install_that_lost_textual_says_how_to_install_it(capsys, monkeypatch):
     for name in [m for m in sys.modules if m == "textual" or m.startswith("textual.")] + ["textual"]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
-    monkeypatch.delitem(sys.modules, "ftrun.top.app", raising=False)
+    monkeypatch.delitem(sys.modules, "ftrun.top_view.app", raising=False)
     code, stderr = run_main(["top", "--rdzv-endpoint", "127.0.0.1:1"], capsys)
     assert code == USAGE
-    assert_one_clear_line(stderr, "pip install 'ftrun[top]'")
+    assert_one_clear_line(stderr, "pip install 'textual>=8.0'")
 
 
 def test_top_of_a_refused_port_or_a_store_without_a_job(capsys):

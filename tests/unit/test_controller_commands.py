@@ -21,6 +21,7 @@ from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, RendezvousResult, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore
+from tests.conftest import FakeClock
 
 HOLD = 0.08
 
@@ -36,6 +37,7 @@ def controller():
                       RecoveryPolicy(max_restarts=3, recovery=Level.PROCESS, node_timeout=10.0, stop_timeout=5.0,
                                      repair_timeout=60.0, gather_timeout=HOLD))
     made.view = JobView(node_count=2, max_restarts=3, world_size=4, recovery=Level.PROCESS, library_ranks=4)
+    made.publisher.clock = FakeClock()  # the held commands' moment comes when the test says
     return made
 
 
@@ -56,7 +58,7 @@ def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_tol
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the healthy ranks leave now
     controller.publisher.release_held()
     assert published(controller) == []  # the replacement waits for more reports
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller.publisher.release_held()
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
 
@@ -67,7 +69,7 @@ def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doo
         controller._on_report(report)
     assert (controller.view.phase, controller.view.level, controller.view.no_replica) == (Phase.STOPPING, Level.JOB,
                                                                                           True)
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller.publisher.release_held()
     # no REPLACE ever reached an agent: the restart's ranks find every standby warm
     assert [c.kind for c in published(controller)] == [CommandKind.STOP]
@@ -78,12 +80,12 @@ def test_staggered_deaths_of_every_rank_after_the_replacements_started_stay_one_
     # A job-level restart now would kill it and want four warm standbys where three are left
     controller.view = dataclasses.replace(controller.view, snapshots=True)
     controller._on_report(failed(3))
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller._release_replacements()
     assert controller.view.replacements_started
     for report in (failed(2), failed(0, 1)):
         controller._on_report(report)
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller._release_replacements()
     view = controller.view
     assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 3, 1)
@@ -139,7 +141,7 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     shrunk = dataclasses.replace(controller.view, lost=frozenset({1}), world_size=2)
     controller._apply((shrunk, [Command(CommandKind.START, 1)]))
     controller._apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller.publisher.release_held()
     first, second, repair = published(controller)
     assert (first.previous_world_size, first.layout) == (0, 1)
@@ -148,20 +150,29 @@ def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_
     assert controller.store.get(NodeLayout, controller.keys.layout).nodes == (controller.roster.nodes[0],)
 
 
+#: only there to turn a controller that stopped beating into a failure
+BEATS_DEADLINE = 30
+
+
 class OfficeWithoutQuorum:
     """A controller's office in an etcd that has lost its quorum: its writes wait as ``waits`` say, each
-    (seconds, refused): a refused one then gives up (EtcdUnavailable), as the client does. Later ones
-    are written at once."""
+    (beats, refused): a write returns once the controller's keepalive (``heartbeats()``, the counter an
+    agent watches) has moved ``beats`` times while it waited; a refused one then gives up
+    (EtcdUnavailable), as the client does. Later ones are written at once. No wall time is measured: a
+    controller that beats only between its tries never lets a write return, and the deadline fails it."""
 
-    def __init__(self, waits: list[tuple[float, bool]]):
+    def __init__(self, waits: list[tuple[int, bool]], heartbeats):
         self.keys = EtcdKeys("no-quorum")
         self.lost = threading.Event()
-        self.unreachable_since = time.monotonic()  # the lease's renewals fail too
-        self.waits, self.written = waits, 0
+        self.unreachable_since = 1.0  # the lease's renewals fail too
+        self.waits, self.written, self.heartbeats = waits, 0, heartbeats
 
     def write(self, ops: list[dict]) -> None:
-        wait, refused = self.waits.pop(0) if self.waits else (0.0, False)
-        time.sleep(wait)
+        beats, refused = self.waits.pop(0) if self.waits else (0, False)
+        first, deadline = self.heartbeats(), time.monotonic() + BEATS_DEADLINE
+        while self.heartbeats() < first + beats:
+            assert time.monotonic() < deadline, f"the keepalive did not move {beats} times while etcd was awaited"
+            time.sleep(0.02)
         if refused:
             raise EtcdUnavailable("no etcd member answered within 1s")
         self.written += 1
@@ -170,34 +181,18 @@ class OfficeWithoutQuorum:
 def test_a_decision_that_waits_for_etcd_keeps_the_controllers_keepalive_beating_issue_40(controller):
     # the decision's journal waited in the controller's thread (10 s a try, while etcd had no quorum):
     # its keepalive stopped, and every agent took the controller for lost after --node-timeout
-    controller.leadership = office = OfficeWithoutQuorum([(0.3, True), (1.8, False)])
+    # what an agent's keepalive reads: the controller's counter, beaten all along each try of etcd (every
+    # 0.5 s), not once after each
+    office = OfficeWithoutQuorum([(1, True), (3, False)],
+                                 lambda: controller.store.counter(controller.keys.controller_heartbeat))
+    controller.leadership = office
     controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller.rendezvous_result = RendezvousResult(tuple(controller.roster.nodes.values()), 4)
-    beats, done = [], threading.Event()
-
-    def watch() -> None:  # what an agent's keepalive reads: when the controller's counter moved
-        last = None
-        while not done.is_set():
-            count = controller.store.counter(controller.keys.controller_heartbeat)
-            if count != last:
-                beats.append(time.monotonic())
-                last = count
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch, name="test-agent-keepalive")
-    watcher.start()
-    began = time.monotonic()
-    try:
-        controller._on_report(failed(3))  # waits for the journal: one try refused, the next one written
-    finally:
-        done.set()
-        watcher.join()
-    assert office.written == 1 and time.monotonic() - began >= 2.1
-    gaps = [b - a for a, b in zip([began, *beats], [*beats, time.monotonic()])]
-    assert max(gaps) < 1.4, gaps  # beaten all along (every 0.5 s), not once after each try of etcd
+    controller._on_report(failed(3))  # waits for the journal: one try refused, the next one written
+    assert office.written == 1 and office.waits == []
     assert controller.narrator.etcd_down  # said once, while it waited
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the ranks were told at once
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller._release_replacements()  # and the replacement goes out once the journal holds the decision
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
 
@@ -207,7 +202,7 @@ def test_a_failure_after_the_ranks_resumed_is_a_repair_of_its_own_however_far_be
     # killed as etcd answered was taken for a failure of that repair's rollback, its replacement for one
     # without state (issue 40)
     controller._on_report(failed(3))
-    time.sleep(HOLD)
+    controller.publisher.clock.advance(HOLD)
     controller._release_replacements()
     controller.view = dataclasses.replace(controller.view, phase=Phase.REPAIR)  # as far as it got
     for milestone in (Milestone.JOINED, Milestone.RESUMED):  # where the ranks are: training again

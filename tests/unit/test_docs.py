@@ -409,3 +409,55 @@ def test_every_module_the_docs_name_exists():
     named = {path for doc in [ROOT / "README.md", *DOC_FILES] for path in re.findall(r"ftrun/[\w/]+\.py", doc.read_text())}
     missing = sorted(path for path in named if not (ROOT / path).is_file())
     assert named and not missing, f"the docs name modules that are not there: {', '.join(missing)}"
+
+
+def design_module_rows() -> list[tuple[list[str], list[str]]]:
+    """docs/design.md's module table: each row's backticked names, of its first cell and of the whole row."""
+    text = (DOCS / "design.md").read_text()
+    lines = text[text.index("| module | holds |"):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        first = line.split("|")[1]
+        rows.append((re.findall(r"`([^`]+)`", first), re.findall(r"`([^`]+)`", line)))
+    return rows
+
+
+def named_in_the_design(module: str, rows: list[tuple[list[str], list[str]]]) -> bool:
+    """``module`` (ftrun/x/y.py) has its row: its path in a row's first cell, or its file name in a row
+    whose first cell names its folder or a module beside it (`ftrun/elastic/backends.py`, `ddp.py`)."""
+    folder, name = module.rsplit("/", 1)
+    for first, names in rows:
+        if module in first:
+            return True
+        beside = any(n.startswith(folder + "/") and n.count("/") == module.count("/") for n in first)
+        if beside and (name in names or module in names):
+            return True
+    return False
+
+
+def modules_the_design_must_name() -> list[str]:
+    """Every module under ftrun/, read from the tree at test time; a package's __init__.py only where it
+    defines something, and no __main__.py."""
+    found = []
+    for path in sorted((ROOT / "ftrun").rglob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        if path.name == "__init__.py" and not re.search(r"^(def|class) ", path.read_text(), re.M):
+            continue
+        found.append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_every_module_is_in_the_design_s_module_table():
+    rows = design_module_rows()
+    missing = [module for module in modules_the_design_must_name() if not named_in_the_design(module, rows)]
+    assert not missing, f"docs/design.md's module table does not name: {', '.join(missing)}"
+
+
+def test_the_module_table_check_spots_a_missing_module():
+    rows = [(["ftrun/elastic/backends.py", "ddp.py"], ["ftrun/elastic/backends.py", "ddp.py"]), (["ftrun/cli/"], ["ftrun/cli/", "top.py"])]
+    assert named_in_the_design("ftrun/elastic/ddp.py", rows) and named_in_the_design("ftrun/cli/top.py", rows)
+    assert not named_in_the_design("ftrun/elastic/groups.py", rows)
+    assert not named_in_the_design("ftrun/top.py", rows)  # a name in a folder's row is that folder's

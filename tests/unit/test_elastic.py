@@ -146,7 +146,7 @@ def recording_process_group(made: list) -> type:
     return ProcessGroup
 
 
-def test_nccl_makes_a_real_group_with_its_timeout_on_the_cuda_device(monkeypatch):
+def test_nccl_backend_builds_its_group_with_its_timeout_on_the_cuda_device_over_a_stand_in_dist(monkeypatch):
     made = []
 
     class Options:
@@ -199,7 +199,7 @@ def test_hccl_release_stops_and_restarts_the_device_once_for_every_group(fake_to
     assert fake_torch_npu == [("stop_device", 3), ("restart_device", 3, False)]
 
 
-def test_hccl_makes_a_real_group_through_torch_npu_on_the_npu_device(fake_torch_npu, monkeypatch):
+def test_hccl_backend_builds_its_group_through_a_stand_in_torch_npu_on_the_npu_device(fake_torch_npu, monkeypatch):
     made = []
 
     class ProcessGroupHCCL:

@@ -296,7 +296,7 @@ WHOLE = _Mesh([[0, 1], [2, 3]], ("rep", "shard"))
         ([], None),
     ],
 )
-def test_a_mesh_made_with_torch_is_read_from_the_placements_of_the_registered_parameters(monkeypatch, params, replicate):
+def test_a_mesh_is_read_from_the_placements_of_the_registered_parameters_stand_in_dtensors(monkeypatch, params, replicate):
     from ftrun.elastic import job as job_module
 
     monkeypatch.setattr(job_module, "is_dtensor", lambda value: isinstance(value, _DTensor))

@@ -12,7 +12,7 @@ from ftrun.agent.health import DeviceWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.devices import Device, DeviceStatus, Health
 from ftrun.faults.levels import Escalation, FaultLevel, load_fault_table
-from ftrun.probe import probe
+from ftrun.device_report import probe
 
 TABLE = load_fault_table()
 HOUR = 3600.0

@@ -82,7 +82,7 @@ def test_failure_summary_names_the_root_cause_first():
     second = WorkerFailure(rank=0, local_rank=0, node_rank=0, host="n0", pid=7, exit_code=1, generation=0)
     lines = job_summary(_events(FAILURE, second))
     text = "\n".join(lines)
-    assert lines[0] == "job failed after 12.0s at step 39 (exit code 1); 1 of 1 restart used"
+    assert lines[0] == "job failed after 12.0s at step 40 (exit code 1); 1 of 1 restart used"
     assert lines[1] == "reason: budget spent"
     assert text.index("root cause") < text.index("rank 3 (local rank 1) on node 1 (n1), pid 42: killed by SIGKILL")
     assert text.index("killed by SIGKILL") < text.index("other failures (1)") < text.index("rank 0 (local rank 0)")
@@ -94,7 +94,7 @@ def test_success_summary_counts_faults_and_repairs():
     events = _events(FAILURE, exited, exit_code=0, reason="every worker finished",
                      repairs=(("process", 0.5), ("process", 0.9), ("process", 0.7), ("job", 6.0)))
     text = "\n".join(job_summary(events))
-    assert text.startswith("job succeeded in 12.0s at step 39; 1 of 3 restarts used")
+    assert text.startswith("job succeeded in 12.0s at step 40; 1 of 3 restarts used")
     assert "faults: 2 (1 exit, 1 signal)" in text
     assert "repairs: 3 process-level repairs, median time to repair 0.70s" in text
     assert "repairs: 1 job-level repair, median time to repair 6.00s" in text
@@ -107,10 +107,11 @@ def test_summary_of_a_log_without_its_end():
     assert job_summary(events)[0].startswith("job still running (or its controller died)")
 
 
-def test_summary_names_the_last_finished_step_not_the_next():
-    # a script whose loop ran steps 0..60 committed 61 steps: the job ended at step 60
+def test_summary_names_the_steps_committed_as_the_status_does_whatever_the_script_s_numbering():
+    # a finished 60-step job said "at step 59" for one script (its loop numbered from 0) and "at step 60"
+    # for another (from 1, over 61 of job.steps' positions): now the steps committed, the status's "step 60"
     events = [{"kind": "job_started", "elapsed": 0.0, "run_id": "r", "max_restarts": 0},
-              {"kind": "job_finished", "elapsed": 3.0, "exit_code": 0, "reason": "done", "duration": 3.0, "step": 61,
+              {"kind": "job_finished", "elapsed": 3.0, "exit_code": 0, "reason": "done", "duration": 3.0, "step": 60,
                "restarts_used": 0, "max_restarts": 0}]
     assert job_summary(events)[0] == "job succeeded in 3.0s at step 60; 0 of 0 restarts used"
     events[-1]["step"] = 0  # nothing committed: no step to name

@@ -24,7 +24,7 @@ from ftrun.snapshots.format import HEADER_SIZE, copy_arrays, lay_out, load_array
 from ftrun.snapshots.plan import MEMORY, RestorePlan, RestoreSource
 from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_own, own_steps
 from tests.conftest import ROOT
-from tests.integration.test_mindspore import mindspore_python
+from tests.integration.test_mindspore import needs_mindspore
 
 
 def parameters() -> collections.OrderedDict:
@@ -131,10 +131,7 @@ MODEL_TRAIN = textwrap.dedent("""
 def test_the_model_train_callback_restores_at_train_begin_and_commits_every_step():
     """Outside ftrun (no FTRUN_* variables) nothing is restored or snapshotted: the callback's calls and the
     step count are what Model.train drives. About 7 s, most of it importing mindspore."""
-    python = mindspore_python()
-    if not python:
-        pytest.skip("mindspore is not installed for any python here: scripts/test.sh makes .msvenv "
-                    "(mindspore==2.10.0, numpy<2), or set FTRUN_TEST_MINDSPORE_PYTHON")
+    python = needs_mindspore()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "MS_", "RANK_"))}
     done = subprocess.run([python, "-c", MODEL_TRAIN], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**env, "PYTHONPATH": str(ROOT)})

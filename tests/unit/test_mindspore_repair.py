@@ -1,4 +1,4 @@
-"""The process-level repair of MindSpore ranks on Ascend (ftrun/mindspore_repair.py), through a fake of
+"""The process-level repair of MindSpore ranks on Ascend (ftrun/mindspore_elastic/repair.py), through a fake of
 MindSpore's Ascend internals (``mindspore._c_expression``, ``mindspore.communication``) that records the
 calls, as the hccl path is tested through a fake torch_npu. The channel (files, threads) and the agent's
 relay (a real TCPStore on loopback) are real."""
@@ -19,7 +19,10 @@ from ftrun.agent.relay import FolderRelay
 from ftrun.contract import CollectiveFailure, Endpoint, Fallback, Milestone, RelayFolder, RollbackFailure, WorkerEnv
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
-from ftrun.mindspore_repair import AscendHooks, MindSporeRepair, RepairChannel, RepairError, RepairGuard
+from ftrun.mindspore_elastic.backends import AscendHooks
+from ftrun.mindspore_elastic.link import RepairChannel
+from ftrun.mindspore_elastic.repair import MindSporeRepair, RepairGuard
+from ftrun.repair_loop import RepairError
 from ftrun.rollback import NO_STATE
 from ftrun.store import ControlStore
 
@@ -389,7 +392,7 @@ def test_a_uce_mindspore_cannot_repair_ends_the_process_to_be_replaced(monkeypat
     def exit_(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr("ftrun.mindspore_repair.os._exit", exit_)
+    monkeypatch.setattr("ftrun.mindspore_elastic.repair.os._exit", exit_)
     repair = make_repair(folder, State(rank=0))
     repair.target_after(RuntimeError("UCE ERROR happened on device"))
     with pytest.raises(SystemExit) as ended:

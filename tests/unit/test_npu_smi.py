@@ -222,10 +222,9 @@ def test_runner_non_zero_exit_names_command_and_first_line(tmp_path):
 def test_runner_kills_a_hung_tool_and_its_children_at_the_deadline(tmp_path):
     pids = tmp_path / "pids"
     tool = script(tmp_path, f'sleep 60 & echo $$ $! > {pids}; wait', name="npu-smi")
-    started = time.monotonic()
     with pytest.raises(ToolUnavailable, match="^npu-smi info did not answer within 0.5s$"):
         NpuSmi(str(tool), 0.5).run("info")
-    assert time.monotonic() - started < 3
+    # both were killed: left alone, the shell waits on its 60 s sleep
     shell, child = map(int, pids.read_text().split())
     deadline = time.monotonic() + 2
     while not (gone(shell) and gone(child)) and time.monotonic() < deadline:
@@ -315,16 +314,14 @@ def test_backend_discover_falls_back_to_info_l_without_info_m(fake_npu):
     # -m fails, so does the -l fallback: its error is the one reported
     ("fail", "npu-smi info -l failed with exit code 1: dcmi module initialize failed. ret is -8005"),
     ("garbage", "npu-smi info -l printed no NPU ids"),  # -m junk, then -l junk
-    ("hang", "npu-smi info -m did not answer within 0.5s"),  # no second wait on -l
+    ("hang", "npu-smi info -m did not answer within 0.5s"),  # no second wait on -l: its error would name -l
 ])
 def test_backend_discover_on_a_broken_tool_raises_one_line(fake_npu, mode, message):
     backend = fake_npu("A2", [{"id": 0, "name": "910B2", "chips": [chip(0, 0)]}], timeout=0.5)
     set_mode(fake_npu.state_file, mode)
-    started = time.monotonic()
     with pytest.raises(DeviceToolError) as caught:
         backend.discover()
     assert str(caught.value) == message
-    assert time.monotonic() - started < 2
 
 
 def test_backend_poll_on_a_failing_tool_raises(fake_npu):

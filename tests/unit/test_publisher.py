@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from ftrun.controller.publisher import Publisher
 from ftrun.keys import BELL_SEPARATOR, RENDEZVOUS_RING, JobKeys
 from ftrun.messages import Command, CommandKind, NodeLayout, NodeLayoutChange, NodeSlot
 from ftrun.store import ControlStore
+from tests.conftest import FakeClock
 
 KEYS = JobKeys("publisher")
 AGENTS = ["agent-0", "agent-1", "spare"]
@@ -27,7 +27,7 @@ def publisher():
 
     raw = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
     store = ControlStore(raw, Endpoint("127.0.0.1", raw.port), True, Signer(b"secret"))
-    return Publisher(store, KEYS, lambda: AGENTS)
+    return Publisher(store, KEYS, lambda: AGENTS, clock=FakeClock())
 
 
 def published(publisher: Publisher) -> list[Command]:
@@ -71,7 +71,7 @@ def test_held_replacements_go_out_together_once_their_moment_passed_unless_a_sto
     publisher.hold(replace[1], 10.0)  # the first one held sets the moment
     publisher.release_held()
     assert published(publisher) == []
-    time.sleep(0.05)
+    publisher.clock.advance(0.05)
     publisher.release_held()
     assert [c.ranks for c in published(publisher)] == [(3,), (2,)]
     publisher.hold(Command(CommandKind.REPLACE, 2, ranks=(1,)), 0.0)

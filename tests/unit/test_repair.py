@@ -12,7 +12,7 @@ from ftrun.elastic.backends import CommBackend
 from ftrun.elastic.groups import GroupSet, install
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.repair import Repair, RepairError
-from ftrun.elastic.snapshots import SnapshotWriter
+from ftrun.elastic.arrays import TorchSnapshotWriter
 from ftrun.elastic.state import TrainingState
 
 
@@ -77,7 +77,7 @@ def groups():
         dist.destroy_process_group()
 
 
-def training(snapshots: SnapshotWriter | None = None, needs_state: bool = False):
+def training(snapshots: TorchSnapshotWriter | None = None, needs_state: bool = False):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -151,7 +151,7 @@ def test_a_generation_not_every_rank_reaches_fails_the_repair(groups):
 
 
 def test_a_half_applied_step_goes_back_to_the_rank_s_own_snapshot(groups, tmp_path):
-    snapshots = SnapshotWriter(str(tmp_path), rank=0, world_size=1, sharded=False, every=1, limit=0, copies=1)
+    snapshots = TorchSnapshotWriter(str(tmp_path), rank=0, world_size=1, sharded=False, every=1, limit=0, copies=1)
     state, model, optimizer = training(snapshots)
     link = FakeLink()
     repair = started(groups, state, link)
@@ -180,7 +180,7 @@ def test_with_no_healthy_replica_and_no_snapshot_the_rank_tells_the_controller_a
 
 
 def test_with_no_healthy_replica_and_no_snapshot_held_yet_the_rank_falls_back_the_same_way(groups, tmp_path):
-    snapshots = SnapshotWriter(str(tmp_path), rank=0, world_size=1, sharded=False, every=5, limit=0, copies=1)
+    snapshots = TorchSnapshotWriter(str(tmp_path), rank=0, world_size=1, sharded=False, every=5, limit=0, copies=1)
     state, _, _ = training(snapshots, needs_state=True)  # a replacement before the first snapshot
     link = FakeLink(spawned_for=1)
     repair = started(groups, state, link, generation=1)

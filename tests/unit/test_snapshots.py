@@ -18,7 +18,7 @@ import torch
 
 from ftrun.auth import Signer
 from ftrun.messages import from_json, to_json
-from ftrun.elastic.snapshots import SnapshotWriter, load_first_good, load_own, load_source, own_steps
+from ftrun.elastic.arrays import TorchSnapshotWriter, load_first_good, load_own, load_source, own_steps
 from ftrun.snapshots.format import (
     HEADER_SIZE, WRITING, SnapshotError, SnapshotTooLarge, lay_out, load_states, read_header, read_verified, verified,
 )
@@ -52,8 +52,8 @@ def same(a, b) -> bool:
     return a == b
 
 
-def writer(folder, rank: int = 0, limit: int = 0, sharded: bool = True) -> SnapshotWriter:
-    return SnapshotWriter(str(folder), rank, 4, sharded, every=1, limit=limit, copies=6)
+def writer(folder, rank: int = 0, limit: int = 0, sharded: bool = True) -> TorchSnapshotWriter:
+    return TorchSnapshotWriter(str(folder), rank, 4, sharded, every=1, limit=limit, copies=6)
 
 
 # -- the format ----------------------------------------------------------------------------------------
@@ -198,8 +198,8 @@ def test_tensors_copied_behind_the_loop_are_those_of_the_snapshot_s_step(tmp_pat
 
 KILLED_WRITER = """
 import sys, torch
-from ftrun.elastic.snapshots import SnapshotWriter
-write = SnapshotWriter(sys.argv[1], 0, 1, True, every=1, limit=0, copies=2)
+from ftrun.elastic.arrays import TorchSnapshotWriter
+write = TorchSnapshotWriter(sys.argv[1], 0, 1, True, every=1, limit=0, copies=2)
 big = {"model": {"w": torch.zeros(16 << 20)}}  # 64 MiB; after step k every element is k
 step = 0
 while True:
@@ -471,7 +471,7 @@ def test_persisted_files_load_with_torch_and_get_a_manifest_once_every_rank_is_t
     snaps.mkdir()
     for step in (4, 8, 12):
         for rank in (0, 1):
-            write = SnapshotWriter(str(snaps), rank, 2, True, every=1, limit=0, copies=2)
+            write = TorchSnapshotWriter(str(snaps), rank, 2, True, every=1, limit=0, copies=2)
             write.write(step, states(10 * step + rank))
             write.wait()
             record = persist({"source": write.paths[0] if read_header(write.paths[0]).step == step else write.paths[1],
@@ -511,7 +511,7 @@ def test_a_snapshot_hands_the_tensors_its_staging_takes_to_it_and_copies_the_res
                 target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
     staging = Staging()
-    writer = SnapshotWriter(str(tmp_path), 0, 1, False, every=1, limit=0, copies=1, staging=staging)
+    writer = TorchSnapshotWriter(str(tmp_path), 0, 1, False, every=1, limit=0, copies=1, staging=staging)
     state = {"weights": torch.arange(6, dtype=torch.float64).reshape(2, 3), "step": torch.tensor([7]),
              "buffer": torch.ones(4, dtype=torch.float32)}
     writer.write(1, state, behind=frozenset({state["weights"].data_ptr()}))

@@ -18,7 +18,7 @@ from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.events import EventLog, read_events
 from ftrun.keys import JobKeys
 from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure
-from ftrun.status import StatusView, live_wanted, plain_line, render
+from ftrun.live_view import StatusView, live_wanted, plain_line, render
 from ftrun.store import ControlStore
 from tests.conftest import ftrun_status
 

@@ -12,7 +12,7 @@ from ftrun.agent.stacks import current_thread_first
 from ftrun.controller.policy import JobView, Level, Phase, on_operator, operator_refusal
 from ftrun.errors import ExitCode
 from ftrun.messages import CommandKind, OperatorAction, OperatorRequest
-from ftrun.top import panes
+from ftrun.top_view import panes
 
 RESTART = OperatorRequest(OperatorAction.RESTART, "ana@laptop", rank=3)
 DRAIN = OperatorRequest(OperatorAction.DRAIN, "ana@laptop", node_rank=1)
@@ -171,10 +171,9 @@ async def press_each(pilot, keys) -> None:
 
 def drive(source: FakeSource, *keys: str) -> str:
     """Press ``keys`` in the view of ``source``; the pane's text and the message line afterwards."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
-    from ftrun.top.app import TopApp
+    from ftrun.top_view.app import TopApp
 
     async def run() -> str:
         app = TopApp(source)  # type: ignore[arg-type]
@@ -228,10 +227,9 @@ def test_app_event_log_with_a_filter_and_help():
 def test_app_filter_takes_what_is_typed_right_behind_the_slash():
     """A fast typist's letters arrive before the box has the focus: they go into it, and none of them (the
     "r" here) acts on the table."""
-    pytest.importorskip("textual")
     from textual.widgets import Input
 
-    from ftrun.top.app import TopApp
+    from ftrun.top_view.app import TopApp
 
     async def run() -> tuple[str, bool, str]:
         source = FakeSource(True)
@@ -252,10 +250,9 @@ def test_app_filter_takes_what_is_typed_right_behind_the_slash():
 def drive_controller_view(source: FakeSource, *keys: str, close_lifeline: bool = False) -> tuple[int | None, str]:
     """Press ``keys`` in the controller's view (then close its lifeline); its exit status (None while it
     runs on) and the message line."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
-    from ftrun.top.app import ControllerTopApp
+    from ftrun.top_view.app import ControllerTopApp
 
     async def run() -> tuple[int | None, str]:
         read, write = os.pipe()
@@ -303,7 +300,7 @@ def test_controller_view_without_a_token_says_the_job_has_none():
     ("off", (True, True, True), False),
 ])
 def test_interactive_view_is_wanted_on_a_terminal_only(mode, terminals, wanted):
-    from ftrun.top.attached import interactive_wanted
+    from ftrun.top_view.attached import interactive_wanted
 
     assert interactive_wanted(mode, terminals) is wanted
 
@@ -311,7 +308,7 @@ def test_interactive_view_is_wanted_on_a_terminal_only(mode, terminals, wanted):
 def test_controller_view_without_textual_says_how_to_get_it_once_and_keeps_the_live_view(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from ftrun.top import attached
+    from ftrun.top_view import attached
 
     started = []
     monkeypatch.setattr(attached, "interactive_wanted", lambda mode: True)
@@ -320,7 +317,7 @@ def test_controller_view_without_textual_says_how_to_get_it_once_and_keeps_the_l
     controller = SimpleNamespace(status={}, store=SimpleNamespace(endpoint="h:1"), keys=SimpleNamespace(run_id="r"))
     assert attached.controller_view(controller, "auto", b"token") == "the live view" and started == ["auto"]
     said = capsys.readouterr().err.strip().splitlines()
-    assert said == [attached.INSTALL_HINT] and "pip install 'ftrun[top]'" in said[0]
+    assert said == [attached.INSTALL_HINT] and "pip install 'textual>=8.0'" in said[0]
 
 
 # --- a store that moves with the controller (--rdzv-backend etcd) ---------------------------------------------
@@ -347,10 +344,9 @@ class MovingSource(FakeSource):
 
 def watch_the_store_go(source: MovingSource) -> tuple[str, str]:
     """The view of ``source`` until it has looked for the controller: its message line and its job line."""
-    pytest.importorskip("textual")
     from textual.widgets import Static
 
-    from ftrun.top.app import TopApp
+    from ftrun.top_view.app import TopApp
 
     async def run() -> tuple[str, str]:
         app = TopApp(source)  # type: ignore[arg-type]
@@ -394,7 +390,7 @@ def test_a_followed_source_keeps_the_events_read_and_reads_the_new_controllers_f
     from ftrun.config import Endpoint
     from ftrun.keys import JobKeys
     from ftrun.store import ControlStore
-    from ftrun.top.source import JobSource
+    from ftrun.top_view.source import JobSource
 
     keys = JobKeys("job1")
 

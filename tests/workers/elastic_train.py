@@ -116,8 +116,11 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             time.sleep(step_sleep(step))
-        with open(os.path.join(out_dir, f"progress-rank{job.rank}"), "w") as f:
+        # whole or not at all: a test reads it while training goes on
+        progress = os.path.join(out_dir, f"progress-rank{job.rank}")
+        with open(progress + ".tmp", "w") as f:
             f.write(str(job.step))
+        os.replace(progress + ".tmp", progress)
         if os.environ.get("PRINT_STEPS") == "1":
             print(f"rank {job.rank} step {step} loss {float(loss):.4f}", flush=True)
         if stop_requested(job.step):

@@ -1,7 +1,7 @@
 """Showing the job's status snapshot (``ftrun.controller.board``): the live view, plain lines, JSON.
 
-The live view (``--status live``, or auto on a terminal, where ``ftrun.top.attached``'s interactive view
-does not run: textual is missing, or the input is not the terminal) is a rich ``Live`` redrawn a few
+The live view (``--status live``, or auto on a terminal, where ``ftrun.top_view.attached``'s interactive view
+does not run: the input is not the terminal, or an install lost textual) is a rich ``Live`` redrawn a few
 times a second on the controller's terminal; lines printed meanwhile (ftrun's own, and worker output, which
 ``ftrun.agent.output`` writes through ``sys.stdout``) scroll above it instead of tearing it. ``ftrun
 status`` renders the same snapshot read from the store.

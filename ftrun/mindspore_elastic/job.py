@@ -1,31 +1,6 @@
-"""ftrun.mindspore_elastic: snapshots of a MindSpore rank's parameters and optimizer state, so that a
-job-level restart resumes from the newest step every rank holds instead of the script's last checkpoint.
-
-Add a few lines to an msrun script run with ``ftrun --framework mindspore --snapshot-every K``::
-
-    import ftrun.mindspore_elastic
-
-    init()                                              # mindspore.communication.init(), as before
-    job = ftrun.mindspore_elastic.init()
-    job.register(network=net, optimizer=optimizer)      # the Cells whose Parameters are the training state
-    for step in job.steps(total_steps):                 # the step number is the data position
-        loss = train_step(*batch_for(step))
-
-Every K steps each rank copies its registered Parameters (``asnumpy()``) into its agent's shared memory;
-the agent replicates them to peer nodes and, with ``--checkpoint-dir``, has them written as ``.ckpt``
-files that ``mindspore.load_checkpoint`` reads. After a fault the job restarts at job level (MindSpore
-cannot re-form its communication in a running process on the CPU build), and ``steps()`` of the new
-generation first puts back the state of the newest step every rank holds (``Parameter.set_data``) and
-goes on from there: at most K steps are redone. ``Model.train`` users pass :meth:`MindSporeJob.callback`.
-
-With ``--recovery process`` on Ascend, put the step's body in ``with job.guard():``: a fault elsewhere is
-repaired in place through MindSpore's own hooks, and a replacement receives the parameters from a healthy
-replica (``ftrun/mindspore_repair.py``).
-
-Outside ftrun, or without ``--snapshot-every``, ``steps()`` simply counts. This module imports neither
-torch (a MindSpore python has none) nor anything of the launcher; mindspore and numpy are imported by the
-functions that need them.
-"""
+"""``MindSporeJob``: one MindSpore rank's training state under ftrun (the package's text says how a script
+uses it): the registered Cells, the step, the snapshots, its progress for its agent and, on Ascend at
+process level, its repair."""
 
 from __future__ import annotations
 
@@ -33,7 +8,6 @@ import collections
 import logging
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Iterator
 
@@ -41,40 +15,17 @@ from ftrun.contract import Milestone, RelayFolder, WorkerEnv
 from ftrun.errors import WORKER_SETTING_EXIT
 from ftrun.messages import from_json
 from ftrun.mindspore import DEFAULT_CLUSTER_TIMEOUT
-from ftrun.mindspore_repair import AscendHooks, MindSporeRepair, RepairChannel, RepairGuard
+from ftrun.mindspore_elastic.arrays import MindSporeArrays
+from ftrun.mindspore_elastic.backends import AscendHooks
+from ftrun.mindspore_elastic.link import RepairChannel
+from ftrun.mindspore_elastic.repair import MindSporeRepair, RepairGuard
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.snapshots.rank import (
-    ArrayKind,
-    SnapshotWriter,
-    load_first_good,
-    load_own,
-    own_steps,
-    snapshot_signer,
-    sources_to_restore,
-)
+from ftrun.snapshots.rank import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer, sources_to_restore
 
 log = logging.getLogger("ftrun.mindspore_elastic")
 #: how often a rank writes its committed step for its agent to relay (a torch rank's heartbeat interval)
 PROGRESS_INTERVAL = 1.0
-
-
-class MindSporeArrays(ArrayKind):
-    """A MindSpore rank's state: numpy arrays by parameter name; its checkpoint files are ``.ckpt``."""
-
-    def load_checkpoint(self, data: bytes, path: str) -> dict:
-        import mindspore
-
-        if os.path.exists(path):
-            return _arrays(mindspore.load_checkpoint(path))
-        with tempfile.NamedTemporaryFile(suffix=".ckpt") as f:  # another node's, fetched from its agent
-            f.write(data)
-            f.flush()
-            return _arrays(mindspore.load_checkpoint(f.name))
-
-
-def _arrays(parameters: dict) -> dict:
-    return collections.OrderedDict((name, parameter.asnumpy()) for name, parameter in parameters.items())
 
 
 class MindSporeJob:
@@ -319,12 +270,3 @@ def read_plan(path: str) -> RestorePlan | None:
     except (OSError, ValueError, TypeError, KeyError) as e:
         log.error("cannot read the restore plan %s: %s", path, e)
         return None
-
-
-def init(sharded: bool = False) -> MindSporeJob:
-    """This rank's job, after ``mindspore.communication.init()``. ``sharded=True``: every rank holds its
-    own part of the state (model parallelism), so each restores its own snapshot rather than any rank's."""
-    return MindSporeJob(sharded)
-
-
-__all__ = ["init", "MindSporeJob", "MindSporeArrays", "read_plan"]

@@ -1,6 +1,6 @@
 """``ftrun top``'s view on the controller's own terminal (``--status live``, or auto on a terminal).
 
-The view runs in a child process (``python -m ftrun.top.attached``): textual wants the main thread and
+The view runs in a child process (``python -m ftrun.top_view.attached``): textual wants the main thread and
 the terminal's signals of its process, and the controller's process keeps both for its own loop and its
 Ctrl-C. The child reads the job's store as ``ftrun top`` does, and signs the operator's actions with the
 job's token, which the controller hands it on a pipe (never on a command line or in the environment).
@@ -28,7 +28,7 @@ import threading
 from typing import Callable
 
 from ftrun.errors import ExitCode
-from ftrun.status import StatusView, status_view
+from ftrun.live_view import StatusView, status_view
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ INTERRUPTED = int(ExitCode.INTERRUPTED)
 #: what a view that was killed may have left on: mouse reports, bracketed paste, focus events, a hidden
 #: cursor, the alternate screen
 TERMINAL_RESET = b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1006l\x1b[?1015l\x1b[?2004l\x1b[?1004l\x1b[?25h\x1b[?1049l"
-INSTALL_HINT = ("ftrun: the interactive view needs textual (pip install 'ftrun[top]'); "
-                "showing the live view that takes no keys")
+INSTALL_HINT = ("ftrun: the interactive view needs textual, a dependency of ftrun missing here "
+                "(pip install 'textual>=8.0'); showing the live view that takes no keys")
 
 
 def interactive_wanted(mode: str, terminals: tuple[bool, bool, bool] | None = None) -> bool:
@@ -59,7 +59,7 @@ def textual_installed() -> bool:
 
 def controller_view(controller, mode: str, token: bytes) -> StatusView | AttachedTop:
     """Start the view of ``controller`` (a ``Controller``) on this terminal, as ``--status`` asks:
-    the interactive one where textual is installed, else :func:`ftrun.status.status_view`'s."""
+    the interactive one where textual is installed, else :func:`ftrun.live_view.status_view`'s."""
     from ftrun.cli.console import console
 
     if interactive_wanted(mode):
@@ -172,7 +172,7 @@ class AttachedTop:
         self.held = HeldOutput()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ftrun.top.attached", str(self.endpoint), self.run_id, str(read)],
+                [sys.executable, "-m", "ftrun.top_view.attached", str(self.endpoint), self.run_id, str(read)],
                 stdout=self.held.terminal[0], stderr=self.held.terminal[1], pass_fds=(read,),
             )
         except OSError as e:
@@ -252,7 +252,7 @@ def _console():
 # --- the child: the view itself ------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    """``python -m ftrun.top.attached HOST:PORT RUN_ID FD``: the token is the first line on FD, whose
+    """``python -m ftrun.top_view.attached HOST:PORT RUN_ID FD``: the token is the first line on FD, whose
     end tells the view to leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller answers Ctrl-C; in the view it is a key
     endpoint_text, run_id, fd_text = argv
@@ -269,10 +269,10 @@ def main(argv: list[str]) -> int:
     from ftrun.errors import FtrunError
     from ftrun.keys import JobKeys
     from ftrun.store import ControlStore, connect_store
-    from ftrun.top.source import JobSource
+    from ftrun.top_view.source import JobSource
 
     try:
-        from ftrun.top.app import ControllerTopApp
+        from ftrun.top_view.app import ControllerTopApp
 
         endpoint = parse_endpoint(endpoint_text, 0)
         store = ControlStore(connect_store(endpoint, 10.0), endpoint, is_host=False, signer=Signer(token.strip()))

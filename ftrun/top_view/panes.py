@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ftrun.status import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE
+from ftrun.live_view import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE
 
 RANK_COLUMNS = ("rank", "node", "host", "pid", "state", "step", "heartbeat", "restarts")
 #: output lines shown in a rank's pane

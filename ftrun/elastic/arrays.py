@@ -50,7 +50,7 @@ class TorchArrays(ArrayKind):
 _LOADER = TorchArrays()
 
 
-class SnapshotWriter(rank.SnapshotWriter):
+class TorchSnapshotWriter(rank.SnapshotWriter):
     """A torch rank's snapshots (see ``ftrun.snapshots.rank.SnapshotWriter``)."""
 
     def __init__(self, folder: str, rank: int, world_size: int, sharded: bool, every: int, limit: int, copies: int,
@@ -59,7 +59,7 @@ class SnapshotWriter(rank.SnapshotWriter):
 
     @classmethod
     def for_rank(cls, settings: SnapshotSettings | None, rank: int, world_size: int,
-                 sharded: bool) -> "SnapshotWriter | None":
+                 sharded: bool) -> "TorchSnapshotWriter | None":
         """The writer ftrun's agent set up for this rank (its worker environment's); None without snapshots."""
         if settings is None:
             return None
@@ -86,5 +86,5 @@ def load_first_good(sources: list[RestoreSource], step: int, folder: str, signer
     return rank.load_first_good(sources, step, folder, signer, report, _LOADER)
 
 
-__all__ = ["SnapshotWriter", "TorchArrays", "load_own", "load_source", "load_first_good",
+__all__ = ["TorchSnapshotWriter", "TorchArrays", "load_own", "load_source", "load_first_good",
            "own_steps", "snapshot_signer", "sources_to_restore"]

@@ -35,7 +35,7 @@ step with torch's. The rank's agent relays instead, through files in a node-loca
 and the readiness of its groups, and counts in the store the milestone files the ranks leave. A rank's
 watch looks at one file's ``os.stat`` every WATCH_POLL seconds (a microsecond each, and no connection
 that a fault could leave half open); the relay costs the agent one store read per tick. Each wait has a
-deadline: a repair whose ranks never all arrive ends in :class:`RepairError`, a rank stuck in its step
+deadline: a repair whose ranks never all arrive ends in :class:`~ftrun.repair_loop.RepairError`, a rank stuck in its step
 exits to be replaced, and one whose fallback is never answered leaves with one line.
 
 Not run on Ascend hardware: tests/unit/test_mindspore_repair.py drives it through a fake of
@@ -51,173 +51,20 @@ import threading
 import time
 from typing import Any, Callable, NoReturn, Protocol
 
-from ftrun.contract import CollectiveFailure, Fallback, Milestone, RelayFolder, RollbackFailure
+from ftrun.contract import CollectiveFailure, Fallback, Milestone, RollbackFailure
 from ftrun.errors import EXIT_STUCK
+from ftrun.mindspore_elastic.backends import UCE_SIGNS, UCE_STRATEGIES, AscendHooks
+from ftrun.mindspore_elastic.link import WATCH_POLL, RepairChannel
+from ftrun.repair_loop import RepairError, repair_until_resumed
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
 from ftrun.snapshots.format import SnapshotError
 
 log = logging.getLogger("ftrun.mindspore_elastic")
-#: how often a rank's watch, and its waits, look at the relay folder (one os.stat)
-WATCH_POLL = 0.02
 #: after a repair is announced, how long the main thread may take to leave its step before the watch stops
 #: the device: one look. Every collective of the old generation is lost anyway
 INTERRUPT_AFTER = WATCH_POLL
-#: how long a rank whose rollback fell back waits for its agent to stop it (the job-level restart)
-FALLBACK_WAIT = 60.0
 #: how many of its snapshots a rank names in the rollback (its agent keeps two)
 HELD = 2
-
-
-class RepairError(RuntimeError):
-    """The repair could not finish on this rank (not every rank arrived in time): the process ends, and
-    the controller falls back to job level."""
-
-
-class RepairChannel:
-    """The rank's side of its node's :class:`RelayFolder`: the generations announced, the milestones."""
-
-    def __init__(self, folder: RelayFolder, rank: int):
-        self.folder = folder
-        self.rank = rank
-        self._seen: tuple[int, int] = (0, 0)  # the target file's (mtime_ns, size) when last read
-        self._target = 0
-
-    def target(self) -> int:
-        """The newest generation announced (0: none); the file is read only when it changed."""
-        try:
-            info = os.stat(self.folder.target)
-        except FileNotFoundError:
-            return self._target
-        if (info.st_mtime_ns, info.st_size) != self._seen:
-            self._seen = (info.st_mtime_ns, info.st_size)
-            text = self.folder.read(self.folder.target).strip()
-            self._target = max(self._target, int(text)) if text else self._target
-        return self._target
-
-    def await_target(self, above: int, timeout: float) -> int | None:
-        """The first generation announced above ``above`` within ``timeout`` seconds, or None."""
-        deadline = time.monotonic() + timeout
-        while (target := self.target()) <= above:
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(WATCH_POLL)
-        return target
-
-    def reach(self, generation: int, milestone: Milestone) -> None:
-        self.folder.write(self.folder.reached(generation, self.rank, milestone.value), "")
-
-    def group_ready(self, generation: int, timeout: float) -> bool:
-        """Wait until every rank arrived in ``generation`` (True) or a newer one was announced (False);
-        TimeoutError after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            said = self.folder.read(self.folder.ready(generation)).strip()
-            if said or self.target() > generation:
-                return said == RelayFolder.READY and self.target() <= generation
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"generation {generation}: not every rank arrived within {timeout:g}s")
-            time.sleep(WATCH_POLL)
-
-    def rollback_failed(self, generation: int, failure: RollbackFailure) -> None:
-        self.folder.write(self.folder.reached(generation, self.rank, RelayFolder.FAILURE), failure.to_text())
-
-    def collective_failed(self, failure: CollectiveFailure) -> None:
-        """A collective of this rank failed while it lived: the agent puts it where the controller reads it."""
-        self.folder.write(self.folder.reached(failure.generation, self.rank, RelayFolder.COLLECTIVE), failure.to_text())
-
-    def online(self, generation: int) -> bool:
-        """Whether the repair into ``generation`` replaces no process (its agent says so before the target)."""
-        return os.path.exists(self.folder.online(generation))
-
-    def await_stop(self, generation: int, failure: RollbackFailure, wait: float = FALLBACK_WAIT) -> NoReturn:
-        """After :meth:`rollback_failed`: wait for the agent to stop this rank for the job-level restart
-        (its SIGTERM ends the process); a newer repair meanwhile cannot put the state back either, so it is
-        told the same. Without a stop within ``wait`` seconds (the controller is gone), leave with one line."""
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(WATCH_POLL)
-            if self.target() > generation:
-                generation = self.target()
-                self.rollback_failed(generation, failure)
-        raise SystemExit(f"ftrun.mindspore_elastic: rank {self.rank}: {failure.reason}; no job-level restart came "
-                         f"within {wait:g}s")
-
-
-class AscendHooks:
-    """MindSpore's own repair hooks on Ascend, named for the repair's steps (what its fault-tolerance
-    callback calls, in the same order). Every call goes through this one object, which tests replace
-    underneath by faking ``mindspore._c_expression`` and ``mindspore.communication``."""
-
-    def __init__(self, device_id: int):
-        self.device_id = device_id
-
-    def stop(self) -> None:
-        """Abort the device's tasks: a step blocked in a collective raises."""
-        from mindspore._c_expression import _stop_device
-
-        _stop_device(self.device_id)
-
-    def clean(self, online: bool = False) -> None:
-        """After the stop: the data channel emptied; at the online level the communicators resumed as they
-        are, else the snapshot state reset for the rebuild."""
-        from mindspore._c_expression import _reset_snapshot_state, clean_tdt_channel
-
-        clean_tdt_channel()
-        if online:
-            from mindspore._c_expression import CollectiveManager
-
-            CollectiveManager.get_instance().resume_hccl_comm()
-        else:
-            _reset_snapshot_state()
-
-    def uce_strategy(self) -> str:
-        """Where an on-chip memory error (UCE) hit, as MindSpore names what to do about it (UCE_STRATEGIES)."""
-        from mindspore._c_expression import _get_uce_mem_info, _get_uce_process_strategy
-
-        _get_uce_mem_info(self.device_id)
-        return str(_get_uce_process_strategy())
-
-    def repair_device(self) -> None:
-        """Repair the device's memory after a UCE, once the communication is back."""
-        from mindspore._c_expression import _repair_device
-
-        _repair_device(self.device_id)
-
-    def rebuild(self) -> None:
-        """Destroy the communication groups and make them again, with the replacement in them."""
-        from mindspore._c_expression import _finalize_comm, _rebuild_group, set_is_arf
-
-        _finalize_comm()
-        _rebuild_group()
-        set_is_arf(True)
-
-    def prepare_transfers(self) -> None:
-        from mindspore._c_expression import _pre_launch_send_recv
-
-        _pre_launch_send_recv(self.device_id)
-
-    def gather(self, row: list[int]) -> list[list[int]]:
-        """Every rank's ``row``, by rank (an all-gather on the world group)."""
-        import mindspore
-        import numpy as np
-        from mindspore.communication import comm_func
-
-        gathered, _ = comm_func.all_gather_into_tensor(mindspore.Tensor(np.array([row], dtype=np.int64)))
-        return [[int(x) for x in r] for r in gathered.asnumpy()]
-
-    def send_recv(self, parameters: list, source: int, receiver: int) -> None:
-        """The parameters from ``source`` to ``receiver``; both call it alike."""
-        from mindspore._c_expression import send_recv
-
-        if send_recv(parameters, source, receiver) != 0:
-            raise RuntimeError(f"send_recv of the parameters from rank {source} to rank {receiver} failed")
-
-
-#: what _get_uce_process_strategy answers, and whether the rank's training state is still good; any other
-#: answer: the error is outside what MindSpore manages, and the process is replaced
-UCE_STRATEGIES = {"RS_UCE_HIGHLEVEL": False, "RS_UCE_LOWLEVEL": True}
-#: how a UCE shows in the error a rank's step raises (docs: torch_npu's and ACL's texts for it)
-UCE_SIGNS = ("UCE ERROR", "507053")
 
 
 class RepairedState(Protocol):
@@ -298,19 +145,14 @@ class MindSporeRepair:
 
     def recover(self, target: int) -> None:
         """From a stopped step (or a replacement's start) to a resumed one in ``target`` or a newer one."""
-        while True:
-            target = self.join(target)
-            try:
-                self.rollback(target)
-                return
-            except RepairError:
-                raise
-            except Exception as e:
-                newer = self.channel.await_target(above=target, timeout=self.fault_wait)
-                if newer is None:
-                    raise
-                log.warning("rank %d: rollback of generation %d interrupted (%s)", self.state.rank, target, e)
-                target = newer
+        repair_until_resumed(target, self.join, self.rollback, self._interrupted)
+
+    def _interrupted(self, target: int, error: Exception) -> int | None:
+        """A rollback that raised: the newer generation announced within fault_wait, or None."""
+        newer = self.channel.await_target(above=target, timeout=self.fault_wait)
+        if newer is not None:
+            log.warning("rank %d: rollback of generation %d interrupted (%s)", self.state.rank, target, error)
+        return newer
 
     def join(self, target: int) -> int:
         """Leave the old generation's communication and form ``target``'s (or a newer one's); returns it."""

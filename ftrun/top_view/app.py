@@ -1,6 +1,6 @@
 """``ftrun top``'s terminal application (textual): a rank table over a pane that shows the opened rank,
 its stack, the event log or the help, and one line for answers. ``ControllerTopApp`` is the same view on
-the controller's own terminal (``ftrun.top.attached``).
+the controller's own terminal (``ftrun.top_view.attached``).
 
 Every store read happens in the refresh timer (once a second, twice while a stack is awaited); keys only
 change what is shown, or send one request. A store that stops answering under --rdzv-backend etcd is looked
@@ -24,12 +24,12 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from ftrun.errors import ExitCode
+from ftrun.live_view import job_line, moved_line
+from ftrun.live_view import render as status_render
 from ftrun.messages import OperatorAction
-from ftrun.status import job_line, moved_line
-from ftrun.status import render as status_render
 from ftrun.store import StoreUnavailable
-from ftrun.top import panes
-from ftrun.top.source import JobSource, NoToken
+from ftrun.top_view import panes
+from ftrun.top_view.source import JobSource, NoToken
 
 #: seconds between reads of the store
 REFRESH_EVERY = 1.0
