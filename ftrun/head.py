@@ -47,6 +47,12 @@ SSH_FAILED = 255
 WATCH_INTERVAL = 0.05
 
 
+#: said at every SSH launch: what losing the head costs, and the way that avoids it
+HEAD_IS_SINGLE = ("this head node holds the job: losing it (its terminal closed, its ssh sessions cut, its machine) "
+                  "stops every agent; a job that must outlive any one machine runs one ftrun per node with "
+                  "--rdzv-backend etcd (docs/high-availability.md)")
+
+
 @dataclass(frozen=True)
 class SshOptions:
     port: int | None = None
@@ -260,6 +266,7 @@ class Head:
             self.log_dir = run_folder(config.log_dir, config.run_id, config.log_layout)
         log.info("starting %d agent%s over ssh; the store and the controller on %s", len(self.agents),
                  "s" if len(self.agents) != 1 else "", config.endpoint)
+        log.info(HEAD_IS_SINGLE)
         hurry = False
         try:
             # the sessions first: the hosts start their Python while this one starts the store

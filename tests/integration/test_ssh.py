@@ -62,6 +62,8 @@ def test_two_hosts_by_two_ranks_run_to_completion_with_a_log_file_per_host(launc
     assert f"{HOSTS[0]}: ftrun: node 0 of 2, ranks 0-1 of 4" in output
     assert f"{HOSTS[1]}: ftrun: node 1 of 2, ranks 2-3 of 4" in output
     assert "finished step" not in output and "job succeeded" in output
+    # what losing the head costs, and how to avoid it, said once at launch
+    assert output.count("this head node holds the job: losing it") == 1 and "--rdzv-backend etcd" in output
     # and each host's whole output, worker lines labelled with their rank, is in its own file
     for host, ranks in ((HOSTS[0], (0, 1)), (HOSTS[1], (2, 3))):
         stdout = (log_dir / "logged" / f"{host}.stdout.log").read_text()
