@@ -295,7 +295,7 @@ class WorkerEnv:
     the worker library reads. The agent writes it (``to_environ``), ``ftrun.elastic`` reads it back.
 
     The agent writes it in parts: the rank and its generation (agent/workers.py), the device
-    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/agent.py).
+    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/generations.py).
     """
 
     rank: int

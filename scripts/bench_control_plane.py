@@ -163,7 +163,7 @@ class CountingStore:
 
 class SimAgent:
     """One node's agent with workers that are only heartbeats: the real NodeProtocol and its Watch.
-    ``turn`` is one turn of Agent._supervise's loop (its keepalive when due, then the failure to
+    ``turn`` is one turn of Agent._supervise_turns's loop (its keepalive when due, then the failure to
     simulate and the controller's commands): taken in its watch's thread as the bell rings, as a
     real agent's loop wakes the moment its watch does, and otherwise by the process's Driver."""
 

@@ -1,0 +1,70 @@
+"""What a generation's workers on this node are told beyond their rank (``GenerationEnv``): the generation,
+its worker store, the control store, the rank tables written for it, the snapshots' folder, the relay."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ftrun.agent.devices import NodeDevices
+from ftrun.agent.node_snapshots import NodeSnapshots
+from ftrun.agent.seat import Seat
+from ftrun.agent.workers import GenerationEnv
+from ftrun.contract import Endpoint
+from ftrun.messages import Command
+from ftrun.ranktable import FTRUN_TABLE, HCCL_TABLE, ftrun_table, hccl_table, write_table
+
+log = logging.getLogger(__name__)
+
+
+class GenerationEnvs:
+    """Builds each generation's ``GenerationEnv`` from the controller's command, writing its rank tables
+    in ``folder``. ``control_store`` gives the control store's endpoint now (it moves under etcd)."""
+
+    def __init__(self, run_id: str, seat: Seat, devices: NodeDevices, folder: str,
+                 control_store: Callable[[], Endpoint], control_store_file: str = "",
+                 snapshots: NodeSnapshots | None = None, relay_dir: str = ""):
+        self.run_id = run_id
+        self.seat = seat
+        self.devices = devices
+        self.folder = folder
+        self.control_store = control_store
+        #: --rdzv-backend etcd: the file that names the control store as it moves
+        self.control_store_file = control_store_file
+        self.snapshots = snapshots
+        #: --framework mindspore: the node's relay folder
+        self.relay_dir = relay_dir
+
+    def rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:
+        """Write this generation's rank tables (from the controller's layout); their variables."""
+        table = ftrun_table(self.run_id, generation, self.seat.layout.nodes, self.seat.node_rank,
+                            self.devices.assigned)
+        tables = [("FTRUN_RANKTABLE", write_table(self.folder, FTRUN_TABLE, table))]
+        if self.devices.backend.kind == "npu" and self.devices.allocator is not None:
+            try:
+                tables.append(("RANK_TABLE_FILE", write_table(self.folder, HCCL_TABLE, hccl_table(table))))
+            except ValueError as e:
+                log.warning("no HCCL rank table for generation %d: %s", generation, e)
+        return tuple(tables)
+
+    def for_command(self, command: Command, replacement: bool = False) -> GenerationEnv:
+        """The environment of ``command``'s generation (``replacement``: for a repair's new ranks)."""
+        host, _, port = command.worker_store.rpartition(":")
+        layout = self.seat.layout
+        return GenerationEnv(
+            generation=command.generation,
+            restart_count=command.restart_count,
+            world_size=layout.world_size,
+            node_count=len(layout.nodes),
+            master_addr=host,
+            master_port=int(port),
+            control_store=str(self.control_store()),
+            max_restarts=command.max_restarts,
+            replacement=replacement,
+            rank_tables=self.rank_tables(command.generation),
+            previous_world_size=command.previous_world_size,
+            snapshot_env=self.snapshots.worker_env(command) if self.snapshots is not None else (),
+            control_store_file=self.control_store_file,
+            scheduler=command.scheduler,
+            relay_dir=self.relay_dir,
+        )

@@ -1,0 +1,226 @@
+"""What the agent sees of its node and tells the controller: its keepalive and status, its ranks'
+heartbeats (a rank that stopped showing signs of life is dumped, killed and reported), device events,
+ranks that ended (the failed ones reported, success once a generation), an operator's interrupt.
+
+The agent decides nothing about recovery: what it reports, the controller decides on (``ftrun.controller.policy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import psutil
+
+from ftrun.agent.devices import NodeDevices
+from ftrun.agent.hang import HangWatch
+from ftrun.agent.node_snapshots import NodeSnapshots
+from ftrun.agent.protocol import NodeProtocol
+from ftrun.agent.relay import FolderRelay
+from ftrun.agent.seat import Seat
+from ftrun.agent.spawner import Spawner
+from ftrun.agent.stacks import dump_stack
+from ftrun.agent.top_feed import TopFeed
+from ftrun.agent.workers import Worker, WorkerGroup
+from ftrun.faults.levels import FaultLevel, FaultTable
+from ftrun.faults.process import OomWatch
+from ftrun.interrupts import Interrupts
+from ftrun.keys import AGENT_HEARTBEAT_INTERVAL
+from ftrun.messages import NodeStatus, RankState, ReportKind
+
+log = logging.getLogger(__name__)
+#: after this node reported a failure, how often and for how long the agent looks for the controller's
+#: answer (a replacement to start) instead of once a --monitor-interval: it is on the repair's critical path
+ANSWER_TICK, ANSWER_WAIT = 0.005, 1.0
+#: after a Ctrl-C, how long to wait for the controller's exit command before leaving alone
+INTERRUPT_GRACE = 10.0
+
+
+class Supervision:
+    """One node's observing and reporting, a turn of the agent's loop at a time (``tend``, then
+    ``report_ended``). ``protocol`` and ``top_feed`` give the controller's store's now (they move under etcd)."""
+
+    def __init__(self, group: WorkerGroup, seat: Seat, devices: NodeDevices, protocol: Callable[[], NodeProtocol],
+                 top_feed: Callable[[], TopFeed | None], hangs: HangWatch, interrupts: Interrupts,
+                 table: FaultTable, oom: OomWatch | None = None, watch_output: bool = False):
+        self.group = group
+        self.seat = seat
+        self.devices = devices
+        self._protocol = protocol
+        self._top_feed = top_feed
+        self.hangs = hangs
+        self.interrupts = interrupts
+        self.table = table
+        self.oom = oom if oom is not None else OomWatch()
+        #: --hang-timeout: a rank's output and CPU time count as signs of life
+        self.watch_output = watch_output
+        #: set once the node holds ranks: its snapshots, its MindSpore relay, its workers' starts
+        self.snapshots: NodeSnapshots | None = None
+        self.relay: FolderRelay | None = None
+        self.spawner: Spawner | None = None
+        #: global rank -> how many times this agent started its process (the status view's restarts)
+        self._starts: dict[int, int] = {}
+        #: --rdzv-backend etcd: a failure report that the control store did not take before it went
+        self._unsent_failures: tuple | None = None
+        self.begin()
+
+    def begin(self) -> None:
+        """A new run of the loop (at the start, and in a new store after the controller moved)."""
+        #: when the next keepalive is due (monotonic)
+        self.next_beat = 0.0
+        #: when this node was interrupted (Ctrl-C, SIGTERM), or None: it then reports no more failures
+        self.interrupted_at: float | None = None
+        #: whether the node said that all its ranks succeeded (once a generation)
+        self.reported_success = False
+        #: after a failure report: until then, the loop looks for the controller's answer often
+        self.answer_due = 0.0
+
+    # -- a turn of the loop --------------------------------------------------------------------
+
+    def tend(self, now: float) -> None:
+        """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm
+        standbys, and an interrupt (reported once: the controller answers it)."""
+        group = self.group
+        if now >= self.next_beat:
+            self.keepalive(now, judge_hangs=self.interrupted_at is None)
+            self.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        for event in self.devices.tick(w.placement.local_rank for w in group.running):
+            for local_rank in self.devices.apply(event):
+                group.fail(local_rank, "device", event.reason)
+        if self.spawner is not None:
+            self.spawner.tick(now)
+        if self.relay is not None:
+            self.relay.tick()
+        if self.interrupts.requested and self.interrupted_at is None:
+            self.interrupted_at = now
+            group.stop_signal = self.interrupts.worker_signal
+            self._protocol().report(ReportKind.INTERRUPTED, group.generation, exit_code=self.interrupts.exit_code,
+                                    detail=f"{self.interrupts.name} on node {self.seat.node_rank} ({self.seat.host})")
+
+    def unanswered(self, now: float) -> bool:
+        """The node was interrupted and the controller did not answer within INTERRUPT_GRACE: leave alone."""
+        return self.interrupted_at is not None and now - self.interrupted_at > INTERRUPT_GRACE
+
+    def report_ended(self, now: float) -> None:
+        """Ranks that ended since the last turn: the failed ones reported (and the controller's answer
+        looked for often for a while), the node's success once a generation."""
+        group = self.group
+        ended = group.poll()
+        if not ended:
+            return
+        # the status the report below is read with holds the ranks' last steps
+        if self.relay is not None:
+            self.relay.tick()  # a MindSpore rank's, written as it ended
+        self.keepalive(now, judge_hangs=False)
+        self.next_beat = now + AGENT_HEARTBEAT_INTERVAL
+        failed = [w for w in ended if w.returncode != 0]
+        if failed and self.interrupted_at is None:
+            self.report_failed(failed)
+            self.answer_due = now + ANSWER_WAIT
+        if group.all_succeeded and not self.reported_success:
+            self.reported_success = True
+            self._protocol().report(ReportKind.SUCCEEDED, group.generation)
+
+    def wait_for(self, monitor_interval: float) -> float:
+        """How long the loop sleeps before its next turn: briefly while an answer to a failure is due."""
+        return ANSWER_TICK if time.monotonic() < self.answer_due else monitor_interval
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def report_failed(self, failed: list[Worker]) -> None:
+        """Tell the controller why these workers failed (a device error in a rank's output marks the device)."""
+        group = self.group
+        failures = tuple(group.failure(w, self.table, self.oom) for w in failed)
+        for worker, failure in zip(failed, failures):
+            who = f"rank {failure.rank}" if failure.rank >= 0 else "the MindSpore scheduler"
+            log.warning("%s failed: %s", who, failure.describe().split(": ", 1)[1])
+            if failure.level and not worker.cause and failure.rank >= 0:  # a device error in a rank's own output
+                self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
+        # a report the store did not take (it went as the ranks failed) is sent again to the next one
+        self._unsent_failures = (group.generation, failures)
+        self._protocol().report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
+        self._unsent_failures = None
+
+    def moved(self) -> None:
+        """The controller moved (etcd): the running ranks' keys made in its store, their heartbeats judged
+        from scratch there (each rank finds the new store on its own), and a failure report that the
+        old store did not take sent again."""
+        ranks = [w.placement.rank for w in self.group.running]
+        self._protocol().prepare_ranks(ranks)
+        now = time.monotonic()
+        for rank in ranks:
+            self.hangs.restart(rank, 0, now)
+        if self._unsent_failures is not None:
+            generation, failures = self._unsent_failures
+            self._unsent_failures = None
+            self._protocol().report(ReportKind.WORKER_FAILED, generation, failures=failures)
+
+    # -- the keepalive -------------------------------------------------------------------------
+
+    def keepalive(self, now: float, judge_hangs: bool) -> None:
+        """What the node reads at a keepalive (the controller's counter, the commands published, its
+        ranks' heartbeats and steps: one round trip), the hang check, and the node's status."""
+        workers = list(self.group.workers)
+        beats, steps = self._protocol().observe([w.placement.rank for w in workers], now)
+        if judge_hangs:
+            running = [(w, b) for w, b in zip(workers, beats) if w.returncode is None]
+            self._check_hangs([w for w, _ in running], [b for _, b in running], now)
+        self.publish_status(dict(zip((w.placement.rank for w in workers), steps)), now)
+
+    def publish_status(self, steps: dict[int, int | None] | None = None, now: float | None = None) -> None:
+        """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
+        heartbeats' ages), standbys and devices, for the status view (with its keepalive)."""
+        group = self.group
+        steps = steps or {}
+        now = time.monotonic() if now is None else now
+        ranks = tuple(
+            RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
+                      max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
+                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
+            for w in group.workers
+        )
+        standbys = sum(1 for p in group.standbys if p.poll() is None)
+        status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, standbys, self.devices.states())
+        self._protocol().keepalive(status, now)
+        top_feed = self._top_feed()
+        if top_feed is not None:
+            top_feed.publish(group)
+        if self.snapshots is not None:
+            self.snapshots.at_keepalive()
+
+    def started(self, workers: list[Worker]) -> None:
+        """Workers just started: counted for the status, and judged for hangs from now on, against
+        their heartbeat counters as they stand (read in one round trip)."""
+        protocol = self._protocol()
+        ranks = [w.placement.rank for w in workers]
+        for rank, beats in zip(ranks, protocol.store.counters([protocol.keys.rank_heartbeat(r) for r in ranks])):
+            self._starts[rank] = self._starts.get(rank, 0) + 1
+            self.hangs.restart(rank, beats, time.monotonic())
+
+    # -- hangs ---------------------------------------------------------------------------------
+
+    def _check_hangs(self, running: list[Worker], all_beats: list[int], now: float) -> None:
+        """A rank that stopped showing signs of life (``all_beats``: the heartbeat counters of the
+        ``running`` ranks): its stack is dumped, then it is killed and reported."""
+        for worker, beats in zip(running, all_beats):
+            rank = worker.placement.rank
+            activity, stopped = signs_of_life(worker) if self.watch_output else ((), False)
+            reason = self.hangs.observe(rank, beats, activity, now, stopped)
+            if reason:
+                log.error("rank %d (pid %d) is hung: %s; dumping its stack and killing it", rank, worker.pid, reason)
+                dump_stack(worker, uses_library=beats > 0)
+                self.group.fail(worker.placement.local_rank, "hang", reason)
+                self.hangs.forget(rank)
+
+
+def signs_of_life(worker: Worker) -> tuple[tuple, bool]:
+    """Output lines and CPU time, the signs of life of a rank without heartbeats (--hang-timeout),
+    and whether its process is stopped."""
+    try:
+        process = psutil.Process(worker.pid)
+        times, stopped = process.cpu_times(), process.status() == psutil.STATUS_STOPPED
+        cpu = round(times.user + times.system, 2)
+    except psutil.Error:
+        cpu, stopped = -1.0, False
+    return (worker.out.lines, worker.err.lines, cpu), stopped

@@ -1,0 +1,113 @@
+"""What a node sees and reports (ftrun/agent/supervision.py): real worker processes, the node's real
+protocol over a real TCPStore, the clock passed in where a wait would be."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ftrun.messages import CommandKind, NodeStatus, ReportKind
+from tests.unit.node_parts import AGENT
+
+
+def started(node):
+    node.commands.carry_out(node.command(CommandKind.START))
+    return node
+
+
+def test_a_keepalive_publishes_the_nodes_ranks_and_beats(node):
+    n = started(node("sleep,sleep"))
+    n.supervision.tend(now=100.0)
+    status = n.store.try_get(NodeStatus, n.keys.agent_status(AGENT))
+    assert [(r.rank, r.alive, r.restarts) for r in status.ranks] == [(0, True, 0), (1, True, 0)]
+    assert n.store.counter(n.keys.node_heartbeat(0)) == 1
+    n.supervision.tend(now=100.1)  # the next one is not due yet
+    assert n.store.counter(n.keys.node_heartbeat(0)) == 1
+
+
+def test_a_rank_that_fails_is_reported_with_its_exit_code_and_the_answer_is_looked_for_often(node):
+    n = started(node("0,3"))
+    n.wait_ended(2)
+    n.supervision.report_ended(now=10.0)
+    [report] = n.reports()
+    assert report.kind is ReportKind.WORKER_FAILED
+    assert [(f.rank, f.exit_code) for f in report.failures] == [(1, 3)]
+    assert n.supervision.answer_due == 10.0 + 1.0
+    n.supervision.report_ended(now=11.0)  # nothing new ended
+    assert n.reports() == []
+
+
+def test_a_generation_that_succeeds_is_reported_once(node):
+    n = started(node("0,0"))
+    n.wait_ended(2)
+    n.supervision.report_ended(now=1.0)
+    assert [r.kind for r in n.reports()] == [ReportKind.SUCCEEDED]
+    n.supervision.report_ended(now=2.0)
+    assert n.reports() == []
+
+
+def test_an_interrupt_is_reported_once_and_left_alone_after_the_grace(node):
+    n = started(node("sleep,sleep"))
+    n.interrupts.request(signal.SIGINT)
+    n.supervision.tend(now=50.0)
+    n.supervision.tend(now=51.0)
+    [report] = n.reports()
+    assert (report.kind, report.exit_code) == (ReportKind.INTERRUPTED, n.interrupts.exit_code)
+    assert n.group.stop_signal == n.interrupts.worker_signal
+    assert not n.supervision.unanswered(now=55.0)
+    assert n.supervision.unanswered(now=61.0)
+
+
+def test_a_failure_after_the_interrupt_is_not_reported(node):
+    n = started(node("sleep,3"))
+    n.interrupts.request(signal.SIGTERM)
+    n.supervision.tend(now=1.0)
+    n.wait_ended(1)
+    n.supervision.report_ended(now=2.0)
+    assert [r.kind for r in n.reports()] == [ReportKind.INTERRUPTED]
+
+
+def test_a_stopped_rank_without_heartbeats_is_judged_hung_killed_and_reported(node):
+    n = started(node("tick,sleep", hang_timeout=1.0))
+    os.kill(n.group.workers[1].pid, signal.SIGSTOP)
+    now = time.monotonic()  # the clock its start was judged from
+    n.supervision.keepalive(now=now + 1.0, judge_hangs=True)
+    time.sleep(0.3)  # rank 0 prints meanwhile
+    n.supervision.keepalive(now=now + 5.0, judge_hangs=True)  # past --hang-timeout and a sleeper's grace
+    n.wait_ended(1)
+    n.supervision.report_ended(now=now + 6.0)
+    [report] = n.reports()
+    [failure] = report.failures
+    assert (failure.rank, failure.cause) == (1, "hang")
+    assert "no output and no CPU progress" in failure.detail
+    assert n.group.workers[0].returncode is None
+
+
+def test_hangs_are_not_judged_without_the_flag(node):
+    n = started(node("sleep,sleep"))
+    os.kill(n.group.workers[1].pid, signal.SIGSTOP)
+    now = time.monotonic()
+    n.supervision.keepalive(now=now + 1.0, judge_hangs=True)
+    n.supervision.keepalive(now=now + 100.0, judge_hangs=True)
+    assert all(w.returncode is None and w.proc.poll() is None for w in n.group.workers)
+
+
+def test_each_start_of_a_rank_counts_as_a_restart_in_the_status(node):
+    n = started(node("sleep,3"))
+    n.wait_ended(1)
+    n.supervision.report_ended(now=1.0)
+    n.commands.carry_out(n.command(CommandKind.REPLACE, 1, ranks=(1,)))
+    n.supervision.keepalive(now=2.0, judge_hangs=False)
+    status = n.store.try_get(NodeStatus, n.keys.agent_status(AGENT))
+    assert [(r.rank, r.restarts) for r in status.ranks] == [(0, 0), (1, 1)]
+
+
+def test_after_the_controller_moved_a_report_the_old_store_did_not_take_is_sent_again(node):
+    n = started(node("sleep,sleep"))
+    n.supervision._unsent_failures = (0, ())  # as when the store went inside report_failed
+    n.supervision.moved()
+    [report] = n.reports()
+    assert (report.kind, report.generation) == (ReportKind.WORKER_FAILED, 0)
+    n.supervision.moved()
+    assert n.reports() == []
