@@ -47,7 +47,7 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all; link-cut: below) it gives a row per way of laying a model
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all; link-cut and start: below) it gives a row per way of laying a model
 out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
 --torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
@@ -81,6 +81,14 @@ ftrun's over torchrun's. Goal: ftrun stands still at most 1.0 s, starts no proce
 needs root and ss (iproute2); without them the row says so and is skipped.
 
     .venv/bin/python scripts/bench_recovery.py --layouts link-cut --repeat 3
+
+The start row measures what a job pays before it trains: train_ddp_elastic.py (job.ddp()) at 1 node x 4
+ranks, no fault, a short run, under torchrun-noshare and under ftrun --recovery process with its defaults
+(a warm standby per rank), alternating; per launcher the seconds from starting it to the first finished
+step, and ftrun's over torchrun's in each repeat (the two runs side by side) and of the medians. Goal:
+ftrun's at most 1.1x torchrun's (a standby's torch import beside the ranks' own start once made it 1.9x).
+
+    .venv/bin/python scripts/bench_recovery.py --layouts start --repeat 3
 
 With --controller-loss it loses the node that hosts the control store and the controller (node 0's
 launcher with everything under it, SIGKILLed once every rank has finished --kill-at-step) in a job of
@@ -231,9 +239,9 @@ SCALING_DEFAULTS = ModeDefaults(
 )
 NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
 # The step-time goal is a few percent: the median step leaves out the first seconds, in which ftrun's warm
-# standbys import torch beside the workers, and the fault comes late enough for a window of 60-110 steps
-# after them (about 25 when it came after step 55: one slow spell of the machine then moved a run's
-# median); 5 steps after a checkpoint, as in the single run.
+# standbys import torch beside the workers (once their first step is done), and the fault comes late
+# enough for a window of 60-110 steps after them (about 25 when it came after step 55: one slow spell of
+# the machine then moved a run's median); 5 steps after a checkpoint, as in the single run.
 LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160, step_sleep=0.0, deadline=240.0,
                                 kill_at_step=135, warmup_s=5.0)
 # --controller-loss: 2 x 2 ranks, 3 agents and 3 etcd members share the machine; a step sleep as for --node-loss
@@ -1020,11 +1028,16 @@ class LayoutCase:
     #: nodes x ranks per node, and the rank whose fault it is, where the case sets its own
     shape: tuple[int, int] | None = None
     fault_rank: int | None = None
+    #: the start's row: no fault, START_STEPS steps; each launcher's launch to first step (goal: START_GOAL)
+    start: bool = False
 
 
 STEP_TIME_GOAL = 1.03
 #: link-cut: the goal for ftrun's stand-still (with no process started and the final state bit-identical)
 LINK_CUT_GOAL_S = 1.0
+#: start: the goal for ftrun's launch to first step over torchrun's, and the steps of each run
+START_GOAL = 1.1
+START_STEPS = 20
 
 
 def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, LayoutCase]:
@@ -1045,6 +1058,8 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),
+        LayoutCase("start", "launch to the first step, 1 x 4, job.ddp(), no fault", elastic_ddp, start=True,
+                   shape=(1, 4)),
     )
     return {case.name: case for case in cases}
 
@@ -1075,6 +1090,15 @@ class LayoutRow:
         return ratio(median_of(self.ftrun, "median_step_s"), median_of(self.torchrun, "median_step_s"))
 
     @property
+    def start_ratio(self) -> float | None:
+        """ftrun's median launch to first step over torchrun's."""
+        return ratio(median_of(self.ftrun, "launch_to_first_step_s"), median_of(self.torchrun, "launch_to_first_step_s"))
+
+    def start_ratios(self) -> list[float | None]:
+        """ftrun's launch to first step over torchrun's in each repeat: the two runs side by side, under one load."""
+        return [ratio(f.launch_to_first_step_s, t.launch_to_first_step_s) for f, t in zip(self.ftrun, self.torchrun)]
+
+    @property
     def step_ratio_vs_torch_ddp(self) -> float | None:
         return ratio(median_of(self.ftrun, "median_step_s"), median_of(self.torch_ddp, "median_step_s"))
 
@@ -1101,6 +1125,8 @@ class LayoutRow:
             return {"layout": self.case.name, "description": self.case.description, "skipped": self.skipped}
         if self.case.link_cut:
             return self.link_cut_json()
+        if self.case.start:
+            return self.start_json()
         return {"layout": self.case.name, "description": self.case.description,
                 "goals": {"regain_ratio": self.case.regain_goal, "steps_redone": self.case.redone_goal,
                           "step_ratio": STEP_TIME_GOAL},
@@ -1124,6 +1150,16 @@ class LayoutRow:
                 "ftrun_levels": [recovery_level(run.decision_lines) for run in self.ftrun],
                 "runs": {role: [asdict(run) for run in runs] for role, runs, _ in roles},
                 "fault_free_runs": {role: asdict(fault_free) for role, _, fault_free in roles if fault_free}}
+
+
+    def start_json(self) -> dict:
+        roles = (("ftrun", self.ftrun), ("torchrun", self.torchrun))
+        return {"layout": self.case.name, "description": self.case.description, "goal": START_GOAL,
+                "goal_met": None if self.start_ratio is None else self.start_ratio <= START_GOAL,
+                "ratio": self.start_ratio, "ratio_per_repeat": self.start_ratios(),
+                "launch_to_first_step_s": {role: median_of(runs, "launch_to_first_step_s") for role, runs in roles},
+                "each_run_s": {role: [run.launch_to_first_step_s for run in runs] for role, runs in roles},
+                "runs": {role: [asdict(run) for run in runs] for role, runs in roles}}
 
 
 def fault_free_runs_agree(row: LayoutRow) -> bool | None:
@@ -1170,6 +1206,8 @@ def run_layouts(cases: list[LayoutCase], scenario: Scenario, work_root: Path, re
             rows.append(LayoutRow(case, ftrun=[], torchrun=[], torch_ddp=[], skipped=why_not))
             continue
         console.print(f"[bold]layout {case.name}[/bold]: {case.description}")
+        if case.start:  # no fault: only the start is measured
+            case_scenario = replace(case_scenario, fault_free=True, steps=START_STEPS)
         fault_free: list[RunResult | None] = [None, None]
         if case.link_cut:  # the final checkpoint each launcher's runs must end with
             fault_free = run_scenario(replace(case_scenario, link_cut=False, fault_free=True),
@@ -1207,7 +1245,9 @@ def print_layouts_table(rows: list[LayoutRow], scenario: Scenario, repeats: int)
     for row in rows:
         if row.case.link_cut:
             print_link_cut(row, layout_scenario(row.case, scenario), repeats)
-    rows = [row for row in rows if not row.case.link_cut]
+        if row.case.start:
+            print_start(row, layout_scenario(row.case, scenario), repeats)
+    rows = [row for row in rows if not (row.case.link_cut or row.case.start)]
     if not rows:
         return
     title = (f"Process-level recovery by layout: {scenario.shape}, rank {scenario.kill_rank} SIGKILLed after step "
@@ -1254,6 +1294,24 @@ def milliseconds(value: float | None) -> str:
 
 def met(value: bool | None) -> str:
     return "-" if value is None else "met" if value else "missed"
+
+
+def print_start(row: LayoutRow, scenario: Scenario, repeats: int) -> None:
+    """The start's row: each launcher's launch to first step, run by run, and ftrun's over torchrun's."""
+    table = Table(title=f"Launch to the first step: {scenario.shape}, job.ddp(), no fault, {START_STEPS} steps"
+                        + (f", medians of {repeats} runs each, alternating" if repeats > 1 else ""),
+                  caption=f"goal: ftrun's at most {START_GOAL:g}x torchrun's in the same run")
+    for header in ("launcher", "launch to first step (s)", "each run (s)", "outcome"):
+        table.add_column(header, justify="left" if header in ("launcher", "outcome") else "right")
+    for runs in (row.ftrun, row.torchrun):
+        if runs:
+            table.add_row(runs[0].description, seconds(median_of(runs, "launch_to_first_step_s")),
+                          ", ".join(seconds(run.launch_to_first_step_s) for run in runs),
+                          ", ".join(sorted({run.outcome_text() for run in runs})))
+    console.print(table)
+    each = ", ".join("-" if value is None else f"{value:.2f}x" for value in row.start_ratios())
+    console.print(f"{row.case.name}: ftrun / torchrun, launch to first step: {goal_text(row.start_ratio, START_GOAL)} "
+                  f"(medians); each repeat: {each}")
 
 
 def print_link_cut(row: LayoutRow, scenario: Scenario, repeats: int) -> None:

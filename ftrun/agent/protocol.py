@@ -251,7 +251,7 @@ class NodeProtocol:
         self.etcd_unreachable = etcd
         self._published = counts[1]
         self._controller_seen(counts[0], now)
-        return counts[2:], [_step(text) for text in steps]
+        return counts[2:], [committed_step(text) for text in steps]
 
     def prepare_ranks(self, ranks: list[int]) -> None:
         """Before ``ranks`` start on this node: their heartbeat counters and step keys, made in one
@@ -316,7 +316,7 @@ def _shape(status: NodeStatus) -> tuple:
             tuple((r.rank, r.local_rank, r.pid, r.alive, r.restarts) for r in status.ranks))
 
 
-def _step(text: str) -> int | None:
+def committed_step(text: str) -> int | None:
     """A rank's committed step as the worker library writes it (None: none yet, or not a number)."""
     digits = text[1:] if text.startswith("-") else text
     return int(text) if digits.isascii() and digits.isdigit() else None

@@ -1,7 +1,9 @@
 """Starting the node's workers on usable devices: a generation's (START), a repair's replacements
 (REPLACE). Where no device is usable because one is being reset, the workers wait for it (the repair's
 deadline bounds the wait); where none will be, the node reports itself unusable (a node-level fault).
-The warm standbys a repair took are made again once it is over."""
+
+Warm standbys are made off the ranks' own start: a generation's once every rank of the node has committed
+its first step (``first_steps``), those a repair took once it is over."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ from ftrun.messages import Command, CommandKind, ReportKind
 log = logging.getLogger(__name__)
 #: seconds after a node's ranks were replaced that it starts new warm standbys in place of those taken
 REFILL_AFTER = 5.0
+#: a generation's warm standbys are made once every rank of the node committed its first step: a standby's
+#: torch import beside the ranks' own start delayed their first step (1 x 4 on 2 cores: 11.4 s after launch
+#: with one standby per rank, 6.4 s with none, torchrun 6.0 s); or this many seconds after the start at the
+#: latest, for ranks that commit no step (a script without ftrun.elastic)
+STANDBYS_AT_THE_LATEST = 30.0
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,10 @@ class Spawner:
         self._hosts_worker_store = hosts_worker_store
         #: workers waiting for a device (one is being reset)
         self.pending: PendingSpawn | None = None
-        #: when to make new warm standbys in place of those a repair took (0: none due)
-        self.refill_at = 0.0
+        #: when to make the warm standbys (0: none due): at the latest after a start, or after a repair
+        self.standbys_due = 0.0
+        #: a generation started: its standbys are made once its ranks committed their first step
+        self._after_first_steps = False
 
     def start(self, command: Command) -> None:
         """A generation's workers, every local rank (a MindSpore generation's scheduler first, on the
@@ -70,7 +79,7 @@ class Spawner:
             group.start_scheduler(gen, self.seat.node_rank, self.seat.host)
         group.start(placements, gen)
         self._started(group.workers)
-        group.fill_standbys()
+        self.standbys_due, self._after_first_steps = time.monotonic() + STANDBYS_AT_THE_LATEST, True
 
     def respawn(self, command: Command, local_ranks: tuple[int, ...]) -> None:
         """Process level (repair): start replacements for these local ranks, on usable devices."""
@@ -87,12 +96,17 @@ class Spawner:
         self.pending = None
         # the standbys taken are made again once the repair is over: a new one's torch import would
         # compete for the CPU with the ranks' repair and their first steps
-        self.refill_at = time.monotonic() + REFILL_AFTER
+        self.standbys_due, self._after_first_steps = time.monotonic() + REFILL_AFTER, False
 
     def waiting_replacements(self) -> tuple[int, ...]:
         """The local ranks a repair before this one still waits to respawn."""
         pending = self.pending
         return pending.local_ranks if pending is not None and pending.command.kind is CommandKind.REPLACE else ()
+
+    def first_steps(self, now: float) -> None:
+        """Every rank of the node committed a step since it started: a generation's standbys are due now."""
+        if self._after_first_steps:
+            self.standbys_due, self._after_first_steps = now, False
 
     def cancel(self) -> None:
         """The workers waiting for a device are wanted no more (a stop, the exit)."""
@@ -100,15 +114,15 @@ class Spawner:
 
     def tick(self, now: float) -> None:
         """At each turn of the agent's loop: workers waiting for a device tried again; standbys made
-        again once the repair that took them is over."""
+        once they are due."""
         pending = self.pending
         if pending is not None:
             if pending.command.kind is CommandKind.START:
                 self.start(pending.command)
             else:
                 self.respawn(pending.command, pending.local_ranks)
-        if self.refill_at and now >= self.refill_at:
-            self.refill_at = 0.0
+        if self.standbys_due and now >= self.standbys_due:
+            self.standbys_due, self._after_first_steps = 0.0, False
             self.group.fill_standbys()
 
     def _wait_for_device(self, command: Command, local_ranks: tuple[int, ...], problem: NoDevice) -> None:

@@ -16,7 +16,7 @@ import psutil
 from ftrun.agent.devices import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.node_snapshots import NodeSnapshots
-from ftrun.agent.protocol import NodeProtocol
+from ftrun.agent.protocol import NodeProtocol, committed_step
 from ftrun.agent.relay import FolderRelay
 from ftrun.agent.seat import Seat
 from ftrun.agent.spawner import Spawner
@@ -61,6 +61,8 @@ class Supervision:
         self.spawner: Spawner | None = None
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
+        #: global rank -> its committed step as its process started (a restart's keys hold the step before)
+        self._step_at_start: dict[int, int | None] = {}
         #: --rdzv-backend etcd: a failure report that the control store did not take before it went
         self._unsent_failures: tuple | None = None
         self.begin()
@@ -166,7 +168,17 @@ class Supervision:
         if judge_hangs:
             running = [(w, b) for w, b in zip(workers, beats) if w.returncode is None]
             self._check_hangs([w for w, _ in running], [b for _, b in running], now)
-        self.publish_status(dict(zip((w.placement.rank for w in workers), steps)), now)
+        stepped = dict(zip((w.placement.rank for w in workers), steps))
+        if self.spawner is not None and self._past_first_steps(stepped):
+            self.spawner.first_steps(now)
+        self.publish_status(stepped, now)
+
+    def _past_first_steps(self, steps: dict[int, int | None]) -> bool:
+        """Every running rank of the node committed a step since its process started: its step is above the
+        one its key held then (a fresh rank says 0 until its first commit; a restarted one's key holds the
+        step of the generation before, until it commits past it)."""
+        running = [w.placement.rank for w in self.group.running]
+        return bool(running) and all((steps.get(rank) or 0) > (self._step_at_start.get(rank) or 0) for rank in running)
 
     def publish_status(self, steps: dict[int, int | None] | None = None, now: float | None = None) -> None:
         """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
@@ -191,12 +203,14 @@ class Supervision:
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against
-        their heartbeat counters as they stand (read in one round trip)."""
-        protocol = self._protocol()
+        their heartbeat counters as they stand; their committed steps as they stand (one round trip)."""
+        protocol, keys = self._protocol(), self._protocol().keys
         ranks = [w.placement.rank for w in workers]
-        for rank, beats in zip(ranks, protocol.store.counters([protocol.keys.rank_heartbeat(r) for r in ranks])):
+        beats, steps = protocol.store.readings([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks])
+        for rank, count, step in zip(ranks, beats, steps):
             self._starts[rank] = self._starts.get(rank, 0) + 1
-            self.hangs.restart(rank, beats, time.monotonic())
+            self._step_at_start[rank] = committed_step(step)
+            self.hangs.restart(rank, count, time.monotonic())
 
     # -- hangs ---------------------------------------------------------------------------------
 

@@ -175,7 +175,8 @@ def launch_options(fn):
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
                help="Warm standby workers per node (torch already imported, about 300 MB of host memory each), "
-                    "taken by replacement ranks and by a job-level restart's.  "
+                    "started once the node's ranks committed their first step, taken by replacement ranks and "
+                    "by a job-level restart's.  "
                     "[default: --nproc-per-node with --recovery process, else 0]"),
         option("snapshot-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.every, show_default=True,
                help="Snapshot each rank's registered state into its node's shared memory after every K-th step "

@@ -243,6 +243,7 @@ class ElasticJob:
             self.repair.recover(self.generation, joined=True)
         elif not self._restore(start):
             self.state.start_at(start)
+        began, told = self.state.step, False
         while self.state.step < total:
             self._guard = StepGuard(self.state, self.link)
             yield self.state.step
@@ -250,6 +251,9 @@ class ElasticJob:
                 self.repair.recover(self._guard.repair_target)
             elif not self._guard.entered:
                 self.state.commit()  # a loop without guard(): the body finished, so the step did
+            if not told and self.state.step > began:
+                told = True
+                self.link.first_step_committed()
             if self._part_mesh is not None:
                 self._settle_part_mesh(self._part_mesh)
 

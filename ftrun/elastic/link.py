@@ -63,6 +63,9 @@ class NullLink:
     def step_begins(self) -> None:
         pass
 
+    def first_step_committed(self) -> None:
+        pass
+
     def step_ends(self) -> BaseException | None:
         return None
 
@@ -149,6 +152,11 @@ class ControlLink:
 
     def lost_collective(self) -> BaseException | None:
         return self._groups.failure if self._groups is not None else None
+
+    def first_step_committed(self) -> None:
+        """This process committed its first step: the heartbeat writes it at once, not up to a second later
+        (its agent makes the node's warm standbys once every rank is past its first step)."""
+        self._wake.set()
 
     def collective_failed(self, error: BaseException) -> None:
         """One of this rank's collectives failed (from whichever thread saw it: a future's callback may run

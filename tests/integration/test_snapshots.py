@@ -203,7 +203,8 @@ def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_s
     busy enough that the last comes later, the replacements have started and the same repair goes on
     to the same snapshots instead (test_policy.py holds both edges): either way every rank runs warm."""
     faults = ",".join(f"{rank}:13:sigkill" for rank in range(4))
-    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT=faults)
+    # the standbys are made once every rank committed its first step: 12 steps of 0.15 s leave them time
+    env = launcher.env(STEPS=str(STEPS), SHARDED="0", FAULT=faults, STEP_SLEEP="0.15")
     flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "5", "--snapshot-memory", "256M",
              "--log-dir", str(launcher.tmp / "logs")]
     launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)

@@ -111,3 +111,40 @@ def test_after_the_controller_moved_a_report_the_old_store_did_not_take_is_sent_
     assert (report.kind, report.generation) == (ReportKind.WORKER_FAILED, 0)
     n.supervision.moved()
     assert n.reports() == []
+
+
+def commit(n, rank: int, step: int) -> None:
+    """What rank ``rank``'s heartbeat writes once it committed ``step`` steps."""
+    n.store.set_text(n.keys.rank_progress(rank), str(step))
+
+
+def test_the_standbys_are_due_once_every_rank_committed_its_first_step(node):
+    n = started(node("sleep,sleep"))
+    assert n.spawner.standbys_due > time.monotonic() + 1  # not at the start
+    commit(n, 0, 0)
+    commit(n, 1, 0)  # started, no step committed yet
+    n.supervision.keepalive(now=time.monotonic(), judge_hangs=False)
+    commit(n, 0, 1)
+    n.supervision.keepalive(now=time.monotonic(), judge_hangs=False)
+    assert n.spawner.standbys_due > time.monotonic() + 1  # rank 1 not yet
+    commit(n, 1, 1)
+    now = time.monotonic()
+    n.supervision.keepalive(now=now, judge_hangs=False)
+    assert n.spawner.standbys_due == now
+
+
+def test_a_restarted_rank_counts_from_the_step_its_key_held(node):
+    n = started(node("sleep,sleep"))
+    commit(n, 0, 7)
+    commit(n, 1, 7)  # the generation ends at step 7
+    n.commands.carry_out(n.command(CommandKind.STOP))
+    n.commands.carry_out(n.command(CommandKind.START, 1))
+    commit(n, 0, 7)
+    commit(n, 1, 7)  # resumed at 7, nothing committed since
+    n.supervision.keepalive(now=time.monotonic(), judge_hangs=False)
+    assert n.spawner.standbys_due > time.monotonic() + 1
+    commit(n, 0, 8)
+    commit(n, 1, 8)
+    now = time.monotonic()
+    n.supervision.keepalive(now=now, judge_hangs=False)
+    assert n.spawner.standbys_due == now

@@ -457,3 +457,26 @@ def test_checkpoint_digest_tells_one_bit_apart(bench, tmp_path):
     assert digest(tmp_path / "a.pt") == digest(tmp_path / "b.pt")
     assert digest(tmp_path / "a.pt") != digest(tmp_path / "c.pt")
     assert digest(tmp_path / "missing.pt") is None
+
+
+# -- the start's row ------------------------------------------------------------------------------------
+
+
+def test_the_start_row_compares_launch_to_first_step_per_repeat_and_over_the_medians(bench):
+    case = bench.layout_cases(5)["start"]
+    assert case.start and case.shape == (1, 4) and "start" in bench.layout_names("all")
+    ftrun = [replace(run(bench, "f", None, 0.1), launch_to_first_step_s=s) for s in (6.6, 6.0, 7.2)]
+    torchrun = [replace(run(bench, "t", None, 0.1), launch_to_first_step_s=s) for s in (6.0, 6.0, 6.0)]
+    row = bench.LayoutRow(case, ftrun=ftrun, torchrun=torchrun, torch_ddp=[])
+    assert row.start_ratio == pytest.approx(1.1)
+    assert row.start_ratios() == [pytest.approx(1.1), pytest.approx(1.0), pytest.approx(1.2)]
+    summary = row.to_json()
+    assert summary["goal"] == bench.START_GOAL and summary["goal_met"] is True
+    assert summary["each_run_s"] == {"ftrun": [6.6, 6.0, 7.2], "torchrun": [6.0, 6.0, 6.0]}
+
+
+def test_the_start_row_without_a_first_step_has_no_ratio(bench):
+    ftrun = [replace(run(bench, "f", None, 0.1), launch_to_first_step_s=None)]
+    row = bench.LayoutRow(bench.layout_cases(5)["start"], ftrun=ftrun, torchrun=[run(bench, "t", None, 0.1)],
+                          torch_ddp=[])
+    assert row.start_ratio is None and row.to_json()["goal_met"] is None
