@@ -204,7 +204,8 @@ class Supervision:
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against
         their heartbeat counters as they stand; their committed steps as they stand (one round trip)."""
-        protocol, keys = self._protocol(), self._protocol().keys
+        protocol = self._protocol()
+        keys = protocol.keys
         ranks = [w.placement.rank for w in workers]
         beats, steps = protocol.store.readings([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks])
         for rank, count, step in zip(ranks, beats, steps):
