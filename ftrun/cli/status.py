@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -70,9 +72,23 @@ def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_
         if not watch:
             show(snapshot, as_json)
             return ExitCode.OK
-        return watch_status(reader, snapshot, as_json, interval)
+        code = watch_status(reader, snapshot, as_json, interval)
     except StoreUnavailable as e:
         raise RendezvousError(str(e)) from None
+    if reader.find.moves:
+        leave_without_teardown(code)
+    return code
+
+
+def leave_without_teardown(code: int) -> NoReturn:
+    """Leave a view of an etcd-backed job without the interpreter's teardown, its terminal restored.
+
+    A store client of a controller that moved may still sit in a call in a thread of its own, and a thread
+    that comes out of one while the interpreter tears down aborts the process: ``ftrun top`` exited 134 on a
+    loaded CI run, and ``ftrun status --watch`` died of "terminate called without an active exception"."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 #: how long a view (``ftrun status --watch``, ``ftrun top``) of an etcd-backed job looks for the controller when

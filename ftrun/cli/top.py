@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -40,7 +39,7 @@ INSTALL = "ftrun top needs the textual package, a dependency of ftrun missing he
               help="Seconds to wait for the store to answer.")
 def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_file: str, timeout: float) -> int:
     from ftrun.auth import Signer, read_token
-    from ftrun.cli.status import FOLLOW_DEADLINE, StatusReader, store_finder
+    from ftrun.cli.status import FOLLOW_DEADLINE, StatusReader, leave_without_teardown, store_finder
     from ftrun.store import ControlStore, StoreUnavailable
 
     find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
@@ -67,10 +66,5 @@ def top_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, token_
 
     TopApp(JobSource(reader.store, reader.keys, relocate if find.moves else None)).run()
     if find.moves:
-        # under etcd a look for the controller (its own thread) may sit in a store client's call as the view
-        # leaves, and a thread that comes out of one while the interpreter tears down aborts the process
-        # (exit 134 on a loaded CI run): the terminal is restored by now, so leave without the teardown
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(ExitCode.OK)
+        leave_without_teardown(ExitCode.OK)  # a look for the controller may sit in a store client's call
     return ExitCode.OK
