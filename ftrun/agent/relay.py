@@ -1,7 +1,7 @@
 """The agent's relay between its MindSpore ranks, which cannot read the control store, and the store.
 
 A MindSpore rank's python has no torch, so it has no ``TCPStore`` client; its agent reads and writes the
-store for it, through the node's :class:`~ftrun.contract.RelayFolder` (``ftrun/mindspore_repair.py``
+store for it, through the node's :class:`~ftrun.contract.RelayFolder` (``ftrun/mindspore_elastic/repair.py``
 says why files). Each tick of the agent's supervision loop:
 
 * a rank's committed step that moved (its ``progress`` file) goes where a torch rank's heartbeat puts
