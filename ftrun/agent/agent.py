@@ -382,6 +382,10 @@ class Agent:
             generation, failures = self._unsent_failures
             self._unsent_failures = None
             self._report(ReportKind.WORKER_FAILED, generation, failures=failures)
+        if self._group is not None and self._group.all_succeeded:
+            # said again: the old store may have gone with it, and the new controller, which may have put
+            # these ranks in a repair (their peers' node lost), would wait for them until its deadline
+            self._report(ReportKind.SUCCEEDED, self._group.generation)
         log.warning("going on with the controller at %s", self.store.endpoint)
         return None
 

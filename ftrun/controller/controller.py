@@ -174,6 +174,8 @@ class Controller:
         self.retired = threading.Event()
         #: etcd did not answer for --store-timeout: why the job stops ("" while it answers)
         self._etcd_lost = ""
+        #: when the controller's thread last turned (monotonic; 0 before its loop)
+        self._turned = 0.0
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -304,6 +306,7 @@ class Controller:
             if self.retired.is_set():
                 raise LeadershipLost("this agent follows another controller now")
             now = time.monotonic()
+            self._after_own_pause(now)
             if now >= next_beat:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._keepalive(now)
@@ -322,6 +325,18 @@ class Controller:
                     log.warning("nodes %s did not acknowledge the exit in time", missing)
                     break
             time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
+
+    def _after_own_pause(self, now: float) -> None:
+        """A thread that did not turn for longer than --node-timeout: this process was stopped (SIGSTOP, its
+        host suspended), and the agents' silence meanwhile is its own. Those whose calls to its store gave up
+        look for the controller in etcd, and come back once it answers; each agent gets a whole timeout from
+        then, as with a successor (woken after 8 s, a controller took its spares for lost at once, and then
+        the one it had given a lost node's place: the job failed)."""
+        if self._turned and now - self._turned > self.policy.node_timeout:
+            log.warning("the controller did not run for %.1fs (its process stopped?): the agents' silence "
+                        "counts from now", now - self._turned)
+            self.roster.keepalives.quiet_until(now + self.policy.node_timeout)
+        self._turned = now
 
     def _keepalive(self, now: float) -> None:
         """Once an AGENT_HEARTBEAT_INTERVAL: beat, look at the nodes and spares, the library's word, the
@@ -418,6 +433,7 @@ class Controller:
         worker.start()
         while True:
             worker.join(AGENT_HEARTBEAT_INTERVAL)
+            self._after_own_pause(time.monotonic())  # a wait here is none; a stop of the process is
             if not worker.is_alive():
                 break
             if self.retired.is_set():  # what it writes, if etcd takes it, is the journal it had decided

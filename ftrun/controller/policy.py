@@ -201,6 +201,9 @@ def on_report(view: JobView, report: Report) -> Decision:
         return on_node_unusable(view, report.node_rank, report.detail)
     if report.kind is ReportKind.WORKER_FAILED and _fails_a_live_rank(view, report):
         return _on_failure(view, report)
+    if report.kind is ReportKind.SUCCEEDED and _finished_before_the_repair(view, report):
+        return _no_replica_left(view, "", f"the ranks of node {report.node_rank} finished generation "
+                                          f"{report.generation} before the repair reached them")
     if report.generation != view.generation:
         return view, []  # a late word about a generation that is already gone
     if report.kind is ReportKind.SUCCEEDED:
@@ -218,6 +221,15 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
     agent has heard of the newest (a repair that goes on moves on a generation at each later death)."""
     if report.generation == view.generation:
         return True
+    return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
+            and view.start_generation <= report.generation < view.generation)
+
+
+def _finished_before_the_repair(view: JobView, report: Report) -> bool:
+    """A node's ranks finished their training in a generation that a process-level repair under way
+    counted them healthy in: they trained on, to the end, beside the ranks of a node declared lost while
+    those lived (its agent stopped past its lease: the controller's, whose successor learns of the success
+    only from the node's report sent again to it). None of them can join the repair."""
     return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
             and view.start_generation <= report.generation < view.generation)
 
@@ -283,7 +295,10 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
-    if view.phase is Phase.RUNNING and view.process_level_ready and ranks and not set(ranks) >= view.every_rank:
+    # nodes whose ranks finished hold no live replica: their ranks cannot join a repair (a node declared lost
+    # while its ranks lived, its agent stopped, may see them through to the end with the others)
+    if (view.phase is Phase.RUNNING and view.process_level_ready and ranks and not set(ranks) >= view.every_rank
+            and not view.succeeded):
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
@@ -295,8 +310,12 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
             reason=detail,
         )
         return view, [takeover, _replace_command(view, frozenset(ranks))]
+    finished = bool(ranks) and bool(view.succeeded) and view.phase is Phase.RUNNING
+    if finished:
+        nodes = ", ".join(str(n) for n in sorted(view.succeeded))
+        detail = f"{detail}; the ranks of node {nodes} had finished, no healthy replica holds the training state"
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail,
-                     no_replica=bool(ranks) and set(ranks) >= view.every_rank)
+                     no_replica=bool(ranks) and (set(ranks) >= view.every_rank or finished))
     return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
 
 
@@ -542,10 +561,11 @@ def _repair_goes_on_from_snapshots(view: JobView) -> bool:
     return view.snapshots and view.replacements_started
 
 
-def _no_replica_left(view: JobView, first: str) -> Decision:
-    """Every rank of the generation failed: no healthy replica can hand the training state on, so the
-    job restarts at job level now (restoring the snapshots, with --snapshot-every) instead of
-    replacing every rank at process level and finding that out at the rollback.
+def _no_replica_left(view: JobView, first: str, why: str = "every rank failed") -> Decision:
+    """Every rank of the generation failed (or ``why``: the healthy ones ended): no healthy replica can hand
+    the training state on, so the job restarts at job level now (restoring the snapshots, with
+    --snapshot-every) instead of replacing every rank at process level and finding that out at the
+    rollback (or waiting for ranks that ended until the repair's deadline).
 
     From RUNNING (one report named every rank) this is the decision itself. During a process-level
     repair (an earlier report started it, this one completes the set) the repair is given up: its
@@ -554,7 +574,7 @@ def _no_replica_left(view: JobView, first: str) -> Decision:
     """
     starting = view.phase is Phase.RUNNING
     cause = first if starting else view.reason  # the repair's reason names the root cause
-    reason = f"{cause}; every rank failed, no healthy replica holds the training state"
+    reason = f"{cause}; {why}, no healthy replica holds the training state"
     refund = 0 if starting else 1
     view = view.move(Phase.STOPPING, level=Level.JOB, online=False, restarts_used=view.restarts_used - refund,
                      acknowledged=frozenset(), no_replica=True, reason=reason)
