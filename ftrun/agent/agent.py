@@ -117,8 +117,11 @@ class Agent:
         self.etcd: EtcdControlPlane | None = None
         #: the node's workers, once supervised
         self._group: WorkerGroup | None = None
-        #: --rdzv-backend etcd: a failure report that the control store did not take before it went
-        self._unsent_failures: tuple | None = None
+        #: --rdzv-backend etcd: the failure reports of this node since its workers last started (generation,
+        #: failures), said again to each new controller: the store may have gone before it took one, or its
+        #: controller before its journal held the decision (it dies inside an etcd outage), and a repair that
+        #: counts a dead rank healthy waits for it until its deadline. The controller leaves out what it knows
+        self._failures_told: list[tuple] = []
         #: the live status view or progress lines, where this agent hosts the controller
         self.display: StatusView | AttachedTop | None = None
         self.store: ControlStore | None = None
@@ -378,9 +381,7 @@ class Agent:
         now = time.monotonic()
         for rank in ranks:  # their heartbeats start again in the new store, once each rank finds it
             self.hangs.restart(rank, 0, now)
-        if self._unsent_failures is not None:
-            generation, failures = self._unsent_failures
-            self._unsent_failures = None
+        for generation, failures in self._failures_told:
             self._report(ReportKind.WORKER_FAILED, generation, failures=failures)
         if self._group is not None and self._group.all_succeeded:
             # said again: the old store may have gone with it, and the new controller, which may have put
@@ -590,6 +591,7 @@ class Agent:
 
     def _carry_out_start(self, group: WorkerGroup, command: Command) -> tuple[int, str] | None:
         self._supervision.reported_success = False
+        self._failures_told.clear()  # every rank starts anew: what failed before concerns no repair
         if not self._refresh_layout(command.layout):
             group.stop(self.config.stop_timeout)
             return ExitCode.JOB_FAILED, f"node {self.slot.node_rank} was declared lost and left out of the job; leaving"
@@ -611,10 +613,8 @@ class Agent:
             log.warning("%s failed: %s", who, failure.describe().split(": ", 1)[1])
             if failure.level and not worker.cause and failure.rank >= 0:  # a device error in a rank's own output
                 self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
-        # a report the store did not take (it went as the ranks failed) is sent again to the next one
-        self._unsent_failures = (group.generation, failures)
+        self._failures_told.append((group.generation, failures))  # said again to the next controller
         self._report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
-        self._unsent_failures = None
 
     def _keepalive(self, group: WorkerGroup, now: float, judge_hangs: bool) -> None:
         """What the node reads at a keepalive (the controller's counter, the commands published, its

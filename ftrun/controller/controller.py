@@ -480,7 +480,10 @@ class Controller:
         self.roster.take_places(journal.rendezvous)
         self.roster.nodes = {slot.node_rank: slot for slot in journal.nodes}
         self.roster.spares = list(journal.spares)
-        self.view = journal.view
+        # the predecessor may have told the healthy ranks of a repair into the next generation and died while
+        # its journal waited for etcd: this controller's next generation comes after that one
+        self.view = dataclasses.replace(journal.view, unjournaled=max(journal.view.unjournaled,
+                                                                      journal.view.generation + 1))
         self._started_world = journal.started_world
         if journal.started_at:  # the job's clock goes on: the event log's elapsed, the status's uptime
             self._started_at = journal.started_at
@@ -503,7 +506,7 @@ class Controller:
         if self.view.generation == generation and self.view.phase in REPAIR_PHASES:
             # nothing above moved the repair on, and what it waits for was said in the store the agents left
             log.warning("the %s-level repair under way goes on with this controller%s", self.view.repair_level,
-                        f" in generation {generation + 1}" if self.view.level is Level.PROCESS else "")
+                        f" in generation {self.view.next_generation}" if self.view.level is Level.PROCESS else "")
             self._apply(on_controller_moved(self.view))
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:

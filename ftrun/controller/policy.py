@@ -154,11 +154,21 @@ class JobView:
     fallback: RollbackFailure | None = None
     exit_code: int = 0
     reason: str = ""
+    #: under etcd, a successor's: the generation its predecessor may have told the ranks of without its journal
+    #: holding it (the healthy ranks hear of a repair before the journal is written, and a controller may die
+    #: while its journal waits for etcd). The next generation comes after it: reused, it found the ranks
+    #: already past its first milestones in the old store, and the repair waited for them until its deadline
+    unjournaled: int = 0
 
     def move(self, phase: Phase, **changes) -> "JobView":
         if phase not in TRANSITIONS[self.phase]:
             raise IllegalTransition(f"{self.phase.name} -> {phase.name}")
         return dataclasses.replace(self, phase=phase, **changes)
+
+    @property
+    def next_generation(self) -> int:
+        """The generation a new repair or restart takes."""
+        return max(self.generation, self.unjournaled) + 1
 
     @property
     def repair_level(self) -> str:
@@ -199,6 +209,8 @@ def on_report(view: JobView, report: Report) -> Decision:
         return _acknowledge_exit(view, report.node_rank)
     if report.kind is ReportKind.NODE_UNUSABLE:
         return on_node_unusable(view, report.node_rank, report.detail)
+    if report.kind is ReportKind.WORKER_FAILED and _known_failures(view, report):
+        return view, []  # said again to a controller whose journal holds it
     if report.kind is ReportKind.WORKER_FAILED and _fails_a_live_rank(view, report):
         return _on_failure(view, report)
     if report.kind is ReportKind.SUCCEEDED and _finished_before_the_repair(view, report):
@@ -223,6 +235,18 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
         return True
     return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
             and view.start_generation <= report.generation < view.generation)
+
+
+def _known_failures(view: JobView, report: Report) -> bool:
+    """Every failure of the report is one the job has already counted: an agent says its failures again to
+    each new controller (under etcd), which may or may not have them from its predecessor's journal."""
+    known = {_failure_key(f) for f in view.failures}
+    return bool(report.failures) and all(_failure_key(f) in known for f in report.failures)
+
+
+def _failure_key(failure: WorkerFailure) -> tuple:
+    """One process's end: a rank's pid, its generation and the time, whatever the record's text."""
+    return failure.node_rank, failure.rank, failure.pid, failure.generation, failure.timestamp
 
 
 def _finished_before_the_repair(view: JobView, report: Report) -> bool:
@@ -302,7 +326,7 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=frozenset(ranks),
             clearing=frozenset({node_rank}),
@@ -331,7 +355,7 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
         return _no_replica_left(view, detail)
     view = view.move(
         Phase.STOPPING,
-        generation=view.generation + 1,
+        generation=view.next_generation,
         replacing=replacing,
         clearing=view.clearing | {node_rank},
         acknowledged=frozenset(),
@@ -353,7 +377,7 @@ def on_controller_moved(view: JobView) -> Decision:
         return view, [Command(CommandKind.STOP, view.generation, reason=view.reason)]
     if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
         return view, []
-    view = view.move(Phase.STOPPING, generation=view.generation + 1, acknowledged=frozenset(),
+    view = view.move(Phase.STOPPING, generation=view.next_generation, acknowledged=frozenset(),
                      replacements_started=False)
     return view, [_replace_command(view, view.replacing)]
 
@@ -483,7 +507,7 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=ranks,
             clearing=frozenset({report.node_rank}),
@@ -501,7 +525,7 @@ def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank:
     that hold no state: the rollback gives them a healthy replica's, or every rank goes to the snapshots."""
     view = view.move(
         Phase.STOPPING,
-        generation=view.generation + 1,
+        generation=view.next_generation,
         replacing=ranks,
         stateless=view.stateless | view.replacing,
         clearing=frozenset({node_rank}),
@@ -534,7 +558,7 @@ def on_collective_failed(view: JobView, failure: CollectiveFailure, node_rank: i
             Phase.STOPPING,
             level=Level.PROCESS,
             online=True,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=frozenset(),
             clearing=frozenset(),
@@ -605,8 +629,8 @@ def _restart_when_stopped(view: JobView) -> Decision:
         return view, []
     view = view.move(
         Phase.RUNNING,
-        generation=view.generation + 1,
-        start_generation=view.generation + 1,
+        generation=view.next_generation,
+        start_generation=view.next_generation,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
         online=False,

@@ -513,3 +513,38 @@ def test_transition_repair_to_stopping_at_job_level_when_a_healthy_nodes_ranks_f
     # a success of the repair's own generation, or after it, is not this: it counts as ever
     assert on_report(v, report(ReportKind.SUCCEEDED, node=1, gen=1))[0].level is Level.PROCESS
     assert on_report(process_view(), report(ReportKind.SUCCEEDED, node=1, gen=0))[0].succeeded == {1}
+
+
+def test_a_failure_said_again_to_a_controller_that_knows_it_changes_nothing():
+    # an agent says its failures again to each new controller (etcd): the successor's journal may hold them
+    v, _ = on_report(process_view(), failed(node=1, rank=3))
+    assert v.generation == 1
+    again, commands = on_report(v, failed(node=1, rank=3))
+    assert (again, commands) == (v, [])
+    v2, _ = on_node_lost(v, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert on_report(v2, failed(node=1, rank=3)) == (v2, [])  # in the repair it goes on with: still known
+
+
+def test_a_failure_said_again_to_a_successor_whose_journal_missed_it_joins_the_repair_it_finds():
+    # issue 40: the controller died inside an etcd outage after telling the repair, before its journal held it;
+    # its successor loses the controller's node, then hears rank 3's death again from its agent
+    v, _ = on_node_lost(process_view(), 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    v, commands = on_report(v, failed(node=1, gen=0, rank=3))
+    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (3,))]
+    assert (v.level, v.replacing, v.restarts_used) == (Level.PROCESS, {0, 1, 3}, 1)  # one repair for both
+
+
+def test_a_successor_never_reuses_the_generation_its_predecessor_may_have_told_the_ranks_of():
+    # the predecessor told the healthy ranks of a repair into generation 1 and died while its journal waited for
+    # etcd: reused, generation 1 found rank 2 past its first milestones in the old store (60 s stuck in stopping)
+    successor = dataclasses.replace(process_view(), unjournaled=1)
+    v, commands = on_node_lost(successor, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert v.generation == 2 and [(c.kind, c.generation) for c in commands] == [(CommandKind.TAKEOVER, 0),
+                                                                               (CommandKind.REPLACE, 2)]
+    v, commands = on_report(successor, failed(node=1, rank=3))
+    assert v.generation == 2 and commands[0].generation == 2
+    v, _ = on_report(dataclasses.replace(view(), unjournaled=1), failed())  # job level: the START's too
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=0))
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=1))
+    assert (v.generation, v.start_generation) == (2, 2) and [c.generation for c in commands] == [2]
+    assert on_report(process_view(generation=2, unjournaled=1), failed(gen=2))[0].generation == 3  # as ever
