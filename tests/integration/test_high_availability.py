@@ -46,6 +46,13 @@ def wait_for_progress(launcher, rank: int, step: int) -> None:
              timeout=120, what=f"rank {rank} to reach step {step}")
 
 
+def progress_of(launcher, rank: int) -> int:
+    """The steps ``rank`` has committed. Its file is rewritten after each step, and read empty at times (a
+    run failed so): read until it holds a number."""
+    path = launcher.out_dir / f"progress-rank{rank}"
+    return int(wait_for(lambda: path.read_text().strip(), timeout=30, what=f"rank {rank}'s progress"))
+
+
 def starts(launcher) -> dict[int, int]:
     """How many processes each rank had."""
     return {rank: len(list(launcher.out_dir.glob(f"pid-start-rank{rank}-*"))) for rank in range(NODES * NPROC)}
@@ -257,7 +264,7 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     etcd.kill(2)  # the quorum, for 10 s: training goes on
     lost_at = time.monotonic()
     wait_for(lambda: "etcd) is unreachable" in leader.output, timeout=60, what="the controller to say so")
-    progress = int((launcher.out_dir / "progress-rank1").read_text())
+    progress = progress_of(launcher, 1)
     wait_for_progress(launcher, 1, progress + 3)
     time.sleep(max(0.0, 10 - (time.monotonic() - lost_at)))
     etcd.revive(1)
@@ -275,7 +282,7 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}  # no rank was restarted meanwhile
     # --save-on-failure: both snapshots held as the job stopped (--snapshot-every 2; a checkpoint is
     # written every 100th step only), on disk, every rank's
-    last = int((launcher.out_dir / "progress-rank1").read_text())
+    last = progress_of(launcher, 1)
     saved = {int(p.name[len("step-"):]): p for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()}
     newest = max(saved)
     assert last - 3 <= newest <= last and newest - 2 in saved, (sorted(saved), last)
