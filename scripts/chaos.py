@@ -60,8 +60,9 @@ controller-lost and controller-stopped with a spare; a repair fault is part of t
 etcd-member and quorum-lost spend nothing) number no more than --max-restarts. A recovered round has
 every agent that the chaos did not kill exit 0 and every rank at the final step with the parameter
 checksum of a fault-free run (one is run first); after controller-lost, another agent says it hosts the
-control store. A recovered round under etcd also redid no more than SNAPSHOT_EVERY steps, and none of its
-repairs waited until its deadline (a repair_failed "did not finish within" in the event log: training
+control store. A recovered round under etcd also redid no more than SNAPSHOT_EVERY steps (unless it lost both
+nodes: their snapshots go with them, each node's replicated on the other only), and none of its repairs
+waited until its deadline (a repair_failed "did not finish within" in the event log: training
 stood still for a minute). Any other round must fail cleanly: each agent still alive exits with the documented status
 (3 for a rendezvous that never completed, else 1) and names the cause: node 0's end-of-job summary has
 its "reason:" line and, after a rank's failure, a "root cause" that names the rank and the kind of the
@@ -705,7 +706,10 @@ class Round:
         if expected == "recover":
             if any(code != 0 for code in codes.values()):
                 return f"should have recovered; exit codes {codes}"
-            if self.plan.etcd and max(self.progress.redone) > SNAPSHOT_EVERY:
+            # both nodes lost take every in-memory snapshot with them (each node's are replicated on the other,
+            # none on the spares): their restart may go back further
+            both_lost = sum(f.kind in NODE_LOSING for f in injected) >= NODES
+            if self.plan.etcd and not both_lost and max(self.progress.redone) > SNAPSHOT_EVERY:
                 return f"recovered, but redid {max(self.progress.redone)} steps, beyond the snapshot interval ({SNAPSHOT_EVERY})"
             stuck = next((e["detail"] for e in self.events() if e.get("kind") == "repair_failed"
                           and "did not finish within" in e.get("detail", "")), "")

@@ -330,8 +330,7 @@ class Controller:
         """A thread that did not turn for longer than --node-timeout: this process was stopped (SIGSTOP, its
         host suspended), and the agents' silence meanwhile is its own. Those whose calls to its store gave up
         look for the controller in etcd, and come back once it answers; each agent gets a whole timeout from
-        then, as with a successor (woken after 8 s, a controller took its spares for lost at once, and then
-        the one it had given a lost node's place: the job failed)."""
+        then, as with a successor (counted, a controller woken after 8 s took its spares for lost at once)."""
         if self._turned and now - self._turned > self.policy.node_timeout:
             log.warning("the controller did not run for %.1fs (its process stopped?): the agents' silence "
                         "counts from now", now - self._turned)
@@ -433,7 +432,7 @@ class Controller:
         worker.start()
         while True:
             worker.join(AGENT_HEARTBEAT_INTERVAL)
-            self._after_own_pause(time.monotonic())  # a wait here is none; a stop of the process is
+            self._after_own_pause(time.monotonic())  # waiting for etcd is no pause; being stopped while it waits is
             if not worker.is_alive():
                 break
             if self.retired.is_set():  # what it writes, if etcd takes it, is the journal it had decided
