@@ -4,7 +4,9 @@ answers, and nothing else happens (issue 40).
 The jobs of test_high_availability.py (2 simulated nodes x 2 ranks and a spare, a real 3-member etcd on
 loopback, --node-timeout 3); 2 members killed for OUTAGE seconds, longer than --node-timeout, and
 started again on their data. The controller's decision waits for etcd meanwhile: its keepalive goes on,
-no agent takes it for lost, no node is counted lost, and only the failed rank is replaced.
+no agent takes it for lost, no node is counted lost, and only the failed rank is replaced. A controller
+that dies inside the outage, its decision told to the ranks but not yet in its journal, leaves its
+successor to carry the repair out at process level.
 """
 
 from __future__ import annotations
