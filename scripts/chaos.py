@@ -28,25 +28,42 @@ with a fault that comes meanwhile) and 1 to 3 faults, each at a random step, fro
 
 Some rounds run under --rdzv-backend etcd instead, on a 3-member etcd cluster of their own on loopback
 (scripts/etcd_cluster.py): node 0's agent starts first and takes the controller's office, so that it
-hosts the control store, then node 1's and the spare's (each agent --local-addr 127.0.0.<2, 3, 4>). A
-round is one of these with a chance of ETCD_SHARE, drawn from a second random.Random of the seed, so that
-the other rounds of a seed stay what they were. Their faults, 1 or 2 of these and sometimes a rank fault
-(on node 1's ranks when node 0 is lost):
+hosts the control store, then node 1's and the spares' (each agent --local-addr 127.0.0.<2, 3, 4, 5>;
+node 0 and node 1 keep their node ranks with --node-rank), each with an in-memory snapshot every
+SNAPSHOT_EVERY steps. A round is one of these with a chance of ETCD_SHARE, drawn from a second
+random.Random of the seed, so that the other rounds of a seed stay what they were; with --rdzv-backend
+etcd every round is (--rdzv-backend c10d: none). Their faults: one or two of these (never both of node
+0's), alone or, in two rounds of three, with a rank fault (sigkill, segv, exit1, sigstop; on node 1's
+ranks when node 0 is lost) or a node fault (agent: node 1's agent SIGKILLed), a spare standing by for
+each node lost. A quorum lost with a rank or node fault starts from 2 steps before it to 1 after it: the
+fault strikes just before the outage, as it begins, or inside it.
 
   controller-lost       once training has passed the step, node 0's agent (the store and the controller)
-                        is SIGKILLed, a spare standing by: another agent takes the office over from the
-                        journal in etcd and the spare takes node 0's place; the job must recover
+                        is SIGKILLed: another agent takes the office over from the journal in etcd and a
+                        spare takes node 0's place; the job must recover
+  controller-stopped    once training has passed the step, node 0's agent alone (its ranks train on) is
+                        SIGSTOPped past its lease, for one of CONTROLLER_STOPS seconds, then SIGCONTed.
+                        Woken after another agent took the office, it must step down and leave (exit
+                        non-zero, saying it steps down) while a spare takes node 0's place; woken before,
+                        it takes its own office back and goes on
   etcd-member           once training has passed the step, one etcd member of three is SIGKILLed, and
                         started again ETCD_MEMBER_DOWN seconds later: no effect
+  quorum-lost           once training has passed the step, two etcd members of three are SIGKILLed, and
+                        started again on their data QUORUM_DOWN seconds later (past --node-timeout):
+                        training goes on, decisions wait for etcd
 
 The verdict of a round comes from the faults that were actually injected (a fault whose step never
 comes, the job having ended, is not counted). The round must recover when none of them is terminal
-(store-lost, agent or rendezvous without a spare) and the faults that spend the budget (sigkill, segv,
-exit1, sigstop, alarm; agent, rendezvous and controller-lost with a spare; a repair fault is part of the
-repair it hits; etcd-member spends nothing) number no more than --max-restarts. A recovered round has
+(store-lost; more nodes lost, by agent, rendezvous, controller-lost or controller-stopped, than spares)
+and the faults that spend the budget (sigkill, segv, exit1, sigstop, alarm; agent, rendezvous,
+controller-lost and controller-stopped with a spare; a repair fault is part of the repair it hits;
+etcd-member and quorum-lost spend nothing) number no more than --max-restarts. A recovered round has
 every agent that the chaos did not kill exit 0 and every rank at the final step with the parameter
 checksum of a fault-free run (one is run first); after controller-lost, another agent says it hosts the
-control store. Any other round must fail cleanly: each agent still alive exits with the documented status
+control store. A recovered round under etcd also redid no more than SNAPSHOT_EVERY steps (unless it lost both
+nodes: their snapshots go with them, each node's replicated on the other only), and none of its repairs
+waited until its deadline (a repair_failed "did not finish within" in the event log: training
+stood still for a minute). Any other round must fail cleanly: each agent still alive exits with the documented status
 (3 for a rendezvous that never completed, else 1) and names the cause: node 0's end-of-job summary has
 its "reason:" line and, after a rank's failure, a "root cause" that names the rank and the kind of the
 first fault injected (SIGKILL, SIGSEGV, exit code 1, hang, device); or, where node 0 itself was lost
@@ -62,6 +79,7 @@ table also counts the process-level repairs that fell back to job level (repair_
 event log, <round>/logs/chaos<N>/events.jsonl).
 
     .venv/bin/python scripts/chaos.py --rounds 50 --seed 1
+    .venv/bin/python scripts/chaos.py --rounds 20 --seed 1 --rdzv-backend etcd
     .venv/bin/python scripts/chaos.py --rounds 3 --seed 7 --json chaos.json --keep /tmp/chaos
 
 The table goes to stderr, the JSON (every round and the totals) to --json. The exit status is 0 when
@@ -101,6 +119,8 @@ FAKES = REPO / "tests" / "fakes"
 MARK_VARIABLE = "FTRUN_CHAOS_MARK"
 
 NODES, NPROC = 2, 2
+#: the agents a round may start, in this order (a round under etcd that loses two nodes has two spares)
+AGENT_NAMES = ("node0", "node1", "spare", "spare2")
 WORLD = NODES * NPROC
 STEPS = 16
 STEP_SLEEP = 0.1
@@ -113,9 +133,19 @@ RENDEZVOUS_TIMEOUT = 10
 STORE_PAUSE = 1.5
 #: etcd-member: how long the member stays down
 ETCD_MEMBER_DOWN = 2.0
+#: quorum-lost: how long 2 members of 3 stay down: past --node-timeout (the controller's lease), as in
+#: issue 40's outage
+QUORUM_DOWN = 5.0
+#: controller-stopped: how long node 0's agent stays SIGSTOPped, drawn: past its lease (--node-timeout, 3 s)
+#: but before the other agents give its store up (5 s: ftrun/agent/control_plane.py's MIN_CALL_TIMEOUT), so
+#: that it wakes to take its own office back; about as they do; or long after another agent took the office
+CONTROLLER_STOPS = (4.0, 5.0, 8.0)
 ETCD_MEMBERS = 3
-#: the share of rounds that run under etcd with its kinds of fault
+#: the share of rounds that run under etcd with its kinds of fault (when --rdzv-backend is not given)
 ETCD_SHARE = 0.15
+#: rounds under etcd keep an in-memory snapshot every this many steps: a round must redo no more steps
+#: than that, whatever level its repairs took
+SNAPSHOT_EVERY = 2
 #: a round still running after this many seconds is hung (a fault-free one takes 10 to 30 s)
 DEADLINE = 240.0
 #: after the agents exit, how long their workers and guardians may take to go
@@ -128,7 +158,11 @@ RANK_KINDS = ("sigkill", "segv", "exit1", "sigstop")
 #: what an agent says once it leads under etcd
 TOOK_OFFICE = "hosting the control store"
 #: the faults of the rounds under --rdzv-backend etcd
-ETCD_KINDS = ("controller-lost", "etcd-member")
+ETCD_KINDS = ("controller-lost", "controller-stopped", "etcd-member", "quorum-lost")
+#: the etcd kinds that take node 0, which hosts the controller, away (never two in a round)
+CONTROLLER_KINDS = ("controller-lost", "controller-stopped")
+#: kinds that take a node away: each needs a spare to take its place, else the job fails
+NODE_LOSING = ("agent", "rendezvous", *CONTROLLER_KINDS)
 KINDS = (*RANK_KINDS, "alarm", "repair", "agent", "rendezvous", "store-slow", "store-lost", *ETCD_KINDS)
 #: kinds that take a rank's process away (a repair fault needs one of them to hit)
 RANK_FAILING = (*RANK_KINDS, "alarm")
@@ -150,29 +184,32 @@ class Fault:
     step: int
     #: the rank it hits (rank kinds, alarm, repair), else None
     rank: int | None = None
-    #: etcd-member: the index of the member killed, else None
+    #: etcd-member: the index of the member killed; quorum-lost: the one left running; else None
     member: int | None = None
+    #: controller-stopped: the seconds node 0's agent stays stopped, else 0
+    pause: float = 0.0
 
     def __str__(self) -> str:
         where = f" r{self.rank}" if self.rank is not None else f" m{self.member}" if self.member is not None else ""
         when = f" s{self.step}" if self.step >= 0 and self.kind != "repair" else ""
-        return f"{self.kind}{where}{when}"
+        return f"{self.kind}{where}{when}{f' {self.pause:g}s' if self.pause else ''}"
 
-    def spends_budget(self, spare: bool) -> bool:
+    def spends_budget(self, spares: int) -> bool:
         if self.kind in RANK_FAILING:
             return True
-        return self.kind in ("agent", "rendezvous", "controller-lost") and spare
+        return self.kind in NODE_LOSING and spares > 0
 
-    def terminal(self, spare: bool) -> bool:
+    def terminal(self, spares: int) -> bool:
         """Nothing can recover from it: ftrun must fail cleanly."""
-        return self.kind == "store-lost" or (self.kind in ("agent", "rendezvous", "controller-lost") and not spare)
+        return self.kind == "store-lost" or (self.kind in NODE_LOSING and not spares)
 
 
 @dataclass(frozen=True)
 class Plan:
     number: int
     faults: tuple[Fault, ...]
-    spare: bool
+    #: spare nodes standing by: 0, 1, or 2 in a round under etcd that loses node 0 and node 1
+    spares: int
     max_restarts: int
 
     @property
@@ -181,8 +218,8 @@ class Plan:
         return any(f.kind in ETCD_KINDS for f in self.faults)
 
     def describe(self) -> str:
-        return (f"{', '.join(map(str, self.faults))}; budget {self.max_restarts}"
-                f"{'; spare' if self.spare else ''}{'; etcd' if self.etcd else ''}")
+        spares = {0: "", 1: "; spare"}.get(self.spares, f"; {self.spares} spares")
+        return f"{', '.join(map(str, self.faults))}; budget {self.max_restarts}{spares}{'; etcd' if self.etcd else ''}"
 
 
 def draw_plan(rng: random.Random, number: int) -> Plan:
@@ -191,7 +228,7 @@ def draw_plan(rng: random.Random, number: int) -> Plan:
     next one cannot strike during that repair); rank faults hit distinct ranks (a replacement is never
     hit again), on node 0 when node 1's agent is killed (its ranks' replacements are not originals)."""
     if rng.random() < 0.1:
-        return Plan(number, (Fault("rendezvous", -1),), rng.random() < 0.5, BUDGET)
+        return Plan(number, (Fault("rendezvous", -1),), int(rng.random() < 0.5), BUDGET)
     while True:
         kinds = set()
         for _ in range(rng.choice((1, 2, 2, 3, 3))):
@@ -225,40 +262,61 @@ def draw_plan(rng: random.Random, number: int) -> Plan:
     # each get a repair of their own.
     if spending and "alarm" not in kinds and rng.random() < 0.25:
         budget = len(spending) - 1  # the last of them finds the budget spent
-    return Plan(number, tuple(faults), spare, budget)
+    return Plan(number, tuple(faults), int(spare), budget)
 
 
 def draw_etcd_plan(rng: random.Random, number: int) -> Plan:
-    """A round under etcd: controller-lost (always with a spare), etcd-member or both, and in half of them
-    a rank fault, SPACING steps from the controller's loss and on node 1 (node 0's ranks go with it)."""
-    kinds = sorted(rng.sample(ETCD_KINDS, rng.choice((1, 2))), key=KINDS.index)
-    if rng.random() < 0.5:
-        kinds.insert(0, rng.choice(RANK_KINDS))
-    lost = "controller-lost" in kinds
-    spare = lost or rng.random() < 0.3
-    spending = [k for k in kinds if k in RANK_KINDS or k == "controller-lost"]
+    """A round under etcd: one of its kinds, or two (never both of node 0's), alone or, in two rounds of three,
+    together with a rank fault or a node fault (node 1's agent SIGKILLed). Every node lost has a spare to
+    take its place. Faults that spend the budget are SPACING steps apart, in either order; a rank fault in a
+    round that loses node 0 hits node 1 (node 0's ranks go with it). A quorum lost with a rank or node
+    fault starts within a step or two of it, so that the fault strikes just before the outage or inside it."""
+    while True:
+        kinds = set(rng.sample(ETCD_KINDS, rng.choice((1, 1, 2))))
+        if not kinds >= set(CONTROLLER_KINDS):
+            break
+    companion = rng.choice((None, "rank", "node"))
+    if companion == "rank":
+        kinds.add(rng.choice(RANK_KINDS))
+    elif companion == "node":
+        kinds.add("agent")
+    kinds = sorted(kinds, key=KINDS.index)
+    lost = bool(set(kinds) & set(CONTROLLER_KINDS))
+    spares = sum(k in NODE_LOSING for k in kinds) or int(rng.random() < 0.3)
+    spending = [k for k in kinds if k in RANK_KINDS or k in NODE_LOSING]
     steps = spaced_steps(rng, len(spending))
-    rng.shuffle(steps)  # the rank fault before the controller's loss, or after it
+    rng.shuffle(steps)  # the rank or node fault before node 0's loss, or after it
     faults = []
     for kind in kinds:
         if kind in RANK_KINDS:
             faults.append(Fault(kind, steps.pop(), rng.choice([2, 3] if lost else [0, 1, 2, 3])))
-        elif kind == "controller-lost":
+        elif kind == "controller-stopped":
+            faults.append(Fault(kind, steps.pop(), pause=rng.choice(CONTROLLER_STOPS)))
+        elif kind in NODE_LOSING:
             faults.append(Fault(kind, steps.pop()))
-        else:
+    for kind in kinds:
+        if kind == "quorum-lost" and companion is not None:
+            near = next(f.step for f in faults if f.kind in (*RANK_KINDS, "agent"))
+            step = min(max(near - rng.randint(-1, 2), FIRST_FAULT_STEP), LAST_FAULT_STEP)
+            faults.append(Fault(kind, step, member=rng.randrange(ETCD_MEMBERS)))
+        elif kind in ("etcd-member", "quorum-lost"):
             faults.append(Fault(kind, rng.randint(FIRST_FAULT_STEP, LAST_FAULT_STEP), member=rng.randrange(ETCD_MEMBERS)))
     faults.sort(key=lambda f: (f.step, f.kind))
-    return Plan(number, tuple(faults), spare, BUDGET)
+    return Plan(number, tuple(faults), spares, BUDGET)
 
 
-def draw_plans(rounds: int, seed: int) -> list[Plan]:
-    """The rounds of a seed: draw_plan's, ETCD_SHARE of them replaced by draw_etcd_plan's. The etcd draws
-    come from a random.Random of their own, so that the other rounds are the ones the seed always gave."""
+def draw_plans(rounds: int, seed: int, backend: str | None = None) -> list[Plan]:
+    """The rounds of a seed. Without a ``backend``: draw_plan's, ETCD_SHARE of them replaced by
+    draw_etcd_plan's, which come from a random.Random of their own, so that the other rounds are the ones the
+    seed always gave. With "c10d": draw_plan's only; with "etcd": draw_etcd_plan's only."""
     rng, etcd_rng = random.Random(seed), random.Random(f"etcd {seed}")
+    if backend == "etcd":
+        return [draw_etcd_plan(rng, number) for number in range(1, rounds + 1)]
     plans = []
     for number in range(1, rounds + 1):
         plan = draw_plan(rng, number)
-        plans.append(draw_etcd_plan(etcd_rng, number) if etcd_rng.random() < ETCD_SHARE else plan)
+        under_etcd = backend is None and etcd_rng.random() < ETCD_SHARE
+        plans.append(draw_etcd_plan(etcd_rng, number) if under_etcd else plan)
     return plans
 
 
@@ -288,10 +346,12 @@ def kill_marked(mark: str) -> None:
 
 @dataclass
 class Agent:
-    name: str  # node0, node1, spare
+    name: str  # node0, node1, spare, spare2
     proc: subprocess.Popen
     log: Path
     killed: bool = False  # by the chaos: its exit status means nothing
+    #: SIGSTOPped past its lease as it led (controller-stopped)
+    stopped: bool = False
 
     @property
     def output(self) -> str:
@@ -346,7 +406,7 @@ class Progress:
 class RoundResult:
     number: int
     plan: str
-    spare: bool
+    spares: int
     max_restarts: int
     injected: list[str] = field(default_factory=list)
     expected: str = ""  # recover, fail
@@ -378,16 +438,16 @@ class Round:
         self.endpoint = f"127.0.0.1:{free_port()}"
         self.kinds = {f.kind for f in plan.faults}
         self.device = "alarm" in self.kinds
-        self.npu = {name: NpuState(folder / f"npu-{name}.json") for name in ("node0", "node1", "spare")} \
-            if self.device else {}
+        self.npu = {name: NpuState(folder / f"npu-{name}.json") for name in AGENT_NAMES} if self.device else {}
         self.progress = Progress(self.out_dir)
         self.fired: list[Fault] = []
         self.rendezvous_before_join = False
-        self.resume_at: float | None = None  # store-slow: when to SIGCONT node 0's agent
+        self.resume_at: float | None = None  # store-slow, controller-stopped: when to SIGCONT node 0's agent
         #: the round's etcd cluster (rounds under etcd), started with the agents
         self.etcd: EtcdCluster | None = None
-        #: etcd-member: when to start the killed member again, and which it is
-        self.revive_at: tuple[float, int] | None = None
+        #: etcd-member, quorum-lost: the members killed, and when to start each again (the later time where
+        #: both kinds kill one)
+        self.revive_at: dict[int, float] = {}
         #: under etcd: whether node 0 took the controller's office before the others started
         self.node0_led = True
 
@@ -411,7 +471,7 @@ class Round:
         return env
 
     def start(self, name: str) -> Agent:
-        spares = 1 if self.plan.spare else 0
+        spares = self.plan.spares
         endpoint = self.endpoint if self.etcd is None else self.etcd.endpoints
         args = ["--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--rdzv-endpoint", endpoint,
                 "--run-id", f"chaos{self.plan.number}", "--monitor-interval", "0.05", "--recovery", "process",
@@ -424,8 +484,10 @@ class Round:
         if self.device:
             args += ["--device", "npu", "--health-interval", "0.2"]
         if self.etcd is not None:  # every agent a candidate for the office; node 0 leads by starting first
-            address = {"node0": 2, "node1": 3, "spare": 4}[name]
-            args += ["--rdzv-backend", "etcd", "--local-addr", f"127.0.0.{address}"]
+            args += ["--rdzv-backend", "etcd", "--local-addr", f"127.0.0.{AGENT_NAMES.index(name) + 2}",
+                     "--snapshot-every", str(SNAPSHOT_EVERY), "--snapshot-memory", "64M"]
+            if name in ("node0", "node1"):  # node 1 is node 1 (the node fault's), not whichever spare came first
+                args += ["--node-rank", name[-1]]
         elif name == "node0":
             args += ["--node-rank", "0", "--rdzv-conf", "is_host=1"]
         elif name == "node1":
@@ -453,17 +515,17 @@ class Round:
             self.etcd = EtcdCluster.start(self.folder / "etcd", ETCD_MEMBERS)
             node0 = self.start("node0")
             self.node0_led = self.wait_for_line(node0, TOOK_OFFICE, 60)
-            for name in ("node1", "spare") if self.plan.spare else ("node1",):
+            for name in AGENT_NAMES[1:NODES + self.plan.spares]:
                 self.start(name)
             return
         if "rendezvous" not in self.kinds:
-            for name in ("node0", "node1", "spare") if self.plan.spare else ("node0", "node1"):
+            for name in AGENT_NAMES[:NODES + self.plan.spares]:
                 self.start(name)
             return
         node0 = self.start("node0")
         self.wait_for_line(node0, "joined the store", 60)
         node1 = self.start("node1")
-        if self.plan.spare:
+        if self.plan.spares:
             # the rendezvous waits for the third agent: node 1 dies in it, after it joined
             self.wait_for_line(node1, "joined the store", 60)
             time.sleep(0.3)
@@ -489,10 +551,16 @@ class Round:
         for fault in self.plan.faults:
             if fault in self.fired or fault.kind in (*RANK_KINDS, "repair", "rendezvous"):
                 continue
-            if fault.kind == "etcd-member" and self.etcd is not None and self.progress.passed(fault.step):
-                self.etcd.kill(fault.member)
-                self.revive_at = (time.monotonic() + ETCD_MEMBER_DOWN, fault.member)
-                self.fired.append(fault)
+            if fault.kind in ("etcd-member", "quorum-lost") and self.etcd is not None:
+                if self.progress.passed(fault.step):
+                    members = [fault.member] if fault.kind == "etcd-member" else \
+                        [m for m in range(ETCD_MEMBERS) if m != fault.member]
+                    for member in members:
+                        self.etcd.kill(member)
+                    down = ETCD_MEMBER_DOWN if fault.kind == "etcd-member" else QUORUM_DOWN
+                    for member in members:
+                        self.revive_at[member] = max(self.revive_at.get(member, 0.0), time.monotonic() + down)
+                    self.fired.append(fault)
                 continue
             if fault.kind == "alarm":
                 if self.progress.passed(fault.step, [fault.rank]):
@@ -505,9 +573,10 @@ class Round:
             if fault.kind == "agent" and node1 is not None and node1.proc.poll() is None:
                 self.kill(node1)
                 self.fired.append(fault)
-            elif fault.kind == "store-slow" and node0.proc.poll() is None:
-                node0.proc.send_signal(signal.SIGSTOP)
-                self.resume_at = time.monotonic() + STORE_PAUSE
+            elif fault.kind in ("store-slow", "controller-stopped") and node0.proc.poll() is None:
+                node0.proc.send_signal(signal.SIGSTOP)  # the agent alone: its ranks train on
+                node0.stopped = fault.kind == "controller-stopped"
+                self.resume_at = time.monotonic() + (fault.pause or STORE_PAUSE)
                 self.fired.append(fault)
             elif fault.kind in ("store-lost", "controller-lost") and node0.proc.poll() is None:
                 self.kill(node0)
@@ -516,9 +585,10 @@ class Round:
             self.resume_at = None
             if self.agents["node0"].proc.poll() is None:
                 self.agents["node0"].proc.send_signal(signal.SIGCONT)
-        if self.revive_at is not None and self.etcd is not None and time.monotonic() >= self.revive_at[0]:
-            self.etcd.revive(self.revive_at[1])
-            self.revive_at = None
+        for member, at in list(self.revive_at.items()):
+            if time.monotonic() >= at and self.etcd is not None:
+                self.etcd.revive(member)
+                del self.revive_at[member]
 
     def injected(self) -> list[Fault]:
         """Every fault that struck: the driver's, and the workers' by their marker files."""
@@ -534,7 +604,7 @@ class Round:
 
     def run(self) -> RoundResult:
         started = time.monotonic()
-        result = RoundResult(self.plan.number, self.plan.describe(), self.plan.spare, self.plan.max_restarts,
+        result = RoundResult(self.plan.number, self.plan.describe(), self.plan.spares, self.plan.max_restarts,
                              folder=str(self.folder))
         try:
             self.start_all()
@@ -612,23 +682,39 @@ class Round:
     # -- the verdict --
 
     def expectation(self, injected: list[Fault]) -> str:
-        spare = self.plan.spare
-        if any(f.terminal(spare) for f in injected):
+        spares = self.plan.spares
+        if any(f.terminal(spares) for f in injected) or sum(f.kind in NODE_LOSING for f in injected) > spares:
             return "fail"
-        spent = sum(f.spends_budget(spare) for f in injected)
+        spent = sum(f.spends_budget(spares) for f in injected)
         return "recover" if spent <= self.plan.max_restarts else "fail"
 
     def judge(self, expected: str, injected: list[Fault]) -> str:
         """What did not go as expected, or ""."""
-        alive = {name: a for name, a in self.agents.items() if not a.killed}
-        codes = {name: a.proc.returncode for name, a in alive.items()}
         if not self.node0_led:
             return "node 0 did not take the controller's office before the others started"
-        if any(f.kind == "controller-lost" for f in injected) and not any(TOOK_OFFICE in a.output for a in alive.values()):
+        node0 = self.agents["node0"]
+        moved = any(TOOK_OFFICE in a.output for name, a in self.agents.items() if name != "node0")
+        if any(f.kind == "controller-lost" for f in injected) and not moved:
             return "no other agent took the controller's office over"
+        if node0.stopped and moved and (node0.proc.returncode == 0 or "steps down" not in node0.output):
+            return (f"node 0's agent, woken after another took its office, did not step down and leave "
+                    f"(exit {node0.proc.returncode})")
+        # a controller woken before another agent took its office keeps it (its exit status counts); one woken
+        # after steps down and leaves (its exit status is not the job's)
+        alive = {name: a for name, a in self.agents.items() if not a.killed and not (a.stopped and moved)}
+        codes = {name: a.proc.returncode for name, a in alive.items()}
         if expected == "recover":
             if any(code != 0 for code in codes.values()):
                 return f"should have recovered; exit codes {codes}"
+            # both nodes lost take every in-memory snapshot with them (each node's are replicated on the other,
+            # none on the spares): their restart may go back further
+            both_lost = sum(f.kind in NODE_LOSING for f in injected) >= NODES
+            if self.plan.etcd and not both_lost and max(self.progress.redone) > SNAPSHOT_EVERY:
+                return f"recovered, but redid {max(self.progress.redone)} steps, beyond the snapshot interval ({SNAPSHOT_EVERY})"
+            stuck = next((e["detail"] for e in self.events() if e.get("kind") == "repair_failed"
+                          and "did not finish within" in e.get("detail", "")), "")
+            if self.plan.etcd and stuck:  # training stood still for the whole repair deadline
+                return f"recovered, but a repair waited until its deadline: {stuck}"
             results = {}
             for rank in range(WORLD):
                 try:
@@ -649,7 +735,7 @@ class Round:
         return self.cause_unnamed(injected, alive)
 
     def rendezvous_never_completed(self, injected: list[Fault]) -> bool:
-        return any(f.kind == "rendezvous" for f in injected) and not self.plan.spare and self.rendezvous_before_join
+        return any(f.kind == "rendezvous" for f in injected) and not self.plan.spares and self.rendezvous_before_join
 
     def cause_unnamed(self, injected: list[Fault], alive: dict[str, Agent]) -> str:
         """Why the failure's cause is not named as documented, or ""."""
@@ -687,7 +773,7 @@ def cmdline(proc: psutil.Process) -> str:
 
 def fault_free_checksum(root: Path, deadline: float) -> float:
     """The parameters every recovered round must end with, from a round without faults."""
-    result = Round(Plan(0, (), False, BUDGET), root / "fault-free", None, deadline, reference=True)
+    result = Round(Plan(0, (), 0, BUDGET), root / "fault-free", None, deadline, reference=True)
     outcome = result.run()
     if outcome.outcome != "recovered":
         raise RuntimeError(f"the fault-free run did not finish: {outcome.why} (logs in {outcome.folder})")
@@ -695,10 +781,10 @@ def fault_free_checksum(root: Path, deadline: float) -> float:
 
 
 def run_rounds(rounds: int, seed: int, root: Path, deadline: float = DEADLINE, report=None,
-               fixed: tuple[Plan, ...] = ()) -> list[RoundResult]:
-    """Draw and run ``rounds`` rounds from ``seed`` in folders under ``root``, then the ``fixed`` plans (a
-    test's round of its own); ``report(result)`` after each."""
-    plans = [*draw_plans(rounds, seed), *fixed]
+               fixed: tuple[Plan, ...] = (), backend: str | None = None) -> list[RoundResult]:
+    """Draw and run ``rounds`` rounds from ``seed`` (under ``backend``: see draw_plans) in folders under
+    ``root``, then the ``fixed`` plans (a test's rounds of its own); ``report(result)`` after each."""
+    plans = [*draw_plans(rounds, seed, backend), *fixed]
     checksum = fault_free_checksum(root, deadline)
     results = []
     for plan in plans:
@@ -766,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10, help="rounds to run (after one fault-free run)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws: the same seed, the same rounds")
+    parser.add_argument("--rdzv-backend", choices=("c10d", "etcd"),
+                        help="every round on this control plane, with its faults (default: c10d, about one round "
+                             "in seven under etcd)")
     parser.add_argument("--deadline", type=float, default=DEADLINE, help="seconds a round may run before it counts as hung")
     parser.add_argument("--json", type=Path, help="write every round and the totals here")
     parser.add_argument("--keep", type=Path, help="keep the rounds' logs and files in this folder")
@@ -774,9 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     root = args.keep or Path(tempfile.mkdtemp(prefix="ftrun-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    console.print(f"ftrun chaos: {args.rounds} rounds, seed {args.seed}, files in {root}")
+    backend = f", --rdzv-backend {args.rdzv_backend}" if args.rdzv_backend else ""
+    console.print(f"ftrun chaos: {args.rounds} rounds, seed {args.seed}{backend}, files in {root}")
     try:
-        results = run_rounds(args.rounds, args.seed, root, args.deadline, print_round)
+        results = run_rounds(args.rounds, args.seed, root, args.deadline, print_round, backend=args.rdzv_backend)
     except KeyboardInterrupt:
         console.print("interrupted: every process started has been killed")
         return 130
@@ -786,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = totals(results)
     print_table(summary)
     if args.json:
-        args.json.write_text(json.dumps({"seed": args.seed, "totals": summary,
+        args.json.write_text(json.dumps({"seed": args.seed, "rdzv_backend": args.rdzv_backend, "totals": summary,
                                          "rounds": [asdict(r) for r in results]}, indent=2))
     ok = summary["hung"] == 0 and summary["orphans"] == 0 and summary["unexpected"] == 0
     if args.keep is None:

@@ -130,6 +130,20 @@ class EtcdCluster:
                 raise EtcdUnavailable(f"the etcd cluster was not healthy within {deadline:.0f}s (logs in {self.folder})")
             time.sleep(0.1)
 
+    def leader(self) -> int | None:
+        """The index of the member that leads the cluster now, by the members' own word; None if none says."""
+        for member in self.members:
+            try:
+                request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}",
+                                                 method="POST")
+                with urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT) as answer:
+                    status = json.load(answer)
+            except (OSError, ValueError):
+                continue
+            if status.get("leader") and status["leader"] == status.get("header", {}).get("member_id"):
+                return self.members.index(member)
+        return None
+
     def kill(self, index: int) -> None:
         """SIGKILL one member (its data stays: :meth:`revive` brings it back)."""
         member = self.members[index]

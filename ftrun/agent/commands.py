@@ -83,6 +83,7 @@ class CommandExecutor:
     def start(self, command: Command) -> tuple[int, str] | None:
         """A generation's start: the layout read, every local rank started."""
         self.supervision.reported_success = False
+        self.supervision.failures_told.clear()  # every rank starts anew: what failed before concerns no repair
         if not self.seat.update(self._protocol().layout(command.layout)):
             self.group.stop(self.stop_timeout)
             return ExitCode.JOB_FAILED, f"node {self.seat.node_rank} was declared lost and left out of the job; leaving"

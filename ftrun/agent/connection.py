@@ -88,13 +88,15 @@ class ControlConnection:
                             "(give every node the same --token-file)", self.store.endpoint)
             self._lead(journal)
 
-    def _connect(self) -> None:
-        """Talk to the control store ``self.store``: the watch of this agent's doorbell, its messages, the
-        top feed; the workers started from now on are told where it is."""
+    def _connect(self, watch: bool = True) -> None:
+        """Talk to the control store ``self.store``: the watch of this agent's doorbell (unless not ``watch``:
+        the commands are then read at each keepalive), its messages, the top feed; the workers started from
+        now on are told where it is."""
         config, endpoint = self.config, self.store.endpoint
-        watch = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id, self.wakeup)
+        bell = Watch(lambda: connect_store(endpoint, config.rdzv_timeout), self.keys, self.agent_id,
+                     self.wakeup) if watch else None
         node_rank = self.protocol.node_rank if self.protocol is not None else -1
-        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, watch)
+        self.protocol = NodeProtocol(self.store, self.keys, self.agent_id, config.node_timeout, bell)
         self.protocol.node_rank = node_rank
         self.top_feed = TopFeed(self.store, self.keys, self.agent_id)
         if endpoint != config.endpoint:  # the static rendezvous (--master-port is the workers'), or etcd's leader
@@ -127,8 +129,15 @@ class ControlConnection:
         found = self.etcd.find(self.config.store_timeout, joined=True, failed=failed)
         if found.ended is not None:
             return found.ended
+        before, again = self.protocol, str(found.store.endpoint) == failed
         self.store = found.store
-        self._connect()
+        self._connect(watch=not again)
+        if again and before is not None:
+            # the store given up, its controller back (stopped, and woken before another agent took its office):
+            # its commands go on from where this agent was. Its doorbells are not watched: the old watch rang
+            # them empty as it let go, and a new one took those for commands not yet written (its read waited
+            # 5 s, and the store was given up again)
+            self.protocol.next_command = before.next_command
         if found.leads:
             self._lead(found.journal)
         return None

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 LOOK_AGAIN = 1.0
 #: the shortest time a follower's call to the control store may take before its host counts as gone
 MIN_CALL_TIMEOUT = 5.0
+#: how long a look tries the store this agent gave up, while the controller in office still names it
+REVISIT = 0.5
 
 
 class ControlPlaneLost(FtrunError):
@@ -119,19 +121,32 @@ class EtcdControlPlane:
                 return _ended(journal)
             return Found(self._host(), True, journal)
         relay = current_relay(self.client, self.keys)
-        if relay is None or relay.endpoint == failed:
+        again = relay is not None and relay.endpoint == failed
+        if relay is None or again:
             if joined:
                 journal = self._journal()
                 if journal is not None and journal.over:
                     return _ended(journal)
-            return None  # no leader yet, or it has not published its store
+            if relay is None:
+                return None  # no leader yet, or it has not published its store
         endpoint = parse_endpoint(relay.endpoint, 0, "the relay in etcd")
-        try:  # a fresh agent waits as long as for any rendezvous; one in the job, as long as for a node
-            raw = connect_store(endpoint, max(self.config.node_timeout, PROBE_DEADLINE) if joined else self.config.rdzv_timeout)
+        # A fresh agent waits as long as for any rendezvous; one in the job, as long as for a node. The store
+        # this agent gave up, still named by the controller in office, is tried for a moment only: its lease
+        # has yet to lapse (waited out), or the controller is back, stopped and woken before another agent
+        # took its office (it renewed its lease, or took the office back in a new term). Waiting only for
+        # another store, the agents that had given it up waited until the job ended, and it counted them
+        # lost (a spare given a node's place among them: the job failed)
+        wait = REVISIT if again else max(self.config.node_timeout, PROBE_DEADLINE) if joined else self.config.rdzv_timeout
+        try:
+            raw = connect_store(endpoint, wait, refused_is_final=again)  # refused: its host is up, its agent gone
         except Exception as e:
-            log.warning("the controller's store at %s did not answer: %s", relay.endpoint, e)
+            if not again:
+                log.warning("the controller's store at %s did not answer: %s", relay.endpoint, e)
             return None
-        log.info("following the controller on %s (its store at %s)", relay.host, relay.endpoint)
+        if again:
+            log.warning("the controller on %s answers again at %s; following it", relay.host, relay.endpoint)
+        else:
+            log.info("following the controller on %s (its store at %s)", relay.host, relay.endpoint)
         # a host that stops answering without closing the connection (stopped, cut off) is given up within
         # --node-timeout, as any lost node is
         return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer,

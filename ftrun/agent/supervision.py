@@ -63,8 +63,11 @@ class Supervision:
         self._starts: dict[int, int] = {}
         #: global rank -> its committed step as its process started (a restart's keys hold the step before)
         self._step_at_start: dict[int, int | None] = {}
-        #: --rdzv-backend etcd: a failure report that the control store did not take before it went
-        self._unsent_failures: tuple | None = None
+        #: --rdzv-backend etcd: the failure reports of this node since its workers last started (generation,
+        #: failures), said again to each new controller: the store may have gone before it took one, or its
+        #: controller before its journal held the decision (it dies inside an etcd outage), and a repair that
+        #: counts a dead rank healthy waits for it until its deadline. The controller leaves out what it knows
+        self.failures_told: list[tuple] = []
         self.begin()
 
     def begin(self) -> None:
@@ -139,24 +142,24 @@ class Supervision:
             log.warning("%s failed: %s", who, failure.describe().split(": ", 1)[1])
             if failure.level and not worker.cause and failure.rank >= 0:  # a device error in a rank's own output
                 self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
-        # a report the store did not take (it went as the ranks failed) is sent again to the next one
-        self._unsent_failures = (group.generation, failures)
+        self.failures_told.append((group.generation, failures))  # said again to the next controller
         self._protocol().report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
-        self._unsent_failures = None
 
     def moved(self) -> None:
         """The controller moved (etcd): the running ranks' keys made in its store, their heartbeats judged
-        from scratch there (each rank finds the new store on its own), and a failure report that the
-        old store did not take sent again."""
+        from scratch there (each rank finds the new store on its own), and the failures since the ranks
+        last started, and their success, said again."""
         ranks = [w.placement.rank for w in self.group.running]
         self._protocol().prepare_ranks(ranks)
         now = time.monotonic()
         for rank in ranks:
             self.hangs.restart(rank, 0, now)
-        if self._unsent_failures is not None:
-            generation, failures = self._unsent_failures
-            self._unsent_failures = None
+        for generation, failures in self.failures_told:
             self._protocol().report(ReportKind.WORKER_FAILED, generation, failures=failures)
+        if self.group.all_succeeded:
+            # said again: the old store may have gone with it, and the new controller, which may have put
+            # these ranks in a repair (their peers' node lost), would wait for them until its deadline
+            self._protocol().report(ReportKind.SUCCEEDED, self.group.generation)
 
     # -- the keepalive -------------------------------------------------------------------------
 

@@ -174,6 +174,8 @@ class Controller:
         self.retired = threading.Event()
         #: etcd did not answer for --store-timeout: why the job stops ("" while it answers)
         self._etcd_lost = ""
+        #: when the controller's thread last turned (monotonic; 0 before its loop)
+        self._turned = 0.0
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     @classmethod
@@ -304,6 +306,7 @@ class Controller:
             if self.retired.is_set():
                 raise LeadershipLost("this agent follows another controller now")
             now = time.monotonic()
+            self._after_own_pause(now)
             if now >= next_beat:
                 next_beat = now + AGENT_HEARTBEAT_INTERVAL
                 self._keepalive(now)
@@ -322,6 +325,17 @@ class Controller:
                     log.warning("nodes %s did not acknowledge the exit in time", missing)
                     break
             time.sleep(IDLE_TICK if self.view.phase is Phase.RUNNING else BUSY_TICK)
+
+    def _after_own_pause(self, now: float) -> None:
+        """A thread that did not turn for longer than --node-timeout: this process was stopped (SIGSTOP, its
+        host suspended), and the agents' silence meanwhile is its own. Those whose calls to its store gave up
+        look for the controller in etcd, and come back once it answers; each agent gets a whole timeout from
+        then, as with a successor (counted, a controller woken after 8 s took its spares for lost at once)."""
+        if self._turned and now - self._turned > self.policy.node_timeout:
+            log.warning("the controller did not run for %.1fs (its process stopped?): the agents' silence "
+                        "counts from now", now - self._turned)
+            self.roster.keepalives.quiet_until(now + self.policy.node_timeout)
+        self._turned = now
 
     def _keepalive(self, now: float) -> None:
         """Once an AGENT_HEARTBEAT_INTERVAL: beat, look at the nodes and spares, the library's word, the
@@ -418,6 +432,7 @@ class Controller:
         worker.start()
         while True:
             worker.join(AGENT_HEARTBEAT_INTERVAL)
+            self._after_own_pause(time.monotonic())  # waiting for etcd is no pause; being stopped while it waits is
             if not worker.is_alive():
                 break
             if self.retired.is_set():  # what it writes, if etcd takes it, is the journal it had decided
@@ -464,7 +479,10 @@ class Controller:
         self.roster.take_places(journal.rendezvous)
         self.roster.nodes = {slot.node_rank: slot for slot in journal.nodes}
         self.roster.spares = list(journal.spares)
-        self.view = journal.view
+        # the predecessor may have told the healthy ranks of a repair into the next generation and died while
+        # its journal waited for etcd: this controller's next generation comes after that one
+        self.view = dataclasses.replace(journal.view, unjournaled=max(journal.view.unjournaled,
+                                                                      journal.view.generation + 1))
         self._started_world = journal.started_world
         if journal.started_at:  # the job's clock goes on: the event log's elapsed, the status's uptime
             self._started_at = journal.started_at
@@ -487,7 +505,7 @@ class Controller:
         if self.view.generation == generation and self.view.phase in REPAIR_PHASES:
             # nothing above moved the repair on, and what it waits for was said in the store the agents left
             log.warning("the %s-level repair under way goes on with this controller%s", self.view.repair_level,
-                        f" in generation {generation + 1}" if self.view.level is Level.PROCESS else "")
+                        f" in generation {self.view.next_generation}" if self.view.level is Level.PROCESS else "")
             self._apply(on_controller_moved(self.view))
 
     def _ready_start(self, command: Command, before: JobView | None) -> Command:

@@ -152,8 +152,8 @@ class Leadership:
         except (EtcdError, LeadershipLost) as e:
             log.warning("could not take the controller's office back: %s", e)
             return False
-        log.warning("the controller's lease lapsed while etcd had no quorum; it holds the office again (term %d)",
-                    self.term)
+        log.warning("the controller's lease lapsed (etcd without a quorum, or this process stopped) and no other "
+                    "agent took the office; it holds it again (term %d)", self.term)
         if old_lease and old_lease != self._lease:
             try:
                 client.revoke(old_lease)  # lapsed already, as a rule: nothing of the office is on it now

@@ -219,7 +219,7 @@ class Narrator:
     def _decision(self, after: JobView) -> None:
         """The level the job's recovery takes (the first decision, or the move to job level once every
         rank has failed)."""
-        target = after.generation if after.level is Level.PROCESS else after.generation + 1
+        target = after.generation if after.level is Level.PROCESS else after.next_generation
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"
         elif after.online:

@@ -154,11 +154,21 @@ class JobView:
     fallback: RollbackFailure | None = None
     exit_code: int = 0
     reason: str = ""
+    #: under etcd, a successor's: the generation its predecessor may have told the ranks of without its journal
+    #: holding it (the healthy ranks hear of a repair before the journal is written, and a controller may die
+    #: while its journal waits for etcd). The next generation comes after it: reused, it found the ranks
+    #: already past its first milestones in the old store, and the repair waited for them until its deadline
+    unjournaled: int = 0
 
     def move(self, phase: Phase, **changes) -> "JobView":
         if phase not in TRANSITIONS[self.phase]:
             raise IllegalTransition(f"{self.phase.name} -> {phase.name}")
         return dataclasses.replace(self, phase=phase, **changes)
+
+    @property
+    def next_generation(self) -> int:
+        """The generation a new repair or restart takes."""
+        return max(self.generation, self.unjournaled) + 1
 
     @property
     def repair_level(self) -> str:
@@ -199,8 +209,13 @@ def on_report(view: JobView, report: Report) -> Decision:
         return _acknowledge_exit(view, report.node_rank)
     if report.kind is ReportKind.NODE_UNUSABLE:
         return on_node_unusable(view, report.node_rank, report.detail)
+    if report.kind is ReportKind.WORKER_FAILED and _known_failures(view, report):
+        return view, []  # said again to a controller whose journal holds it
     if report.kind is ReportKind.WORKER_FAILED and _fails_a_live_rank(view, report):
         return _on_failure(view, report)
+    if report.kind is ReportKind.SUCCEEDED and _finished_before_the_repair(view, report):
+        return _no_replica_left(view, "", f"the ranks of node {report.node_rank} finished generation "
+                                          f"{report.generation} before the repair reached them")
     if report.generation != view.generation:
         return view, []  # a late word about a generation that is already gone
     if report.kind is ReportKind.SUCCEEDED:
@@ -218,6 +233,27 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
     agent has heard of the newest (a repair that goes on moves on a generation at each later death)."""
     if report.generation == view.generation:
         return True
+    return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
+            and view.start_generation <= report.generation < view.generation)
+
+
+def _known_failures(view: JobView, report: Report) -> bool:
+    """Every failure of the report is one the job has already counted: an agent says its failures again to
+    each new controller (under etcd), which may or may not have them from its predecessor's journal."""
+    known = {_failure_key(f) for f in view.failures}
+    return bool(report.failures) and all(_failure_key(f) in known for f in report.failures)
+
+
+def _failure_key(failure: WorkerFailure) -> tuple:
+    """One process's end: a rank's pid, its generation and the time, whatever the record's text."""
+    return failure.node_rank, failure.rank, failure.pid, failure.generation, failure.timestamp
+
+
+def _finished_before_the_repair(view: JobView, report: Report) -> bool:
+    """A node's ranks finished their training in a generation that a process-level repair under way
+    counted them healthy in: they trained on, to the end, beside the ranks of a node declared lost while
+    those lived (its agent stopped past its lease: the controller's, whose successor learns of the success
+    only from the node's report sent again to it). None of them can join the repair."""
     return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
             and view.start_generation <= report.generation < view.generation)
 
@@ -283,11 +319,14 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
         return _exit(dataclasses.replace(view, lost=view.lost | {node_rank}), ExitCode.JOB_FAILED, f"{detail}; {spent}")
-    if view.phase is Phase.RUNNING and view.process_level_ready and ranks and not set(ranks) >= view.every_rank:
+    # nodes whose ranks finished hold no live replica: their ranks cannot join a repair (a node declared lost
+    # while its ranks lived, its agent stopped, may see them through to the end with the others)
+    if (view.phase is Phase.RUNNING and view.process_level_ready and ranks and not set(ranks) >= view.every_rank
+            and not view.succeeded):
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=frozenset(ranks),
             clearing=frozenset({node_rank}),
@@ -295,8 +334,12 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
             reason=detail,
         )
         return view, [takeover, _replace_command(view, frozenset(ranks))]
+    finished = bool(ranks) and bool(view.succeeded) and view.phase is Phase.RUNNING
+    if finished:
+        nodes = ", ".join(str(n) for n in sorted(view.succeeded))
+        detail = f"{detail}; the ranks of node {nodes} had finished, no healthy replica holds the training state"
     view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset({node_rank}), reason=detail,
-                     no_replica=bool(ranks) and set(ranks) >= view.every_rank)
+                     no_replica=bool(ranks) and (set(ranks) >= view.every_rank or finished))
     return view, [takeover, Command(CommandKind.STOP, view.generation, reason=detail)]
 
 
@@ -312,7 +355,7 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
         return _no_replica_left(view, detail)
     view = view.move(
         Phase.STOPPING,
-        generation=view.generation + 1,
+        generation=view.next_generation,
         replacing=replacing,
         clearing=view.clearing | {node_rank},
         acknowledged=frozenset(),
@@ -334,7 +377,7 @@ def on_controller_moved(view: JobView) -> Decision:
         return view, [Command(CommandKind.STOP, view.generation, reason=view.reason)]
     if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
         return view, []
-    view = view.move(Phase.STOPPING, generation=view.generation + 1, acknowledged=frozenset(),
+    view = view.move(Phase.STOPPING, generation=view.next_generation, acknowledged=frozenset(),
                      replacements_started=False)
     return view, [_replace_command(view, view.replacing)]
 
@@ -464,7 +507,7 @@ def _on_failure(view: JobView, report: Report) -> Decision:
         view = view.move(
             Phase.STOPPING,
             level=Level.PROCESS,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=ranks,
             clearing=frozenset({report.node_rank}),
@@ -482,7 +525,7 @@ def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank:
     that hold no state: the rollback gives them a healthy replica's, or every rank goes to the snapshots."""
     view = view.move(
         Phase.STOPPING,
-        generation=view.generation + 1,
+        generation=view.next_generation,
         replacing=ranks,
         stateless=view.stateless | view.replacing,
         clearing=frozenset({node_rank}),
@@ -515,7 +558,7 @@ def on_collective_failed(view: JobView, failure: CollectiveFailure, node_rank: i
             Phase.STOPPING,
             level=Level.PROCESS,
             online=True,
-            generation=view.generation + 1,
+            generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=frozenset(),
             clearing=frozenset(),
@@ -542,10 +585,11 @@ def _repair_goes_on_from_snapshots(view: JobView) -> bool:
     return view.snapshots and view.replacements_started
 
 
-def _no_replica_left(view: JobView, first: str) -> Decision:
-    """Every rank of the generation failed: no healthy replica can hand the training state on, so the
-    job restarts at job level now (restoring the snapshots, with --snapshot-every) instead of
-    replacing every rank at process level and finding that out at the rollback.
+def _no_replica_left(view: JobView, first: str, why: str = "every rank failed") -> Decision:
+    """Every rank of the generation failed (or ``why``: the healthy ones ended): no healthy replica can hand
+    the training state on, so the job restarts at job level now (restoring the snapshots, with
+    --snapshot-every) instead of replacing every rank at process level and finding that out at the
+    rollback (or waiting for ranks that ended until the repair's deadline).
 
     From RUNNING (one report named every rank) this is the decision itself. During a process-level
     repair (an earlier report started it, this one completes the set) the repair is given up: its
@@ -554,7 +598,7 @@ def _no_replica_left(view: JobView, first: str) -> Decision:
     """
     starting = view.phase is Phase.RUNNING
     cause = first if starting else view.reason  # the repair's reason names the root cause
-    reason = f"{cause}; every rank failed, no healthy replica holds the training state"
+    reason = f"{cause}; {why}, no healthy replica holds the training state"
     refund = 0 if starting else 1
     view = view.move(Phase.STOPPING, level=Level.JOB, online=False, restarts_used=view.restarts_used - refund,
                      acknowledged=frozenset(), no_replica=True, reason=reason)
@@ -585,8 +629,8 @@ def _restart_when_stopped(view: JobView) -> Decision:
         return view, []
     view = view.move(
         Phase.RUNNING,
-        generation=view.generation + 1,
-        start_generation=view.generation + 1,
+        generation=view.next_generation,
+        start_generation=view.next_generation,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
         online=False,

@@ -4,7 +4,9 @@ answers, and nothing else happens (issue 40).
 The jobs of test_high_availability.py (2 simulated nodes x 2 ranks and a spare, a real 3-member etcd on
 loopback, --node-timeout 3); 2 members killed for OUTAGE seconds, longer than --node-timeout, and
 started again on their data. The controller's decision waits for etcd meanwhile: its keepalive goes on,
-no agent takes it for lost, no node is counted lost, and only the failed rank is replaced.
+no agent takes it for lost, no node is counted lost, and only the failed rank is replaced. A controller
+that dies inside the outage, its decision told to the ranks but not yet in its journal, leaves its
+successor to carry the repair out at process level.
 """
 
 from __future__ import annotations
@@ -95,3 +97,35 @@ def test_ranks_killed_just_before_and_just_after_the_outage_are_replaced_alone(l
     etcd.revive(2)
     kill_rank(launcher, 2)  # etcd not answering yet: decided once it elects a leader
     assert_only_process_level(launcher, fault_free, {0: 1, 1: 1, 2: 2, 3: 2}, repairs=2)
+
+
+def test_the_controller_lost_inside_the_outage_after_telling_a_repair_its_successor_carries_the_repair_out(
+        launcher, etcd, fault_free):
+    # issue 40: a controller that dies inside the outage after it told the healthy ranks of a repair, before its
+    # journal landed. etcd's leader is among the members lost: a write it took but could not commit would be
+    # committed once it leads again, and the journal would land after all. The successor's journal has no
+    # repair and no failure then: rank 3's, which the old store took, must reach it all the same, or the repair
+    # it starts for the lost node waits for rank 3 until its deadline
+    leader, *others = start(launcher, etcd, flags=["--log-dir", str(launcher.tmp / "logs")], STEP_SLEEP="0.3")
+    wait_for_progress(launcher, 3, 5)
+    raft_leader = wait_for(lambda: [m for m in [etcd.leader()] if m is not None], timeout=30, what="etcd's leader")[0]
+    down = [raft_leader, next(i for i in range(3) if i != raft_leader)]
+    for member in down:
+        etcd.kill(member)
+    kill_rank(launcher, 3)
+    wait_for(lambda: "process-level repair into generation 1" in leader.output, timeout=60, what="the repair told")
+    time.sleep(0.5)  # its journal waits for etcd
+    leader.proc.kill()  # the controller's node: ranks 0 and 1 go with it
+    time.sleep(2.0)
+    for member in down:
+        etcd.revive(member)
+    assert launcher.wait(others) == [0, 0], launcher.output()
+    successor = next(n for n in others if "hosting the control store" in n.output)
+    assert "repair under way goes on" not in successor.output  # its journal had no repair: the case meant
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit for bit, every rank
+    assert starts(launcher) == {0: 2, 1: 2, 2: 1, 3: 2}, launcher.output()  # rank 2 kept its pid
+    kinds = [e["kind"] for e in events(launcher)]
+    assert "repair_failed" not in kinds, launcher.output()
+    assert "1 of 2 restarts used" in successor.output, successor.output  # one repair for both faults

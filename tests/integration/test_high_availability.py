@@ -93,7 +93,9 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     assert starts(launcher) == {0: 2, 1: 2, 2: 1, 3: 1}  # ranks 2 and 3 kept their pids
     successor = next(n for n in others if "hosting the control store" in n.output)
     assert "the controller moved from 127.0.0.2" in successor.output
-    assert "process-level repair into generation 1" in successor.output
+    # generation 2: the one after the journal's may have been told to the ranks by a controller that died before
+    # its journal held it (issue 40), and is never reused
+    assert "process-level repair into generation 2" in successor.output
     assert "1 of 2 restarts used" in successor.output  # the failover and the repair: one unit of budget
     assert "not signed" not in launcher.output() and "ignoring a message" not in launcher.output()
     spare = next(n for n in others if "taking the place of node 0" in n.output)

@@ -211,3 +211,28 @@ def test_a_failure_after_the_ranks_resumed_is_a_repair_of_its_own_however_far_be
     view = controller.view
     assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2, 2)
     assert view.replacing == {2} and view.stateless == frozenset()  # rank 3's replacement holds the state now
+
+
+def test_a_controller_stopped_past_the_node_timeout_counts_no_silence_of_its_own_stop(controller):
+    # its agent SIGSTOPped for 8 s with --node-timeout 3, and woken still in office (etcd kept its lease):
+    # every agent was silent meanwhile, its store stopped with it. Counted, the spares were dropped at once,
+    # the agents that looked for it in etcd meanwhile were lost, and with them the job
+    timeout = controller.policy.node_timeout
+    for now in (100.0, 100.5, 101.0):  # turning: nothing to forgive
+        controller._after_own_pause(now)
+        assert controller.roster.silent_nodes(controller.view, now, timeout) == []  # first seen at 100.0
+    controller._after_own_pause(101.0 + timeout + 1)  # the process stopped for longer than the timeout
+    woken = 101.0 + timeout + 1
+    assert controller.roster.silent_nodes(controller.view, woken, timeout) == []
+    assert controller.roster.silent_nodes(controller.view, woken + timeout + 0.5, timeout) == []  # back from etcd
+    assert controller.roster.silent_nodes(controller.view, woken + 2 * timeout + 0.5, timeout) == [0, 1]  # never
+
+
+def test_a_controller_that_turns_counts_the_agents_silence_as_ever(controller):
+    timeout = controller.policy.node_timeout
+    now = 100.0
+    controller.roster.silent_nodes(controller.view, now, timeout)  # first seen
+    while now < 100.0 + timeout + 0.5:
+        now += 1.0
+        controller._after_own_pause(now)
+    assert controller.roster.silent_nodes(controller.view, now, timeout) == [0, 1]

@@ -7,18 +7,19 @@ import base64
 import dataclasses
 import http.server
 import json
+import signal
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from ftrun.agent.control_plane import EtcdControlPlane
+from ftrun.agent.control_plane import ControlPlaneLost, EtcdControlPlane
 from ftrun.auth import Signer
 from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost
+from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, Relay
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.errors import ExitCode, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
@@ -123,6 +124,31 @@ def test_a_write_refused_after_the_lease_lapsed_with_no_successor_takes_the_offi
     assert json.loads(office.client.get(keys.journal_part("decision")).value) == {"by": "a"}
     assert not Leadership(EtcdClient(options(etcd)), keys, "agent-b", ttl=1).try_lead()
     office.resign()
+
+
+def test_an_agent_that_gave_up_the_store_of_a_controller_still_in_office_follows_it_again_once_it_answers(
+        etcd, host_store):
+    # the controller's agent SIGSTOPped past the others' calls (5 s), while etcd had no quorum, so that its lease
+    # outlived the stop: woken, it led on, and the agents that had given its store up waited for another one
+    # until the job ended (it had counted them lost meanwhile: a spare given a lost node's place, the job failed)
+    keys, store = EtcdKeys("x"), host_store()
+    office = Leadership(EtcdClient(options(etcd)), keys, "agent-a", ttl=3)
+    assert office.try_lead()
+    office.publish(keys.relay, Relay(str(store.endpoint), "agent-a", "127.0.0.2", office.term))
+    follower = EtcdControlPlane(launch_config(etcd.endpoints, node_timeout=3), "agent-b", "127.0.0.1", Signer())
+    try:
+        store.process.send_signal(signal.SIGSTOP)  # its host stopped: the follower gave it up
+        with pytest.raises(ControlPlaneLost):  # a leader that still names it is waited out...
+            follower.find(2, joined=True, failed=str(store.endpoint))
+        store.process.send_signal(signal.SIGCONT)
+        found = follower.find(30, joined=True, failed=str(store.endpoint))  # ...until it answers again
+        assert (found.leads, found.store.endpoint, found.journal) == (False, store.endpoint, None)
+        with open(follower.store_file) as named:  # its ranks follow it too
+            assert named.read() == str(store.endpoint)
+    finally:
+        store.process.send_signal(signal.SIGCONT)
+        follower.leave()
+        office.resign()
 
 
 class NotEtcd(http.server.BaseHTTPRequestHandler):

@@ -484,3 +484,67 @@ def test_lost_node_holding_every_rank_restarts_at_job_level_on_the_spare():
     v, commands = on_node_lost(one_node, 0, "node 0 lost", spare="spare:9", ranks=(0, 1))
     assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.STOP]
     assert (v.phase, v.level, v.no_replica) == (Phase.STOPPING, Level.JOB, True)
+
+
+def test_node_lost_after_the_other_nodes_ranks_finished_restarts_at_job_level_with_a_spare():
+    # the controller's agent stopped past its lease while its ranks trained on to the end with the others:
+    # a process-level repair would wait for ranks that ended until its deadline (60 s "stuck in stopping")
+    v, _ = on_report(process_view(), report(ReportKind.SUCCEEDED, node=1))
+    v, commands = on_node_lost(v, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.STOP]
+    assert (v.phase, v.level, v.no_replica) == (Phase.STOPPING, Level.JOB, True)
+    assert "the ranks of node 1 had finished" in v.reason
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=1))  # nothing to stop there
+    assert v.phase is Phase.RUNNING and (v.generation, v.restarts_used) == (1, 1)  # one unit for the node
+    assert [c.kind for c in commands] == [CommandKind.START]
+
+
+def test_transition_repair_to_stopping_at_job_level_when_a_healthy_nodes_ranks_finished_before_it():
+    # the successor put node 1's ranks in the repair of node 0's loss; node 1 then says again, to the new
+    # store, that they had finished generation 0
+    v, _ = on_node_lost(process_view(), 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert (v.level, v.generation, v.restarts_used) == (Level.PROCESS, 1, 1)
+    for phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK):
+        given_up, commands = on_report(dataclasses.replace(v, phase=phase), report(ReportKind.SUCCEEDED, node=1, gen=0))
+        assert [(c.kind, c.generation) for c in commands] == [(CommandKind.STOP, 1)]
+        assert (given_up.phase, given_up.level, given_up.no_replica) == (Phase.STOPPING, Level.JOB, True)
+        assert "the ranks of node 1 finished generation 0 before the repair reached them" in given_up.reason
+        assert given_up.restarts_used == 0  # the job-level restart spends the fault's one unit as it starts
+    # a success of the repair's own generation, or after it, is not this: it counts as ever
+    assert on_report(v, report(ReportKind.SUCCEEDED, node=1, gen=1))[0].level is Level.PROCESS
+    assert on_report(process_view(), report(ReportKind.SUCCEEDED, node=1, gen=0))[0].succeeded == {1}
+
+
+def test_a_failure_said_again_to_a_controller_that_knows_it_changes_nothing():
+    # an agent says its failures again to each new controller (etcd): the successor's journal may hold them
+    v, _ = on_report(process_view(), failed(node=1, rank=3))
+    assert v.generation == 1
+    again, commands = on_report(v, failed(node=1, rank=3))
+    assert (again, commands) == (v, [])
+    v2, _ = on_node_lost(v, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert on_report(v2, failed(node=1, rank=3)) == (v2, [])  # in the repair it goes on with: still known
+
+
+def test_a_failure_said_again_to_a_successor_whose_journal_missed_it_joins_the_repair_it_finds():
+    # issue 40: the controller died inside an etcd outage after telling the repair, before its journal held it;
+    # its successor loses the controller's node, then hears rank 3's death again from its agent
+    v, _ = on_node_lost(process_view(), 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    v, commands = on_report(v, failed(node=1, gen=0, rank=3))
+    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (3,))]
+    assert (v.level, v.replacing, v.restarts_used) == (Level.PROCESS, {0, 1, 3}, 1)  # one repair for both
+
+
+def test_a_successor_never_reuses_the_generation_its_predecessor_may_have_told_the_ranks_of():
+    # the predecessor told the healthy ranks of a repair into generation 1 and died while its journal waited for
+    # etcd: reused, generation 1 found rank 2 past its first milestones in the old store (60 s stuck in stopping)
+    successor = dataclasses.replace(process_view(), unjournaled=1)
+    v, commands = on_node_lost(successor, 0, "node 0 lost with the controller it hosted", spare="spare:9", ranks=(0, 1))
+    assert v.generation == 2 and [(c.kind, c.generation) for c in commands] == [(CommandKind.TAKEOVER, 0),
+                                                                               (CommandKind.REPLACE, 2)]
+    v, commands = on_report(successor, failed(node=1, rank=3))
+    assert v.generation == 2 and commands[0].generation == 2
+    v, _ = on_report(dataclasses.replace(view(), unjournaled=1), failed())  # job level: the START's too
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=0))
+    v, commands = on_report(v, report(ReportKind.STOPPED, node=1))
+    assert (v.generation, v.start_generation) == (2, 2) and [c.generation for c in commands] == [2]
+    assert on_report(process_view(generation=2, unjournaled=1), failed(gen=2))[0].generation == 3  # as ever
