@@ -15,8 +15,10 @@ from tests.unit.node_parts import AGENT, HOST, layout
 
 def test_start_runs_every_local_rank_with_the_generations_environment(node):
     n = node("sleep,sleep")
+    n.supervision.failures_told.append((1, ()))
     start = n.command(CommandKind.START, 2, restart_count=1, max_restarts=3)
     assert n.commands.carry_out(start) is None
+    assert n.supervision.failures_told == []  # every rank starts anew: no earlier failure concerns a repair
     env = n.env_of(1, 2)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == ("1", "1", "2", "0")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (HOST, "29999")
