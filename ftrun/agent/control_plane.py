@@ -68,8 +68,10 @@ class EtcdControlPlane:
         self.keys = EtcdKeys(config.run_id)
         self.leadership = Leadership(self.client, self.keys, agent_id, config.node_timeout)
         self._folder = tempfile.TemporaryDirectory(prefix="ftrun-control-")
+        #: the folder of the file below, removed when the agent ends (by its guardian if it is killed)
+        self.folder = self._folder.name
         #: the file this node's ranks read the control store's address from
-        self.store_file = os.path.join(self._folder.name, "control-store")
+        self.store_file = os.path.join(self.folder, "control-store")
 
     def find(self, deadline: float, joined: bool, failed: str = "") -> Found:
         """The control store to use now, waiting up to ``deadline`` seconds while etcd has no quorum or
@@ -171,6 +173,10 @@ class EtcdControlPlane:
         """The job is over for this agent: give the lead up at once (an orderly exit)."""
         if self.leadership.term:
             self.leadership.resign()
+        self.remove_folder()
+
+    def remove_folder(self) -> None:
+        """Remove the ranks' file and its folder (again, or gone already: nothing)."""
         self._folder.cleanup()
 
 
