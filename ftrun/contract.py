@@ -295,7 +295,7 @@ class WorkerEnv:
     the worker library reads. The agent writes it (``to_environ``), ``ftrun.elastic`` reads it back.
 
     The agent builds it whole (agent/workers.py's ``worker_env``) from what its parts give: the device
-    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/generations.py).
+    (agent/device_slots.py), the snapshots (snapshots/keeper.py) and the rank table (agent/generations.py).
     """
 
     rank: int

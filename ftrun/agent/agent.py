@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 
 from ftrun.agent.commands import CommandExecutor
 from ftrun.agent.connection import ControlConnection
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.log_folders import LogFolders

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.seat import Seat
 from ftrun.agent.workers import GenerationEnv

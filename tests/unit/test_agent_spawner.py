@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.spawner import REFILL_AFTER, STANDBYS_AT_THE_LATEST, Spawner
 from ftrun.faults.levels import FaultLevel, load_fault_table

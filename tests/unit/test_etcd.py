@@ -18,7 +18,7 @@ from ftrun.auth import Signer
 from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost
+from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, StoreRecord, current_store_record
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.errors import ExitCode, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
@@ -124,6 +124,19 @@ def test_a_write_refused_after_the_lease_lapsed_with_no_successor_takes_the_offi
     assert not Leadership(EtcdClient(options(etcd)), keys, "agent-b", ttl=1).try_lead()
     office.resign()
 
+
+
+def test_the_store_record_is_current_only_while_the_controller_that_wrote_it_leads(etcd):
+    keys, client = EtcdKeys("record"), EtcdClient(options(etcd))
+    office = Leadership(client, keys, "agent-a", ttl=5)
+    assert current_store_record(client, keys) is None  # no one leads
+    assert office.try_lead()
+    assert current_store_record(client, keys) is None  # it leads, and has not said where its store is
+    record = StoreRecord("127.0.0.1:5000", "agent-a", "127.0.0.1", office.term)
+    office.publish(keys.store_record, record)
+    assert current_store_record(client, keys) == record
+    office.resign()
+    assert current_store_record(client, keys) is None  # a record left by a controller out of office
 
 class NotEtcd(http.server.BaseHTTPRequestHandler):
     """A web server that is not etcd: 404, empty body, to every POST."""

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.health import DeviceWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.contract import DeviceAssignment

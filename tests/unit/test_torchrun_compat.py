@@ -13,7 +13,7 @@ import sys
 import click
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.output import FilteredCopy, line_prefix
 from ftrun.agent.workers import WorkerPlacement, own_device_only

@@ -194,12 +194,12 @@ class NodeDevices:
         """Local rank -> the logical device it runs on now."""
         return dict(self.allocator.assigned) if self.allocator is not None else {}
 
-    def placed(self, placed: RankDevice | None) -> tuple[DeviceAssignment | None, tuple[str, str] | None]:
+    def placed(self, rank_device: RankDevice | None) -> tuple[DeviceAssignment | None, tuple[str, str] | None]:
         """The worker's device, and the runtime's variable of the devices it sees (name, value); none on CPU."""
-        if placed is None:
+        if rank_device is None:
             return None, None
-        return (DeviceAssignment(placed.device, placed.index),
-                (self.backend.visibility_var, ",".join(map(str, placed.visible))))
+        return (DeviceAssignment(rank_device.device, rank_device.index),
+                (self.backend.visibility_var, ",".join(map(str, rank_device.visible))))
 
     # -- faults --------------------------------------------------------------------------------------
 
