@@ -294,8 +294,8 @@ class WorkerEnv:
     """What ftrun tells a worker through its environment: its ``FTRUN_*`` variables and the torchrun ones
     the worker library reads. The agent writes it (``to_environ``), ``ftrun.elastic`` reads it back.
 
-    The agent writes it in parts: the rank and its generation (agent/workers.py), the device
-    (agent/devices.py), the snapshots (snapshots/keeper.py) and the rank table (agent/generations.py).
+    The agent builds it whole (agent/workers.py's ``worker_env``) from what its parts give: the device
+    (agent/device_slots.py), the snapshots (snapshots/keeper.py) and the rank table (agent/generations.py).
     """
 
     rank: int

@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 
 from ftrun.agent.commands import CommandExecutor
 from ftrun.agent.connection import ControlConnection
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.log_folders import LogFolders
@@ -111,18 +111,22 @@ class Agent:
     # -- run -----------------------------------------------------------------------------------
 
     def run(self) -> JobOutcome:
+        # the orphan guardian first: it removes the agent's folders if the agent is SIGKILLed from here on
+        ops = ProcessOps()
         try:
-            return self._run()
+            return self._run(ops)
         finally:
             self.connection.close()
+            self.folders.cleanup()  # whatever ended the run: the folders this agent made go with it
+            ops.close()
 
-    def _run(self) -> JobOutcome:
+    def _run(self, ops: ProcessOps) -> JobOutcome:
         config, connection = self.config, self.connection
         table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, table)
         preflight = self._preflight(table) if config.preflight else ""
         # a single node makes its own token: no other agent needs it
-        connection.open(config.token or (b"" if config.several_nodes else new_token()))
+        connection.open(config.token or (b"" if config.several_nodes else new_token()), ops.remove_on_exit)
         hosting = " (hosting it and the controller)" if connection.store.is_host else ""
         log.info("joined the store at %s%s", connection.endpoint, hosting)
         ips = load_device_ips(config.device_ips) if config.device_ips else {}
@@ -139,7 +143,6 @@ class Agent:
             connection.stop_controller()
             raise
         self.seat = seat = Seat(self.agent_id, self.host, slot)
-        ops = ProcessOps()
         group = WorkerGroup(ops, config, "", config.warm_standby)
         self.supervision = Supervision(group, seat, self.devices, lambda: connection.protocol,
                                        lambda: connection.top_feed, HangWatch(config.heartbeat_timeout, config.hang_timeout),
@@ -163,7 +166,6 @@ class Agent:
                 self.snapshots.stop()
             self.devices.stop()
             group.stop(config.stop_timeout)
-            ops.close()
         return self._finish(code, reason)
 
     def _take_node(self, group: WorkerGroup, ops: ProcessOps) -> None:
@@ -171,6 +173,8 @@ class Agent:
         start of its workers and the carrying out of the controller's commands."""
         config, seat, connection, supervision = self.config, self.seat, self.connection, self.supervision
         group.log_dir = folder = self.folders.node_folder(seat.node_rank)
+        if folder == self.folders.temporary:
+            ops.remove_on_exit(folder)
         relay = self._relay(folder)
         self.snapshots = NodeSnapshots.start(config, seat, lambda: connection.store, connection.signer,
                                              connection.token, ops)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from ftrun.agent.control_plane import EtcdControlPlane
 from ftrun.agent.protocol import NodeProtocol, Wakeup, Watch
@@ -67,14 +68,16 @@ class ControlConnection:
         """This agent's controller gave up the lead (etcd): another agent leads now."""
         return self.controller is not None and self.controller.stepped_down.is_set()
 
-    def open(self, token: bytes) -> None:
+    def open(self, token: bytes, remove_on_exit: Callable[[str], None] = lambda folder: None) -> None:
         """Reach the control store (host it where this agent is the store's host, or etcd says so), and
-        start the controller there. ``token`` signs every message ("": unsigned)."""
+        start the controller there. ``token`` signs every message ("": unsigned). ``remove_on_exit``: told
+        of each folder made here, for the orphan guardian to remove if the agent is killed."""
         config = self.config
         self.token, self.signer = token, Signer(token)
         journal = None
         if config.etcd is not None:
             self.etcd = EtcdControlPlane(config, self.agent_id, self.host, self.signer)
+            remove_on_exit(self.etcd.folder)
             found = self.etcd.find(config.rdzv_timeout, joined=False)
             self.store, journal = found.store, found.journal
         else:
@@ -176,7 +179,10 @@ class ControlConnection:
             pass
 
     def close(self) -> None:
-        """Stop the view and let the doorbell's watch go (the last thing the agent does)."""
+        """Stop the view, let the doorbell's watch go and remove this side's folder (the last thing the
+        agent does, however its run ended)."""
+        if self.etcd is not None:
+            self.etcd.remove_folder()
         if self.display is not None:
             self.display.stop()
         if self.protocol is not None and self.protocol.watch is not None:

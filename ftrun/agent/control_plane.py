@@ -2,7 +2,7 @@
 
 The control store (a TCPStore: every agent's keepalives and reports, every rank's heartbeat and repair)
 is hosted by whichever agent holds the leader key in etcd (``controller/leadership.py``), on a port of
-its own, and etcd says where (the relay key). When that agent's node goes, its lease lapses after
+its own, and etcd says where (its store record). When that agent's node goes, its lease lapses after
 ``--node-timeout``; each agent that loses the store comes here again: one of them takes the lead, hosts a
 new store and goes on from the journal its predecessor wrote; the others connect to it. The ranks find
 the new store in a file their agent rewrites (``FTRUN_CONTROL_STORE_FILE``), so that ranks never talk to
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, Relay, current_relay
+from ftrun.controller.leadership import EtcdKeys, Leadership, StoreRecord, current_store_record
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdUnavailable
 from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
@@ -70,8 +70,10 @@ class EtcdControlPlane:
         self.keys = EtcdKeys(config.run_id)
         self.leadership = Leadership(self.client, self.keys, agent_id, config.node_timeout)
         self._folder = tempfile.TemporaryDirectory(prefix="ftrun-control-")
+        #: the folder of the file below, removed when the agent ends (by its guardian if it is killed)
+        self.folder = self._folder.name
         #: the file this node's ranks read the control store's address from
-        self.store_file = os.path.join(self._folder.name, "control-store")
+        self.store_file = os.path.join(self.folder, "control-store")
 
     def find(self, deadline: float, joined: bool, failed: str = "") -> Found:
         """The control store to use now, waiting up to ``deadline`` seconds while etcd has no quorum or
@@ -108,7 +110,7 @@ class EtcdControlPlane:
                                           f"{unreachable or 'no controller published its store'}")
                 raise ControlPlaneLost(f"the control store ({where}) was unreachable for {deadline:g}s: "
                                        f"{unreachable or 'no controller published its store'}")
-            self._wait_for_relay(min(LOOK_AGAIN, max(0.05, end - time.monotonic())))
+            self._wait_for_store_record(min(LOOK_AGAIN, max(0.05, end - time.monotonic())))
 
     def _look(self, joined: bool, failed: str) -> Found | None:
         if self.leadership.try_lead():
@@ -120,16 +122,16 @@ class EtcdControlPlane:
                 self.leadership.resign()
                 return _ended(journal)
             return Found(self._host(), True, journal)
-        relay = current_relay(self.client, self.keys)
-        again = relay is not None and relay.endpoint == failed
-        if relay is None or again:
+        record = current_store_record(self.client, self.keys)
+        again = record is not None and record.endpoint == failed
+        if record is None or again:
             if joined:
                 journal = self._journal()
                 if journal is not None and journal.over:
                     return _ended(journal)
-            if relay is None:
+            if record is None:
                 return None  # no leader yet, or it has not published its store
-        endpoint = parse_endpoint(relay.endpoint, 0, "the relay in etcd")
+        endpoint = parse_endpoint(record.endpoint, 0, "the store record in etcd")
         # A fresh agent waits as long as for any rendezvous; one in the job, as long as for a node. The store
         # this agent gave up, still named by the controller in office, is tried for a moment only: its lease
         # has yet to lapse (waited out), or the controller is back, stopped and woken before another agent
@@ -141,12 +143,12 @@ class EtcdControlPlane:
             raw = connect_store(endpoint, wait, refused_is_final=again)  # refused: its host is up, its agent gone
         except Exception as e:
             if not again:
-                log.warning("the controller's store at %s did not answer: %s", relay.endpoint, e)
+                log.warning("the controller's store at %s did not answer: %s", record.endpoint, e)
             return None
         if again:
-            log.warning("the controller on %s answers again at %s; following it", relay.host, relay.endpoint)
+            log.warning("the controller on %s answers again at %s; following it", record.host, record.endpoint)
         else:
-            log.info("following the controller on %s (its store at %s)", relay.host, relay.endpoint)
+            log.info("following the controller on %s (its store at %s)", record.host, record.endpoint)
         # a host that stops answering without closing the connection (stopped, cut off) is given up within
         # --node-timeout, as any lost node is
         return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer,
@@ -158,16 +160,16 @@ class EtcdControlPlane:
         address = bind_address(self.host, config.store_bind, True)
         server = _store_server(self.host, address, 0, config.worker_port_range)
         endpoint = Endpoint(self.host, server.port)
-        relay = Relay(str(endpoint), self.agent_id, self.host, self.leadership.term)
-        self.leadership.publish(self.keys.relay, relay)
-        self.leadership.relay = relay
+        record = StoreRecord(str(endpoint), self.agent_id, self.host, self.leadership.term)
+        self.leadership.publish(self.keys.store_record, record)
+        self.leadership.store_record = record
         log.info("hosting the control store at %s and the controller", endpoint)
         return ControlStore(server, endpoint, is_host=True, signer=self.signer)
 
     def _journal(self) -> Journal | None:
         return read_journal(self.client, self.keys)
 
-    def _wait_for_relay(self, timeout: float) -> None:
+    def _wait_for_store_record(self, timeout: float) -> None:
         """Until one of the run's keys changes (a leader's lease lapsed, a new one published its store), or
         ``timeout``."""
         try:
@@ -186,6 +188,10 @@ class EtcdControlPlane:
         """The job is over for this agent: give the lead up at once (an orderly exit)."""
         if self.leadership.term:
             self.leadership.resign()
+        self.remove_folder()
+
+    def remove_folder(self) -> None:
+        """Remove the ranks' file and its folder (again, or gone already: nothing)."""
         self._folder.cleanup()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.seat import Seat
 from ftrun.agent.workers import GenerationEnv
@@ -35,22 +35,24 @@ class GenerationEnvs:
         #: --framework mindspore: the node's relay folder
         self.relay_dir = relay_dir
 
-    def rank_tables(self, generation: int) -> tuple[tuple[str, str], ...]:
-        """Write this generation's rank tables (from the controller's layout); their variables."""
+    def rank_tables(self, generation: int) -> tuple[str, str]:
+        """Write this generation's rank tables (from the controller's layout); their paths: ftrun's
+        (FTRUN_RANKTABLE) and, on Ascend, HCCL's (RANK_TABLE_FILE), "" for none."""
         table = ftrun_table(self.run_id, generation, self.seat.layout.nodes, self.seat.node_rank,
                             self.devices.assigned)
-        tables = [("FTRUN_RANKTABLE", write_table(self.folder, FTRUN_TABLE, table))]
+        ftrun_path, hccl_path = write_table(self.folder, FTRUN_TABLE, table), ""
         if self.devices.backend.kind == "npu" and self.devices.allocator is not None:
             try:
-                tables.append(("RANK_TABLE_FILE", write_table(self.folder, HCCL_TABLE, hccl_table(table))))
+                hccl_path = write_table(self.folder, HCCL_TABLE, hccl_table(table))
             except ValueError as e:
                 log.warning("no HCCL rank table for generation %d: %s", generation, e)
-        return tuple(tables)
+        return ftrun_path, hccl_path
 
     def for_command(self, command: Command, replacement: bool = False) -> GenerationEnv:
         """The environment of ``command``'s generation (``replacement``: for a repair's new ranks)."""
         host, _, port = command.worker_store.rpartition(":")
         layout = self.seat.layout
+        ranktable, hccl_ranktable = self.rank_tables(command.generation)
         return GenerationEnv(
             generation=command.generation,
             restart_count=command.restart_count,
@@ -61,9 +63,10 @@ class GenerationEnvs:
             control_store=str(self.control_store()),
             max_restarts=command.max_restarts,
             replacement=replacement,
-            rank_tables=self.rank_tables(command.generation),
+            ranktable=ranktable,
+            hccl_ranktable=hccl_ranktable,
             previous_world_size=command.previous_world_size,
-            snapshot_env=self.snapshots.worker_env(command) if self.snapshots is not None else (),
+            snapshots=self.snapshots.settings(command) if self.snapshots is not None else None,
             control_store_file=self.control_store_file,
             scheduler=command.scheduler,
             relay_dir=self.relay_dir,

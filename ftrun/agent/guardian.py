@@ -1,7 +1,8 @@
 """The orphan guardian: a tiny process that outlives a SIGKILLed agent just long enough.
 
 The agent writes ``+PGID`` / ``-PGID`` lines on the guardian's stdin as it
-starts and reaps worker process groups, and ``dFOLDER`` for its snapshot memory.
+starts and reaps worker process groups, and ``dFOLDER`` for each folder it made
+(its snapshot memory, its temporary folders).
 When the agent dies, however it dies, the pipe closes; the guardian then SIGKILLs
 every group still listed (the workers and anything they started), removes the
 folders, and exits. Workers also carry a parent-death
@@ -37,7 +38,7 @@ def main() -> None:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    for folder in folders:  # the agent's snapshot memory: gone with the agent, whatever ended it
+    for folder in folders:  # the agent's snapshot memory and temporary folders: gone with it, whatever ended it
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -48,6 +48,12 @@ class LogFolders:
         self._temporary = tempfile.TemporaryDirectory(prefix="ftrun-")
         return self._temporary.name
 
+    @property
+    def temporary(self) -> str:
+        """The node's folder where it goes with the job (only the workers' error files), or ""."""
+        return self._temporary.name if self._temporary is not None else ""
+
     def cleanup(self) -> None:
+        """Remove the folder that goes with the job (again: nothing; gone already: nothing)."""
         if self._temporary is not None:
             self._temporary.cleanup()

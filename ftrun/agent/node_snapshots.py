@@ -13,6 +13,7 @@ from ftrun.agent.seat import Seat
 from ftrun.agent.workers import ProcessOps
 from ftrun.auth import Signer
 from ftrun.config import LaunchConfig
+from ftrun.contract import SnapshotSettings
 from ftrun.keys import JobKeys
 from ftrun.messages import Command
 from ftrun.snapshots.keeper import SnapshotKeeper, ring_peers
@@ -104,10 +105,10 @@ class NodeSnapshots:
         if self.save_on_failure:
             self.keeper.save_newest()
 
-    def worker_env(self, command: Command) -> tuple[tuple[str, str], ...]:
+    def settings(self, command: Command) -> SnapshotSettings:
         """What the ranks of ``command``'s generation need to write their snapshots here; for a
         MindSpore generation after a restart, the file of its restore plan too."""
-        return tuple(self.keeper.worker_env(self._left_plan(command)).items())
+        return self.keeper.settings(self._left_plan(command))
 
     def _left_plan(self, command: Command) -> str:
         """A MindSpore job's ranks cannot read the control store (their python has no torch): the node's

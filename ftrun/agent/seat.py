@@ -7,6 +7,7 @@ import dataclasses
 import logging
 
 from ftrun.agent.workers import WorkerPlacement
+from ftrun.contract import DeviceAssignment
 from ftrun.messages import NodeLayout, NodeSlot
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class Seat:
         """The local ranks of those of global ``ranks`` this node holds."""
         return [r - self.first_rank for r in ranks if 0 <= r - self.first_rank < self.nproc]
 
-    def placement(self, local_rank: int, device_env=(), cpus: tuple[int, ...] = ()) -> WorkerPlacement:
-        """Where the worker of ``local_rank`` sits (``device_env``: its device's variables; ``cpus``: its binding)."""
+    def placement(self, local_rank: int, device: tuple[DeviceAssignment | None, tuple[str, str] | None] = (None, None),
+                  cpus: tuple[int, ...] = ()) -> WorkerPlacement:
+        """Where the worker of ``local_rank`` sits (``device``: its device and the runtime's variable of
+        the devices it sees, as ``NodeDevices.placed`` gives them; ``cpus``: its binding)."""
         group_rank = next(i for i, n in enumerate(self.layout.nodes) if n.node_rank == self.node_rank)
-        return WorkerPlacement(local_rank, self.first_rank + local_rank, group_rank, self.host, device_env, cpus)
+        return WorkerPlacement(local_rank, self.first_rank + local_rank, group_rank, self.host, *device, cpus)

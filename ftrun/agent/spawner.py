@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.placement import NoDevice
 from ftrun.agent.protocol import NodeProtocol
@@ -71,7 +71,7 @@ class Spawner:
             self._wait_for_device(command, tuple(range(nproc)), e)
             return
         cpus = self.devices.binding()
-        placements = [self.seat.placement(i, self.devices.env(assigned.get(i)), cpus.get(i, ())) for i in range(nproc)]
+        placements = [self.seat.placement(i, self.devices.placed(assigned.get(i)), cpus.get(i, ())) for i in range(nproc)]
         self.pending = None
         self._protocol().prepare_ranks([p.rank for p in placements])
         gen = self.envs.for_command(command)
@@ -91,7 +91,7 @@ class Spawner:
                 self._wait_for_device(command, local_ranks[done:], e)
                 return
             cpus = self.devices.binding().get(local_rank, ())
-            self.group.respawn(self.seat.placement(local_rank, self.devices.env(device), cpus), gen)
+            self.group.respawn(self.seat.placement(local_rank, self.devices.placed(device), cpus), gen)
             self._started([self.group.workers[local_rank]])
         self.pending = None
         # the standbys taken are made again once the repair is over: a new one's torch import would

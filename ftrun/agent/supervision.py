@@ -13,7 +13,7 @@ from typing import Callable
 
 import psutil
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.protocol import NodeProtocol, committed_step

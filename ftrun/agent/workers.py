@@ -6,6 +6,7 @@ Every OS call goes through :class:`ProcessOps`, one small object.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from ftrun.agent import standby
 from ftrun.agent.numa import bind_process
 from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
-from ftrun.contract import DeviceAssignment, WorkerEnv
+from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
 from ftrun.faults.levels import FaultTable
 from ftrun.faults.process import OomWatch, classify_exit
 from ftrun.messages import WorkerFailure, signal_name
@@ -110,8 +111,10 @@ class WorkerPlacement:
     rank: int
     node_rank: int
     host: str
-    #: the device's variables for this worker (visibility, FTRUN_DEVICE, FTRUN_DEVICE_INDEX); none on CPU
-    device_env: tuple[tuple[str, str], ...] = ()
+    #: the device it runs on (FTRUN_DEVICE, FTRUN_DEVICE_INDEX); None on CPU
+    device: DeviceAssignment | None = None
+    #: the runtime's variable of the devices it sees and its value (CUDA_VISIBLE_DEVICES, "4,6"); None on CPU
+    visibility: tuple[str, str] | None = None
     #: the CPUs it is bound to (--numa-binding); () = not bound
     cpus: tuple[int, ...] = ()
 
@@ -148,12 +151,14 @@ class GenerationEnv:
     max_restarts: int
     #: process level: this worker replaces a failed rank and must receive the training state
     replacement: bool = False
-    #: the generation's rank tables: FTRUN_RANKTABLE, and RANK_TABLE_FILE on Ascend
-    rank_tables: tuple[tuple[str, str], ...] = ()
+    #: the generation's rank table (FTRUN_RANKTABLE), "" for none
+    ranktable: str = ""
+    #: on Ascend, its HCCL rank table (RANK_TABLE_FILE), "" for none
+    hccl_ranktable: str = ""
     #: the world size of the generation before (a scale-in or grow-back changes it), 0 for the first
     previous_world_size: int = 0
     #: where the ranks write their snapshots (FTRUN_SNAPSHOT_*), when --snapshot-every is on
-    snapshot_env: tuple[tuple[str, str], ...] = ()
+    snapshots: SnapshotSettings | None = None
     #: --rdzv-backend etcd: the file that names the control store as it moves (FTRUN_CONTROL_STORE_FILE)
     control_store_file: str = ""
     #: --framework mindspore: the generation's scheduler, "host:port" (MS_SCHED_HOST, MS_SCHED_PORT)
@@ -475,12 +480,15 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
 
 def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:
     """torchrun's environment contract, plus ftrun's own FTRUN_* variables (the worker's contract,
-    ``WorkerEnv``, writes the ranks and the world size); msrun's MS_* ones for a MindSpore job."""
+    ``WorkerEnv``, whole: the ranks, the world size, the rank table, the device, the snapshots); the
+    runtime's own (the visible devices, HCCL's rank table) and msrun's MS_* ones for a MindSpore job."""
+    if config.virtual_local_rank:
+        placement = own_device_only(placement)
     env = generation_env(config, gen, error_file)
     env.update(ROLE_RANK=str(placement.rank))
-    env.update(WorkerEnv(
+    worker = WorkerEnv(
         rank=placement.rank,
-        local_rank=placement.local_rank,
+        local_rank=0 if config.virtual_local_rank else placement.local_rank,
         world_size=gen.world_size,
         run_id=config.run_id,
         generation=gen.generation,
@@ -493,31 +501,30 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         recovery=config.recovery,
         previous_world_size=gen.previous_world_size or gen.world_size,
         relay_dir=gen.relay_dir,
-    ).to_environ())
-    env.update(gen.rank_tables)
-    env.update(gen.snapshot_env)
-    env.update(placement.device_env)
-    if config.virtual_local_rank:
-        env.update(LOCAL_RANK="0", **dict(own_device_only(placement.device_env)))
+        ranktable=gen.ranktable,
+        device=placement.device,
+        snapshots=gen.snapshots,
+    )
+    env.update(worker.to_environ())
+    if placement.visibility is not None:
+        env[placement.visibility[0]] = placement.visibility[1]
+    if gen.hccl_ranktable:
+        env["RANK_TABLE_FILE"] = gen.hccl_ranktable
     scheduler = mindspore.Scheduler.parse(gen.scheduler)
     if scheduler is not None:
-        assigned = DeviceAssignment.from_environ(env)
-        device_index = assigned.index if assigned is not None else int(env["LOCAL_RANK"])
         env.update(mindspore.worker_env(scheduler, gen.world_size, config.cluster_timeout, placement.rank,
-                                        device_index))
+                                        worker.device_index))
     return env
 
 
-def own_device_only(device_env: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    """--virtual-local-rank: the device variables narrowed to the rank's own device, which the worker
-    then sees as device 0 (torchrun's rule, for CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES
-    alike). Without a device assigned there is nothing to narrow."""
-    values = dict(device_env)
-    assigned = DeviceAssignment.from_environ(values)
+def own_device_only(placement: WorkerPlacement) -> WorkerPlacement:
+    """--virtual-local-rank: the devices the worker sees narrowed to its own, which it then sees as
+    device 0 (torchrun's rule, for CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES alike). Without
+    a device assigned there is nothing to narrow."""
+    assigned = placement.device
     if assigned is None:
-        return ()
-    narrowed = {name: str(assigned.device) for name in values if name.endswith("_VISIBLE_DEVICES")}
-    only_one_seen = DeviceAssignment(assigned.device, index=0)
-    return (*narrowed.items(), *only_one_seen.to_environ().items())
+        return placement
+    visibility = (placement.visibility[0], str(assigned.device)) if placement.visibility is not None else None
+    return dataclasses.replace(placement, device=DeviceAssignment(assigned.device, index=0), visibility=visibility)
 
 

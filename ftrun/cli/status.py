@@ -95,7 +95,7 @@ def leave_without_teardown(code: int) -> NoReturn:
 #: its store stops answering: the old controller's lease lapses after the job's --node-timeout (30 s by default),
 #: and its successor publishes its store a moment later
 FOLLOW_DEADLINE = 60.0
-#: the longest one wait for a change of the job's keys in etcd lasts before the relay is read again
+#: the longest one wait for a change of the job's keys in etcd lasts before the store record is read again
 LOOK_AGAIN = 1.0
 
 
@@ -120,17 +120,17 @@ class StoreFinder:
             assert self._endpoint is not None
             return Location(self._endpoint, self._endpoint.host)
         from ftrun.config import parse_endpoint
-        from ftrun.controller.leadership import EtcdKeys, current_relay
+        from ftrun.controller.leadership import EtcdKeys, current_store_record
         from ftrun.etcd import EtcdError
 
         try:
-            relay = current_relay(self._etcd, EtcdKeys(self._run_id))
+            record = current_store_record(self._etcd, EtcdKeys(self._run_id))
         except EtcdError as e:
             raise RendezvousError(str(e)) from None
-        if relay is None:
+        if record is None:
             raise RendezvousError(f"job '{self._run_id}' has no controller in etcd at {self._etcd.options.describe()} "
                                   "(a wrong --run-id, or the job has ended or not started)")
-        return Location(parse_endpoint(relay.endpoint, 0, "the job's relay in etcd"), relay.host)
+        return Location(parse_endpoint(record.endpoint, 0, "the job's store record in etcd"), record.host)
 
     def revision(self) -> int:
         """etcd's revision now (0 when it does not answer): :meth:`wait` waits for a change after it."""

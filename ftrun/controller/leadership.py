@@ -58,13 +58,13 @@ class EtcdKeys:
         return f"{self.journal}/{name}"
 
     @property
-    def relay(self) -> str:
-        """Where the current controller's control store listens (:class:`Relay`)."""
-        return self.root + "relay"
+    def store_record(self) -> str:
+        """Where the current controller's control store listens (:class:`StoreRecord`)."""
+        return self.root + "store"
 
 
 @dataclass(frozen=True)
-class Relay:
+class StoreRecord:
     """The control store the agents and ranks use now: hosted by the controller's agent."""
 
     endpoint: str
@@ -97,7 +97,7 @@ class Leadership:
         #: taking it back writes where the store is, a write that may find the office lost again
         self._taking_back = threading.RLock()
         #: where this candidate's store is, once it leads and said so (said again in a new term)
-        self.relay: Relay | None = None
+        self.store_record: StoreRecord | None = None
         #: the office's own client, for its renewals and its writes: each call gives up within a renewal's
         #: period, each member within as long, so that a lost quorum is seen within one, and a decision
         #: that waits for etcd goes on within one of its answering again (with the shared client's 3 s a
@@ -146,9 +146,9 @@ class Leadership:
         try:
             if not self._take_key(client):
                 return False
-            if self.relay is not None:  # where the store is, said again for the new term
-                self.relay = dataclasses.replace(self.relay, term=self.term)
-                self.publish(self.keys.relay, self.relay)
+            if self.store_record is not None:  # where the store is, said again for the new term
+                self.store_record = dataclasses.replace(self.store_record, term=self.term)
+                self.publish(self.keys.store_record, self.store_record)
         except (EtcdError, LeadershipLost) as e:
             log.warning("could not take the controller's office back: %s", e)
             return False
@@ -230,15 +230,15 @@ class Leadership:
             return
 
 
-def read_relay(client: EtcdClient, keys: EtcdKeys) -> Relay | None:
-    kv = client.get(keys.relay)
-    return from_json(Relay, kv.value) if kv is not None else None
+def read_store_record(client: EtcdClient, keys: EtcdKeys) -> StoreRecord | None:
+    kv = client.get(keys.store_record)
+    return from_json(StoreRecord, kv.value) if kv is not None else None
 
 
-def current_relay(client: EtcdClient, keys: EtcdKeys) -> Relay | None:
-    """The relay of the controller in office now; None while none leads or it has not said where (a
-    relay left by a controller whose lease lapsed is not current)."""
-    leader, relay = client.get(keys.leader), read_relay(client, keys)
-    if leader is None or relay is None or relay.term != leader.create_revision:
+def current_store_record(client: EtcdClient, keys: EtcdKeys) -> StoreRecord | None:
+    """The store record of the controller in office now; None while none leads or it has not said where
+    (a record left by a controller whose lease lapsed is not current)."""
+    leader, record = client.get(keys.leader), read_store_record(client, keys)
+    if leader is None or record is None or record.term != leader.create_revision:
         return None
-    return relay
+    return record

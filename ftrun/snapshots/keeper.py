@@ -189,11 +189,11 @@ class SnapshotKeeper:
                 persister.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def worker_env(self, restore_plan: str = "") -> dict[str, str]:
+    def settings(self, restore_plan: str = "") -> SnapshotSettings:
         """What a rank needs to write its snapshots here (and ``restore_plan``: the file of its
         generation's restore plan, for ranks that do not read the control store)."""
         return SnapshotSettings(self.folder, self.options.every, self.options.limit(self.nproc),
-                                self.options.copies(), restore_plan).to_environ()
+                                self.options.copies(), restore_plan)
 
     def leave_plan(self, generation: int, plan: RestorePlan) -> str:
         """Put the node's restore plan of ``generation`` in the folder, for ranks that cannot read the

@@ -86,3 +86,37 @@ def test_redirect_keeps_output_off_the_console_and_filter_picks_ranks(launcher, 
     assert "rank 0 finished" not in output  # redirected to its file
     assert "rank 1 finished" not in output  # filtered off the console
     assert (log_dir / launcher.mark / "node0" / "attempt_0" / "0" / "stdout.log").read_text().startswith("rank 0 finished")
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_an_agent_leaves_no_folder_in_the_temp_folder_whether_it_ends_or_is_killed(launcher, request, tmp_path, backend):
+    """Its ``ftrun-`` folder (the workers' error files) and, under etcd, its ``ftrun-control-`` folder go
+    with the agent: removed at its end, and by its orphan guardian when it is SIGKILLed."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    flags = ["--stop-timeout", "2"]
+    if backend == "etcd":
+        flags += ["--rdzv-backend", "etcd", "--rdzv-endpoint", request.getfixturevalue("etcd").endpoints]
+    env = launcher.env(TMPDIR=str(temp))
+
+    def run_then(end) -> None:
+        for pids in launcher.out_dir.glob("pids*"):
+            pids.unlink()
+        [node] = launcher.start_job(1, 2, [SLEEPER], flags=[*flags, "--run-id", f"{launcher.mark}-{end}"], env=env)
+        pid_files = [launcher.out_dir / f"pids{rank}" for rank in range(2)]
+        wait_for(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), what="2 workers to start")
+        made = sorted(p.name for p in temp.iterdir())
+        assert any(name.startswith("ftrun-") for name in made), made
+        if backend == "etcd":
+            assert any(name.startswith("ftrun-control-") for name in made), made
+        if end == "sigterm":
+            os.kill(node.proc.pid, signal.SIGTERM)
+            assert launcher.wait([node], timeout=60) == [143], node.output
+        else:
+            node.proc.kill()
+            node.proc.wait()
+        wait_for(lambda: not list(temp.iterdir()), timeout=10, what=f"the temp folder to be empty after a {end}")
+
+    run_then("sigterm")
+    run_then("sigkill")
+    assert not marked_processes(launcher.mark)

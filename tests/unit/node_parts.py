@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.agent.commands import CommandExecutor
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.hang import HangWatch
 from ftrun.agent.protocol import NodeProtocol

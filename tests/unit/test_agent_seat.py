@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ftrun.agent.seat import Seat
+from ftrun.contract import DeviceAssignment
 from ftrun.messages import NodeSlot
 from tests.unit.node_parts import HOST, layout
 
@@ -39,9 +40,10 @@ def test_a_spare_that_takes_a_node_takes_its_ranks_from_the_layout():
 def test_placement_names_the_node_by_its_place_in_the_layout():
     s = seat(node_rank=3, first_rank=2)
     s.update(layout((0, "a", 2, 0), (3, "b", 2, 2)))
-    placed = s.placement(1, (("FTRUN_DEVICE", "5"),), (0, 1))
+    device, visibility = DeviceAssignment(5, 1), ("CUDA_VISIBLE_DEVICES", "4,5")
+    placed = s.placement(1, (device, visibility), (0, 1))
     assert (placed.local_rank, placed.rank, placed.node_rank, placed.host) == (1, 3, 1, HOST)
-    assert (placed.device_env, placed.cpus) == ((("FTRUN_DEVICE", "5"),), (0, 1))
+    assert (placed.device, placed.visibility, placed.cpus) == (device, visibility, (0, 1))
 
 
 def test_local_ranks_are_those_of_the_command_this_node_holds():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.spawner import REFILL_AFTER, STANDBYS_AT_THE_LATEST, Spawner
 from ftrun.faults.levels import FaultLevel, load_fault_table
@@ -137,6 +137,6 @@ def test_the_environment_names_the_control_store_as_it_is_now(tmp_path):
         assert (gen.world_size, gen.node_count, gen.previous_world_size, gen.replacement) == (2, 1, 4, False)
         where[0] = "10.0.0.9:4000"  # the controller moved (etcd)
         assert envs.for_command(start, replacement=True).control_store == "10.0.0.9:4000"
-        assert dict(gen.rank_tables)["FTRUN_RANKTABLE"] == str(n.folder / "ranktable.json")
+        assert gen.ranktable == str(n.folder / "ranktable.json")
     finally:
         n.close()

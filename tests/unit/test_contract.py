@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, base_env, worker_env
 from ftrun.config import build_launch_config
 from ftrun.contract import (
     DeviceAssignment,
@@ -92,15 +92,62 @@ def test_what_the_agent_writes_is_what_the_worker_library_reads(tmp_path, monkey
     snapshots = SnapshotSettings(folder=str(tmp_path), every=10, limit=4096, copies=2)
     gen = GenerationEnv(generation=3, restart_count=1, world_size=8, node_count=4, master_addr="head",
                         master_port=29501, control_store="head:29400", max_restarts=3, replacement=True,
-                        previous_world_size=6, snapshot_env=tuple(snapshots.to_environ().items()))
-    placement = WorkerPlacement(1, 5, 2, "node2", device_env=(("CUDA_VISIBLE_DEVICES", "4,6"),
-                                                              *device.to_environ().items()))
+                        previous_world_size=6, snapshots=snapshots)
+    placement = WorkerPlacement(1, 5, 2, "node2", device=device, visibility=("CUDA_VISIBLE_DEVICES", "4,6"))
     read = WorkerEnv.from_environ(worker_env(config, placement, gen, str(tmp_path / "error.json")))
     assert read == WorkerEnv(rank=5, local_rank=1, world_size=8, run_id=config.run_id, generation=3,
                              control_store="head:29400", replacement=True, heartbeat_timeout=config.heartbeat_timeout,
                              node_rank=2, recovery="process", previous_world_size=6, device=device,
                              snapshots=snapshots)
 
+
+
+#: every variable a worker of generation 3 gets beside the agent's own environment, with a device, the
+#: snapshots (a MindSpore restore plan among them), both rank tables and a control store that may move
+EXPECTED_WORKER_ENV = {
+    "CUDA_VISIBLE_DEVICES": "4,6", "RANK_TABLE_FILE": "/logs/node2/hccl.json",
+    "FTRUN_CONTROL_STORE": "head:29400", "FTRUN_CONTROL_STORE_FILE": "/tmp/ftrun-control-x/control-store",
+    "FTRUN_STORE_TIMEOUT": "300", "FTRUN_DEVICE": "6", "FTRUN_DEVICE_INDEX": "1", "FTRUN_GENERATION": "3",
+    "FTRUN_HEARTBEAT_TIMEOUT": "30", "FTRUN_NODE_RANK": "2", "FTRUN_PREVIOUS_WORLD_SIZE": "6",
+    "FTRUN_RANKTABLE": "/logs/node2/ranktable.json", "FTRUN_RECOVERY": "process", "FTRUN_REPLACEMENT": "1",
+    "FTRUN_RUN_ID": "job", "FTRUN_RESTORE_PLAN": "/dev/shm/ftrun-job/plan-g00003.json",
+    "FTRUN_SNAPSHOT_COPIES": "2", "FTRUN_SNAPSHOT_DIR": "/dev/shm/ftrun-job", "FTRUN_SNAPSHOT_EVERY": "10",
+    "FTRUN_SNAPSHOT_LIMIT": "4096", "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "4", "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "head", "MASTER_PORT": "29501", "RANK": "5", "ROLE_NAME": "default",
+    "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "8", "TORCHELASTIC_ERROR_FILE": "/logs/error.json",
+    "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "job",
+    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": "8",
+}
+
+
+@pytest.mark.parametrize("virtual_local_rank", [False, True])
+def test_a_worker_gets_every_variable_of_its_place_key_for_key(tmp_path, monkeypatch, virtual_local_rank):
+    """The environment built whole (``WorkerEnv`` with its device, snapshots and rank table) is the one
+    the workers got when it was merged from parts, variable for variable."""
+    for name in [name for name in os.environ if name.startswith(("FTRUN_", "PET_", "CUDA_", "RANK_TABLE"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = build_launch_config({"script": str(script), "nproc_per_node": "2", "rdzv_endpoint": "head:29400",
+                                  "device": "cpu", "recovery": "process", "run_id": "job",
+                                  "virtual_local_rank": virtual_local_rank})
+    snapshots = SnapshotSettings("/dev/shm/ftrun-job", every=10, limit=4096, copies=2,
+                                 restore_plan="/dev/shm/ftrun-job/plan-g00003.json")
+    gen = GenerationEnv(generation=3, restart_count=1, world_size=8, node_count=4, master_addr="head",
+                        master_port=29501, control_store="head:29400", max_restarts=3, replacement=True,
+                        ranktable="/logs/node2/ranktable.json", hccl_ranktable="/logs/node2/hccl.json",
+                        previous_world_size=6, snapshots=snapshots,
+                        control_store_file="/tmp/ftrun-control-x/control-store")
+    placement = WorkerPlacement(1, 5, 2, "node2", DeviceAssignment(6, 1), ("CUDA_VISIBLE_DEVICES", "4,6"))
+    env = worker_env(config, placement, gen, "/logs/error.json")
+    expected = dict(EXPECTED_WORKER_ENV)
+    if virtual_local_rank:  # the rank sees its own device alone, as device 0
+        expected.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="6", FTRUN_DEVICE_INDEX="0")
+    assert env == {**base_env(config), **expected}
+    read = WorkerEnv.from_environ(env)
+    assert (read.ranktable, read.device, read.snapshots) == (
+        "/logs/node2/ranktable.json", DeviceAssignment(6, 0 if virtual_local_rank else 1), snapshots)
 
 def test_outside_ftrun_there_is_no_worker_environment():
     assert WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1"}) is None

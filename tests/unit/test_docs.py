@@ -5,6 +5,7 @@ flag, exit code and worker variable has its place in docs/, and no file tells se
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -129,8 +130,8 @@ def test_the_exit_status_section_lists_no_code_ftrun_does_not_use():
 
 
 def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
-    """Every variable ftrun sets for a worker: what worker_env adds to an empty environment, plus the
-    device and rank-table variables that the agent assembles as ``("NAME", value)`` pairs."""
+    """Every variable ftrun sets for a worker: what worker_env adds to an empty environment (with and
+    without a device, rank tables and snapshots), plus those the agent writes as ``("NAME", value)`` pairs."""
     for name in list(os.environ):
         monkeypatch.delenv(name)
     script = tmp_path / "train.py"
@@ -140,10 +141,15 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
     generation = GenerationEnv(generation=1, restart_count=1, world_size=4, node_count=2, master_addr="head",
                                master_port=29501, control_store="head:29400", max_restarts=3)
     names = set(worker_env(config, WorkerPlacement(1, 3, 1, "node1"), generation, str(tmp_path / "error.json")))
+    # with a device, both rank tables and the snapshots
+    placed = WorkerPlacement(1, 3, 1, "node1", DeviceAssignment(5, 1), (NpuBackend.visibility_var, "4,5"))
+    whole = dataclasses.replace(generation, ranktable="ranktable.json", hccl_ranktable="hccl.json",
+                                snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1))
+    names |= set(worker_env(config, placed, whole, str(tmp_path / "error.json")))
     for source in sorted((ROOT / "ftrun" / "agent").glob("*.py")):
         names |= set(re.findall(r'\(\s*"([A-Z][A-Z0-9_]+)",', source.read_text()))
     names |= {CudaBackend.visibility_var, NpuBackend.visibility_var}
-    # the worker's contract in full: with a device, snapshots and a rank table (which the agent adds in parts)
+    # the worker's contract in full: with a device, snapshots and a rank table
     names |= set(WorkerEnv(rank=3, local_rank=1, world_size=4, run_id="job", generation=1, control_store="head:29400",
                            replacement=False, heartbeat_timeout=30, ranktable="ranktable.json",
                            device=DeviceAssignment(5, 2), snapshots=SnapshotSettings("/dev/shm/x", 10, 0, 1),

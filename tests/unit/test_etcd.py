@@ -19,7 +19,7 @@ from ftrun.auth import Signer
 from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, Relay
+from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, StoreRecord, current_store_record
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.errors import ExitCode, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
@@ -134,7 +134,7 @@ def test_an_agent_that_gave_up_the_store_of_a_controller_still_in_office_follows
     keys, store = EtcdKeys("x"), host_store()
     office = Leadership(EtcdClient(options(etcd)), keys, "agent-a", ttl=3)
     assert office.try_lead()
-    office.publish(keys.relay, Relay(str(store.endpoint), "agent-a", "127.0.0.2", office.term))
+    office.publish(keys.store_record, StoreRecord(str(store.endpoint), "agent-a", "127.0.0.2", office.term))
     follower = EtcdControlPlane(launch_config(etcd.endpoints, node_timeout=3), "agent-b", "127.0.0.1", Signer())
     try:
         store.process.send_signal(signal.SIGSTOP)  # its host stopped: the follower gave it up
@@ -150,6 +150,18 @@ def test_an_agent_that_gave_up_the_store_of_a_controller_still_in_office_follows
         follower.leave()
         office.resign()
 
+
+def test_the_store_record_is_current_only_while_the_controller_that_wrote_it_leads(etcd):
+    keys, client = EtcdKeys("record"), EtcdClient(options(etcd))
+    office = Leadership(client, keys, "agent-a", ttl=5)
+    assert current_store_record(client, keys) is None  # no one leads
+    assert office.try_lead()
+    assert current_store_record(client, keys) is None  # it leads, and has not said where its store is
+    record = StoreRecord("127.0.0.1:5000", "agent-a", "127.0.0.1", office.term)
+    office.publish(keys.store_record, record)
+    assert current_store_record(client, keys) == record
+    office.resign()
+    assert current_store_record(client, keys) is None  # a record left by a controller out of office
 
 class NotEtcd(http.server.BaseHTTPRequestHandler):
     """A web server that is not etcd: 404, empty body, to every POST."""

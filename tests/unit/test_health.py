@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.health import DeviceWatch
 from ftrun.agent.placement import NoDevice
+from ftrun.contract import DeviceAssignment
 from ftrun.devices import Device, DeviceStatus, Health
 from ftrun.faults.levels import Escalation, FaultLevel, load_fault_table
 from ftrun.device_report import probe
@@ -87,8 +88,7 @@ def test_separate_npu_isolates_the_device_and_names_its_ranks(fake_npu):
     w.observe(node.backend.poll(), now=0)
     [event] = w.observe([status(1, Health.ALARM, "DEADBEEF")], now=1)
     assert node.apply(event) == [1]
-    assert node.env(node.device_for_respawn(1)) == (
-        ("ASCEND_RT_VISIBLE_DEVICES", "0,2"), ("FTRUN_DEVICE", "2"), ("FTRUN_DEVICE_INDEX", "1"))
+    assert node.placed(node.device_for_respawn(1)) == (DeviceAssignment(2, 1), ("ASCEND_RT_VISIBLE_DEVICES", "0,2"))
 
 
 def test_reset_waits_until_the_device_is_idle_then_makes_it_usable_again(fake_npu):

@@ -25,14 +25,16 @@ def test_without_log_dir_the_error_files_go_with_the_job(tmp_path):
     folders = LogFolders(launch_config(tmp_path, "0"))
     assert folders.run_folder() == ""
     node = folders.node_folder(0)
-    assert os.path.isdir(node)
+    assert os.path.isdir(node) and folders.temporary == node  # the agent tells its guardian of it
     folders.cleanup()
     assert not os.path.exists(node)
+    folders.cleanup()  # the agent's end cleans up again, whatever ended it: nothing left to do
 
 
 def test_without_log_dir_asked_for_files_are_kept(tmp_path):
     folders = LogFolders(launch_config(tmp_path, "0", tee="3"))
     node = folders.node_folder(0)
+    assert folders.temporary == ""
     folders.cleanup()
     assert os.path.isdir(node)
     os.rmdir(node)

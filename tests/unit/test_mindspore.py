@@ -13,6 +13,7 @@ from ftrun import mindspore
 from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.cli import launch_command, msrun
 from ftrun.config import build_launch_config, parse_rank_filter
+from ftrun.contract import DeviceAssignment
 from ftrun.errors import UsageError
 from ftrun.faults.levels import load_fault_table
 from ftrun.faults.process import classify_exit
@@ -55,7 +56,7 @@ def test_a_mindspore_job_s_workers_get_both_contracts(tmp_path):
     config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "cpu",
                                   "nproc_per_node": "2", "cluster_timeout": 30}, check_script=False)
     placement = WorkerPlacement(local_rank=1, rank=3, node_rank=1, host="h",
-                                device_env=(("FTRUN_DEVICE", "5"), ("FTRUN_DEVICE_INDEX", "0")))
+                                device=DeviceAssignment(5, 0))
     env = worker_env(config, placement, generation(str(SCHEDULER)), "/tmp/e.json")
     assert (env["RANK"], env["MS_NODE_ID"], env["RANK_ID"]) == ("3", "3", "3")
     assert env["DEVICE_ID"] == "0"  # the device as the worker's runtime counts it, not the local rank

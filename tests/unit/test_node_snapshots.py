@@ -104,8 +104,8 @@ def test_a_restarted_mindspore_generation_finds_its_restore_plan_in_a_file(nodes
     node = nodes("a", 0)
     plan = RestorePlan(3, step=7, reason="resumed")
     nodes.store.set(node.keys.restore_plan(3, 0), plan)
-    env = dict(node.worker_env(Command(CommandKind.START, 3, scheduler="127.0.0.1:8000")))
+    env = node.settings(Command(CommandKind.START, 3, scheduler="127.0.0.1:8000")).to_environ()
     settings = SnapshotSettings.from_environ(env)
     assert settings.folder == node.keeper.folder and settings.every == 1
     assert json.loads(open(settings.restore_plan).read())["step"] == 7
-    assert "FTRUN_RESTORE_PLAN" not in dict(node.worker_env(Command(CommandKind.START, 3)))  # torch ranks read the store
+    assert "FTRUN_RESTORE_PLAN" not in node.settings(Command(CommandKind.START, 3)).to_environ()  # torch ranks read the store

@@ -302,7 +302,7 @@ def located(store: ControlStore, host: str):
     return Location(store.endpoint, host)
 
 
-def test_follow_waits_out_the_old_relay_and_no_leader_then_reads_the_successors_store():
+def test_follow_waits_out_the_old_store_record_and_no_leader_then_reads_the_successors_store():
     from ftrun.cli.status import Location, StatusReader
     from tests.conftest import free_port
 

@@ -13,13 +13,14 @@ import sys
 import click
 import pytest
 
-from ftrun.agent.devices import NodeDevices
+from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.output import FilteredCopy, line_prefix
-from ftrun.agent.workers import own_device_only
+from ftrun.agent.workers import WorkerPlacement, own_device_only
 from ftrun.cli import launch_command
 from ftrun.cli.launch import accepted_only_notes
 from ftrun.config import build_launch_config, parse_filters, parse_signals
+from ftrun.contract import DeviceAssignment
 from ftrun.devices import CpuBackend, DeviceToolError
 from ftrun.devices.topology import parse_affinity_matrix, parse_cpu_list
 from ftrun.errors import UsageError
@@ -116,12 +117,13 @@ def test_workers_get_the_forwarded_signal_itself_and_sigterm_for_a_plain_stop(re
 
 @pytest.mark.parametrize("var", ["CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"])
 def test_virtual_local_rank_narrows_the_visible_devices_to_the_rank_s_own(var):
-    device_env = ((var, "0,2,5"), ("FTRUN_DEVICE", "5"), ("FTRUN_DEVICE_INDEX", "2"))
-    assert dict(own_device_only(device_env)) == {var: "5", "FTRUN_DEVICE": "5", "FTRUN_DEVICE_INDEX": "0"}
+    placed = own_device_only(WorkerPlacement(2, 2, 0, "h", DeviceAssignment(5, 2), (var, "0,2,5")))
+    assert (placed.visibility, placed.device) == ((var, "5"), DeviceAssignment(5, 0))
 
 
 def test_virtual_local_rank_without_a_device_changes_no_device_variable():
-    assert own_device_only(()) == ()
+    placed = WorkerPlacement(2, 2, 0, "h")
+    assert own_device_only(placed) == placed
 
 
 # -- --duplicate-*-filters -------------------------------------------------------------------------

@@ -194,12 +194,12 @@ class NodeDevices:
         """Local rank -> the logical device it runs on now."""
         return dict(self.allocator.assigned) if self.allocator is not None else {}
 
-    def env(self, placed: RankDevice | None) -> tuple[tuple[str, str], ...]:
-        """The worker's device variables: what it sees, and which of those is its own."""
-        if placed is None:
-            return ()
-        visibility = (self.backend.visibility_var, ",".join(map(str, placed.visible)))
-        return (visibility, *DeviceAssignment(placed.device, placed.index).to_environ().items())
+    def placed(self, rank_device: RankDevice | None) -> tuple[DeviceAssignment | None, tuple[str, str] | None]:
+        """The worker's device, and the runtime's variable of the devices it sees (name, value); none on CPU."""
+        if rank_device is None:
+            return None, None
+        return (DeviceAssignment(rank_device.device, rank_device.index),
+                (self.backend.visibility_var, ",".join(map(str, rank_device.visible))))
 
     # -- faults --------------------------------------------------------------------------------------
 
