@@ -180,8 +180,12 @@ class StatusReader:
         self.store: ControlStore | None = None
         self.location = find()
         self.store = self._open(self.location.endpoint, timeout)
-        self.endpoint = self.store.endpoint
         self.keys = JobKeys(run_id or self._only_run_id())
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where the store read from listens (a static rendezvous's control store, not its --master-port)."""
+        return self.store.endpoint
 
     def _open(self, endpoint: Endpoint, timeout: float) -> ControlStore:
         from ftrun.keys import CONTROL_STORE
@@ -216,7 +220,7 @@ class StatusReader:
                     store = self._open(found.endpoint, max(0.1, min(self.timeout, left)))
                     # its controller publishes the status once it took over from the journal
                     if store.wait_for(self.keys.status, max(0.1, min(self.timeout, left))):
-                        self.store, self.location, self.endpoint = store, found, store.endpoint
+                        self.store, self.location = store, found
                         return found.host
             except (RendezvousError, StoreUnavailable, RuntimeError):  # none in office yet, or its store went too
                 pass

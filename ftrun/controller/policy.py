@@ -231,10 +231,14 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
     """A failure in this generation, or, during a process-level repair, in an earlier one since the
     last START: its healthy ranks live on into the repair's generations, and one may die before its
     agent has heard of the newest (a repair that goes on moves on a generation at each later death)."""
-    if report.generation == view.generation:
-        return True
+    return report.generation == view.generation or _earlier_generation_of_the_repair(view, report.generation)
+
+
+def _earlier_generation_of_the_repair(view: JobView, generation: int) -> bool:
+    """During a process-level repair, a generation since the last START before the repair's own: its healthy
+    ranks live on into the repair's generations."""
     return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
-            and view.start_generation <= report.generation < view.generation)
+            and view.start_generation <= generation < view.generation)
 
 
 def _known_failures(view: JobView, report: Report) -> bool:
@@ -254,8 +258,7 @@ def _finished_before_the_repair(view: JobView, report: Report) -> bool:
     counted them healthy in: they trained on, to the end, beside the ranks of a node declared lost while
     those lived (its agent stopped past its lease: the controller's, whose successor learns of the success
     only from the node's report sent again to it). None of them can join the repair."""
-    return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
-            and view.start_generation <= report.generation < view.generation)
+    return _earlier_generation_of_the_repair(view, report.generation)
 
 
 def on_library_ranks(view: JobView, count: int) -> Decision:

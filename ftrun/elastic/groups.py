@@ -384,6 +384,10 @@ class _Abandonable(dist.Store):
 WAIT_SLICE = datetime.timedelta(seconds=0.05)
 
 
+def _superseded(generation: int) -> GroupError:
+    return GroupError(f"generation {generation} was superseded while a collective waited")
+
+
 class _Guarded(dist._Work):
     """A real collective's work whose failure is recorded on the group set instead of raised."""
 
@@ -418,7 +422,7 @@ class _Guarded(dist._Work):
                     return self._real.wait()
                 if self._owner.abandoned >= self._generation:
                     self._owner.stuck = True
-                    raise GroupError(f"generation {self._generation} was superseded while a collective waited") from None
+                    raise _superseded(self._generation) from None
 
     def is_completed(self) -> bool:
         try:
@@ -462,7 +466,7 @@ class _Settled:
         self.future.set_result(result)
 
     def give_up(self) -> None:
-        if self._fail(GroupError(f"generation {self.generation} was superseded while a collective waited")):
+        if self._fail(_superseded(self.generation)):
             self._owner.stuck = True
 
     def _fail(self, error: BaseException) -> bool:
