@@ -380,6 +380,11 @@ class _Abandonable(dist.Store):
         self._store.multi_set(keys, values)
 
 
+#: waited for whole: a gloo send's or receive's wait that runs out closes its connection to the peer ("Application
+#: timeout caused pair closure"): sliced, a pipeline stage's receive that waited longer than a slice (its peer
+#: still in its backward) failed, the healthy job was repaired online, and the receive, cut off, left its
+#: tensor unwritten. The interrupt of a repair (its sockets shut down) still ends them.
+WHOLE_WAITS = ("send", "recv", "recv_anysource")
 #: how long a guarded collective's wait lasts before it looks whether its generation was given up
 WAIT_SLICE = datetime.timedelta(seconds=0.05)
 
@@ -402,7 +407,9 @@ class _Guarded(dist._Work):
         try:
             if timeout is not None:
                 return self._real.wait(timeout)
-            return self._wait_unless_given_up() if self._owner.backend.sliced_waits else self._real.wait()
+            if self._owner.backend.sliced_waits and self._op not in WHOLE_WAITS:
+                return self._wait_unless_given_up()
+            return self._real.wait()
         except Exception as e:
             self._owner.fail(e)
             return True

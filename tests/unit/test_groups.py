@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import io
+import threading
 import types
 import weakref
 
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.elastic.backends import CommBackend
-from ftrun.elastic.groups import ElasticGroup, GroupSet, answer_locally, init_default_group, install
+from ftrun.elastic.groups import WAIT_SLICE, ElasticGroup, GroupSet, _Guarded, answer_locally, init_default_group, install
 from ftrun.elastic.shards import SHARD, from_local, load_local, to_local
 
 
@@ -316,3 +318,31 @@ def test_the_layout_the_placements_show_is_the_one_a_repair_goes_by(monkeypatch)
     assert layout.replica_sets() == [(0, 2), (1, 3)] and refusal == ""
     layout, _, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)  # init(sharded=True) says otherwise
     assert layout.replica_sets() == [(0,), (1,), (2,), (3,)]
+
+
+def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo():
+    """A gloo receive's timed wait that runs out closes the connection to its peer: waited for in
+    slices, a pipeline stage's receive slower than a slice (under load) failed, and a healthy job was
+    repaired online."""
+    store = dist.HashStore()
+    made: dict[int, dist.ProcessGroup] = {}
+
+    def make(rank: int) -> None:
+        made[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join(30)
+    owner = GroupSet(CommBackend(), store, lambda generation: f"g{generation}/pg", timeout=30)
+    owner.reconfigure(0)
+    received = torch.zeros(3)
+    work = _Guarded(made[1].recv([received], 0, 7), owner, "recv", 1, 2, ([received], 0, 7))
+    sender = threading.Timer(5 * WAIT_SLICE.total_seconds(), lambda: made[0].send([torch.arange(3.0)], 1, 7).wait())
+    sender.start()
+    try:
+        assert work.wait() and owner.failure is None
+        assert received.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        sender.join(30)
