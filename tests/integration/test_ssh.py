@@ -2,6 +2,7 @@
 
 The hosts are 127.0.0.2, 127.0.0.3, ... (all this machine); the remote agents and
 workers carry the test's mark (passed with --env), so the leftover check sees them.
+Under --rdzv-backend etcd a real 3-member etcd on loopback (``tests/etcd.py``) too.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import shlex
 import signal
 import sys
+import time
 
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, marked_processes, step_reached, wait_for
+from tests.conftest import ELASTIC_STEPS, WORKERS, marked_processes, step_reached, wait_for
 from tests.parts import unavailable
 from tests.sshd import HOSTS, SshdUnavailable, start_sshd
 
@@ -125,6 +127,78 @@ def test_head_killed_outright_leaves_no_remote_process(launcher, sshd):
     head.proc.kill()  # no chance to clean up: the ssh sessions close, and the agents see it
     head.proc.wait()
     wait_for(lambda: not marked_processes(launcher.mark), timeout=60, what="every remote process to exit")
+
+
+def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new_head_follows_it(
+        launcher, sshd, etcd, fault_free):
+    """One run, three faults: the head killed outright, a head started again for the run (it launches
+    nothing and follows), the node of the controller killed (a spare takes its place where it held one)."""
+    logs = launcher.tmp / "logs"
+    hosts = [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2", f"{HOSTS[2]} slots=2 spare"]
+    flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark,
+             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs)]
+    env = launcher.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0.4")
+    head = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= 2, timeout=120, what="training to start")
+    assert "the job does not depend on this head node" in head.output
+    assert "this head node holds the job" not in head.output
+    assert f"{HOSTS[0]}: ftrun: node 0 of 2" in head.output  # the agents' output comes back while the head is there
+    agents = detached_agents(launcher.mark)
+    assert len(agents) == 3
+
+    head.proc.kill()  # no chance to clean up: its ssh sessions go with it
+    head.proc.wait()
+    # the sessions' keepers end with their sessions; the agents, detached from them, go on
+    wait_for(lambda: not [p for p in marked_processes(launcher.mark) if "--ssh-agent" in cmdline(p)], timeout=60,
+             what="the session keepers to end with the head")
+    went_at = step_reached(launcher.out_dir, 1)
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= went_at + 2, timeout=120, what="training to go on")
+    assert detached_agents(launcher.mark) == agents
+
+    again = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
+    wait_for(lambda: "following it (nothing is launched)" in again.output and again.output, timeout=120,
+             what="the second head to follow the run")
+    assert detached_agents(launcher.mark) == agents  # no second job
+    leader = controllers_agent(logs / launcher.mark, agents)
+    held_a_node = "-1" != cmdline(leader)[cmdline(leader).index("--node-rank") + 1]
+    killed_at = step_reached(launcher.out_dir, 1)
+    assert killed_at < ELASTIC_STEPS - 5, f"the job reached step {killed_at} of {ELASTIC_STEPS} before the kill"
+    leader.kill()  # the node of the store and the controller; its guardian takes its ranks
+    assert launcher.wait([again]) == [0], again.output
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {ELASTIC_STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit for bit, every rank
+    assert f"run {launcher.mark} ended" in again.output
+    node_logs = "".join(p.read_text() for p in (logs / launcher.mark).glob("127.0.0.*.std*.log"))
+    assert "the controller moved from" in node_logs
+    if held_a_node:  # the spare took its place
+        assert "taking the place of node" in node_logs
+    # nothing of the job is left on any host: agents, keepers, workers, standbys
+    deadline = time.monotonic() + 60
+    while (left := marked_processes(launcher.mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [cmdline(p)[:12] for p in left]
+
+
+def detached_agents(mark: str) -> list[psutil.Process]:
+    """The job's agents that outlive their ssh sessions, by host."""
+    agents = [p for p in marked_processes(mark) if "--detached-agent" in cmdline(p)]
+    return sorted(agents, key=lambda p: cmdline(p)[cmdline(p).index("--local-addr") + 1])
+
+
+def controllers_agent(run_folder, agents: list[psutil.Process]) -> psutil.Process:
+    """The agent that hosts the controller now: its host's log says so last."""
+    leading = [p for p in agents if "hosting the control store" in
+               (run_folder / f"{cmdline(p)[cmdline(p).index('--local-addr') + 1]}.stderr.log").read_text()]
+    assert len(leading) == 1, [cmdline(p) for p in agents]
+    return leading[0]
+
+
+def cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def test_unreachable_host_is_named_with_ssh_error(launcher, sshd):

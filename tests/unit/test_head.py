@@ -90,7 +90,8 @@ def test_forwarded_env_refuses_what_cannot_be_a_variable(item, words):
 
 def test_agents_get_node_ranks_in_file_order_and_ranks_from_their_slots(tmp_path):
     hosts = [Host("n1", (0, 1, 2, 3)), Host("n2", (1, 3)), Host("n3", None)]
-    agents = plan_agents(hosts, spec(tmp_path), SshOptions(), Endpoint("head", 29400), "job", "3", None)
+    agents = plan_agents(hosts, spec(tmp_path), SshOptions(), ["--rdzv-endpoint", "head:29400", "--run-id", "job"], "3",
+                         None)
     flags = [dict(zip(words, words[1:])) for words in (shlex.split(a.argv[-1]) for a in agents)]
     assert [a.node_rank for a in agents] == [0, 1, 2] and [a.argv[-2] for a in agents] == ["n1", "n2", "n3"]
     assert [f["--nproc-per-node"] for f in flags] == ["4", "2", "1"]
@@ -101,7 +102,7 @@ def test_agents_get_node_ranks_in_file_order_and_ranks_from_their_slots(tmp_path
 
 def test_given_nproc_wins_over_slots(tmp_path):
     agents = plan_agents([Host("n1", (0, 1)), Host("n2", (1, 3))], spec(tmp_path), SshOptions(),
-                         Endpoint("head", 1), "job", "2", "auto")
+                         ["--rdzv-endpoint", "head:1", "--run-id", "job"], "2", "auto")
     for agent in agents:
         words = shlex.split(agent.argv[-1])
         assert words[words.index("--nproc-per-node") + 1] == "auto" and "--devices" not in words
