@@ -23,7 +23,7 @@ from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.policy import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError
-from ftrun.head import SESSION_GRACE, SSH_FAILED, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
+from ftrun.head import SESSION_GRACE, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
 from ftrun.interrupts import Interrupts
 from ftrun.messages import from_json
 
@@ -157,7 +157,7 @@ class EtcdHead:
                 if not started:
                     self._stop_the_others(session)
                     why = session.why()
-                    raise FtrunError(why, ExitCode.RENDEZVOUS if code == SSH_FAILED else agent_exit_code(code))
+                    raise FtrunError(why, agent_exit_code(code))
                 if code != 0:
                     log.warning("%s; the job goes on without it where it can", session.why())
             if now >= next_look:

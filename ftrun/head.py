@@ -339,8 +339,7 @@ class Head:
                 why = session.why()
                 if controller.rendezvous_result is None:
                     controller.stop_requested.set()
-                    code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else agent_exit_code(session.proc.returncode)
-                    return code, why
+                    return agent_exit_code(session.proc.returncode), why
                 controller.host_gone(session.agent.host.address, why)
             time.sleep(WATCH_INTERVAL)
         if controller.view is not None:
@@ -374,7 +373,8 @@ def end_sessions(sessions: list[Session], wait: float) -> None:
         session.err.drain(1.0)
 
 
-def agent_exit_code(code: int) -> int:
-    """Why the job could not start, from the exit code of an agent that ended before the rendezvous:
-    its own where it is one of ftrun's, else the rendezvous's (a missing Python, a shell error)."""
-    return code if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.RENDEZVOUS
+def agent_exit_code(code: int) -> ExitCode:
+    """Why the job could not start, from the exit code of an agent's session that ended before the
+    rendezvous: the agent's own where it is one of ftrun's, else the rendezvous's (ssh could not connect,
+    a missing Python, a shell error)."""
+    return ExitCode(code) if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.RENDEZVOUS

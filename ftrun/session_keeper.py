@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO
+from typing import IO, Sequence
 
 from ftrun.folders import run_folder
 
@@ -74,8 +74,8 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
         agent = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=files[0], stderr=files[1],
                                  start_new_session=True)
     finally:
-        for f in files:
-            f.close()
+        for file in files:
+            file.close()
     agent.stdin.write(token + b"\n")
     agent.stdin.close()
     sys.stderr.write(f"ftrun: the agent runs detached (pid {agent.pid}); its output: {paths[0]}, {paths[1]}\n")
@@ -95,11 +95,11 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
                 return code if code >= 0 else 128 - code
             time.sleep(COPY_INTERVAL)
     finally:
-        for f in readers:
-            f.close()
+        for reader in readers:
+            reader.close()
 
 
-def _copy(readers: list[IO[bytes]], outputs: list[IO[bytes]]) -> bool:
+def _copy(readers: Sequence[IO[bytes]], outputs: Sequence[IO[bytes]]) -> bool:
     """What the agent wrote since the last look, to the session; False when the session's output is gone."""
     for reader, output in zip(readers, outputs):
         data = reader.read()

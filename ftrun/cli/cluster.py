@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import click
 
-from ftrun.cli.launch import agent_flags
 from ftrun.cli.console import say
+from ftrun.cli.launch import agent_flags
 from ftrun.config import ETCD_SPELLINGS, LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
 from ftrun.errors import ExitCode, RendezvousError, UsageError
 from ftrun.head import Head, HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents, store_endpoint
@@ -115,8 +115,13 @@ def follow_run(outcome: HeadOutcome) -> int:
     config = outcome.config
     assert config is not None and config.etcd is not None
     client, keys = EtcdClient(config.etcd, deadline=10.0), EtcdKeys(config.run_id)
-    left = []  # Ctrl-C: this head leaves, the job goes on
-    signal.signal(signal.SIGINT, lambda signum, frame: left.append(signum) or signal.default_int_handler(signum, frame))
+    left: list[int] = []  # Ctrl-C: this head leaves, the job goes on
+
+    def leave(signum, frame):
+        left.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, leave)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         reader = _status_reader(config, client, max(config.rdzv_timeout, STATUS_DEADLINE_FLOOR))

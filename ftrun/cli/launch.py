@@ -419,9 +419,10 @@ def _as_flag_value(command: click.Command, name: str, value, where: str):
 #: options only a head node reads (or sets per host itself); never passed on to the agents it starts
 HEAD_ONLY = frozenset({
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
-    "print_hosts", "dry_run", "ssh_agent", "detached_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
-    "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
-    "spares", "store_bind", "token_file", "status", "start_method", "logs_specs", "event_log_handler",
+    "print_hosts", "dry_run", "ssh_agent", "detached_agent", "config", "standalone", "master_addr", "master_port",
+    "rdzv_endpoint", "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id",
+    "local_addr", "devices", "spares", "store_bind", "token_file", "status", "start_method", "logs_specs",
+    "event_log_handler",
 })
 
 

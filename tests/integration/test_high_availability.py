@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ELASTIC_NPROC, ELASTIC_NODES, ELASTIC_STEPS, WORKERS, ftrun_status, step_reached, wait_for
+from tests.conftest import ELASTIC_NODES, ELASTIC_NPROC, ELASTIC_STEPS, WORKERS, ftrun_status, step_reached, wait_for
 from tests.parts import tmux_for_a_check
 from tests.terminal import Pane
 

@@ -7,15 +7,18 @@ Under --rdzv-backend etcd a real 3-member etcd on loopback (``tests/etcd.py``) t
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import ELASTIC_STEPS, WORKERS, marked_processes, step_reached, wait_for
+from ftrun.session_keeper import stop_request
+from tests.conftest import ELASTIC_STEPS, WORKERS, free_port, marked_processes, step_reached, unique_mark, wait_for
 from tests.parts import unavailable
 from tests.sshd import HOSTS, SshdUnavailable, start_sshd
 
@@ -178,6 +181,66 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
     while (left := marked_processes(launcher.mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, [cmdline(p)[:12] for p in left]
+
+
+def test_under_etcd_a_head_that_cannot_reach_etcd_says_so_in_one_line_before_any_ssh(launcher, ftrun_cli):
+    path = hostfile(launcher, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"])
+    code, out, err = ftrun_cli("--hostfile", str(path), "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                               f"127.0.0.1:{free_port()}", "--rdzv-timeout", "1", "--run-id", "r1", TRAIN)
+    assert code == 3, err
+    errors = [line for line in err.splitlines() if line.startswith("ftrun: error:")]
+    assert len(errors) == 1 and "cannot reach etcd at 127.0.0.1:" in errors[0], err
+    assert "starting" not in err  # nothing was launched
+
+
+#: a stand-in agent for the session keeper: says the token it read, then waits; a signal ends it with 7
+KEEPER_AGENT = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (print("agent got SIGTERM", flush=True), sys.exit(7)))
+print("agent read " + sys.stdin.readline().strip(), flush=True)
+sys.stdin.read()  # the keeper closed it: nothing more comes
+print("agent input ended", flush=True)
+time.sleep(120)
+"""
+
+
+def start_keeper(tmp_path, mark: str) -> subprocess.Popen:
+    """``ftrun.session_keeper.keep_session`` as a host's session runs it, the stand-in agent behind it."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(KEEPER_AGENT)
+    paths = (str(tmp_path / "h.stdout.log"), str(tmp_path / "h.stderr.log"))
+    code = (f"import sys; from ftrun.session_keeper import keep_session; "
+            f"sys.exit(keep_session([sys.executable, {str(agent)!r}], b'the-token', {paths!r}))")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, FTRUN_TEST_MARK=mark))
+
+
+def test_session_keeper_copies_the_agents_output_and_passes_the_heads_stop_on(tmp_path):
+    keeper = start_keeper(tmp_path, unique_mark("keeper"))
+    assert keeper.stdout.readline() == b"agent read the-token\n"  # from the agent's file, on the session
+    assert keeper.stdout.readline() == b"agent input ended\n"  # the token alone: its input is closed
+    keeper.stdin.write(stop_request(signal.SIGTERM))
+    keeper.stdin.flush()
+    assert keeper.wait(timeout=60) == 7  # the agent's own exit code
+    assert keeper.stdout.read() == b"agent got SIGTERM\n"
+    assert "the agent runs detached" in keeper.stderr.read().decode()
+    assert (tmp_path / "h.stdout.log").read_text().count("agent") == 3  # and all of it stays on the host
+
+
+def test_session_keeper_ends_with_its_session_and_leaves_the_agent_running(tmp_path):
+    mark = unique_mark("keeper")
+    keeper = start_keeper(tmp_path, mark)
+    assert keeper.stdout.readline() == b"agent read the-token\n"
+    keeper.stdin.close()  # the head is gone
+    assert keeper.wait(timeout=60) == 0
+    agent = [p for p in marked_processes(mark) if p.pid != keeper.pid]
+    try:
+        assert len(agent) == 1 and agent[0].is_running()
+        assert os.getsid(agent[0].pid) == agent[0].pid  # in a session of its own: no hangup of the ssh session's reaches it
+    finally:
+        for process in agent:
+            process.kill()
+            process.wait(timeout=30)
 
 
 def detached_agents(mark: str) -> list[psutil.Process]:

@@ -13,6 +13,7 @@ from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.head import RemoteSpec, SshOptions, forwarded_env, plan_agents, remote_command, ssh_argv, store_endpoint
 from ftrun.hosts import Host
+from ftrun.session_keeper import DETACHED_FLAG, detached_argv, parse_stop_request, stop_request
 from ftrun.store import is_local_host
 
 #: every character a shell treats specially
@@ -128,3 +129,20 @@ def test_store_endpoint_must_be_on_the_head_node():
 def test_store_endpoint_follows_the_route_to_a_remote_host():
     host = store_endpoint([Host("192.0.2.10")], "", "", "").host  # TEST-NET-1: routed, never answered
     assert is_local_host(host)  # one of this machine's own addresses (the route's source)
+
+
+@pytest.mark.parametrize("line, signum", [
+    (b"stop 2", 2), (b"stop 15", 15), (b" stop  15 ", 15),
+    (b"stop", None), (b"stop x", None), (b"stop -15", None), (b"stop 999", None), (b"halt 15", None), (b"", None),
+    (b"stop 15 now", None), (b"\xff\xfe", None),
+])
+def test_a_keeper_takes_only_the_heads_stop_request_with_a_real_signal(line, signum):
+    assert parse_stop_request(line) == signum
+    if signum is not None:
+        assert parse_stop_request(stop_request(signum).strip()) == signum
+
+
+def test_the_detached_agent_runs_the_keepers_own_command_line_with_its_flag_replaced():
+    argv = detached_argv(["--ssh-agent", "--nnodes", "2", "train.py", "--ssh-agent"])
+    assert argv[:4] == [sys.executable, "-u", "-m", "ftrun"]
+    assert argv[4:] == [DETACHED_FLAG, "--nnodes", "2", "train.py", "--ssh-agent"]  # the script's own untouched
