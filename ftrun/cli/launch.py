@@ -93,7 +93,8 @@ def launch_options(fn):
         option("standalone", group=NODES, is_flag=True, help="Single node: a local store on a free port, a fresh run id."),
         option("hostfile", group=CLUSTER, default="",
                help="Run from this head node: one agent per host over ssh (lines 'host slots=N [spare]' or "
-                    "'host:N'; node ranks in file order). The store and the controller run here."),
+                    "'host:N'; node ranks in file order). The store and the controller run here; with "
+                    "--rdzv-backend etcd on a node etcd elects, and the job outlives this head."),
         option("include", group=CLUSTER, default="",
                help="Only these hosts (and slots) of the hostfile: 'h1@h2:0,2', Slurm ranges allowed (n[01-04])."),
         option("exclude", group=CLUSTER, default="", help="Leave out these hosts (or slots): 'h3@h2:1'."),
