@@ -13,7 +13,9 @@ ends with its exit code.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import time
 
 from ftrun.auth import new_token
@@ -23,7 +25,7 @@ from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.policy import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError
-from ftrun.head import SESSION_GRACE, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
+from ftrun.head import SESSION_GRACE, SSH_FAILED, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
 from ftrun.interrupts import Interrupts
 from ftrun.messages import from_json
 
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 #: how long a head waits for a controller to take office when the journal says the run goes on and none
 #: holds it: a successor takes office within a second of its predecessor's lease lapsing
 LEADER_GAP = 10.0
+#: how long a launch counts as under way before its agents chose a controller (ssh's ConnectTimeout, then
+#: each host's Python starting ftrun, on a loaded machine)
+LAUNCH_LEASE = 60.0
 #: between two reads of the job's decision in etcd
 LOOK_INTERVAL = 0.5
 #: said at every launch: the job does not need this head, and how to follow it again
@@ -52,11 +57,23 @@ def is_over(decision: DecisionPart | None) -> bool:
 
 
 def run_is_going_on(client: EtcdClient, keys: EtcdKeys, gap: float = LEADER_GAP) -> bool:
-    """Whether the run is going on: a controller holds its office, or its journal says it goes on and one
-    takes office within ``gap`` seconds (its predecessor's lease lapsed a moment ago). A journal of a run
-    that goes on and no controller within ``gap``: every agent of that run is gone."""
+    """Whether the run is going on: a controller holds its office; or a head launched it less than
+    LAUNCH_LEASE seconds ago and a controller takes office before that launch's lease lapses; or its
+    journal says it goes on and one takes office within ``gap`` seconds (its predecessor's lease lapsed a
+    moment ago). A journal of a run that goes on and no controller within ``gap``: every agent of that run
+    is gone."""
     if client.get(keys.leader) is not None:
         return True
+    if client.get(keys.launch) is not None:
+        log.info("a head launched run %s less than %gs ago: waiting for its agents to choose a controller",
+                 keys.run_id, LAUNCH_LEASE)
+        while client.get(keys.launch) is not None:
+            revision = client.revision()
+            if client.get(keys.leader) is not None:
+                return True
+            client.wait_change(keys.root, revision, 1.0, prefix=True)
+        if client.get(keys.leader) is not None:
+            return True
     decision = read_decision(client, keys)
     if decision is None or is_over(decision):
         return False
@@ -99,6 +116,8 @@ class EtcdHead:
         #: the job's secret: the user's --token-file, else one made for this job
         self.token = config.token or new_token()
         self._etcd_silent = ""
+        #: this head's launch is said in etcd (``EtcdKeys.launch``)
+        self._launch_said = False
 
     def install_signal_handlers(self) -> None:
         self.interrupts.install()
@@ -108,12 +127,25 @@ class EtcdHead:
         try:
             going_on = run_is_going_on(self.client, self.keys)
             revision = self.client.revision()  # a decision written after this one is this launch's
+            if not going_on:  # said before any ssh: a head started again meanwhile follows this launch
+                self.client.put(self.keys.launch, f"{socket.gethostname()}:{os.getpid()}", self.client.grant(LAUNCH_LEASE))
+                self._launch_said = True
         except EtcdError as e:
             raise RendezvousError(f"cannot reach etcd at {where}: {e}") from None
         if going_on:
             log.info("run %s is running already: following it (nothing is launched)", self.config.run_id)
             return HeadOutcome(ExitCode.OK, "", None, following=True, config=self.config)
         return self._launch(revision)
+
+    def _forget_launch(self) -> None:
+        """The launch is over (its controller took office, or it failed): a head started again no longer
+        waits for it."""
+        if self._launch_said:
+            self._launch_said = False
+            try:
+                self.client.delete_prefix(self.keys.launch)
+            except EtcdError:
+                pass  # its lease lapses within LAUNCH_LEASE
 
     def _launch(self, revision: int) -> HeadOutcome:
         config = self.config
@@ -132,6 +164,7 @@ class EtcdHead:
             hurry = True
             raise
         finally:
+            self._forget_launch()
             end_sessions(self.sessions, 0.0 if hurry or following else config.stop_timeout + SESSION_GRACE)
         return HeadOutcome(code, reason, None, following=following, config=config)
 
@@ -154,15 +187,22 @@ class EtcdHead:
                 session.handled = True
                 started = started or self._decision(revision) is not None
                 code = session.proc.returncode
+                if not started and stop_asked:
+                    return self.interrupts.exit_code, "interrupted before the job started", False
                 if not started:
                     self._stop_the_others(session)
                     why = session.why()
                     raise FtrunError(why, agent_exit_code(code))
-                if code != 0:
-                    log.warning("%s; the job goes on without it where it can", session.why())
+                if code == SSH_FAILED or code < 0:  # ssh itself ended or was ended: the agent is not its child
+                    log.warning("lost the ssh session to %s (%s); its agent goes on, detached from it", session.host,
+                                f"ssh exit code {code}" if code >= 0 else f"ssh killed by signal {-code}")
+                elif code != 0:
+                    log.warning("%s; the controller handles its node as any lost node", session.why())
             if now >= next_look:
                 next_look = now + LOOK_INTERVAL
                 decision = self._decision(revision)
+                if decision is not None and not started:
+                    self._forget_launch()
                 started = started or decision is not None
                 if is_over(decision):
                     return decision.view.exit_code, decision.view.reason, False

@@ -258,6 +258,9 @@ class ClusterPlan:
         conf = parse_rdzv_conf(str(values.get("rdzv_conf") or ""))
         head_values = {**values, "nnodes": nnodes, "node_rank": -1, "run_id": run_id, "standalone": False}
         if etcd:  # the agents gather in etcd (its members, --rdzv-endpoint); one of them hosts the store
+            if values.get("rdzv_host"):
+                raise UsageError("--rdzv-host names where the hosts reach this head node's store, and under "
+                                 "--rdzv-backend etcd the store is an agent's: drop it")
             config = build_launch_config({**head_values, "rdzv_backend": "etcd"},
                                          check_script=check_script and not remote_cwd)
             config = replace(config, spares=len(spares))

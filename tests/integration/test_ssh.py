@@ -134,8 +134,9 @@ def test_head_killed_outright_leaves_no_remote_process(launcher, sshd):
 
 def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new_head_follows_it(
         launcher, sshd, etcd, fault_free):
-    """One run, three faults: the head killed outright, a head started again for the run (it launches
-    nothing and follows), the node of the controller killed (a spare takes its place where it held one)."""
+    """One run, four faults: the head's ssh sessions cut (it follows the job through etcd), the head killed
+    outright, a head started again for the run (it launches nothing and follows), the node of the controller
+    killed (a spare takes its place where it held one)."""
     logs = launcher.tmp / "logs"
     hosts = [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2", f"{HOSTS[2]} slots=2 spare"]
     flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark,
@@ -149,7 +150,15 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
     agents = detached_agents(launcher.mark)
     assert len(agents) == 3
 
-    head.proc.kill()  # no chance to clean up: its ssh sessions go with it
+    sessions = [p for p in psutil.Process(head.proc.pid).children() if p.name() == "ssh"]
+    assert len(sessions) == 3
+    for ssh in sessions:  # its sessions cut: it follows the job through etcd
+        ssh.kill()
+    wait_for(lambda: "every ssh session ended while the job goes on" in head.output, timeout=60,
+             what="the head to follow the job without its sessions")
+    assert head.output.count("its agent goes on, detached from it") == 3
+    assert detached_agents(launcher.mark) == agents
+    head.proc.kill()  # then the head itself, with no chance to clean up
     head.proc.wait()
     # the sessions' keepers end with their sessions; the agents, detached from them, go on
     wait_for(lambda: not [p for p in marked_processes(launcher.mark) if "--ssh-agent" in cmdline(p)], timeout=60,

@@ -354,6 +354,8 @@ def test_bad_flag(argv, words, tmp_path, capsys, token_files):
 
 CLUSTER_FLAGS = [
     ("etcd-hostfile-without-members", ["--rdzv-backend", "etcd"], "needs --rdzv-endpoint"),
+    ("etcd-hostfile-rdzv-host", ["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1", "--rdzv-host", "head"],
+     "--rdzv-host names where the hosts reach this head node's store"),
     ("ssh-port-negative", ["--ssh-port", "-1"], "--ssh-port"),
     ("ssh-port-above-range", ["--ssh-port", "65536"], ("--ssh-port", "65536")),
     ("ssh-port-huge", ["--ssh-port", HUGE], "--ssh-port"),
