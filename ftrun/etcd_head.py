@@ -90,6 +90,20 @@ def run_is_going_on(client: EtcdClient, keys: EtcdKeys, gap: float = LEADER_GAP)
     return False
 
 
+def wait_for_the_end(client: EtcdClient, keys: EtcdKeys, timeout: float) -> DecisionPart | None:
+    """The controller's last decision once it says the job is over, or as it is after ``timeout``. The
+    controller publishes the job's final status before its journal says so (a status reader sees the end
+    first)."""
+    end = time.monotonic() + timeout
+    while True:
+        revision = client.revision()
+        decision = read_decision(client, keys)
+        left = end - time.monotonic()
+        if is_over(decision) or left <= 0:
+            return decision
+        client.wait_change(keys.journal_part(""), revision, min(1.0, left), prefix=True)
+
+
 def wait_for_the_controller_to_leave(client: EtcdClient, keys: EtcdKeys, timeout: float) -> bool:
     """After the job's end, until its controller's agent gave up the office (the last thing it does in etcd:
     the other agents have acknowledged the exit by then), or ``timeout``; whether it did."""

@@ -99,6 +99,8 @@ def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
 
 #: how long a head that follows a run waits for its status to be there (the nodes may still be gathering)
 STATUS_DEADLINE_FLOOR = 30.0
+#: how long it waits, once the status says the job ended, for the journal to say so with the exit code
+JOURNAL_DEADLINE = 30.0
 
 
 def follow_run(outcome: HeadOutcome) -> int:
@@ -108,7 +110,7 @@ def follow_run(outcome: HeadOutcome) -> int:
     from ftrun.cli.status import leave_without_teardown, watch_status
     from ftrun.controller.leadership import EtcdKeys
     from ftrun.etcd import EtcdClient, EtcdError
-    from ftrun.etcd_head import is_over, read_decision, wait_for_the_controller_to_leave
+    from ftrun.etcd_head import is_over, wait_for_the_controller_to_leave, wait_for_the_end
     from ftrun.head import SESSION_GRACE
     from ftrun.store import StoreUnavailable
 
@@ -130,7 +132,7 @@ def follow_run(outcome: HeadOutcome) -> int:
                 watch_status(reader, reader.read(), False, 1.0)
             else:
                 _follow_in_lines(reader)
-        decision = read_decision(client, keys)
+        decision = wait_for_the_end(client, keys, JOURNAL_DEADLINE)
         if is_over(decision):  # the job's exit code once its agents have left, as a head that launched it
             wait_for_the_controller_to_leave(client, keys, config.stop_timeout + SESSION_GRACE)
     except KeyboardInterrupt:
