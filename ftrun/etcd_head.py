@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 from ftrun.auth import new_token
@@ -56,18 +57,20 @@ def is_over(decision: DecisionPart | None) -> bool:
     return decision is not None and decision.view.phase in (Phase.EXITING, Phase.DONE)
 
 
-def run_is_going_on(client: EtcdClient, keys: EtcdKeys, gap: float = LEADER_GAP) -> bool:
+def run_is_going_on(client: EtcdClient, keys: EtcdKeys, gap: float = LEADER_GAP,
+                    stop: threading.Event | None = None) -> bool:
     """Whether the run is going on: a controller holds its office; or a head launched it less than
     LAUNCH_LEASE seconds ago and a controller takes office before that launch's lease lapses; or its
     journal says it goes on and one takes office within ``gap`` seconds (its predecessor's lease lapsed a
     moment ago). A journal of a run that goes on and no controller within ``gap``: every agent of that run
-    is gone."""
+    is gone. ``stop`` set (Ctrl-C) ends a wait, as if no controller came."""
+    stop = stop or threading.Event()
     if client.get(keys.leader) is not None:
         return True
     if client.get(keys.launch) is not None:
         log.info("a head launched run %s less than %gs ago: waiting for its agents to choose a controller",
                  keys.run_id, LAUNCH_LEASE)
-        while client.get(keys.launch) is not None:
+        while client.get(keys.launch) is not None and not stop.is_set():
             revision = client.revision()
             if client.get(keys.leader) is not None:
                 return True
@@ -80,11 +83,13 @@ def run_is_going_on(client: EtcdClient, keys: EtcdKeys, gap: float = LEADER_GAP)
     log.info("etcd's journal says run %s goes on, but no controller holds it; waiting up to %gs for one",
              keys.run_id, gap)
     end = time.monotonic() + gap
-    while (left := end - time.monotonic()) > 0:
+    while (left := end - time.monotonic()) > 0 and not stop.is_set():
         revision = client.revision()
         if client.get(keys.leader) is not None:
             return True
         client.wait_change(keys.leader, revision, min(1.0, left))
+    if stop.is_set():
+        return False
     log.warning("no controller took run %s's office within %gs: its agents are gone; starting it afresh",
                 keys.run_id, gap)
     return False
@@ -139,7 +144,9 @@ class EtcdHead:
     def run(self) -> HeadOutcome:
         where = self.config.etcd.describe()
         try:
-            going_on = run_is_going_on(self.client, self.keys)
+            going_on = run_is_going_on(self.client, self.keys, stop=self.interrupts.event)
+            if self.interrupts.requested:
+                raise FtrunError("interrupted before anything was launched", ExitCode(self.interrupts.exit_code))
             revision = self.client.revision()  # a decision written after this one is this launch's
             if not going_on:  # said before any ssh: a head started again meanwhile follows this launch
                 self.client.put(self.keys.launch, f"{socket.gethostname()}:{os.getpid()}", self.client.grant(LAUNCH_LEASE))

@@ -269,8 +269,8 @@ class ClusterPlan:
             rendezvous = ["--rdzv-backend", "etcd", "--rdzv-endpoint", config.etcd.describe(), "--run-id", run_id]
             if values.get("store_bind"):
                 rendezvous += ["--store-bind", str(values["store_bind"])]
-            # the controller's agent writes to a file: its progress in lines (after the forwarded flags: it wins)
-            last = ["--status", "off" if values.get("status") == "off" else "plain"]
+            # the controller's agent writes to a file: its progress in lines
+            rendezvous += ["--status", "off" if values.get("status") == "off" else "plain"]
         else:
             endpoint = store_endpoint(active, str(values.get("rdzv_endpoint") or ""), str(values.get("rdzv_host") or ""),
                                       str(values.get("local_addr") or ""), parse_port_range(values.get("worker_port_range")))
@@ -279,7 +279,6 @@ class ClusterPlan:
             config = replace(config, is_host=True, local_addr=endpoint.host, spares=len(spares))
             rendezvous = ["--rdzv-endpoint", str(endpoint), "--run-id", run_id]
             conf |= {"is_host": "0"}
-            last = []
         ssh_port = values.get("ssh_port")
         if ssh_port is not None and not 0 < int(ssh_port) < 65536:
             raise UsageError(f"--ssh-port must be a port number (1-65535), got {ssh_port}")
@@ -288,7 +287,7 @@ class ClusterPlan:
             cwd=remote_cwd or os.getcwd(),
             env=forwarded_env(os.environ, tuple(values.get("env") or ())),
             flags=(*(agent_flags(command, values) if command is not None else ()),
-                   *(("--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())) if conf else ()), *last),
+                   *(("--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())) if conf else ())),
             command=(str(values["script"]), *config.script_args),
         )
         ssh = SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))

@@ -192,6 +192,19 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
     assert not left, [cmdline(p)[:12] for p in left]
 
 
+def test_under_etcd_ctrl_c_on_the_head_stops_the_job_on_every_host(launcher, sshd, etcd):
+    env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN], env=env,
+                      flags=["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--node-timeout", "3"])
+    wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
+    head.proc.send_signal(signal.SIGINT)
+    assert launcher.wait() == [130], head.output
+    assert "SIGINT: stopping the job" in head.output
+    # the controller's agent, on a host, ended the job: its summary comes back through its session
+    assert ": ftrun: job stopped" in head.output or "interrupted" in head.output, head.output
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=30, what="every remote process to exit")
+
+
 def test_under_etcd_a_head_that_cannot_reach_etcd_says_so_in_one_line_before_any_ssh(launcher, ftrun_cli):
     path = hostfile(launcher, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"])
     code, out, err = ftrun_cli("--hostfile", str(path), "--rdzv-backend", "etcd", "--rdzv-endpoint",
