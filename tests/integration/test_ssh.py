@@ -195,13 +195,16 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
 def test_under_etcd_ctrl_c_on_the_head_stops_the_job_on_every_host(launcher, sshd, etcd):
     env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN], env=env,
-                      flags=["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--node-timeout", "3"])
+                      flags=["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--node-timeout", "3",
+                             "--log-dir", str(launcher.tmp / "logs")])
     wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
     head.proc.send_signal(signal.SIGINT)
     assert launcher.wait() == [130], head.output
-    assert "SIGINT: stopping the job" in head.output
+    output = head.output
+    assert "SIGINT: stopping the job" in output
+    assert output.count("ftrun: the head node asks the job to stop (SIGINT)") == 2  # each host's keeper
     # the controller's agent, on a host, ended the job: its summary comes back through its session
-    assert ": ftrun: job stopped" in head.output or "interrupted" in head.output, head.output
+    assert ": ftrun: reason: SIGINT on node" in output and "ftrun: job stopped (exit code 130)" in output, output
     wait_for(lambda: not marked_processes(launcher.mark), timeout=30, what="every remote process to exit")
 
 
