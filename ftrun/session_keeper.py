@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ DETACHED_FLAG = "--detached-agent"
 STOP_REQUEST = "stop"
 #: between two looks at the agent's files and its exit
 COPY_INTERVAL = 0.05
+#: how long the session's output may take nothing before the head counts as gone
+WRITE_DEADLINE = 60.0
 
 
 def stop_request(signum: int) -> bytes:
@@ -84,6 +87,7 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
     threading.Thread(target=_carry_out_requests, args=(agent, head_gone), name="ftrun-keeper-input",
                      daemon=True).start()
     readers = [open(path, "rb") for path in paths]
+    sys.stdout.flush()
     outputs = [sys.stdout.buffer, sys.stderr.buffer]
     try:
         while True:
@@ -100,16 +104,30 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
 
 
 def _copy(readers: Sequence[IO[bytes]], outputs: Sequence[IO[bytes]]) -> bool:
-    """What the agent wrote since the last look, to the session; False when the session's output is gone."""
+    """What the agent wrote since the last look, to the session; False when the session's output is gone,
+    or takes nothing for WRITE_DEADLINE (a head cut off without the connection closing: a blocked write would
+    keep this keeper past its agent's end)."""
     for reader, output in zip(readers, outputs):
         data = reader.read()
-        if not data:
-            continue
-        try:
-            output.write(data)
-            output.flush()
-        except (BrokenPipeError, OSError, ValueError):
+        if data and not send_within(output.fileno(), data, WRITE_DEADLINE):
             return False
+    return True
+
+
+def send_within(fd: int, data: bytes, timeout: float) -> bool:
+    """``data`` to ``fd`` in pieces a pipe takes whole once it says it is writable; False when it is closed
+    or takes nothing for ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    view = memoryview(data)
+    while view:
+        _, ready, _ = select.select([], [fd], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            return False
+        try:
+            view = view[os.write(fd, view[:select.PIPE_BUF]):]
+        except OSError:
+            return False
+        end = time.monotonic() + timeout
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.head import RemoteSpec, SshOptions, forwarded_env, plan_agents, remote_command, ssh_argv, store_endpoint
 from ftrun.hosts import Host
-from ftrun.session_keeper import DETACHED_FLAG, detached_argv, parse_stop_request, stop_request
+from ftrun.session_keeper import DETACHED_FLAG, send_within, detached_argv, parse_stop_request, stop_request
 from ftrun.store import is_local_host
 
 #: every character a shell treats specially
@@ -146,3 +147,17 @@ def test_the_detached_agent_runs_the_keepers_own_command_line_with_its_flag_repl
     argv = detached_argv(["--ssh-agent", "--nnodes", "2", "train.py", "--ssh-agent"])
     assert argv[:4] == [sys.executable, "-u", "-m", "ftrun"]
     assert argv[4:] == [DETACHED_FLAG, "--nnodes", "2", "train.py", "--ssh-agent"]  # the script's own untouched
+
+
+def test_a_keeper_counts_a_session_output_that_takes_nothing_as_the_head_gone():
+    read, write = os.pipe()
+    try:
+        assert send_within(write, b"x" * 10, timeout=1.0) and os.read(read, 100) == b"x" * 10
+        assert not send_within(write, b"y" * 1_000_000, timeout=0.2)  # more than a pipe holds, and nobody reads
+        os.close(read)
+        read = -1
+        assert not send_within(write, b"z", timeout=1.0)  # closed: the head went
+    finally:
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
