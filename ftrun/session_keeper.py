@@ -59,7 +59,8 @@ def parse_stop_request(line: bytes) -> int | None:
 def log_paths(log_dir: str, run_id: str, layout: str, host: str) -> tuple[str, str]:
     """Where the host's agent writes its output: the run's folder under --log-dir, else a folder made for it."""
     folder = run_folder(log_dir, run_id, layout) if log_dir else tempfile.mkdtemp(prefix=f"ftrun-{run_id}-")
-    return tuple(os.path.join(folder, f"{host}.{name}.log") for name in ("stdout", "stderr"))  # type: ignore[return-value]
+    stdout, stderr = (os.path.join(folder, f"{host}.{name}.log") for name in ("stdout", "stderr"))
+    return stdout, stderr
 
 
 def detached_argv(argv: list[str]) -> list[str]:
@@ -73,6 +74,8 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
     """Start the detached agent (``argv``), follow it for the head; its exit code, or 0 once the head is
     gone (the agent then goes on alone)."""
     files = [open(path, "ab") for path in paths]
+    # the files of an earlier run of this id are added to: only what this agent writes goes to the head
+    starts = [file.tell() for file in files]
     try:
         agent = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=files[0], stderr=files[1],
                                  start_new_session=True)
@@ -87,6 +90,8 @@ def keep_session(argv: list[str], token: bytes, paths: tuple[str, str]) -> int:
     threading.Thread(target=_carry_out_requests, args=(agent, head_gone), name="ftrun-keeper-input",
                      daemon=True).start()
     readers = [open(path, "rb") for path in paths]
+    for reader, start in zip(readers, starts):
+        reader.seek(start)
     sys.stdout.flush()
     outputs = [sys.stdout.buffer, sys.stderr.buffer]
     try:

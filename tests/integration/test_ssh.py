@@ -234,6 +234,7 @@ def start_keeper(tmp_path, mark: str) -> subprocess.Popen:
     agent = tmp_path / "agent.py"
     agent.write_text(KEEPER_AGENT)
     paths = (str(tmp_path / "h.stdout.log"), str(tmp_path / "h.stderr.log"))
+    (tmp_path / "h.stdout.log").write_text("an earlier run's output\n")
     code = (f"import sys; from ftrun.session_keeper import keep_session; "
             f"sys.exit(keep_session([sys.executable, {str(agent)!r}], b'the-token', {paths!r}))")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -249,7 +250,9 @@ def test_session_keeper_copies_the_agents_output_and_passes_the_heads_stop_on(tm
     assert keeper.wait(timeout=60) == 7  # the agent's own exit code
     assert keeper.stdout.read() == b"agent got SIGTERM\n"
     assert "the agent runs detached" in keeper.stderr.read().decode()
-    assert (tmp_path / "h.stdout.log").read_text().count("agent") == 3  # and all of it stays on the host
+    # all of it stays on the host, after what an earlier run of the same id wrote there (not sent again)
+    assert (tmp_path / "h.stdout.log").read_text().count("agent") == 3
+    assert (tmp_path / "h.stdout.log").read_text().startswith("an earlier run's output\n")
 
 
 def test_session_keeper_ends_with_its_session_and_leaves_the_agent_running(tmp_path):
