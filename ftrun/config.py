@@ -129,7 +129,8 @@ class LaunchConfig:
     preflight: bool = False
     #: only these device ids on this node (None: every one found)
     devices: tuple[int, ...] | None = None
-    #: started by a head node over ssh: stops when that session closes, labels every output line with its rank
+    #: started by a head node over ssh (c10d: stops when that session closes; etcd: detached from it), labels
+    #: every output line with its rank
     head_managed: bool = False
     #: spare nodes the job keeps: agents beyond max_nodes stand by to replace a lost node
     spares: int = 0
@@ -651,7 +652,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         redirects=parse_streams(raw.get("redirects", DEFAULT_STREAMS), "--redirects"),
         tee=parse_streams(raw.get("tee", DEFAULT_STREAMS), "--tee"),
         local_ranks_filter=parse_rank_filter(raw.get("local_ranks_filter")),
-        head_managed=bool(raw.get("ssh_agent")),
+        head_managed=bool(raw.get("ssh_agent") or raw.get("detached_agent")),
         spares=whole_number(raw.get("spares") or DEFAULTS.spares, "--spares", maximum=MAX_COUNT),
         status=choice(raw.get("status") or DEFAULTS.status, STATUS_MODES, "--status"),
         store_bind=check_address(str(raw.get("store_bind") or "").strip(), "--store-bind"),

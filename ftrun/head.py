@@ -1,11 +1,15 @@
 """SSH mode: one command on a head node runs the whole job.
 
-The head node hosts the control store and the controller, and starts one agent
-per host with ``ssh`` (no TTY, BatchMode, the user's ssh config honoured). Each
-remote agent runs until the controller tells it to exit, or until its ssh
-session closes (end of input): so Ctrl-C on the head, the head dying, or a cut
-connection all stop every remote worker. The store does not live on any worker
-node, so losing a node never takes the controller with it.
+The head starts one agent per host with ``ssh`` (no TTY, BatchMode, the user's ssh config honoured).
+
+Under the c10d store (this module's :class:`Head`) the head node hosts the control store and the
+controller. Each remote agent runs until the controller tells it to exit, or until its ssh session closes
+(end of input): so Ctrl-C on the head, the head dying, or a cut connection all stop every remote worker.
+The store does not live on any worker node, so losing a node never takes the controller with it; losing
+the head ends the job (said at every launch: :data:`HEAD_IS_SINGLE`).
+
+Under ``--rdzv-backend etcd`` (``ftrun.etcd_head``) the controller runs in an agent elected through etcd,
+the agents outlive their sessions (``ftrun.session_keeper``), and the head only starts and follows them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ftrun.interrupts import Interrupts
 from ftrun.live_view import StatusView
 from ftrun.orphans import die_with_parent
 from ftrun.ports import PortRange, free_port
+from ftrun.session_keeper import stop_request
 from ftrun.store import ControlStore, host_store, is_local_host
 from ftrun.top_view.attached import AttachedTop, controller_view
 
@@ -49,8 +54,8 @@ WATCH_INTERVAL = 0.05
 
 #: said at every SSH launch: what losing the head costs, and the way that avoids it
 HEAD_IS_SINGLE = ("this head node holds the job: losing it (its terminal closed, its ssh sessions cut, its machine) "
-                  "stops every agent; a job that must outlive any one machine runs one ftrun per node with "
-                  "--rdzv-backend etcd (docs/high-availability.md)")
+                  "stops every agent; a job that must outlive any one machine gives --rdzv-backend etcd, and its "
+                  "controller runs on a node (docs/high-availability.md)")
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,10 @@ def ssh_argv(host: Host, command: str, ssh: SshOptions) -> tuple[str, ...]:
     return (*argv, host.name, command)
 
 
-def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: Endpoint, run_id: str,
+def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, rendezvous: Sequence[str],
                 nnodes: str, nproc: str | None, spares: Sequence[Host] = ()) -> list[RemoteAgent]:
     """One agent per host, node ranks in hostfile order, then the spares (node rank -1: they stand by).
+    ``rendezvous``: the flags that say where the agents gather (--rdzv-endpoint, --run-id, --rdzv-backend).
 
     ``nproc`` None: each host runs as many ranks as the hostfile gives it devices (else --nproc-per-node's
     default, LaunchConfig's).
@@ -135,7 +141,7 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, endpoint: 
     for rank, host in enumerate([*hosts, *spares]):
         node_rank = rank if rank < len(hosts) else -1
         flags = ["--nnodes", nnodes, "--spares", str(len(spares)), "--node-rank", str(node_rank),
-                 "--rdzv-endpoint", str(endpoint), "--run-id", run_id, "--local-addr", host.address]
+                 *rendezvous, "--local-addr", host.address]
         count, devices = nproc or str(LaunchConfig.nproc_per_node), cast(tuple[int, ...], ())
         if nproc is None and host.devices is not None:
             count = str(len(host.devices))
@@ -181,6 +187,8 @@ class Session:
     """One host's ssh process, its output on the head's console (and in a log file), how it ended."""
 
     def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes, token: bytes):
+        """``log_dir``: where the head keeps each host's output ("": nowhere, as under etcd, where each
+        host keeps its own); ``console_filter``: only lines holding it reach the console."""
         self.agent = agent
         self.handled = False
         paths = {name: os.path.join(log_dir, f"{agent.host.address}.{name}.log") if log_dir else None
@@ -216,6 +224,14 @@ class Session:
             return f"cannot start the agent on {self.host} over ssh: {said}"
         return f"the agent on {self.host} exited with code {code}: {said}"
 
+    def ask_to_stop(self, signum: int) -> None:
+        """etcd: ask the host's session keeper to send its agent ``signum`` (the job stops as on it)."""
+        try:
+            self.proc.stdin.write(stop_request(signum))
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the session is gone: the other agents tell the controller
+
     def close_input(self) -> None:
         try:
             self.proc.stdin.close()
@@ -240,6 +256,10 @@ class HeadOutcome:
     exit_code: int
     reason: str
     controller: Controller | None
+    #: etcd: the job runs on without this head's ssh sessions (a head started again for a running job, or
+    #: one whose sessions were all cut): the CLI follows it through etcd, as ``ftrun status --watch`` does
+    following: bool = False
+    config: LaunchConfig | None = None
 
 
 class Head:
@@ -319,8 +339,7 @@ class Head:
                 why = session.why()
                 if controller.rendezvous_result is None:
                     controller.stop_requested.set()
-                    code = ExitCode.RENDEZVOUS if session.proc.returncode == SSH_FAILED else _agent_code(session.proc.returncode)
-                    return code, why
+                    return agent_exit_code(session.proc.returncode), why
                 controller.host_gone(session.agent.host.address, why)
             time.sleep(WATCH_INTERVAL)
         if controller.view is not None:
@@ -335,20 +354,27 @@ class Head:
     def _end_sessions(self, hurry: bool) -> None:
         """Every ssh session ends. The agents were told to exit (or saw the rendezvous fail) and get the
         time to; then end of input stops any agent still there, and ssh itself is ended if it lingers."""
-        deadline = time.monotonic() + self.config.stop_timeout + SESSION_GRACE
-        while not hurry and time.monotonic() < deadline and any(s.proc.poll() is None for s in self.sessions):
-            time.sleep(WATCH_INTERVAL)
-        for session in self.sessions:
-            session.close_input()
-        deadline = time.monotonic() + SESSION_GRACE
-        for session in self.sessions:
-            session.end(deadline)
-        for session in self.sessions:
-            session.out.drain(1.0)
-            session.err.drain(1.0)
+        end_sessions(self.sessions, 0.0 if hurry else self.config.stop_timeout + SESSION_GRACE)
 
 
-def _agent_code(code: int) -> int:
-    """Why the job could not start, from the exit code of an agent that ended before the rendezvous:
-    its own where it is one of ftrun's, else the rendezvous's (a missing Python, a shell error)."""
-    return code if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.RENDEZVOUS
+def end_sessions(sessions: list[Session], wait: float) -> None:
+    """Give the sessions ``wait`` seconds to end by themselves, then close their input (under c10d their
+    agents stop) and end ssh where it lingers; their output copied to the last line."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(s.proc.poll() is None for s in sessions):
+        time.sleep(WATCH_INTERVAL)
+    for session in sessions:
+        session.close_input()
+    deadline = time.monotonic() + SESSION_GRACE
+    for session in sessions:
+        session.end(deadline)
+    for session in sessions:
+        session.out.drain(1.0)
+        session.err.drain(1.0)
+
+
+def agent_exit_code(code: int) -> ExitCode:
+    """Why the job could not start, from the exit code of an agent's session that ended before the
+    rendezvous: the agent's own where it is one of ftrun's, else the rendezvous's (ssh could not connect,
+    a missing Python, a shell error)."""
+    return ExitCode(code) if code in {c.value for c in ExitCode} and code != ExitCode.OK else ExitCode.RENDEZVOUS

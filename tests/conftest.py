@@ -173,6 +173,24 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition"):
     pytest.fail(f"timed out waiting for {what}")
 
 
+#: the job of the tests that lose a node under ``tests/workers/elastic_train.py``, and its steps
+ELASTIC_NODES, ELASTIC_NPROC, ELASTIC_STEPS = 2, 2, 40
+
+
+@pytest.fixture(scope="session")
+def fault_free(tmp_path_factory):
+    """That job under the c10d store, without a fault: every rank's digest (run once for the session: the
+    etcd tests, direct and over ssh, compare with it)."""
+    runner = Launcher(tmp_path_factory.mktemp("fault-free"), unique_mark("fault-free"))
+    # the 4 ranks on one agent, no warm standby, no step sleep: the digests depend on none of them, and the
+    # run starts faster
+    runner.start_job(1, ELASTIC_NODES * ELASTIC_NPROC, [str(WORKERS / "elastic_train.py")],
+                     flags=["--recovery", "process", "--warm-standby", "0"],
+                     env=runner.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0"))
+    assert runner.wait() == [0], runner.output()
+    return {rank: r["digest"] for rank, r in runner.results().items()}
+
+
 @pytest.fixture
 def launcher(tmp_path):
     """Agents started through it are checked for leftovers: no process may outlive the test."""

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import select
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -79,10 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         abort(e.message, e.exit_code)
     if isinstance(values, int):  # --help / --version under standalone_mode=False, or a subcommand's code
         sys.exit(values)
-    sys.exit(run_launch(values))
+    sys.exit(run_launch(values, argv))
 
 
-def run_launch(values: dict) -> int:
+def run_launch(values: dict, argv: list[str] | None = None) -> int:
+    """The job (or this node's part of it), from the launch's ``values``; ``argv``, the words they came from
+    (what a host's session keeper starts its detached agent with)."""
     from ftrun.agent.agent import Agent
     from ftrun.cli import cluster, msrun
     from ftrun.config import build_launch_config
@@ -103,17 +106,21 @@ def run_launch(values: dict) -> int:
         if values.get("hostfile"):
             msrun.refuse_head_node(values)
             outcome = cluster.run_cluster(values, launch_command)
+            if outcome.following:  # etcd: the job runs on without this head's sessions (or never had them)
+                return cluster.follow_run(outcome)
         else:
             config = build_launch_config(values)
-            for note in msrun.framework_notes(values, config):
-                say(f"ftrun: {note}")
             if config.head_managed:
                 config = dataclasses.replace(config, token=read_session_token())
+                if config.etcd is not None and values.get("ssh_agent"):
+                    return keep_agent_session(config, argv if argv is not None else sys.argv[1:])
+            for note in msrun.framework_notes(values, config):
+                say(f"ftrun: {note}")
             if values.get("slurm"):
                 say(f"ftrun: {values['slurm'].describe()[0]}")
             agent = Agent(config)
             agent.install_signal_handlers()
-            if config.head_managed:
+            if values.get("ssh_agent"):  # not a detached one (etcd): it outlives its session
                 agent.watch_session()
             outcome = agent.run()
     except FtrunError as e:
@@ -143,6 +150,15 @@ def read_session_token() -> bytes:
                              ExitCode.RENDEZVOUS)
         line += chunk
     return line.strip()
+
+
+def keep_agent_session(config, argv: list[str]) -> int:
+    """A host's ssh session under --rdzv-backend etcd: its agent detached, followed while the head is there
+    (``ftrun.session_keeper``)."""
+    from ftrun.session_keeper import detached_argv, keep_session, log_paths
+
+    paths = log_paths(config.log_dir, config.run_id, config.log_layout, config.local_addr or socket.gethostname())
+    return keep_session(detached_argv(argv), config.token, paths)
 
 
 def report_outcome(exit_code: int, reason: str, controller) -> int:

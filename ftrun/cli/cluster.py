@@ -1,28 +1,33 @@
 """Where the job runs: a head node's hostfile (agents over ssh), a Slurm allocation, or this node alone.
 
-``--print-hosts`` and ``--dry-run`` show what ftrun derived and would run, without running it.
+``--print-hosts`` and ``--dry-run`` show what ftrun derived and would run, without running it. A hostfile
+job under --rdzv-backend etcd that runs on without its head (or runs already) is followed here
+(:func:`follow_run`), as ``ftrun status --watch`` follows it.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
+import time
 import uuid
 from dataclasses import replace
 
 import click
 
+from ftrun.cli.console import say
 from ftrun.cli.launch import agent_flags
-from ftrun.config import LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
-from ftrun.errors import UsageError
+from ftrun.config import ETCD_SPELLINGS, LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
+from ftrun.errors import ExitCode, RendezvousError, UsageError
 from ftrun.head import Head, HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents, store_endpoint
 from ftrun.hosts import parse_hostfile, select_hosts
 from ftrun.ports import parse_port_range
 from ftrun.slurm import PLACEMENT_OPTIONS, slurm_plan
 
 #: options that place the job themselves, which a hostfile does instead
-NOT_WITH_HOSTFILE = ("standalone", "node_rank", "master_addr", "master_port", "rdzv_backend", "spares")
+NOT_WITH_HOSTFILE = ("standalone", "node_rank", "master_addr", "master_port", "spares")
 
 
 def apply_slurm(values: dict) -> dict:
@@ -42,7 +47,11 @@ def apply_slurm(values: dict) -> dict:
 def print_hosts(values: dict) -> int:
     if values.get("hostfile"):  # the script is not needed to show the hosts
         plan = ClusterPlan.from_values({**values, "script": values.get("script") or "-"}, None, check_script=False)
-        lines = [f"store on {plan.config.endpoint} (this head node); run id {plan.config.run_id}"]
+        if plan.config.etcd is not None:
+            lines = [f"controller on the node etcd elects (etcd at {plan.config.etcd.describe()}); "
+                     f"run id {plan.config.run_id}"]
+        else:
+            lines = [f"store on {plan.config.endpoint} (this head node); run id {plan.config.run_id}"]
         lines += [f"  {agent.role:<6}  {agent.host.name}  {_ranks(agent)}" for agent in plan.agents]
     elif values.get("slurm"):
         lines = values["slurm"].describe()
@@ -78,9 +87,126 @@ def _write(line: str) -> None:
 
 def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
     plan = ClusterPlan.from_values(values, command)
-    head = Head(plan.config, plan.agents)
+    if plan.config.etcd is not None:
+        from ftrun.etcd_head import EtcdHead
+
+        head: Head | EtcdHead = EtcdHead(plan.config, plan.agents)
+    else:
+        head = Head(plan.config, plan.agents)
     head.install_signal_handlers()
     return head.run()
+
+
+#: how long a head that follows a run waits for its status to be there (the nodes may still be gathering)
+STATUS_DEADLINE_FLOOR = 30.0
+#: how long it waits, once the status says the job ended, for the journal to say so with the exit code
+JOURNAL_DEADLINE = 30.0
+
+
+def follow_run(outcome: HeadOutcome) -> int:
+    """A hostfile job under etcd that runs on without this head's sessions: its status until it ends (live
+    on a terminal, else a line at each change of phase or controller), then its exit code, read from the
+    controller's journal. Ctrl-C leaves it running."""
+    from ftrun.cli.status import leave_without_teardown, watch_status
+    from ftrun.controller.leadership import EtcdKeys
+    from ftrun.etcd import EtcdClient, EtcdError
+    from ftrun.etcd_head import is_over, wait_for_the_controller_to_leave, wait_for_the_end
+    from ftrun.head import SESSION_GRACE
+    from ftrun.store import StoreUnavailable
+
+    config = outcome.config
+    assert config is not None and config.etcd is not None
+    client, keys = EtcdClient(config.etcd, deadline=10.0), EtcdKeys(config.run_id)
+    left: list[int] = []  # Ctrl-C: this head leaves, the job goes on
+
+    def leave(signum, frame):
+        left.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, leave)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        reader = _status_reader(config, client, max(config.rdzv_timeout, STATUS_DEADLINE_FLOOR))
+        if reader is not None:
+            if out_is_terminal():
+                watch_status(reader, reader.read(), False, 1.0)
+            else:
+                _follow_in_lines(reader)
+        decision = wait_for_the_end(client, keys, JOURNAL_DEADLINE)
+        if is_over(decision):  # the job's exit code once its agents have left, as a head that launched it
+            wait_for_the_controller_to_leave(client, keys, config.stop_timeout + SESSION_GRACE)
+    except KeyboardInterrupt:
+        left.append(signal.SIGINT)
+        decision = None
+    except (EtcdError, StoreUnavailable, RendezvousError) as e:
+        say(f"ftrun: error: lost track of run {config.run_id}: {e}", style="bold red")
+        leave_without_teardown(ExitCode.RENDEZVOUS)
+    if left or not is_over(decision):
+        say(f"ftrun: left run {config.run_id} running; this command again follows it, and `ftrun status "
+            f"--rdzv-backend etcd --rdzv-endpoint {config.etcd.describe()} --run-id {config.run_id}` shows it")
+        leave_without_teardown(ExitCode.INTERRUPTED)
+    code, reason = decision.view.exit_code, decision.view.reason
+    if code == ExitCode.OK:
+        say(f"ftrun: run {config.run_id} ended: {reason or 'job succeeded'}", style="green")
+    else:
+        say(f"ftrun: run {config.run_id} stopped (exit code {code}): {reason}", style="bold red")
+    leave_without_teardown(code)
+
+
+def out_is_terminal() -> bool:
+    from ftrun.cli.console import out
+
+    return out.is_terminal
+
+
+def _status_reader(config: LaunchConfig, client, deadline: float):
+    """The job's status reader once its controller published a status; None when the job ended first."""
+    from ftrun.cli.status import StatusReader, StoreFinder
+    from ftrun.controller.leadership import EtcdKeys
+    from ftrun.etcd_head import is_over, read_decision
+    from ftrun.store import StoreUnavailable
+
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            reader = StatusReader(StoreFinder(etcd=client, run_id=config.run_id), config.run_id, 10.0)
+            reader.read()
+            return reader
+        except (RendezvousError, StoreUnavailable, RuntimeError) as e:
+            if is_over(read_decision(client, EtcdKeys(config.run_id))):
+                return None
+            if time.monotonic() > end:
+                raise RendezvousError(f"no status of run {config.run_id} within {deadline:g}s: {e}") from None
+        time.sleep(1.0)
+
+
+def _follow_in_lines(reader) -> None:
+    """``ftrun status --watch``'s loop, a line when the phase or the controller changes, and every
+    PLAIN_EVERY seconds (as --status plain): for a log, where a view redrawn in place shows nothing."""
+    from ftrun.cli.status import FOLLOW_DEADLINE
+    from ftrun.live_view import PLAIN_EVERY, moved_line, plain_line
+    from ftrun.store import StoreUnavailable
+
+    snapshot, said, said_at = reader.read(), None, 0.0
+    while True:
+        shown = (snapshot["phase"], reader.location.host)
+        if shown != said or time.monotonic() - said_at > PLAIN_EVERY:
+            say(f"ftrun: {plain_line(snapshot)}")
+            said, said_at = shown, time.monotonic()
+        if snapshot["phase"] == "done":
+            return
+        try:
+            ended = reader.pause(1.0)
+            snapshot = reader.read()
+            if ended:
+                return
+        except StoreUnavailable:
+            if snapshot["phase"] in ("exiting", "done"):
+                return  # the job ended and its store with it
+            host = reader.follow(FOLLOW_DEADLINE)
+            if not host:
+                raise
+            say(f"ftrun: {moved_line(host)}")
 
 
 def _ranks(agent: RemoteAgent) -> str:
@@ -99,10 +225,11 @@ class ClusterPlan:
     @classmethod
     def from_values(cls, values: dict, command: click.Command | None, check_script: bool = True) -> "ClusterPlan":
         given = values.get("given", frozenset())
-        if str(values.get("rdzv_backend") or "").startswith("etcd"):
-            raise UsageError("--rdzv-backend etcd cannot be used with --hostfile: in SSH mode the head node hosts "
-                             "the controller, away from every worker node; to survive any node's loss, start "
-                             "ftrun on each node with --rdzv-backend etcd instead")
+        backend = str(values.get("rdzv_backend") or "c10d")
+        etcd = backend in ETCD_SPELLINGS
+        if not etcd and backend != "c10d":
+            raise UsageError(f"--rdzv-backend {backend} cannot be used with --hostfile: the hostfile places the job "
+                             "(c10d: the store on this head node; etcd: the controller on the node etcd elects)")
         clash = [name for name in NOT_WITH_HOSTFILE if name in given]
         if clash:
             raise UsageError(f"--{clash[0].replace('_', '-')} cannot be used with --hostfile: the hostfile places "
@@ -128,15 +255,30 @@ class ClusterPlan:
             max_nodes, nnodes = len(runnable), str(len(runnable))
         active = runnable[:max_nodes]
         spares = [h for h in hosts if h not in active]  # in file order
-        endpoint = store_endpoint(active, str(values.get("rdzv_endpoint") or ""), str(values.get("rdzv_host") or ""),
-                                  str(values.get("local_addr") or ""), parse_port_range(values.get("worker_port_range")))
         run_id = str(values.get("run_id") or "").strip() or uuid.uuid4().hex[:12]
         remote_cwd = str(values.get("remote_cwd") or "")
-        head_values = {**values, "nnodes": nnodes, "node_rank": -1, "rdzv_endpoint": str(endpoint), "run_id": run_id,
-                       "rdzv_backend": "c10d", "standalone": False}
-        config = build_launch_config(head_values, check_script=check_script and not remote_cwd)
-        config = replace(config, is_host=True, local_addr=endpoint.host, spares=len(spares))
-        conf = parse_rdzv_conf(str(values.get("rdzv_conf") or "")) | {"is_host": "0"}
+        conf = parse_rdzv_conf(str(values.get("rdzv_conf") or ""))
+        head_values = {**values, "nnodes": nnodes, "node_rank": -1, "run_id": run_id, "standalone": False}
+        if etcd:  # the agents gather in etcd (its members, --rdzv-endpoint); one of them hosts the store
+            if values.get("rdzv_host"):
+                raise UsageError("--rdzv-host names where the hosts reach this head node's store, and under "
+                                 "--rdzv-backend etcd the store is an agent's: drop it")
+            config = build_launch_config({**head_values, "rdzv_backend": "etcd"},
+                                         check_script=check_script and not remote_cwd)
+            config = replace(config, spares=len(spares))
+            rendezvous = ["--rdzv-backend", "etcd", "--rdzv-endpoint", config.etcd.describe(), "--run-id", run_id]
+            if values.get("store_bind"):
+                rendezvous += ["--store-bind", str(values["store_bind"])]
+            # the controller's agent writes to a file: its progress in lines
+            rendezvous += ["--status", "off" if values.get("status") == "off" else "plain"]
+        else:
+            endpoint = store_endpoint(active, str(values.get("rdzv_endpoint") or ""), str(values.get("rdzv_host") or ""),
+                                      str(values.get("local_addr") or ""), parse_port_range(values.get("worker_port_range")))
+            config = build_launch_config({**head_values, "rdzv_endpoint": str(endpoint), "rdzv_backend": "c10d"},
+                                         check_script=check_script and not remote_cwd)
+            config = replace(config, is_host=True, local_addr=endpoint.host, spares=len(spares))
+            rendezvous = ["--rdzv-endpoint", str(endpoint), "--run-id", run_id]
+            conf |= {"is_host": "0"}
         ssh_port = values.get("ssh_port")
         if ssh_port is not None and not 0 < int(ssh_port) < 65536:
             raise UsageError(f"--ssh-port must be a port number (1-65535), got {ssh_port}")
@@ -145,12 +287,12 @@ class ClusterPlan:
             cwd=remote_cwd or os.getcwd(),
             env=forwarded_env(os.environ, tuple(values.get("env") or ())),
             flags=(*(agent_flags(command, values) if command is not None else ()),
-                   "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())),
+                   *(("--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())) if conf else ())),
             command=(str(values["script"]), *config.script_args),
         )
         ssh = SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))
         nproc = str(values["nproc_per_node"]) if "nproc_per_node" in given else None
-        agents = plan_agents(active, spec, ssh, endpoint, run_id, nnodes, nproc, spares)
+        agents = plan_agents(active, spec, ssh, rendezvous, nnodes, nproc, spares)
         return cls(config, agents)
 
 

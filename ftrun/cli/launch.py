@@ -93,7 +93,8 @@ def launch_options(fn):
         option("standalone", group=NODES, is_flag=True, help="Single node: a local store on a free port, a fresh run id."),
         option("hostfile", group=CLUSTER, default="",
                help="Run from this head node: one agent per host over ssh (lines 'host slots=N [spare]' or "
-                    "'host:N'; node ranks in file order). The store and the controller run here."),
+                    "'host:N'; node ranks in file order). The store and the controller run here; with "
+                    "--rdzv-backend etcd on a node etcd elects, and the job outlives this head."),
         option("include", group=CLUSTER, default="",
                help="Only these hosts (and slots) of the hostfile: 'h1@h2:0,2', Slurm ranges allowed (n[01-04])."),
         option("exclude", group=CLUSTER, default="", help="Leave out these hosts (or slots): 'h3@h2:1'."),
@@ -114,6 +115,7 @@ def launch_options(fn):
         option("dry-run", group=CLUSTER, is_flag=True,
                help="Print the commands ftrun would run on each host (or for each local rank), then exit."),
         option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
+        option("detached-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None),
         option("rdzv-backend", group=RDZV, default=DEFAULTS.rdzv_backend, show_default=True,
                help=f"Rendezvous backend: {', '.join(RDZV_BACKENDS)}.  c10d's store lives on one node, and losing "
                     "that node ends the job; with etcd any node may go (see README \"High availability\")."),
@@ -299,7 +301,7 @@ def launch_options(fn):
 
 
 #: options a config file may not set (they select the file or are handled by click)
-NOT_IN_CONFIG = {"config", "ssh_agent"}
+NOT_IN_CONFIG = {"config", "ssh_agent", "detached_agent"}
 #: second names of one option: alias -> the option it sets
 ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts", "shutdown_timeout": "stop_timeout"}
 #: torchrun's flags that mean nothing to ftrun: accepted, with one line saying what ftrun does instead
@@ -418,9 +420,10 @@ def _as_flag_value(command: click.Command, name: str, value, where: str):
 #: options only a head node reads (or sets per host itself); never passed on to the agents it starts
 HEAD_ONLY = frozenset({
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
-    "print_hosts", "dry_run", "ssh_agent", "config", "standalone", "master_addr", "master_port", "rdzv_endpoint",
-    "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id", "local_addr", "devices",
-    "spares", "store_bind", "token_file", "start_method", "logs_specs", "event_log_handler",
+    "print_hosts", "dry_run", "ssh_agent", "detached_agent", "config", "standalone", "master_addr", "master_port",
+    "rdzv_endpoint", "rdzv_backend", "rdzv_conf", "node_rank", "nnodes", "nproc_per_node", "run_id", "rdzv_id",
+    "local_addr", "devices", "spares", "store_bind", "token_file", "status", "start_method", "logs_specs",
+    "event_log_handler",
 })
 
 

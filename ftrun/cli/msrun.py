@@ -70,7 +70,7 @@ def translate(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise UsageError(f"{flags} {'is' if one else 'are'} msrun's, for a MindSpore job: {'it does' if one else 'they do'} "
                          f"not go with --framework {values.get('framework')}")
     values["framework"] = "mindspore"
-    if "master_port" not in given:
+    if "master_port" not in given and not values.get("hostfile"):  # a hostfile places the job itself
         values["master_port"] = MSRUN_MASTER_PORT
         given.add("master_port")
     notes: list[str] = []
@@ -245,8 +245,14 @@ def framework_notes(values: dict[str, Any], config: LaunchConfig) -> list[str]:
 
 
 def refuse_head_node(values: dict[str, Any]) -> None:
-    """A head node (--hostfile) hosts the worker store but runs no agent to start the scheduler beside it."""
+    """A head node (--hostfile) under c10d hosts the worker store but runs no agent to start the scheduler
+    beside it. Under etcd the controller, the worker store and the scheduler are an agent's, as in the direct
+    launch."""
+    if str(values.get("rdzv_backend") or "").startswith("etcd"):
+        return
     framework = values.get("framework") or detect_framework(str(values.get("script") or ""))
     if framework == "mindspore":
-        raise UsageError("--framework mindspore does not run from a head node (--hostfile) yet: start one ftrun per "
-                         "node with --rdzv-endpoint (or msrun's --master_addr, --master_port, --node_rank)")
+        raise UsageError("--framework mindspore does not run from a head node (--hostfile) under the c10d store, "
+                         "which the head hosts with no agent beside it to start the scheduler: give "
+                         "--rdzv-backend etcd (the controller and the scheduler then run on a node), or start one "
+                         "ftrun per node with --rdzv-endpoint")

@@ -58,6 +58,12 @@ class EtcdKeys:
         return f"{self.journal}/{name}"
 
     @property
+    def launch(self) -> str:
+        """A head node's launch of the run, on a lease of a minute: while it lives and no controller leads
+        yet, the agents are starting (a head started again then follows them rather than launch again)."""
+        return self.root + "launch"
+
+    @property
     def store_record(self) -> str:
         """Where the current controller's control store listens (:class:`StoreRecord`)."""
         return self.root + "store"

@@ -17,14 +17,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, Launcher, ftrun_status, step_reached, unique_mark, wait_for
+from tests.conftest import ELASTIC_NODES, ELASTIC_NPROC, ELASTIC_STEPS, WORKERS, ftrun_status, step_reached, wait_for
 from tests.parts import tmux_for_a_check
 from tests.terminal import Pane
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
-STEPS = 40
-NODES, NPROC = 2, 2
+#: the job ``fault_free`` (tests/conftest.py) ran without a fault
+STEPS = ELASTIC_STEPS
+NODES, NPROC = ELASTIC_NODES, ELASTIC_NPROC
 
 
 def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
@@ -48,18 +49,6 @@ def wait_for_progress(launcher, rank: int, step: int) -> None:
 def starts(launcher) -> dict[int, int]:
     """How many processes each rank had."""
     return {rank: len(list(launcher.out_dir.glob(f"pid-start-rank{rank}-*"))) for rank in range(NODES * NPROC)}
-
-
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    """The same job under the c10d store, without a fault: every rank's digest."""
-    runner = Launcher(tmp_path_factory.mktemp("ha-fault-free"), unique_mark("ha-fault-free"))
-    # the 4 ranks on one agent, no warm standby, no step sleep: the digests depend on none of them, and the
-    # run starts faster
-    runner.start_job(1, NODES * NPROC, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
-                     env=runner.env(STEPS=str(STEPS), STEP_SLEEP="0"))
-    assert runner.wait() == [0], runner.output()
-    return {rank: r["digest"] for rank, r in runner.results().items()}
 
 
 def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_live_on(launcher, etcd, fault_free,

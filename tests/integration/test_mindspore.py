@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,7 +154,7 @@ BAD_INPUT = [
     ("join-word", ["--worker_num=2", "--local_worker_num=2", "--join=yes"], "", "--join must be True or False"),
     ("imports-both", ["--standalone"], BOTH, "imports both torch and mindspore"),
     ("from-a-head-node", ["--hostfile", "hosts", "--framework", "mindspore"], "",
-     "does not run from a head node (--hostfile) yet"),
+     "does not run from a head node (--hostfile) under the c10d store"),
 ]
 
 
@@ -164,6 +165,22 @@ def test_bad_mindspore_input_gets_one_clear_line(ftrun_cli, tmp_path, args, text
     returncode, _, stderr = ftrun_cli(*args, "train.py")
     assert returncode == 2, stderr
     assert_one_clear_line(stderr, words)
+
+
+def test_msrun_s_flags_from_a_head_node_under_etcd_start_each_host_s_agent_as_msrun_places_it(ftrun_cli, tmp_path):
+    (tmp_path / "hosts").write_text("n01 slots=8\nn02 slots=8\n")
+    code, out, err = ftrun_cli("--hostfile", "hosts", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379",
+                               "--worker_num=4", "--local_worker_num=2", "--cluster_time_out=60",
+                               "--remote-cwd", str(tmp_path), "--dry-run", "train.py")
+    assert code == 0, err
+    agents = [shlex.split(shlex.split(line)[-1]) for line in out.splitlines() if line.startswith("ssh ")]
+    assert len(agents) == 2
+    for node_rank, words in enumerate(agents):
+        flags = dict(zip(words, words[1:]))
+        assert flags["--framework"] == "mindspore" and flags["--rdzv-backend"] == "etcd"
+        assert flags["--nproc-per-node"] == "2" and flags["--node-rank"] == str(node_rank)
+        assert flags["--cluster-time-out"] == "60"
+        assert "--master-port" not in flags  # the hostfile places the job: msrun's default port is not given
 
 
 @pytest.mark.skipif(worker_python(sys.executable, sys.executable) != "", reason="ftrun's own python has mindspore")

@@ -2,18 +2,23 @@
 
 The hosts are 127.0.0.2, 127.0.0.3, ... (all this machine); the remote agents and
 workers carry the test's mark (passed with --env), so the leftover check sees them.
+Under --rdzv-backend etcd a real 3-member etcd on loopback (``tests/etcd.py``) too.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
+import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
-from tests.conftest import WORKERS, marked_processes, step_reached, wait_for
+from ftrun.session_keeper import stop_request
+from tests.conftest import ELASTIC_STEPS, WORKERS, free_port, marked_processes, step_reached, unique_mark, wait_for
 from tests.parts import unavailable
 from tests.sshd import HOSTS, SshdUnavailable, start_sshd
 
@@ -125,6 +130,166 @@ def test_head_killed_outright_leaves_no_remote_process(launcher, sshd):
     head.proc.kill()  # no chance to clean up: the ssh sessions close, and the agents see it
     head.proc.wait()
     wait_for(lambda: not marked_processes(launcher.mark), timeout=60, what="every remote process to exit")
+
+
+def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new_head_follows_it(
+        launcher, sshd, etcd, fault_free):
+    """One run, four faults: the head's ssh sessions cut (it follows the job through etcd), the head killed
+    outright, a head started again for the run (it launches nothing and follows), the node of the controller
+    killed (a spare takes its place where it held one)."""
+    logs = launcher.tmp / "logs"
+    hosts = [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2", f"{HOSTS[2]} slots=2 spare"]
+    flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark,
+             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs)]
+    env = launcher.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0.4")
+    head = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= 2, timeout=120, what="training to start")
+    assert "the job does not depend on this head node" in head.output
+    assert "this head node holds the job" not in head.output
+    assert f"{HOSTS[0]}: ftrun: node 0 of 2" in head.output  # the agents' output comes back while the head is there
+    agents = detached_agents(launcher.mark)
+    assert len(agents) == 3
+
+    sessions = [p for p in psutil.Process(head.proc.pid).children() if p.name() == "ssh"]
+    assert len(sessions) == 3
+    for ssh in sessions:  # its sessions cut: it follows the job through etcd
+        ssh.kill()
+    wait_for(lambda: "every ssh session ended while the job goes on" in head.output, timeout=60,
+             what="the head to follow the job without its sessions")
+    assert head.output.count("its agent goes on, detached from it") == 3
+    assert detached_agents(launcher.mark) == agents
+    head.proc.kill()  # then the head itself, with no chance to clean up
+    head.proc.wait()
+    # the sessions' keepers end with their sessions; the agents, detached from them, go on
+    wait_for(lambda: not [p for p in marked_processes(launcher.mark) if "--ssh-agent" in cmdline(p)], timeout=60,
+             what="the session keepers to end with the head")
+    went_at = step_reached(launcher.out_dir, 1)
+    wait_for(lambda: step_reached(launcher.out_dir, 1) >= went_at + 2, timeout=120, what="training to go on")
+    assert detached_agents(launcher.mark) == agents
+
+    again = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
+    wait_for(lambda: "following it (nothing is launched)" in again.output and again.output, timeout=120,
+             what="the second head to follow the run")
+    assert detached_agents(launcher.mark) == agents  # no second job
+    leader = controllers_agent(logs / launcher.mark, agents)
+    held_a_node = "-1" != cmdline(leader)[cmdline(leader).index("--node-rank") + 1]
+    killed_at = step_reached(launcher.out_dir, 1)
+    assert killed_at < ELASTIC_STEPS - 5, f"the job reached step {killed_at} of {ELASTIC_STEPS} before the kill"
+    leader.kill()  # the node of the store and the controller; its guardian takes its ranks
+    assert launcher.wait([again]) == [0], again.output
+    results = launcher.results()
+    assert {r["step"] for r in results.values()} == {ELASTIC_STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit for bit, every rank
+    assert f"run {launcher.mark} ended" in again.output
+    node_logs = "".join(p.read_text() for p in (logs / launcher.mark).glob("127.0.0.*.std*.log"))
+    assert "the controller moved from" in node_logs
+    if held_a_node:  # the spare took its place
+        assert "taking the place of node" in node_logs
+    # nothing of the job is left on any host: agents, keepers, workers, standbys
+    deadline = time.monotonic() + 60
+    while (left := marked_processes(launcher.mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [cmdline(p)[:12] for p in left]
+
+
+def test_under_etcd_ctrl_c_on_the_head_stops_the_job_on_every_host(launcher, sshd, etcd):
+    env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"], [TRAIN], env=env,
+                      flags=["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--node-timeout", "3",
+                             "--log-dir", str(launcher.tmp / "logs")])
+    wait_for(lambda: (launcher.out_dir / "ckpt.pt").exists(), timeout=120, what="training to start")
+    head.proc.send_signal(signal.SIGINT)
+    assert launcher.wait() == [130], head.output
+    output = head.output
+    assert "SIGINT: stopping the job" in output
+    assert output.count("ftrun: the head node asks the job to stop (SIGINT)") == 2  # each host's keeper
+    # the controller's agent, on a host, ended the job: its summary comes back through its session
+    assert ": ftrun: reason: SIGINT on node" in output and "ftrun: job stopped (exit code 130)" in output, output
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=30, what="every remote process to exit")
+
+
+def test_under_etcd_a_head_that_cannot_reach_etcd_says_so_in_one_line_before_any_ssh(launcher, ftrun_cli):
+    path = hostfile(launcher, [f"{HOSTS[0]} slots=1", f"{HOSTS[1]} slots=1"])
+    code, out, err = ftrun_cli("--hostfile", str(path), "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                               f"127.0.0.1:{free_port()}", "--rdzv-timeout", "1", "--run-id", "r1", TRAIN)
+    assert code == 3, err
+    errors = [line for line in err.splitlines() if line.startswith("ftrun: error:")]
+    assert len(errors) == 1 and "cannot reach etcd at 127.0.0.1:" in errors[0], err
+    assert "starting" not in err  # nothing was launched
+
+
+#: a stand-in agent for the session keeper: says the token it read, then waits; a signal ends it with 7
+KEEPER_AGENT = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (print("agent got SIGTERM", flush=True), sys.exit(7)))
+print("agent read " + sys.stdin.readline().strip(), flush=True)
+sys.stdin.read()  # the keeper closed it: nothing more comes
+print("agent input ended", flush=True)
+time.sleep(120)
+"""
+
+
+def start_keeper(tmp_path, mark: str) -> subprocess.Popen:
+    """``ftrun.session_keeper.keep_session`` as a host's session runs it, the stand-in agent behind it."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(KEEPER_AGENT)
+    paths = (str(tmp_path / "h.stdout.log"), str(tmp_path / "h.stderr.log"))
+    (tmp_path / "h.stdout.log").write_text("an earlier run's output\n")
+    code = (f"import sys; from ftrun.session_keeper import keep_session; "
+            f"sys.exit(keep_session([sys.executable, {str(agent)!r}], b'the-token', {paths!r}))")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, FTRUN_TEST_MARK=mark))
+
+
+def test_session_keeper_copies_the_agents_output_and_passes_the_heads_stop_on(tmp_path):
+    keeper = start_keeper(tmp_path, unique_mark("keeper"))
+    assert keeper.stdout.readline() == b"agent read the-token\n"  # from the agent's file, on the session
+    assert keeper.stdout.readline() == b"agent input ended\n"  # the token alone: its input is closed
+    keeper.stdin.write(stop_request(signal.SIGTERM))
+    keeper.stdin.flush()
+    assert keeper.wait(timeout=60) == 7  # the agent's own exit code
+    assert keeper.stdout.read() == b"agent got SIGTERM\n"
+    assert "the agent runs detached" in keeper.stderr.read().decode()
+    # all of it stays on the host, after what an earlier run of the same id wrote there (not sent again)
+    assert (tmp_path / "h.stdout.log").read_text().count("agent") == 3
+    assert (tmp_path / "h.stdout.log").read_text().startswith("an earlier run's output\n")
+
+
+def test_session_keeper_ends_with_its_session_and_leaves_the_agent_running(tmp_path):
+    mark = unique_mark("keeper")
+    keeper = start_keeper(tmp_path, mark)
+    assert keeper.stdout.readline() == b"agent read the-token\n"
+    keeper.stdin.close()  # the head is gone
+    assert keeper.wait(timeout=60) == 0
+    agent = [p for p in marked_processes(mark) if p.pid != keeper.pid]
+    try:
+        assert len(agent) == 1 and agent[0].is_running()
+        assert os.getsid(agent[0].pid) == agent[0].pid  # in a session of its own: no hangup of the ssh session's reaches it
+    finally:
+        for process in agent:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def detached_agents(mark: str) -> list[psutil.Process]:
+    """The job's agents that outlive their ssh sessions, by host."""
+    agents = [p for p in marked_processes(mark) if "--detached-agent" in cmdline(p)]
+    return sorted(agents, key=lambda p: cmdline(p)[cmdline(p).index("--local-addr") + 1])
+
+
+def controllers_agent(run_folder, agents: list[psutil.Process]) -> psutil.Process:
+    """The agent that hosts the controller now: its host's log says so last."""
+    leading = [p for p in agents if "hosting the control store" in
+               (run_folder / f"{cmdline(p)[cmdline(p).index('--local-addr') + 1]}.stderr.log").read_text()]
+    assert len(leading) == 1, [cmdline(p) for p in agents]
+    return leading[0]
+
+
+def cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def test_unreachable_host_is_named_with_ssh_error(launcher, sshd):

@@ -353,7 +353,9 @@ def test_bad_flag(argv, words, tmp_path, capsys, token_files):
 # --- flags of a head node (--hostfile): checked before any ssh; --dry-run so nothing would run anyway ---
 
 CLUSTER_FLAGS = [
-    ("etcd-with-hostfile", ["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1"], "cannot be used with --hostfile"),
+    ("etcd-hostfile-without-members", ["--rdzv-backend", "etcd"], "needs --rdzv-endpoint"),
+    ("etcd-hostfile-rdzv-host", ["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1", "--rdzv-host", "head"],
+     "--rdzv-host names where the hosts reach this head node's store"),
     ("ssh-port-negative", ["--ssh-port", "-1"], "--ssh-port"),
     ("ssh-port-above-range", ["--ssh-port", "65536"], ("--ssh-port", "65536")),
     ("ssh-port-huge", ["--ssh-port", HUGE], "--ssh-port"),
@@ -378,7 +380,7 @@ CLUSTER_FLAGS = [
     ("nnodes-zero", ["--nnodes", "0"], "--nnodes"),
     ("nproc-zero", ["--nproc-per-node", "0"], "--nproc-per-node"),
     ("master-port", ["--master-port", "29501"], "--master-port cannot be used with --hostfile"),
-    ("rdzv-backend", ["--rdzv-backend", "static"], "--rdzv-backend cannot be used with --hostfile"),
+    ("rdzv-backend", ["--rdzv-backend", "static"], "--rdzv-backend static cannot be used with --hostfile"),
     ("token-file-missing", ["--token-file", "no-such-token"], "--token-file"),
 ]
 

@@ -209,7 +209,7 @@ def test_example_configs_are_valid(path, tmp_path, monkeypatch):
 #: the field an option sets, where it is not the field of the option's name ("snapshots.every": a field's field)
 FIELD_OF = {
     "nnodes": ("min_nodes", "max_nodes"), "master_addr": ("endpoint.host",), "master_port": ("endpoint.port",),
-    "ssh_agent": ("head_managed",), "snapshot_every": ("snapshots.every",), "snapshot_replicas": ("snapshots.replicas",),
+    "ssh_agent": ("head_managed",), "detached_agent": ("head_managed",), "snapshot_every": ("snapshots.every",), "snapshot_replicas": ("snapshots.replicas",),
     "replicate_every": ("snapshots.replicate_every",), "checkpoint_dir": ("snapshots.checkpoint_dir",),
     "checkpoint_every": ("snapshots.checkpoint_every",), "checkpoint_interval": ("snapshots.checkpoint_interval",),
     "keep_checkpoints": ("snapshots.keep",), "save_on_failure": ("snapshots.save_on_failure",),

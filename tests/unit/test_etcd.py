@@ -286,3 +286,31 @@ def test_a_journal_written_in_parts_is_read_back_whole(etcd):
     writer.write(office, later)
     assert read_journal(office.client, keys) == later
     office.resign()
+
+
+def test_a_head_started_again_finds_a_run_going_on_by_its_leader_its_launch_or_its_journal(etcd):
+    from ftrun.controller.journal import DecisionPart
+    from ftrun.etcd_head import run_is_going_on
+
+    client = EtcdClient(options(etcd))
+    keys = EtcdKeys("head-again")
+    assert not run_is_going_on(client, keys, gap=0.2)  # nothing in etcd: launch it
+    # a head launched it a moment ago, its agents still starting: the one started again waits for a leader
+    client.put(keys.launch, "head:1", client.grant(60))
+    threading.Timer(0.5, lambda: client.put(keys.leader, "127.0.0.2:7")).start()
+    assert run_is_going_on(client, keys, gap=0.2)
+    client.delete_prefix(keys.root)
+    # a launch that failed said so (its key deleted), or whose lease lapsed: nothing to wait for
+    client.put(keys.launch, "head:1", client.grant(1))
+    assert not run_is_going_on(client, keys, gap=0.2)
+    # the journal of a run going on, between two controllers, and of one that ended
+    view = JobView(node_count=2, max_restarts=3, world_size=4)
+    decision = DecisionPart("127.0.0.2:7", "127.0.0.2", view, 4, 0)
+    client.put(keys.journal_part("decision"), to_json(decision))
+    threading.Timer(0.5, lambda: client.put(keys.leader, "127.0.0.3:8")).start()
+    assert run_is_going_on(client, keys, gap=30)
+    client.delete_prefix(keys.leader)
+    assert not run_is_going_on(client, keys, gap=0.2)  # no controller came: its agents are gone
+    over = dataclasses.replace(decision, view=dataclasses.replace(view, phase=Phase.DONE))
+    client.put(keys.journal_part("decision"), to_json(over))
+    assert not run_is_going_on(client, keys, gap=30)  # ended: a fresh launch, at once

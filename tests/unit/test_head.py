@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.head import RemoteSpec, SshOptions, forwarded_env, plan_agents, remote_command, ssh_argv, store_endpoint
 from ftrun.hosts import Host
+from ftrun.session_keeper import DETACHED_FLAG, detached_argv, parse_stop_request, send_within, stop_request
 from ftrun.store import is_local_host
 
 #: every character a shell treats specially
@@ -90,7 +92,8 @@ def test_forwarded_env_refuses_what_cannot_be_a_variable(item, words):
 
 def test_agents_get_node_ranks_in_file_order_and_ranks_from_their_slots(tmp_path):
     hosts = [Host("n1", (0, 1, 2, 3)), Host("n2", (1, 3)), Host("n3", None)]
-    agents = plan_agents(hosts, spec(tmp_path), SshOptions(), Endpoint("head", 29400), "job", "3", None)
+    agents = plan_agents(hosts, spec(tmp_path), SshOptions(), ["--rdzv-endpoint", "head:29400", "--run-id", "job"], "3",
+                         None)
     flags = [dict(zip(words, words[1:])) for words in (shlex.split(a.argv[-1]) for a in agents)]
     assert [a.node_rank for a in agents] == [0, 1, 2] and [a.argv[-2] for a in agents] == ["n1", "n2", "n3"]
     assert [f["--nproc-per-node"] for f in flags] == ["4", "2", "1"]
@@ -101,7 +104,7 @@ def test_agents_get_node_ranks_in_file_order_and_ranks_from_their_slots(tmp_path
 
 def test_given_nproc_wins_over_slots(tmp_path):
     agents = plan_agents([Host("n1", (0, 1)), Host("n2", (1, 3))], spec(tmp_path), SshOptions(),
-                         Endpoint("head", 1), "job", "2", "auto")
+                         ["--rdzv-endpoint", "head:1", "--run-id", "job"], "2", "auto")
     for agent in agents:
         words = shlex.split(agent.argv[-1])
         assert words[words.index("--nproc-per-node") + 1] == "auto" and "--devices" not in words
@@ -127,3 +130,34 @@ def test_store_endpoint_must_be_on_the_head_node():
 def test_store_endpoint_follows_the_route_to_a_remote_host():
     host = store_endpoint([Host("192.0.2.10")], "", "", "").host  # TEST-NET-1: routed, never answered
     assert is_local_host(host)  # one of this machine's own addresses (the route's source)
+
+
+@pytest.mark.parametrize("line, signum", [
+    (b"stop 2", 2), (b"stop 15", 15), (b" stop  15 ", 15),
+    (b"stop", None), (b"stop x", None), (b"stop -15", None), (b"stop 999", None), (b"halt 15", None), (b"", None),
+    (b"stop 15 now", None), (b"\xff\xfe", None),
+])
+def test_a_keeper_takes_only_the_heads_stop_request_with_a_real_signal(line, signum):
+    assert parse_stop_request(line) == signum
+    if signum is not None:
+        assert parse_stop_request(stop_request(signum).strip()) == signum
+
+
+def test_the_detached_agent_runs_the_keepers_own_command_line_with_its_flag_replaced():
+    argv = detached_argv(["--ssh-agent", "--nnodes", "2", "train.py", "--ssh-agent"])
+    assert argv[:4] == [sys.executable, "-u", "-m", "ftrun"]
+    assert argv[4:] == [DETACHED_FLAG, "--nnodes", "2", "train.py", "--ssh-agent"]  # the script's own untouched
+
+
+def test_a_keeper_counts_a_session_output_that_takes_nothing_as_the_head_gone():
+    read, write = os.pipe()
+    try:
+        assert send_within(write, b"x" * 10, timeout=1.0) and os.read(read, 100) == b"x" * 10
+        assert not send_within(write, b"y" * 1_000_000, timeout=0.2)  # more than a pipe holds, and nobody reads
+        os.close(read)
+        read = -1
+        assert not send_within(write, b"z", timeout=1.0)  # closed: the head went
+    finally:
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
