@@ -382,6 +382,12 @@ class _Abandonable(dist.Store):
 
 #: how long a guarded collective's wait lasts before it looks whether its generation was given up
 WAIT_SLICE = datetime.timedelta(seconds=0.05)
+#: point-to-point works, waited whole: a gloo send or recv whose wait with a timeout runs out closes its
+#: pair ("Timed out waiting 50ms for recv operation to complete", then "Application timeout caused pair
+#: closure" at the next wait), and its is_completed() stays False until a wait, so it cannot be polled
+#: either. A pipeline stage's recv outlasts a slice whenever the stage before it is slow; a cut link during
+#: one holds the step until the group's own timeout
+WHOLE_WAITS = frozenset({"send", "recv", "recv_anysource"})
 
 
 def _superseded(generation: int) -> GroupError:
@@ -402,7 +408,8 @@ class _Guarded(dist._Work):
         try:
             if timeout is not None:
                 return self._real.wait(timeout)
-            return self._wait_unless_given_up() if self._owner.backend.sliced_waits else self._real.wait()
+            sliced = self._owner.backend.sliced_waits and self._op not in WHOLE_WAITS
+            return self._wait_unless_given_up() if sliced else self._real.wait()
         except Exception as e:
             self._owner.fail(e)
             return True
