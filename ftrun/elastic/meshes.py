@@ -134,8 +134,8 @@ def read_part_mesh(objects: dict[str, Any], world: int, rank: int, groups: Seque
     """Where every registered parameter is a DTensor on one mesh of part of the job (this rank's part):
     the grid the ``groups`` complete it to, whose replicas the first step shows (a :class:`PartMesh`),
     or the one line that says why none can be read (no group completes it). Where every one is a plain
-    tensor: the grid that the groups the script made (``groups`` past the first, the default group) are
-    the dimensions of, as a :class:`PartMesh`. None in any other case. ``sharded``: init(sharded=True)."""
+    tensor: the grid whose dimensions the groups of part of the job are, as a :class:`PartMesh`. None in
+    any other case. ``sharded``: init(sharded=True)."""
     params: list[Any] = [p for obj in objects.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()]
     if params and not any(is_dtensor(p) for p in params):
         return _plain_grid(params, world, rank, groups, sharded)
