@@ -35,7 +35,9 @@ def init(backend: str | None = None, **options) -> ElasticJob:
     ``backend``: torch's name (gloo, nccl, hccl); by default nccl with CUDA, hccl with
     torch_npu, else gloo. ``collective_timeout`` (seconds) bounds every group formation.
     ``sharded=True``: every rank holds its own part of the state, so a repair restores each
-    rank's own snapshot (``--snapshot-every``) instead of copying a healthy replica's.
+    rank's own snapshot (``--snapshot-every``) instead of copying a healthy replica's, unless the
+    state shows replicas all the same (DTensors ``Replicate`` over a dimension, as HSDP's are; the
+    first step's gradients all-reduced over a group): those come first.
     ``snapshot_overlap=False``: copy all of a snapshot before the step commits (for scripts that
     change parameters outside the optimizer's ``step()``).
     """

@@ -380,13 +380,14 @@ class _Abandonable(dist.Store):
         self._store.multi_set(keys, values)
 
 
-#: waited for whole: a gloo send's or receive's wait that runs out closes its connection to the peer ("Application
-#: timeout caused pair closure"): sliced, a pipeline stage's receive that waited longer than a slice (its peer
-#: still in its backward) failed, the healthy job was repaired online, and the receive, cut off, left its
-#: tensor unwritten. The interrupt of a repair (its sockets shut down) still ends them.
-WHOLE_WAITS = ("send", "recv", "recv_anysource")
 #: how long a guarded collective's wait lasts before it looks whether its generation was given up
 WAIT_SLICE = datetime.timedelta(seconds=0.05)
+#: point-to-point works, waited whole: a gloo send or recv whose wait with a timeout runs out closes its
+#: pair ("Timed out waiting 50ms for recv operation to complete", then "Application timeout caused pair
+#: closure" at the next wait), and its is_completed() stays False until a wait, so it cannot be polled
+#: either. A pipeline stage's recv outlasts a slice whenever the stage before it is slow; a cut link during
+#: one holds the step until the group's own timeout
+WHOLE_WAITS = frozenset({"send", "recv", "recv_anysource"})
 
 
 def _superseded(generation: int) -> GroupError:
@@ -407,9 +408,8 @@ class _Guarded(dist._Work):
         try:
             if timeout is not None:
                 return self._real.wait(timeout)
-            if self._owner.backend.sliced_waits and self._op not in WHOLE_WAITS:
-                return self._wait_unless_given_up()
-            return self._real.wait()
+            sliced = self._owner.backend.sliced_waits and self._op not in WHOLE_WAITS
+            return self._wait_unless_given_up() if sliced else self._real.wait()
         except Exception as e:
             self._owner.fail(e)
             return True

@@ -88,7 +88,8 @@ class ElasticJob:
     def __init__(self, backend: str | None = None, collective_timeout: float = COLLECTIVE_TIMEOUT, fault_wait: float = FAULT_WAIT,
                  sharded: bool = False, snapshot_overlap: bool = True):
         self.env = WorkerEnv.from_environ()
-        #: every rank holds its own part of the state: a repair restores each rank's own snapshot
+        #: every rank holds its own part of the state: a repair restores each rank's own snapshot, where
+        #: nothing the script did shows replicas (settle_layout)
         self.sharded = sharded
         #: copy the parameters and the optimizer's state into a snapshot while the next step's forward
         #: and backward run (the optimizer's step waits for the copy)
@@ -364,15 +365,17 @@ def settle_layout(world: int, objects: Mapping[str, Any], declared: ReplicaLayou
         if sharded_over - set(declared.names):  # over a mesh of its own: no rank can vouch for a copy
             return declared.without(set(declared.replicate)), "", None
         return declared.without(sharded_over), "", None
-    if sharded:
-        return _default_layout(world, True), "", None
+    # what the state and the groups show comes before init(sharded=True), which says only that each rank
+    # holds its own part: HSDP's shards do, and have copies along its replica dimension all the same
     shown = _layout_from_placements(objects, world)
     if shown is not None:  # a mesh made with torch's own API (init_device_mesh), read from the state on it
         log.info("the registered state lies on the mesh %s", shown.describe())
         return shown, "", None
-    part = read_part_mesh(dict(objects), world, rank, groups.groups)
-    if isinstance(part, PartMesh):  # tensor parallelism's sub-mesh: the first step shows its replicas
+    part = read_part_mesh(dict(objects), world, rank, groups.groups, sharded)
+    if isinstance(part, PartMesh):  # tensor parallelism's sub-mesh, or a pipeline's: the first step shows
         return part.layout, "", part
+    if sharded:
+        return _default_layout(world, True), "", None
     if part is not None:
         return ReplicaLayout.sharded(world), part, None
     made = len(groups.groups) - 1  # besides the default group

@@ -6,13 +6,18 @@
   ``init_device_mesh``): the dimensions every parameter is ``Replicate`` over hold copies
   (``job._layout_from_placements``);
 * every registered parameter a DTensor on one mesh of part of the job (tensor parallelism over
-  ``mesh["tp"]``): at the first ``steps()``, the groups the script made that complete that mesh to a grid
-  of the whole job in rank order are its other dimensions (the rest of its ``init_device_mesh`` or
-  ``DeviceMesh``, a flattened dimension, a ``new_group`` of its own); at the end of the first step, those
-  over which the step all-reduced at least as many elements as the parameters' local gradients hold
-  (data parallelism by hand, or ``job.ddp``) hold copies (:func:`read_part_mesh`). A loss all-reduced for
-  a log is too small to count. A dimension's name is no evidence: the names only word the one line said
-  where the evidence is missing.
+  ``mesh["tp"]``, a pipeline stage's FSDP2 over ``mesh["dp"]``): at the first ``steps()``, the groups the
+  script made that complete that mesh to a grid of the whole job in rank order are its other dimensions
+  (the rest of its ``init_device_mesh`` or ``DeviceMesh``, a flattened dimension, a ``new_group`` of its
+  own); at the end of the first step, those over which the step all-reduced at least as many elements as
+  the parameters' local gradients hold (data parallelism by hand, ``job.ddp`` or torch's DDP) hold
+  copies, and so do the mesh's dimensions every parameter is ``Replicate`` over (:func:`read_part_mesh`);
+* every registered parameter a plain tensor, and groups the script made that are the dimensions of a grid
+  of the whole job (pipeline parallelism over ``mesh["pp"]`` with DDP over ``mesh["dp"]``): the same, the
+  grid made of those groups alone.
+
+A loss all-reduced for a log is too small to count. A dimension's name is no evidence: the names only word
+the one line said where the evidence is missing.
 
 Groups are read by their members' global ranks (ftrun makes every group, ``groups.py``), not through
 torch's private mesh bookkeeping (a mesh's root mesh or flatten mapping), which changes between releases.
@@ -89,7 +94,8 @@ def complete_grid(world: int, mesh_axes: Sequence[Axis], group_axes: Sequence[Ax
 @dataclass
 class PartMesh:
     """The registered parameters lie on a mesh of part of the job, which groups the script made complete
-    to a grid of the whole job: the groups of the first step's gradient reductions hold copies."""
+    to a grid of the whole job (or are plain tensors beside groups that make one): the groups of the first
+    step's gradient reductions hold copies."""
 
     #: the grid, its replica dimensions not known yet (those of the parameters' mesh that every
     #: parameter is Replicate over are)
@@ -98,33 +104,41 @@ class PartMesh:
     spans: list[tuple[Any, tuple[str, ...]]]
     #: how many elements the parameters' local gradients hold
     gradients: int
-    #: the parameters' mesh: its dimensions' names, and in words
+    #: the parameters' mesh: its dimensions' names (none for plain tensors)
     part_names: tuple[str, ...]
-    part: str
+    #: where the parameters lie, in words: the one line's opening
+    opening: str
+    #: init(sharded=True): where the step shows no copies, each rank holds its own state (its snapshots
+    #: restore it), which is no reason for job level
+    sharded: bool = False
 
     def settle(self) -> tuple[ReplicaLayout, str]:
-        """After the first step: the layout it showed, and the one line to say when it showed no copies."""
+        """After the first step: the layout it showed, and the one line to say when nothing showed copies."""
         shown = {name for group, names in self.spans if group.reduced >= self.gradients > 0 for name in names}
         names = self.layout.names
         layout = ReplicaLayout(self.layout.shape, names,
                                tuple(n for n in names if n in shown or n in self.layout.replicate))
-        if shown:
+        if layout.replicate or self.sharded:
             return layout, ""
         others = [n for n in names if n not in self.part_names]
         hint = [n for n in others if n in REPLICA_NAMES] or others
         dims = ", ".join(f'"{n}": {size}' for n, size in zip(names, self.layout.shape))
         replicate = ", ".join(f'"{n}"' for n in hint) + ("," if len(hint) == 1 else "")
-        return layout, (f"the registered DTensors lie on {self.part} of the mesh {_words(layout)}, made without "
-                        f"job.mesh(), and the first step all-reduced no gradients over {' or '.join(others)}: "
+        return layout, (f"{self.opening}, and the first step all-reduced no gradients over {' or '.join(others)}: "
                         "ftrun cannot tell which ranks hold copies of each other's state (say it with "
                         f"job.mesh({{{dims}}}, replicate=({replicate})))")
 
 
-def read_part_mesh(objects: dict[str, Any], world: int, rank: int, groups: Sequence[Any]) -> PartMesh | str | None:
+def read_part_mesh(objects: dict[str, Any], world: int, rank: int, groups: Sequence[Any],
+                   sharded: bool = False) -> PartMesh | str | None:
     """Where every registered parameter is a DTensor on one mesh of part of the job (this rank's part):
     the grid the ``groups`` complete it to, whose replicas the first step shows (a :class:`PartMesh`),
-    or the one line that says why none can be read (no group completes it). None in any other case."""
+    or the one line that says why none can be read (no group completes it). Where every one is a plain
+    tensor: the grid whose dimensions the groups of part of the job are, as a :class:`PartMesh`. None in
+    any other case. ``sharded``: init(sharded=True)."""
     params: list[Any] = [p for obj in objects.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()]
+    if params and not any(is_dtensor(p) for p in params):
+        return _plain_grid(params, world, rank, groups, sharded)
     if not params or not all(is_dtensor(p) for p in params):  # DTensors from here on
         return None
     mesh = params[0].device_mesh
@@ -156,7 +170,29 @@ def read_part_mesh(objects: dict[str, Any], world: int, rank: int, groups: Seque
     layout = ReplicaLayout(tuple(a.size for a in chain), tuple(a.name for a in chain),
                            tuple(a.name for a in chain if a.name in copies), known=False)
     gradients = sum(local_tensor(p).numel() for p in params if p.requires_grad)
-    return PartMesh(layout, [(group, span) for group, span in zip(groups, spans) if span], gradients, names, part)
+    opening = f"the registered DTensors lie on {part} of the mesh {_words(layout)}, made without job.mesh()"
+    return PartMesh(layout, [(group, span) for group, span in zip(groups, spans) if span], gradients, names,
+                    opening, sharded)
+
+
+def _plain_grid(params: list[Any], world: int, rank: int, groups: Sequence[Any], sharded: bool) -> PartMesh | None:
+    """Plain parameters, and groups of part of the job that are the dimensions of a grid of the whole job in
+    rank order (pipeline stages over mesh["pp"], DDP over mesh["dp"]): that grid, its replica dimensions
+    the first step's gradient reductions. None where the script made no such groups."""
+    made = [group for group in groups if len(group.global_ranks) < world]
+    taken: set[str] = set()
+    grid = complete_grid(world, [], [axis_through(rank, _name(group, taken), group.global_ranks) for group in made])
+    if not made or grid is None:
+        return None
+    chain, spans = grid
+    layout = ReplicaLayout(tuple(a.size for a in chain), tuple(a.name for a in chain), (), known=False)
+    # a group of the whole job (the default one: DDP over every rank) spans every dimension
+    wholes = [(group, layout.names) for group in groups if len(group.global_ranks) == world]
+    gradients = sum(p.numel() for p in params if p.requires_grad)
+    opening = (f"the registered parameters are plain tensors, and the groups made without job.mesh() are the mesh "
+               f"{_words(layout)}")
+    return PartMesh(layout, wholes + [(group, span) for group, span in zip(made, spans) if span], gradients, (),
+                    opening, sharded)
 
 
 def _name(group: Any, taken: set[str]) -> str:

@@ -5,7 +5,8 @@ once with rank 1 SIGKILLed at step 5: the job ends at its final step, only rank 
 every rank's parameters, buffers and optimizer state (its local shards) equal the fault-free run's bit
 for bit, and no step is redone where a replica holds the lost state (at most K with snapshots every K).
 tests/workers/torchtitan_train.py lays the same training out as torchtitan does, over torch's own
-meshes and with no job.mesh(): it is repaired the same, against the declared layout's fault-free run.
+meshes and with no job.mesh(): it is repaired the same, against the declared layout's fault-free run (or
+its own, for torchtitan's 3-D mesh on 2 nodes x 4 ranks and its pipeline).
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ FLAGS = {
 }
 
 
+#: the layouts of more than 4 ranks (torchtitan_train.py's 3-D mesh)
+RANKS = {"3d": 8}
+
+
 def run(launcher: Launcher, layout: str, flags: tuple[str, ...] | None = None, script: str = SCRIPT,
         nodes: int = 2, **env) -> list[int]:
-    """``flags``: in place of the layout's own (FLAGS). ``nodes``: the 4 ranks on 2 nodes, or on 1."""
+    """``flags``: in place of the layout's own (FLAGS). ``nodes``: the ranks (4, RANKS) on 2 nodes, or on 1."""
     flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60", "--warm-standby", "0",
              *(FLAGS.get(layout, ()) if flags is None else flags)]
-    launcher.start_job(nodes, 4 // nodes, [script], flags=flags,
+    launcher.start_job(nodes, RANKS.get(layout, 4) // nodes, [script], flags=flags,
                        env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))
     return launcher.wait()
 
@@ -55,21 +60,22 @@ def start_pids(launcher: Launcher) -> dict[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    """Each layout's fault-free digests, run once for the module, when a test first asks."""
-    digests: dict[str, dict[int, str]] = {}
+    """Each layout's fault-free digests (of layouts_train.py, or of ``script``), run once for the module, when a
+    test first asks."""
+    digests: dict[tuple[str, str], dict[int, str]] = {}
 
-    def get(layout: str) -> dict[int, str]:
-        if layout not in digests:
+    def get(layout: str, script: str = SCRIPT) -> dict[int, str]:
+        if (layout, script) not in digests:
             # a mark of its own: kill_all() ends every process with it, another checkout's test run's too
             runner = Launcher(tmp_path_factory.mktemp(f"{layout}-fault-free"), unique_mark(f"{layout}-fault-free"))
             try:
                 # one agent and no step sleep: the digests depend on neither, and the run starts faster
-                assert run(runner, layout, nodes=1, STEP_SLEEP="0") == [0], runner.output()
-                digests[layout] = {rank: r["digest"] for rank, r in runner.results().items()}
+                assert run(runner, layout, script=script, nodes=1, STEP_SLEEP="0") == [0], runner.output()
+                digests[layout, script] = {rank: r["digest"] for rank, r in runner.results().items()}
             finally:
                 runner.kill_all()
-            assert sorted(digests[layout]) == [0, 1, 2, 3]
-        return digests[layout]
+            assert sorted(digests[layout, script]) == list(range(RANKS.get(layout, 4)))
+        return digests[layout, script]
 
     return get
 
@@ -77,7 +83,7 @@ def fault_free(tmp_path_factory):
 def assert_repaired(launcher: Launcher, reference: dict[int, str], generations: int = 1, redone: int = 0):
     output = launcher.output()
     results = launcher.results()
-    assert sorted(results) == [0, 1, 2, 3], output
+    assert sorted(results) == sorted(reference), output
     assert {r["step"] for r in results.values()} == {STEPS}
     assert {rank: r["digest"] for rank, r in results.items()} == reference  # bit for bit, every rank's own state
     pids = start_pids(launcher)
@@ -111,6 +117,34 @@ def test_torchtitan_s_layouts_over_torch_s_own_meshes_are_repaired_as_if_declare
     # averaged by hand over mesh["dp"].get_group() show the copies. The same training as the declared layout
     assert run(launcher, layout, script=TORCHTITAN, FAULT="1:5:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free(declared))
+    assert "without job.mesh()" not in launcher.output()
+
+
+@pytest.mark.parametrize("layout, described", [
+    ("hsdp", "rep 2 x shard 2 (replica dimensions: rep)"),
+    ("3d", "dp_replicate 2 x dp_shard 2 x tp 2 (replica dimensions: dp_replicate)"),
+])
+def test_init_sharded_gives_way_to_the_replica_dimension_the_placements_show(launcher, fault_free, layout,
+                                                                             described):
+    # init(sharded=True) over torch's own meshes: HSDP over (rep, shard), and torchtitan's 3-D mesh (TP over
+    # mesh["tp"], then FSDP2 over mesh["dp_replicate", "dp_shard"]) on 2 nodes x 4 ranks. Every parameter is
+    # Replicate over the first dimension: rank 1's copy lives on (rank 3, rank 5), and the repair takes it from
+    # there instead of falling back to job level for want of a replica (issue 42)
+    reference = fault_free("hsdp") if layout == "hsdp" else fault_free(layout, TORCHTITAN)
+    assert run(launcher, layout, script=TORCHTITAN, FAULT="1:5:sigkill", SHARDED="1") == [0, 0], launcher.output()
+    assert_repaired(launcher, reference)
+    assert {r["layout"] for r in launcher.results().values()} == {described}
+
+
+def test_pp_x_dp_over_torch_s_own_mesh_is_repaired_as_the_first_step_s_gradient_reduction_shows(launcher,
+                                                                                                fault_free):
+    # torch.distributed.pipelining's stages over mesh["pp"] of init_device_mesh, each in torch's
+    # DistributedDataParallel over mesh["dp"], no job.mesh(): plain parameters, and groups of ftrun's that
+    # are the mesh's dimensions; the first step's all-reduce of the stage's gradients over dp shows the copies
+    reference = fault_free("pp-dp", TORCHTITAN)
+    assert run(launcher, "pp-dp", script=TORCHTITAN, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, reference)
+    assert {r["layout"] for r in launcher.results().values()} == {"pp 2 x dp 2 (replica dimensions: dp)"}
     assert "without job.mesh()" not in launcher.output()
 
 

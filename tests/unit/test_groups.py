@@ -316,8 +316,14 @@ def test_the_layout_the_placements_show_is_the_one_a_repair_goes_by(monkeypatch)
     model = _Holding(_DTensor(WHOLE, True, False))
     layout, refusal, _ = job_module.settle_layout(4, {"model": model}, None, False, groups)
     assert layout.replica_sets() == [(0, 2), (1, 3)] and refusal == ""
-    layout, _, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)  # init(sharded=True) says otherwise
-    assert layout.replica_sets() == [(0,), (1,), (2,), (3,)]
+    # init(sharded=True) says only that each rank holds its own part, as HSDP's shards do: the copies along
+    # "rep" still hold (issue 42: it fell back to job level, recommending a replica dimension the script had)
+    layout, refusal, _ = job_module.settle_layout(4, {"model": model}, None, True, groups)
+    assert layout.replica_sets() == [(0, 2), (1, 3)] and refusal == ""
+    full = _Holding(_DTensor(WHOLE, False, False))  # FSDP2's full shard over both: each rank alone, either way
+    for sharded in (False, True):
+        layout, refusal, _ = job_module.settle_layout(4, {"model": full}, None, sharded, groups)
+        assert layout.replica_sets() == [(0,), (1,), (2,), (3,)] and refusal == ""
 
 
 def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo():

@@ -215,6 +215,30 @@ def test_a_collective_that_ends_just_after_a_slice_of_its_wait_is_no_failure():
     assert groups.failure is None and work.waits == 2
 
 
+@pytest.mark.parametrize("op", ["recv", "send"])
+def test_a_pipeline_stage_s_recv_is_waited_whole_since_gloo_closes_the_pair_when_a_timed_wait_runs_out(op):
+    # a stage's recv waits for the stage before it, often longer than a slice: gloo's p2p work, timed out
+    # once, closes its pair and fails every wait after it (as gloo does, seen with torch 2.13)
+    groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
+    groups.generation = 0
+
+    class PairClosesOnATimedWait(NeverEnds):
+        closed = False
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if timeout is not None:
+                self.closed = True
+                raise RuntimeError(f"Timed out waiting 50ms for {op} operation to complete")
+            if self.closed:
+                raise RuntimeError("Application timeout caused pair closure")
+            return True
+
+    work = PairClosesOnATimedWait()
+    assert _Guarded(work, groups, op, 0, 2, ([torch.ones(2)], 1, 0)).wait() is True
+    assert groups.failure is None and work.waits == 1 and not work.closed
+
+
 def test_when_hccl_s_own_operator_retry_fails_the_online_level_takes_over_on_the_device(monkeypatch):
     # HCCL retries a failed operator itself (HCCL_OP_RETRY_ENABLE); when that fails too, the rank's collective
     # raises, its process alive: the failure is told at once, and the release stops, checks and restarts the

@@ -8,11 +8,12 @@
            the gradients of both microbatches averaged once after the schedule
 
 Faults as in elastic_train.py (FAULT=rank:step:kind, original ranks only; FAULT_REPLACEMENT=rank: that
-rank's first replacement dies during the repair, once it has made its groups). Each step sleeps
-STEP_SLEEP (default 0.05). Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each committed
-step to OUT_DIR/commits-rank<r>, and writes OUT_DIR/rank<r>.json at the end: the final step, the
-pid, whether it is a replacement, and a digest of every local tensor of the model's parameters and
-buffers and of the optimizer's state (bit for bit).
+rank's first replacement dies during the repair, once it has made its groups). SHARDED=1: the script
+says init(sharded=True) (fsdp always does). Each step sleeps STEP_SLEEP (default 0.05). Writes
+OUT_DIR/pid-start-rank<r>-<pid> at start, appends each committed step to OUT_DIR/commits-rank<r>, and
+writes OUT_DIR/rank<r>.json at the end: the final step, the pid, whether it is a replacement, the layout
+a repair goes by, and a digest of every local tensor of the model's parameters and buffers and of the
+optimizer's state (bit for bit).
 """
 
 import json
@@ -111,7 +112,7 @@ def main(build=build) -> None:
     steps = int(os.environ.get("STEPS", "12"))
     out_dir = os.environ["OUT_DIR"]
     sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
-    job = ftrun.elastic.init(sharded=layout == "fsdp")
+    job = ftrun.elastic.init(sharded=layout == "fsdp" or os.environ.get("SHARDED") == "1")
     rank = job.rank
     with open(os.path.join(out_dir, f"pid-start-rank{rank}-{os.getpid()}"), "w"):
         pass
