@@ -33,7 +33,8 @@ import dataclasses
 import json
 import logging
 import random
-from typing import Any, Callable, Iterator
+import sys
+from typing import Any, Callable, Iterator, NoReturn
 
 import numpy as np
 import torch
@@ -42,8 +43,8 @@ import torch.distributed as dist
 import ftrun.elastic
 from ftrun.contract import WorkerEnv
 from ftrun.elastic.ddp import pin_buckets
-from ftrun.elastic.groups import ElasticGroup
 from ftrun.elastic.job import ElasticJob
+from ftrun.errors import WORKER_SETTING_EXIT
 
 log = logging.getLogger("ftrun.elastic")
 
@@ -70,13 +71,10 @@ def enable(trainer) -> None:
     Call it once the Trainer is built and before ``train()``; import ``ftrun.elastic.hf`` before making the
     ``TrainingArguments``. Outside ftrun it does nothing."""
     if job is None:
-        if WorkerEnv.from_environ() is not None:
-            raise RuntimeError("ftrun.elastic.hf: import ftrun.elastic.hf before making TrainingArguments (they form "
-                               "the process group, which ftrun must form first for a replacement rank to join)")
+        if WorkerEnv.from_environ() is not None:  # every restart would fail alike: the controller ends the job
+            _refuse("import ftrun.elastic.hf before making TrainingArguments: they form torch's process group, "
+                    "which ftrun must form first for a replacement rank to join its peers")
         return
-    if not isinstance(dist.group.WORLD, ElasticGroup):
-        raise RuntimeError("ftrun.elastic.hf: torch's default process group is not ftrun's: another "
-                           "init_process_group ran before ftrun.elastic.init()")
     if getattr(trainer, "_ftrun_elastic", None) is not None:
         return
     trainer._ftrun_elastic = ElasticTrainer(job, trainer)
@@ -313,6 +311,11 @@ class ElasticTrainer:
 
 class _StepLost(Exception):
     """A step whose body finished although one of its collectives failed: its guard holds the repair's target."""
+
+
+def _refuse(line: str) -> NoReturn:
+    print(f"ftrun.elastic.hf: {line}", file=sys.stderr, flush=True)
+    sys.exit(WORKER_SETTING_EXIT)
 
 
 def _bound(wrapper: Callable, original: Callable) -> Callable:
