@@ -185,6 +185,8 @@ class ElasticTrainer:
         #: the RNG states go back as the first step after a repair begins
         self._rng_due = False
         self._in_step = False
+        #: the first train() of the process is the job's steps; a second one runs as the Trainer's alone
+        self._active = True
         self._wrap(trainer)
 
         outer = self
@@ -210,12 +212,18 @@ class ElasticTrainer:
     def train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         if self.job.receives_state:  # its peers are past the script's checkpoint: the state comes from them
             resume_from_checkpoint = None
-        return original(resume_from_checkpoint, *args, **kwargs)
+        if self._steps is not None:  # a second train(): its steps are not the job's (docs/integrations.md)
+            log.warning("ftrun.elastic.hf: a second train() in this process is not repaired at process level")
+            self._active = False
+            return original(resume_from_checkpoint, *args, **kwargs)
+        result = original(resume_from_checkpoint, *args, **kwargs)
+        self.job.link.report_progress(self.job.step)  # the job's summary says the step training ended at
+        return result
 
     def _init_training_state(self, original, max_steps, num_update_steps_per_epoch, *args):
         """Where the Trainer sets its step: a replacement receives the state here, and starts at its step."""
         trained = original(max_steps, num_update_steps_per_epoch, *args)
-        if self._steps is not None:  # a second train(): the steps go on
+        if not self._active:
             return trained
         self._steps = self.job.steps(max_steps, start=self.trainer.state.global_step)
         next(self._steps)  # a replacement receives the state here (a job-level restart may restore a snapshot)
@@ -233,6 +241,8 @@ class ElasticTrainer:
 
     def _prepare_for_training(self, original, *args):
         model, dataloader = original(*args)
+        if not self._active:
+            return model, dataloader
         trainer = self.trainer
         for late, made in ((self.optimizer, _inner(trainer.optimizer)), (self.scheduler, trainer.lr_scheduler)):
             if late.pending is not None:
@@ -245,6 +255,8 @@ class ElasticTrainer:
         return model, dataloader
 
     def _run_epoch(self, original, **kwargs):
+        if not self._active:
+            return original(**kwargs)
         per_epoch = kwargs["num_update_steps_per_epoch"]
         while True:
             if self._resume is not None:
@@ -274,6 +286,8 @@ class ElasticTrainer:
     # -- the job's steps ---------------------------------------------------------------------------------------
 
     def step_begins(self) -> None:
+        if not self._active:
+            return
         if self._rng_due:
             self._rng_due = False
             self.progress.put_back_rng()
@@ -282,6 +296,8 @@ class ElasticTrainer:
         self._in_step = True
 
     def step_ends(self) -> None:
+        if not self._active:
+            return
         self._in_step = False
         self.progress.capture()
         guard = self.job.guard()
