@@ -17,7 +17,8 @@ How a Trainer's steps become ftrun's steps (``ElasticJob.steps()``, driven from 
 * each optimizer step (its micro-batches, the clip, the optimizer's and the scheduler's steps) runs inside
   ``job.guard()``, from ``on_step_begin`` to ``on_step_end``, where it commits;
 * the registered state is the model, the optimizer, the LR scheduler and :class:`TrainerProgress` (the
-  ``TrainerState``, the RNG states and the grad scaler as of the step's beginning);
+  ``TrainerState``, the RNG states, the grad scaler and the loss summed for the next log, as of the step's
+  beginning);
 * a fault elsewhere stops the step at the optimizer's ``step()`` (or raises from a collective between steps:
   logging, saving); the epoch's loop (``Trainer._run_epoch``) ends with it, the repair puts the state back to
   the consistent step, and the epoch runs again from there through the Trainer's own resume path (it skips
@@ -308,14 +309,12 @@ class ElasticTrainer:
 
     def _repaired(self, error: Exception) -> bool:
         """``error`` ended the epoch: when it came from a fault elsewhere, repair and say where to resume."""
-        guard = self.job.guard()
-        if isinstance(error, _StepLost):
-            pass
-        elif self._in_step:
+        guard = self.job.guard()  # a _StepLost's holds the repair's target already
+        if self._in_step:
             self._in_step = False
             if not guard.__exit__(type(error), error, error.__traceback__):
                 return False
-        else:  # between steps (logging, saving): the last step committed
+        elif not isinstance(error, _StepLost):  # between steps (logging, saving): the last step committed
             guard.repair_target = self.job.link.repair_target(error, self.job.step)
             if guard.repair_target is None:
                 return False

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, WORKERS, Launcher, free_port, unique_mark, wait_for
+from tests.integration.test_layouts import commits, start_pids
 from tests.parts import unavailable
 
 pytestmark = pytest.mark.integration
@@ -59,18 +60,6 @@ def run(launcher: Launcher, frameworks: str, script: str = HF, nodes: int = 2, *
     flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "90"]
     launcher.start_job(nodes, 4 // nodes, [script], flags=flags, env=job_env(launcher, frameworks, **env))
     return launcher.wait()
-
-
-def start_pids(launcher: Launcher) -> dict[int, list[int]]:
-    pids: dict[int, list[int]] = {}
-    for path in launcher.out_dir.glob("pid-start-rank*"):
-        rank, pid = path.name[len("pid-start-rank"):].split("-")
-        pids.setdefault(int(rank), []).append(int(pid))
-    return pids
-
-
-def commits(launcher: Launcher, rank: int) -> list[int]:
-    return [int(line) for line in (launcher.out_dir / f"commits-rank{rank}").read_text().split()]
 
 
 @pytest.fixture(scope="module")
