@@ -47,10 +47,11 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,all-lost (or all; link-cut and start: below) it gives a row per way
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,all-lost (or all; link-cut and start: below) it gives a row per way
 of laying a model out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
 --torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp; hf: a Hugging Face
-Trainer, train_hf_trainer.py, which needs transformers and accelerate on PYTHONPATH, else the row is skipped) runs under
+Trainer, train_hf_trainer.py, and lightning: train_lightning.py, which need transformers and accelerate, or
+lightning, on PYTHONPATH, else the row is skipped) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
 shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
 --kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
@@ -1062,6 +1063,8 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
         LayoutCase("hf", "Hugging Face Trainer, DDP, ftrun.elastic.hf.enable(trainer)", EXAMPLES / "train_hf_trainer.py",
                    needs="transformers"),
+        LayoutCase("lightning", "PyTorch Lightning, DDP, ftrun.elastic.lightning.Recovery()",
+                   EXAMPLES / "train_lightning.py", needs="lightning"),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),
         LayoutCase("start", "launch to the first step, 1 x 4, job.ddp(), no fault", elastic_ddp, start=True,

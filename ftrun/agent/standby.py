@@ -7,7 +7,7 @@ environment and its working directory. The standby takes them on and runs the
 script as ``python -u SCRIPT`` or ``python -u -m MODULE`` would.
 
 Runs as ``python -u -m ftrun.agent.standby [SCRIPT]``: a script that names ftrun's integration of a framework
-(``ftrun.elastic.hf``) has that framework imported ahead too.
+(``ftrun.elastic.hf``, ``ftrun.elastic.lightning``) has that framework imported ahead too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 #: what a script that names one of these (its integration in ftrun.elastic) imports besides torch: modules
 #: whose import costs seconds more (transformers' Trainer loads most of the library, and accelerate)
-FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",)}
+FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",)}
 
 
 def warm_up(script: str | None = None) -> None:

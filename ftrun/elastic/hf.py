@@ -33,19 +33,11 @@ import copy
 import dataclasses
 import json
 import logging
-import random
-import sys
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-import ftrun.elastic
-from ftrun.contract import WorkerEnv
+from ftrun.elastic import frameworks
 from ftrun.elastic.ddp import pin_buckets
 from ftrun.elastic.job import ElasticJob
-from ftrun.errors import WORKER_SETTING_EXIT
 
 log = logging.getLogger("ftrun.elastic")
 
@@ -55,15 +47,8 @@ COUNTERS = ("total_loss_scalar", "globalstep_last_logged", "initial_global_step"
 IN_MEMORY = "<ftrun.elastic: the consistent step's state, in memory>"
 
 
-def _join() -> ElasticJob | None:
-    """Under ftrun, join the job now (before accelerate forms a process group); else None."""
-    if WorkerEnv.from_environ() is None or dist.is_initialized():
-        return None  # plain torchrun or python; or too late, which enable() says
-    return ftrun.elastic.init()
-
-
-#: this process's job, joined at import under ftrun
-job: ElasticJob | None = _join()
+#: this process's job, joined at import under ftrun (frameworks.py says why)
+job: ElasticJob | None = frameworks.join()
 
 
 def enable(trainer) -> None:
@@ -72,9 +57,7 @@ def enable(trainer) -> None:
     Call it once the Trainer is built and before ``train()``; import ``ftrun.elastic.hf`` before making the
     ``TrainingArguments``. Outside ftrun it does nothing."""
     if job is None:
-        if WorkerEnv.from_environ() is not None:  # every restart would fail alike: the controller ends the job
-            _refuse("import ftrun.elastic.hf before making TrainingArguments: they form torch's process group, "
-                    "which ftrun must form first for a replacement rank to join its peers")
+        frameworks.refuse_too_late("ftrun.elastic.hf", "TrainingArguments")
         return
     if getattr(trainer, "_ftrun_elastic", None) is not None:
         return
@@ -103,7 +86,7 @@ class TrainerProgress:
         # log_history only grows (its entries stay as they are): a shallow copy of the list is a copy
         self._state = dataclasses.replace(state, log_history=list(state.log_history),
                                           stateful_callbacks=copy.deepcopy(state.stateful_callbacks))
-        self._rng = _rng_states()
+        self._rng = frameworks.rng_states()
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         self._scaler = scaler.state_dict() if scaler is not None else None
         trainer = self.trainer
@@ -146,7 +129,7 @@ class TrainerProgress:
 
     def put_back_rng(self) -> None:
         if self._rng is not None:
-            _set_rng_states(self._rng)
+            frameworks.set_rng_states(self._rng)
 
 
 class _Late:
@@ -208,7 +191,7 @@ class ElasticTrainer:
 
     def _wrap(self, trainer) -> None:
         for name in ("train", "_init_training_state", "_prepare_for_training", "_run_epoch", "_load_rng_state"):
-            setattr(trainer, name, _bound(getattr(self, name), getattr(trainer, name)))
+            frameworks.wrap(trainer, name, getattr(self, name))
 
     def train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         if self.job.receives_state:  # its peers are past the script's checkpoint: the state comes from them
@@ -328,40 +311,6 @@ class _StepLost(Exception):
     """A step whose body finished although one of its collectives failed: its guard holds the repair's target."""
 
 
-def _refuse(line: str) -> NoReturn:
-    print(f"ftrun.elastic.hf: {line}", file=sys.stderr, flush=True)
-    sys.exit(WORKER_SETTING_EXIT)
-
-
-def _bound(wrapper: Callable, original: Callable) -> Callable:
-    def call(*args, **kwargs):
-        return wrapper(original, *args, **kwargs)
-
-    call.__name__ = getattr(original, "__name__", "call")
-    return call
-
-
 def _inner(optimizer):
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (or None before train() makes it)."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-def _rng_states() -> dict[str, Any]:
-    """Every RNG state the Trainer's own checkpoints keep."""
-    numpy_state: Any = np.random.get_state()
-    kind, keys, position, has_gauss, gauss = numpy_state
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), position,
-                                                                       has_gauss, gauss),
-                              "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    kind, keys, position, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy(), position, has_gauss, gauss))
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])

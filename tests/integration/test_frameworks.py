@@ -1,5 +1,6 @@
-"""Process-level repair of jobs written for a framework's own training loop: a Hugging Face Trainer
-(transformers + accelerate, DDP) with ``ftrun.elastic.hf.enable(trainer)``, on 2 simulated nodes x 2 ranks.
+"""Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
+Hugging Face Trainer (transformers + accelerate, DDP) with ``ftrun.elastic.hf.enable(trainer)``, and a Lightning
+Trainer (DDP) with the ``ftrun.elastic.lightning.Recovery()`` callback.
 
 Each job runs once without a fault (its 4 ranks on one node, made once for the module) and once with rank 1
 SIGKILLed: the job ends at its final step, only rank 1 was started again, every rank's parameters and optimizer
@@ -26,6 +27,7 @@ from tests.parts import unavailable
 
 pytestmark = pytest.mark.integration
 HF = str(WORKERS / "hf_train.py")
+LIGHTNING = str(WORKERS / "lightning_train.py")
 STEPS = 10
 SAVE_STEPS = 4
 FRAMEWORKS = ROOT / ".frameworks"
@@ -135,3 +137,11 @@ def test_without_ftrun_the_line_does_nothing(tmp_path, frameworks):
     assert done.returncode == 0, done.stdout + done.stderr
     results = [(out / f"rank{rank}.json").read_text() for rank in (0, 1)]
     assert all('"step": 4' in r and '"replacement": null' in r for r in results)
+
+
+def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_free_run(launcher, frameworks,
+                                                                                            fault_free):
+    # 4 batches an epoch: the fault at step 5 is in the second epoch, whose first batch the replacement skips
+    reference, _ = fault_free(LIGHTNING)
+    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, reference)

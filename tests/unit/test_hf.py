@@ -42,12 +42,12 @@ def test_outside_ftrun_enable_does_nothing(monkeypatch):
 def test_enable_after_training_arguments_formed_the_group_says_so_in_one_line(monkeypatch, capsys):
     # under ftrun (a worker environment) but nothing joined at import: the process group came first
     monkeypatch.setattr(hf, "job", None)
-    monkeypatch.setattr(hf.WorkerEnv, "from_environ", classmethod(lambda cls: object()))
+    monkeypatch.setattr(hf.frameworks.WorkerEnv, "from_environ", classmethod(lambda cls: object()))
     with pytest.raises(SystemExit) as ended:
         hf.enable(SimpleNamespace())
     assert ended.value.code == WORKER_SETTING_EXIT
     assert capsys.readouterr().err.splitlines() == [
-        "ftrun.elastic.hf: import ftrun.elastic.hf before making TrainingArguments: they form torch's process "
+        "ftrun.elastic.hf: import ftrun.elastic.hf before making TrainingArguments: it forms torch's process "
         "group, which ftrun must form first for a replacement rank to join its peers"]
 
 
