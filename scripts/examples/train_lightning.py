@@ -9,21 +9,15 @@ What it does: an MLP (4 layers of 512, dropout) learns to tell 16 noisy clusters
 process`` a lost rank is replaced alone, with the state of its peers, and no step is redone
 (``ftrun.elastic.lightning.Recovery()``: docs/integrations.md).
 
-For demos and benchmarks, as train_ddp.py:
-  --kill-rank R --kill-at-step S   rank R SIGKILLs itself after finishing step S, only in the first
-                                   attempt (TORCHELASTIC_RESTART_COUNT=0) and never in a replacement
-  --step-sleep SECONDS             sleep after every step
-  --progress FILE                  every rank appends "<unix time> <rank> <step> <pid> <restart count>"
-                                   for every finished step (steps numbered from 1)
+For demos and benchmarks: the options of step_log.py (--kill-rank, --kill-at-step, --step-sleep, --progress).
 """
 
 import argparse
 import os
-import signal
-import time
 from pathlib import Path
 
 import lightning
+import step_log
 import torch
 
 import ftrun.elastic.lightning  # under ftrun this joins the job: before fit(), which forms the process group
@@ -33,13 +27,8 @@ WIDTH, CLASSES = 512, 16
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
     parser.add_argument("--ckpt-dir", type=Path, required=True, help="folder for last.ckpt")
-    parser.add_argument("--ckpt-every", type=int, default=10, help="save every K steps (default 10)")
-    parser.add_argument("--progress", type=Path, help="append one line per finished step to this file")
-    parser.add_argument("--kill-rank", type=int, help="rank that SIGKILLs itself (with --kill-at-step)")
-    parser.add_argument("--kill-at-step", type=int, help="step after which --kill-rank SIGKILLs itself")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every step")
+    step_log.add_options(parser)
     return parser.parse_args()
 
 
@@ -59,23 +48,11 @@ class Classifier(lightning.LightningModule):
 
 
 class Progress(lightning.Callback):
-    """One line per finished step, and the benchmark's fault."""
-
     def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.file = open(args.progress or os.devnull, "a")
+        self.step_log = step_log.StepLog(args)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        self.file.write(f"{time.time():.6f} {self.rank} {step} {os.getpid()} {self.restarts}\n")
-        self.file.flush()  # the line is out before a kill below, and readable while the job runs
-        if (self.rank == self.args.kill_rank and step == self.args.kill_at_step and self.restarts == 0
-                and os.environ.get("FTRUN_REPLACEMENT", "0") != "1"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.args.step_sleep:
-            time.sleep(self.args.step_sleep)
+        self.step_log.finished(trainer.global_step)
 
 
 def main() -> None:
