@@ -16,7 +16,8 @@ How Lightning's batches become the job's steps (``ElasticJob.steps()``, driven f
   loops' progress counters, the callbacks' state and the RNG states, as the batch begins);
 * a fault elsewhere leaves the backward's all-reduce unaveraged: ``on_before_optimizer_step`` (after the closure,
   before the update) stops the step (``GroupFailed``); the repair puts the state back to the consistent step and
-  the batch runs again, the same batch (put back in front of Lightning's data fetcher), counters and RNG states;
+  the batch runs again: the same batch (what the data fetcher took since the batch began is given again), its
+  counters and RNG states;
 * a replacement receives the state from a healthy replica at ``on_train_start``, and at its first batch takes
   the counters and the RNG states, skips the batches its epoch already trained on, and joins its peers' rerun.
 """
