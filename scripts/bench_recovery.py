@@ -47,9 +47,11 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,all-lost (or all; link-cut and start: below) it gives a row per way of laying a model
-out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
---torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp) runs under
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,all-lost (or all; link-cut and start: below) it gives a row per way
+of laying a model out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
+--torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp; hf: a Hugging Face
+Trainer, train_hf_trainer.py, and lightning: train_lightning.py, which need transformers and accelerate, or
+lightning, on PYTHONPATH, else the row is skipped) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
 shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
 --kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
@@ -129,6 +131,7 @@ process groups and every marked process left, since launchers put their workers 
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -1028,6 +1031,8 @@ class LayoutCase:
     #: nodes x ranks per node, and the rank whose fault it is, where the case sets its own
     shape: tuple[int, int] | None = None
     fault_rank: int | None = None
+    #: a module the script imports that ftrun does not install (the row is skipped, saying so, without it)
+    needs: str = ""
     #: the start's row: no fault, START_STEPS steps; each launcher's launch to first step (goal: START_GOAL)
     start: bool = False
 
@@ -1056,6 +1061,10 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
         LayoutCase("all-lost-staggered", f"every rank lost at step 25 over {kill_stagger:g} s, job.ddp(), "
                    f"--snapshot-every {snapshot_every}", elastic_ddp, (), snapshots, kill_all=True,
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
+        LayoutCase("hf", "Hugging Face Trainer, DDP, ftrun.elastic.hf.enable(trainer)", EXAMPLES / "train_hf_trainer.py",
+                   needs="transformers"),
+        LayoutCase("lightning", "PyTorch Lightning, DDP, ftrun.elastic.lightning.Recovery()",
+                   EXAMPLES / "train_lightning.py", needs="lightning"),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),
         LayoutCase("start", "launch to the first step, 1 x 4, job.ddp(), no fault", elastic_ddp, start=True,
@@ -1201,6 +1210,9 @@ def run_layouts(cases: list[LayoutCase], scenario: Scenario, work_root: Path, re
         launchers = [torchrun, ftrun, *([reference] if reference else [])]
         case_scenario = layout_scenario(case, scenario)
         why_not = why_links_cannot_be_cut() if case.link_cut else ""
+        if case.needs and importlib.util.find_spec(case.needs) is None:
+            why_not = (f"{case.needs} is not installed here (scripts/test.sh installs it into .frameworks: put that "
+                       "folder on PYTHONPATH)")
         if why_not:
             console.print(f"layout {case.name}: skipped: {why_not}")
             rows.append(LayoutRow(case, ftrun=[], torchrun=[], torch_ddp=[], skipped=why_not))

@@ -34,6 +34,19 @@ if [ "${FTRUN_TEST_MINDSPORE:-1}" = 1 ] && [ ! -e .msvenv/ready ]; then
     installer=$!
     export FTRUN_TEST_MINDSPORE_INSTALL=$installer
 fi
+# The Trainer and Lightning tests (tests/integration/test_frameworks.py) need transformers, accelerate and
+# lightning: installed the same way into .frameworks (scripts/frameworks.txt, pinned, --no-deps, so that .venv's
+# torch and numpy stay as they are; about 220 MB), which the tests' workers find on PYTHONPATH
+# (FTRUN_TEST_FRAMEWORKS_INSTALL; its output: .frameworks.log). FTRUN_TEST_FRAMEWORKS=0 leaves them out.
+frameworks=""
+if [ "${FTRUN_TEST_FRAMEWORKS:-1}" = 1 ] && [ ! -e .frameworks/ready ]; then
+    echo "installing transformers, accelerate and lightning into .frameworks for their tests (beside the first tests)"
+    rm -rf .frameworks
+    { { .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .frameworks \
+        -r scripts/frameworks.txt && touch .frameworks/ready; } > .frameworks.log 2>&1 || rm -rf .frameworks; } &
+    frameworks=$!
+    export FTRUN_TEST_FRAMEWORKS_INSTALL=$frameworks
+fi
 # The lint (ruff) and the type check (mypy) of ftrun/, configured in pyproject.toml. A finding fails the
 # run, but the tests still run, so that one stray import does not hide them.
 checks=0
@@ -46,5 +59,6 @@ checks=0
 code=0
 .venv/bin/python -m pytest -q -rs -n 2 --dist loadfile --durations=20 "$@" || code=$?
 [ -z "$installer" ] || wait "$installer" || true  # never left running
+[ -z "$frameworks" ] || wait "$frameworks" || true
 [ "$code" = 0 ] || exit "$code"
 [ "$checks" = 0 ] || { echo "ruff or mypy found problems (above)"; exit 1; }

@@ -6,23 +6,36 @@ guardian told), then writes one JSON line on its stdin: the worker's argv, its
 environment and its working directory. The standby takes them on and runs the
 script as ``python -u SCRIPT`` or ``python -u -m MODULE`` would.
 
-Runs as ``python -u -m ftrun.agent.standby``.
+Runs as ``python -u -m ftrun.agent.standby [SCRIPT]``: a script that names ftrun's integration of a framework
+(``ftrun.elastic.hf``, ``ftrun.elastic.lightning``) has that framework imported ahead too.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
 import sys
 
+#: what a script that names one of these (its integration in ftrun.elastic) imports besides torch: modules
+#: whose import costs seconds more (transformers' Trainer loads most of the library, and accelerate)
+FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",)}
 
-def warm_up() -> None:
-    """Pay, before any rank is assigned, for what every training script pays in its first second."""
+
+def warm_up(script: str | None = None) -> None:
+    """Pay, before any rank is assigned, for what every training script pays in its first second, and
+    for the framework ``script`` trains with, when it names ftrun's integration of one."""
     import torch
     import torch.distributed  # noqa: F401
 
     import ftrun.elastic  # noqa: F401
+
+    for module in framework_imports(script):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # the script will say so itself, in the rank that runs it
+            pass
 
     # the first optimizer loads torch's compiler stack (close to a second here); a tiny step
     # also readies autograd
@@ -30,6 +43,17 @@ def warm_up() -> None:
     optimizer = torch.optim.SGD([param], lr=0.1)
     param.sum().backward()
     optimizer.step()
+
+
+def framework_imports(script: str | None) -> tuple[str, ...]:
+    """The modules to import ahead for ``script`` (a path; None for a module run with -m): those of the
+    integrations its text names."""
+    try:
+        with open(script or "", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ()
+    return tuple(module for name, modules in FRAMEWORK_IMPORTS.items() if name in text for module in modules)
 
 
 def run(assignment: dict) -> None:
@@ -47,7 +71,7 @@ def run(assignment: dict) -> None:
 
 
 def main() -> None:
-    warm_up()
+    warm_up(sys.argv[1] if len(sys.argv) > 1 else None)
     line = sys.stdin.readline()
     if not line:
         return  # the agent let this standby go unused

@@ -194,7 +194,9 @@ class WorkerGroup:
         env = base_env(self.config)  # what torch reads when it loads must be what the workers get
         wanted = max(self.warm_standbys, at_least) if self.warm_standbys else 0
         while len(self.standbys) < wanted:
-            argv = [sys.executable, "-u", "-m", "ftrun.agent.standby"]
+            # the script, whose text says which framework to import ahead (none for a module run with -m)
+            script = self.config.entrypoint[2:3] if self.config.entrypoint[2] != "-m" else []
+            argv = [sys.executable, "-u", "-m", "ftrun.agent.standby", *script]
             self.standbys.append(self.ops.spawn(argv, env, stdin=subprocess.PIPE))
 
     def start(self, placements: list[WorkerPlacement], gen: GenerationEnv) -> None:

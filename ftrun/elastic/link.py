@@ -93,6 +93,9 @@ class NullLink:
     def close(self, step: int) -> None:
         pass
 
+    def report_progress(self, step: int) -> None:
+        pass
+
 
 class ControlLink:
     """One rank's link to its job's controller, through the control store."""
@@ -265,6 +268,11 @@ class ControlLink:
     def close(self, step: int) -> None:
         """Stop the threads, then report the final ``step``."""
         self.let_go()
+        self.report_progress(step)
+
+    def report_progress(self, step: int) -> None:
+        """This rank's committed ``step`` in the store now, not at the next heartbeat (the end of a
+        framework's training loop, which may not close the job: the script goes on to evaluate, say)."""
         try:
             self.store.set_text(self.keys.rank_progress(self.rank), str(step))
         except Exception:

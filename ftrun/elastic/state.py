@@ -118,6 +118,11 @@ class TrainingState:
         self._mutated = True
 
     def _on_optimizer_step(self, *args) -> None:
+        self.before_update()
+
+    def before_update(self) -> None:
+        """The state is about to change (a registered optimizer's step, or one a framework runs): not with
+        gradients a failed collective left unaveraged (GroupFailed), nor under a snapshot still copying it."""
         failure = self._lost_collective()
         if failure is not None:  # its gradients are not averaged
             raise GroupFailed(f"rank {self.rank}: step {self._step} lost a collective ({first_line(failure)})")

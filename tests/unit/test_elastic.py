@@ -272,6 +272,15 @@ def test_standby_runs_a_script_with_its_assignment(tmp_path, monkeypatch):
     assert out.read_text() == f"5 {script} --lr 3"
 
 
+def test_a_standby_imports_ahead_the_framework_its_script_names(tmp_path):
+    hf_script, plain, missing = tmp_path / "hf.py", tmp_path / "plain.py", tmp_path / "gone.py"
+    hf_script.write_text("import ftrun.elastic.hf\n")
+    plain.write_text("import ftrun.elastic\n")
+    assert standby.framework_imports(str(hf_script)) == ("transformers.trainer",)
+    assert standby.framework_imports(str(plain)) == ()
+    assert standby.framework_imports(str(missing)) == standby.framework_imports(None) == ()
+
+
 @pytest.fixture
 def one_rank_group():
     import torch.distributed as dist

@@ -1,0 +1,72 @@
+"""A Hugging Face Trainer job (transformers + accelerate, DDP) with ftrun's one line, and the same script under torchrun.
+
+    torchrun --standalone --nproc-per-node 4 scripts/examples/train_hf_trainer.py --ckpt-dir /tmp/hf
+    ftrun --standalone --nproc-per-node 4 --recovery process scripts/examples/train_hf_trainer.py --ckpt-dir /tmp/hf
+
+What it does: a small GPT-2-shaped model built from a config (4 layers, width 128: no download) learns
+token sequences made here. Every --ckpt-every steps the Trainer saves a checkpoint (save_steps), and on start
+the script resumes from the newest one in --ckpt-dir (``train(resume_from_checkpoint=...)``): under torchrun a
+restarted job redoes the steps since it. Under ``ftrun --recovery process`` a lost rank is replaced alone, with
+the state of its peers, and no step is redone (``ftrun.elastic.hf.enable(trainer)``: docs/integrations.md).
+
+For demos and benchmarks: the options of step_log.py (--kill-rank, --kill-at-step, --step-sleep, --progress).
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import step_log
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+import ftrun.elastic.hf  # under ftrun this joins the job: before TrainingArguments, which form the process group
+
+VOCAB, LENGTH = 256, 64
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt-dir", type=Path, required=True, help="the Trainer's output folder (checkpoints)")
+    step_log.add_options(parser)
+    return parser.parse_args()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int):
+        self.rows = torch.randint(0, VOCAB, (count, LENGTH), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+class Progress(TrainerCallback):
+    def __init__(self, args: argparse.Namespace):
+        self.step_log = step_log.StepLog(args)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_log.finished(state.global_step)
+
+
+def main() -> None:
+    args = parse_args()
+    training = TrainingArguments(
+        output_dir=str(args.ckpt_dir), max_steps=args.steps, per_device_train_batch_size=8, learning_rate=1e-3,
+        warmup_steps=10, logging_steps=50, save_steps=args.ckpt_every, save_total_limit=2, report_to=[], seed=0,
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=128, n_layer=4, n_head=4, bos_token_id=0,
+                        eos_token_id=0)
+    torch.manual_seed(0)
+    trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=Tokens(4096),
+                      callbacks=[Progress(args)])
+    ftrun.elastic.hf.enable(trainer)  # the one line: nothing outside ftrun
+    newest = get_last_checkpoint(str(args.ckpt_dir)) if args.ckpt_dir.is_dir() else None
+    trainer.train(resume_from_checkpoint=newest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""A PyTorch Lightning job (DDP on CPU/gloo) with ftrun.elastic.lightning's callback.
+
+An MLP with dropout (the RNG state matters) learns random data made here, 8 samples a batch, 4 batches an
+epoch per rank (4 ranks): STEPS optimizer steps cross epochs. Adam with a StepLR stepped every batch.
+Faults as in elastic_train.py: FAULT=rank:step:kind, fired as the batch begins in original ranks only.
+STEP_SLEEP (default 0.05) seconds at the end of each batch.
+
+Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each finished step to OUT_DIR/commits-rank<r>, and
+writes OUT_DIR/rank<r>.json at the end: the final global step, the pid, whether it is a replacement and a
+digest of the model's parameters and the optimizer's and the scheduler's state.
+"""
+
+import json
+import os
+import time
+
+import faults
+import lightning
+import teardown
+import torch
+from digests import digest
+
+import ftrun.elastic.lightning  # before fit(): under ftrun it joins the job here
+
+
+class Model(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return torch.nn.functional.cross_entropy(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Faults(lightning.Callback):
+    def __init__(self, out_dir: str, rank: int):
+        self.out_dir, self.rank = out_dir, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        kind = faults.due(self.rank, trainer.global_step)
+        if kind and os.environ.get("FTRUN_REPLACEMENT") != "1":
+            faults.trigger(kind, trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with open(os.path.join(self.out_dir, f"commits-rank{self.rank}"), "a") as f:
+            f.write(f"{trainer.global_step - 1}\n")
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+
+
+def main() -> None:
+    out_dir = os.environ["OUT_DIR"]
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    with open(os.path.join(out_dir, f"pid-start-rank{rank}-{os.getpid()}"), "w"):
+        pass
+    lightning.seed_everything(0, verbose=False)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 8, generator=torch.Generator().manual_seed(7)),
+                                          torch.randint(0, 4, (128,), generator=torch.Generator().manual_seed(8)))
+    model = Model()
+    trainer = lightning.Trainer(
+        accelerator="cpu", strategy="ddp", devices=local, num_nodes=int(os.environ["WORLD_SIZE"]) // local,
+        max_steps=int(os.environ.get("STEPS", "10")), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Faults(out_dir, rank), ftrun.elastic.lightning.Recovery()])
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+    optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
+    result = {"step": trainer.global_step, "rank": rank, "pid": os.getpid(),
+              "replacement": os.environ.get("FTRUN_REPLACEMENT"),
+              "digest": digest(model.state_dict(), optimizer.state_dict(), scheduler.state_dict())}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
+    teardown.leave()
