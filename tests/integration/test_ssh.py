@@ -2,11 +2,13 @@
 
 The hosts are 127.0.0.2, 127.0.0.3, ... (all this machine); the remote agents and
 workers carry the test's mark (passed with --env), so the leftover check sees them.
-Under --rdzv-backend etcd a real 3-member etcd on loopback (``tests/etcd.py``) too.
+Under --rdzv-backend etcd a real 3-member etcd on loopback (``tests/etcd.py``) too; a MindSpore job runs with
+the interpreter tests/integration/test_mindspore.py finds (.msvenv), or skips as those tests do.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -19,6 +21,9 @@ import pytest
 
 from ftrun.session_keeper import stop_request
 from tests.conftest import ELASTIC_STEPS, WORKERS, free_port, marked_processes, step_reached, unique_mark, wait_for
+from tests.integration.test_mindspore import STEPS as MS_STEPS
+from tests.integration.test_mindspore import TRAIN as MS_TRAIN
+from tests.integration.test_mindspore import check_results, needs_mindspore
 from tests.parts import unavailable
 from tests.sshd import HOSTS, SshdUnavailable, start_sshd
 
@@ -206,6 +211,41 @@ def test_under_etcd_ctrl_c_on_the_head_stops_the_job_on_every_host(launcher, ssh
     # the controller's agent, on a host, ended the job: its summary comes back through its session
     assert ": ftrun: reason: SIGINT on node" in output and "ftrun: job stopped (exit code 130)" in output, output
     wait_for(lambda: not marked_processes(launcher.mark), timeout=30, what="every remote process to exit")
+
+
+def test_under_etcd_msrun_s_flags_from_a_head_node_restart_a_sigkilled_worker_as_the_direct_launch_does(
+        launcher, sshd, etcd):
+    """A MindSpore job (2 hosts x 2 workers, msrun's flags): the scheduler runs in the controller's agent, on a
+    host; a worker SIGKILLed restarts the job at job level, on a fresh scheduler, and it ends as a fault-free
+    run does (the same parameters, every step)."""
+    python = needs_mindspore()
+    logs = launcher.tmp / "logs"
+    # MindSpore's workers reach a scheduler on 127.0.0.2 after more failed tries than one on 127.0.0.1 (25 s
+    # in one run on the 2-core machine): a generation may take up to 120 s to form
+    flags = ["--worker_num=4", "--local_worker_num=2", "--cluster_time_out=120", "--rdzv-backend", "etcd",
+             "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark, "--node-timeout", "3", "--python", python,
+             "--max-restarts", "2", "--log-dir", str(logs), "--env", "FAULT", "--env", "FAULT_RESTARTS"]
+    env = launcher.env(STEPS=str(MS_STEPS), STEP_SLEEP="0.05", FAULT="3:4:sigkill", FAULT_RESTARTS="0")
+    head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [MS_TRAIN], flags=flags,
+                      env=env)
+    assert launcher.wait() == [0], head.output
+    results = check_results(launcher, 4, restart="1")  # every step, the fault-free run's parameters
+    assert {r["env"]["MS_TOPO_TIMEOUT"] for r in results.values()} == {"120"}
+    schedulers = [json.loads((launcher.out_dir / f"scheduler{restart}.json").read_text()) for restart in (0, 1)]
+    output = head.output
+    assert "the job does not depend on this head node" in output
+    host = schedulers[1]["env"]["MS_SCHED_HOST"]
+    assert f"{host}: ftrun: hosting the control store at {host}:" in output  # the controller's agent, on a host
+    for generation, seen in enumerate(schedulers):  # started by that agent, not by the head
+        assert seen["env"]["MS_ROLE"] == "MS_SCHED" and seen["env"]["MS_SCHED_HOST"] == host, seen
+        port = seen["env"]["MS_SCHED_PORT"]
+        assert f"{host}: ftrun: MindSpore scheduler of generation {generation} at {host}:{port} (pid {seen['pid']})" \
+            in output
+    assert schedulers[0]["env"]["MS_SCHED_PORT"] != schedulers[1]["env"]["MS_SCHED_PORT"]  # a fresh one
+    assert {r["env"]["MS_SCHED_PORT"] for r in results.values()} == {schedulers[1]["env"]["MS_SCHED_PORT"]}
+    assert "rank 3 failed: killed by SIGKILL" in output, output
+    assert "job succeeded" in output and "1 of 2 restarts used" in output
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=60, what="every remote process to exit")
 
 
 def test_under_etcd_a_head_that_cannot_reach_etcd_says_so_in_one_line_before_any_ssh(launcher, ftrun_cli):
