@@ -69,10 +69,11 @@ def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_
     reader = StatusReader(store_finder(backend, endpoint, run_id, rdzv_conf, timeout), run_id, timeout)
     try:
         snapshot = reader.read()
-        if not watch:
+        if watch:
+            code = watch_status(reader, snapshot, as_json, interval)
+        else:
             show(snapshot, as_json)
-            return ExitCode.OK
-        code = watch_status(reader, snapshot, as_json, interval)
+            code = ExitCode.OK
     except StoreUnavailable as e:
         raise RendezvousError(str(e)) from None
     if reader.find.moves:
@@ -85,7 +86,8 @@ def leave_without_teardown(code: int) -> NoReturn:
 
     A store client of a controller that moved may still sit in a call in a thread of its own, and a thread
     that comes out of one while the interpreter tears down aborts the process: ``ftrun top`` exited 134 on a
-    loaded CI run, and ``ftrun status --watch`` died of "terminate called without an active exception"."""
+    loaded CI run, and ``ftrun status --watch`` (and once ``ftrun status --json``) died of "terminate called
+    without an active exception"."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

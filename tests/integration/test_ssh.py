@@ -312,9 +312,20 @@ def test_session_keeper_ends_with_its_session_and_leaves_the_agent_running(tmp_p
 
 
 def detached_agents(mark: str) -> list[psutil.Process]:
-    """The job's agents that outlive their ssh sessions, by host."""
-    agents = [p for p in marked_processes(mark) if "--detached-agent" in cmdline(p)]
-    return sorted(agents, key=lambda p: cmdline(p)[cmdline(p).index("--local-addr") + 1])
+    """The job's agents that outlive their ssh sessions, by host (not a child an agent has forked and not yet
+    made a worker: its command line is the agent's until it runs the worker's)."""
+    found = {p: cmdline(p) for p in marked_processes(mark)}
+    agents = {p: line for p, line in found.items() if "--detached-agent" in line}
+    pids = {p.pid for p in agents}
+    top = [p for p in agents if parent(p) not in pids]
+    return sorted(top, key=lambda p: agents[p][agents[p].index("--local-addr") + 1])
+
+
+def parent(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
 
 
 def controllers_agent(run_folder, agents: list[psutil.Process]) -> psutil.Process:
