@@ -14,7 +14,7 @@ How Lightning's batches become the job's steps (``ElasticJob.steps()``, driven f
   closure, the optimizer's and the schedulers' steps), or with ``accumulate_grad_batches`` above 1 its
   micro-batches (the epoch loop's iterations up to the one that steps);
 * the registered state is the LightningModule, the optimizers, the LR schedulers and :class:`LoopProgress` (the
-  loops' progress counters, the callbacks' state and the RNG states, as the batch begins);
+  loops' progress counters, the callbacks' state and the RNG states, as the step begins);
 * a fault elsewhere leaves the backward's all-reduce unaveraged: ``on_before_optimizer_step`` (after the closure,
   before the update) stops the step (``GroupFailed``); the repair puts the state back to the consistent step and
   the step runs again from its first micro-batch: the same batches (what the data fetcher took since the step
@@ -42,7 +42,7 @@ job: ElasticJob | None = frameworks.join()
 
 
 class LoopProgress:
-    """Lightning's training progress besides the model, the optimizers and the schedulers, as a batch begins:
+    """Lightning's training progress besides the model, the optimizers and the schedulers, as a step begins:
     the fit and epoch loops' counters (the epoch, the batch in it, the optimizer's and the schedulers' steps,
     the logging step), the callbacks' state and the RNG states."""
 
@@ -242,7 +242,7 @@ class _RecoveryHooks:
             original(data_fetcher)
 
     def _again(self, step: int, rewind: "_Rewind") -> None:
-        """After a repair: the batch of ``step`` runs again, with its counters and RNG states."""
+        """After a repair: the batches of ``step`` run again, from its first, with its counters and RNG states."""
         job, progress = self.job, self.progress
         assert job is not None and progress is not None
         if job.step != step:  # the job goes on elsewhere than this batch: a fresh process can join it

@@ -66,20 +66,22 @@ def run(launcher: Launcher, frameworks: str, script: str = HF, nodes: int = 2, *
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory, frameworks):
-    """Each script's fault-free run (its results and its output folder), made once for the module."""
-    made: dict[str, tuple[dict[int, dict], Path]] = {}
+    """Each script's fault-free run with the given environment (its results and its output folder), made once
+    for the module."""
+    made: dict[tuple, tuple[dict[int, dict], Path]] = {}
 
     def get(script: str = HF, **env: str) -> tuple[dict[int, dict], Path]:
-        if script not in made:
+        key = (script, *sorted(env.items()))
+        if key not in made:
             name = Path(script).stem
             runner = Launcher(tmp_path_factory.mktemp(f"{name}-fault-free"), unique_mark(f"{name}-fault-free"))
             try:
                 assert run(runner, frameworks, script, nodes=1, STEP_SLEEP="0", **env) == [0], runner.output()
-                made[script] = runner.results(), runner.out_dir
+                made[key] = runner.results(), runner.out_dir
             finally:
                 runner.kill_all()
-            assert sorted(made[script][0]) == [0, 1, 2, 3]
-        return made[script]
+            assert sorted(made[key][0]) == [0, 1, 2, 3]
+        return made[key]
 
     return get
 

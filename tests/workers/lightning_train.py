@@ -3,8 +3,8 @@
 An MLP with dropout (the RNG state matters) learns random data made here, 8 samples a batch, 4 batches an
 epoch per rank (4 ranks): STEPS optimizer steps cross epochs, each of ACCUMULATE batches (default 1:
 ``accumulate_grad_batches``). Adam with a StepLR stepped every optimizer step. ModelCheckpoint saves every
-SAVE_STEPS (default 4) optimizer steps into OUT_DIR/checkpoints, and a CSVLogger logs the loss every batch into
-OUT_DIR/logs. Faults as in elastic_train.py: FAULT=rank:step:kind, fired as the step's last batch begins (its
+SAVE_STEPS (default 4) optimizer steps into OUT_DIR/checkpoints, and a CSVLogger logs the loss (log_every_n_steps=1)
+into OUT_DIR/logs. Faults as in elastic_train.py: FAULT=rank:step:kind, fired as the step's last batch begins (its
 others are done) in original ranks only. STEP_SLEEP (default 0.05) seconds at the end of each batch.
 
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each finished step to OUT_DIR/commits-rank<r>, and
