@@ -9,15 +9,17 @@ as ``fit()`` begins). Under plain torchrun or python the callback does nothing.
 
 How Lightning's batches become the job's steps (``ElasticJob.steps()``, driven from the callback):
 
-* each batch of the training epoch (Lightning's ``_TrainingEpochLoop.advance``: the fetch, the hooks, the
-  forward and backward in the optimizer's closure, the optimizer's and the schedulers' steps) runs inside
-  ``job.guard()``, and commits when it ends;
+* each optimizer step of the training epoch runs inside ``job.guard()``, and commits when it ends: its batch
+  (Lightning's ``_TrainingEpochLoop.advance``: the fetch, the hooks, the forward and backward in the optimizer's
+  closure, the optimizer's and the schedulers' steps), or with ``accumulate_grad_batches`` above 1 its
+  micro-batches (the epoch loop's iterations up to the one that steps);
 * the registered state is the LightningModule, the optimizers, the LR schedulers and :class:`LoopProgress` (the
-  loops' progress counters, the callbacks' state and the RNG states, as the batch begins);
+  loops' progress counters, the callbacks' state and the RNG states, as the step begins);
 * a fault elsewhere leaves the backward's all-reduce unaveraged: ``on_before_optimizer_step`` (after the closure,
   before the update) stops the step (``GroupFailed``); the repair puts the state back to the consistent step and
-  the batch runs again: the same batch (what the data fetcher took since the batch began is given again), its
-  counters and RNG states;
+  the step runs again from its first micro-batch: the same batches (what the data fetcher took since the step
+  began is given again), their counters and RNG states (the first micro-batch zeroes the gradients a healthy
+  rank had accumulated);
 * a replacement receives the state from a healthy replica at ``on_train_start``, and at its first batch takes
   the counters and the RNG states, skips the batches its epoch already trained on, and joins its peers' rerun.
 """
@@ -40,7 +42,7 @@ job: ElasticJob | None = frameworks.join()
 
 
 class LoopProgress:
-    """Lightning's training progress besides the model, the optimizers and the schedulers, as a batch begins:
+    """Lightning's training progress besides the model, the optimizers and the schedulers, as a step begins:
     the fit and epoch loops' counters (the epoch, the batch in it, the optimizer's and the schedulers' steps,
     the logging step), the callbacks' state and the RNG states."""
 
@@ -207,7 +209,7 @@ class _RecoveryHooks:
             guard = job.guard()
             guard.__enter__()
             try:
-                original(data_fetcher)
+                self._optimizer_step(original, data_fetcher)
             except StopIteration as stop:  # no batch left: the epoch loop's own way out, no step
                 guard.__exit__(type(stop), stop, stop.__traceback__)
                 raise
@@ -226,8 +228,21 @@ class _RecoveryHooks:
             next(self._steps, None)
             return
 
+    def _optimizer_step(self, original, data_fetcher) -> None:
+        """The batches of one optimizer step: with ``accumulate_grad_batches`` above 1, the epoch loop's
+        iterations of the micro-batches before the last (their ``advance``, ``on_advance_end`` and
+        ``on_iteration_done``, as its ``run`` does them), then the last's ``advance``; the loop does the last's
+        ``on_advance_end`` itself."""
+        assert self.progress is not None
+        loop = self.progress.trainer.fit_loop.epoch_loop
+        original(data_fetcher)
+        while loop._should_accumulate() and not loop.done:
+            loop.on_advance_end(data_fetcher)
+            loop.on_iteration_done()
+            original(data_fetcher)
+
     def _again(self, step: int, rewind: "_Rewind") -> None:
-        """After a repair: the batch of ``step`` runs again, with its counters and RNG states."""
+        """After a repair: the batches of ``step`` run again, from its first, with its counters and RNG states."""
         job, progress = self.job, self.progress
         assert job is not None and progress is not None
         if job.step != step:  # the job goes on elsewhere than this batch: a fresh process can join it

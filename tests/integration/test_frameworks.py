@@ -66,20 +66,22 @@ def run(launcher: Launcher, frameworks: str, script: str = HF, nodes: int = 2, *
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory, frameworks):
-    """Each script's fault-free run (its results and its output folder), made once for the module."""
-    made: dict[str, tuple[dict[int, dict], Path]] = {}
+    """Each script's fault-free run with the given environment (its results and its output folder), made once
+    for the module."""
+    made: dict[tuple, tuple[dict[int, dict], Path]] = {}
 
-    def get(script: str = HF) -> tuple[dict[int, dict], Path]:
-        if script not in made:
+    def get(script: str = HF, **env: str) -> tuple[dict[int, dict], Path]:
+        key = (script, *sorted(env.items()))
+        if key not in made:
             name = Path(script).stem
             runner = Launcher(tmp_path_factory.mktemp(f"{name}-fault-free"), unique_mark(f"{name}-fault-free"))
             try:
-                assert run(runner, frameworks, script, nodes=1, STEP_SLEEP="0") == [0], runner.output()
-                made[script] = runner.results(), runner.out_dir
+                assert run(runner, frameworks, script, nodes=1, STEP_SLEEP="0", **env) == [0], runner.output()
+                made[key] = runner.results(), runner.out_dir
             finally:
                 runner.kill_all()
-            assert sorted(made[script][0]) == [0, 1, 2, 3]
-        return made[script]
+            assert sorted(made[key][0]) == [0, 1, 2, 3]
+        return made[key]
 
     return get
 
@@ -141,7 +143,19 @@ def test_without_ftrun_the_line_does_nothing(tmp_path, frameworks):
 
 def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_free_run(launcher, frameworks,
                                                                                             fault_free):
-    # 4 batches an epoch: the fault at step 5 is in the second epoch, whose first batch the replacement skips
-    reference, _ = fault_free(LIGHTNING)
-    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    # 2 batches an optimizer step (accumulate_grad_batches), 4 batches an epoch: rank 1 is lost as step 5's second
+    # batch begins, in the second half of the third epoch: the healthy ranks take the step again from its first
+    # batch, the replacement skips the 2 batches its epoch already stepped on
+    reference, folder = fault_free(LIGHTNING, ACCUMULATE="2")
+    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill", ACCUMULATE="2") == [0, 0], launcher.output()
     assert_repaired(launcher, reference)
+    # ModelCheckpoint's saves every SAVE_STEPS steps and the CSVLogger's went on: the same checkpoints, holding
+    # the same state, and the same logged losses
+    names = [f"epoch=1-step={SAVE_STEPS}.ckpt", f"epoch=3-step={2 * SAVE_STEPS}.ckpt"]
+    assert sorted(p.name for p in (launcher.out_dir / "checkpoints").iterdir()) == names
+    assert {rank: r["checkpoints"] for rank, r in launcher.results().items()} == \
+        {rank: r["checkpoints"] for rank, r in reference.items()}
+    assert sorted(reference[0]["checkpoints"]) == names
+    logged = (folder / "logs" / "version_0" / "metrics.csv").read_text()
+    assert len(logged.splitlines()) == 1 + STEPS  # a header, a row a step
+    assert (launcher.out_dir / "logs" / "version_0" / "metrics.csv").read_text() == logged

@@ -1,9 +1,11 @@
-"""ftrun.elastic.lightning's part that needs no Lightning: a batch's data taken again after a repair. The
-callback itself runs in tests/integration/test_frameworks.py."""
+"""ftrun.elastic.lightning's parts that need no Lightning: a step's data taken again after a repair, and a step's
+micro-batches under ``accumulate_grad_batches``. The callback itself runs in tests/integration/test_frameworks.py."""
 
 from __future__ import annotations
 
-from ftrun.elastic.lightning import _Rewind
+from types import SimpleNamespace
+
+from ftrun.elastic.lightning import _RecoveryHooks, _Rewind
 
 
 class Loader:
@@ -51,3 +53,55 @@ def test_a_batch_that_ends_well_leaves_the_fetcher_on_its_own_iterator():
     assert next(fetcher) == 0
     rewind.done()
     assert fetcher.iterator is loader and next(fetcher) == 1
+
+
+class EpochLoop:
+    """Lightning's training epoch loop, as far as a step's micro-batches use it: ``batches`` batches an epoch,
+    ``accumulate`` a step (the epoch's last batch steps whatever is accumulated)."""
+
+    def __init__(self, batches: int, accumulate: int):
+        self.batches, self.accumulate, self.ready = batches, accumulate, 0
+        self.done = False
+        self.calls: list[tuple[str, int]] = []
+
+    def advance(self, fetcher) -> None:
+        self.ready += 1
+        self.calls.append(("advance", self.ready))
+
+    def _should_accumulate(self) -> bool:
+        return self.ready % self.accumulate != 0 and self.ready < self.batches
+
+    def on_advance_end(self, fetcher) -> None:
+        self.calls.append(("advance_end", self.ready))
+
+    def on_iteration_done(self) -> None:
+        self.calls.append(("iteration_done", self.ready))
+
+
+def step_of(loop: EpochLoop) -> list[tuple[str, int]]:
+    """The calls one guarded step makes (the loop does the last batch's ``on_advance_end`` itself)."""
+    hooks = _RecoveryHooks()
+    hooks.progress = SimpleNamespace(trainer=SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)))
+    loop.calls = []
+    hooks._optimizer_step(loop.advance, None)
+    return loop.calls
+
+
+def test_a_step_runs_its_micro_batches_as_the_epoch_loop_would_up_to_the_one_that_steps():
+    loop = EpochLoop(batches=5, accumulate=2)
+    first = [("advance", 1), ("advance_end", 1), ("iteration_done", 1), ("advance", 2)]
+    assert step_of(loop) == first
+    assert step_of(loop) == [(call, ready + 2) for call, ready in first]
+    assert step_of(loop) == [("advance", 5)]  # the epoch's last batch steps alone
+
+
+def test_without_accumulation_a_step_is_one_batch():
+    loop = EpochLoop(batches=3, accumulate=1)
+    assert [step_of(loop) for _ in range(3)] == [[("advance", 1)], [("advance", 2)], [("advance", 3)]]
+
+
+def test_a_loop_done_mid_step_ends_the_step_there():
+    loop = EpochLoop(batches=8, accumulate=4)
+    loop.advance(None)
+    loop.done = True  # early stopping asked for, say
+    assert step_of(loop) == [("advance", 2)]
