@@ -25,7 +25,7 @@ from ftrun.controller.journal import DecisionPart
 from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.policy import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
-from ftrun.etcd import EtcdClient, EtcdError
+from ftrun.etcd import EtcdClient, EtcdError, created_at, put
 from ftrun.head import SESSION_GRACE, SSH_FAILED, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
 from ftrun.interrupts import Interrupts
 from ftrun.messages import from_json
@@ -121,6 +121,13 @@ def wait_for_the_controller_to_leave(client: EtcdClient, keys: EtcdKeys, timeout
     return False
 
 
+def say_launch(client: EtcdClient, keys: EtcdKeys) -> bool:
+    """Say this head's launch in etcd (for LAUNCH_LEASE seconds), unless another head's is said there: of two
+    heads started at once for one run id, one launches it."""
+    said = put(keys.launch, f"{socket.gethostname()}:{os.getpid()}", client.grant(LAUNCH_LEASE))
+    return client.txn([created_at(keys.launch, 0)], [said]).succeeded
+
+
 class EtcdHead:
     """Starts one agent per host over ssh and follows the job through etcd (see the module's text)."""
 
@@ -149,8 +156,9 @@ class EtcdHead:
                 raise FtrunError("interrupted before anything was launched", ExitCode(self.interrupts.exit_code))
             revision = self.client.revision()  # a decision written after this one is this launch's
             if not going_on:  # said before any ssh: a head started again meanwhile follows this launch
-                self.client.put(self.keys.launch, f"{socket.gethostname()}:{os.getpid()}", self.client.grant(LAUNCH_LEASE))
-                self._launch_said = True
+                self._launch_said = say_launch(self.client, self.keys)
+                if not self._launch_said:  # another head said its launch a moment before: its agents choose
+                    going_on = run_is_going_on(self.client, self.keys, stop=self.interrupts.event)
         except EtcdError as e:
             raise RendezvousError(f"cannot reach etcd at {where}: {e}") from None
         if going_on:

@@ -314,3 +314,13 @@ def test_a_head_started_again_finds_a_run_going_on_by_its_leader_its_launch_or_i
     over = dataclasses.replace(decision, view=dataclasses.replace(view, phase=Phase.DONE))
     client.put(keys.journal_part("decision"), to_json(over))
     assert not run_is_going_on(client, keys, gap=30)  # ended: a fresh launch, at once
+
+
+def test_of_two_heads_started_at_once_for_a_run_one_says_its_launch(etcd):
+    from ftrun.etcd_head import say_launch
+
+    client = EtcdClient(options(etcd))
+    keys = EtcdKeys("two-heads")
+    assert say_launch(client, keys) and not say_launch(client, keys)  # the second follows the first's launch
+    client.delete_prefix(keys.launch)  # the first's launch is over (its controller took office)
+    assert say_launch(client, keys)
