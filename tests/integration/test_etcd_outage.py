@@ -18,12 +18,9 @@ import psutil
 import pytest
 
 from tests.conftest import step_reached, wait_for
-from tests.integration import test_high_availability as ha
 from tests.integration.test_high_availability import STEPS, start, starts, wait_for_progress
 
 pytestmark = pytest.mark.integration
-#: the same job without a fault: every rank's digest (made once for this module too)
-fault_free = ha.fault_free
 #: how long the quorum is lost: past --node-timeout (3 s), as in the issue's 12 s
 OUTAGE = 7.0
 #: what no run may show: the controller taken for lost, a node lost, a repair given up for job level
