@@ -58,8 +58,10 @@ def job_env(launcher: Launcher, frameworks: str, **extra: str) -> dict[str, str]
     return launcher.env(PYTHONPATH=path, HF_HUB_OFFLINE="1", STEPS=str(STEPS), SAVE_STEPS=str(SAVE_STEPS), **extra)
 
 
-def run(launcher: Launcher, frameworks: str, script: str = HF, nodes: int = 2, **env: str) -> list[int]:
-    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "90"]
+def run(launcher: Launcher, frameworks: str, script: str = HF, nodes: int = 2, standbys: int = 1, **env: str) -> list[int]:
+    """``standbys`` per agent: one, on the node of the rank the tests kill, is what a repair takes (each imports
+    torch and the framework: on 2 cores, one per rank slowed every run)."""
+    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "90", "--warm-standby", str(standbys)]
     launcher.start_job(nodes, 4 // nodes, [script], flags=flags, env=job_env(launcher, frameworks, **env))
     return launcher.wait()
 
@@ -76,7 +78,8 @@ def fault_free(tmp_path_factory, frameworks):
             name = Path(script).stem
             runner = Launcher(tmp_path_factory.mktemp(f"{name}-fault-free"), unique_mark(f"{name}-fault-free"))
             try:
-                assert run(runner, frameworks, script, nodes=1, STEP_SLEEP="0", **env) == [0], runner.output()
+                assert run(runner, frameworks, script, nodes=1, standbys=0, STEP_SLEEP="0", **env) == [0], \
+                    runner.output()
                 made[key] = runner.results(), runner.out_dir
             finally:
                 runner.kill_all()

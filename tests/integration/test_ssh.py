@@ -145,7 +145,8 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
     logs = launcher.tmp / "logs"
     hosts = [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2", f"{HOSTS[2]} slots=2 spare"]
     flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark,
-             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs)]
+             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs),
+             "--warm-standby", "0"]  # the lost node's ranks go to the spare: no standby takes part
     env = launcher.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0.4")
     head = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 1) >= 2, timeout=120, what="training to start")
