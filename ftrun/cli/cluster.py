@@ -127,11 +127,8 @@ def follow_run(outcome: HeadOutcome) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         reader = _status_reader(config, client, max(config.rdzv_timeout, STATUS_DEADLINE_FLOOR))
-        if reader is not None:
-            if out_is_terminal():
-                watch_status(reader, reader.read(), False, 1.0)
-            else:
-                _follow_in_lines(reader)
+        if reader is not None:  # live on a terminal, else in lines
+            watch_status(reader, reader.read(), False, 1.0, lines=not out_is_terminal())
         decision = wait_for_the_end(client, keys, JOURNAL_DEADLINE)
         if is_over(decision):  # the job's exit code once its agents have left, as a head that launched it
             wait_for_the_controller_to_leave(client, keys, config.stop_timeout + SESSION_GRACE)
@@ -178,35 +175,6 @@ def _status_reader(config: LaunchConfig, client, deadline: float):
             if time.monotonic() > end:
                 raise RendezvousError(f"no status of run {config.run_id} within {deadline:g}s: {e}") from None
         time.sleep(1.0)
-
-
-def _follow_in_lines(reader) -> None:
-    """``ftrun status --watch``'s loop, a line when the phase or the controller changes, and every
-    PLAIN_EVERY seconds (as --status plain): for a log, where a view redrawn in place shows nothing."""
-    from ftrun.cli.status import FOLLOW_DEADLINE
-    from ftrun.live_view import PLAIN_EVERY, moved_line, plain_line
-    from ftrun.store import StoreUnavailable
-
-    snapshot, said, said_at = reader.read(), None, 0.0
-    while True:
-        shown = (snapshot["phase"], reader.location.host)
-        if shown != said or time.monotonic() - said_at > PLAIN_EVERY:
-            say(f"ftrun: {plain_line(snapshot)}")
-            said, said_at = shown, time.monotonic()
-        if snapshot["phase"] == "done":
-            return
-        try:
-            ended = reader.pause(1.0)
-            snapshot = reader.read()
-            if ended:
-                return
-        except StoreUnavailable:
-            if snapshot["phase"] in ("exiting", "done"):
-                return  # the job ended and its store with it
-            host = reader.follow(FOLLOW_DEADLINE)
-            if not host:
-                raise
-            say(f"ftrun: {moved_line(host)}")
 
 
 def _ranks(agent: RemoteAgent) -> str:

@@ -267,22 +267,30 @@ def show(snapshot: dict, as_json: bool) -> None:
         out.print(render(snapshot, out.width, out.height))
 
 
-def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: float) -> int:
+def watch_status(reader: StatusReader, snapshot: dict, as_json: bool, interval: float, lines: bool = False) -> int:
     """Redraw (or print a JSON line) every ``interval`` until the job ends, its store goes, or Ctrl-C. Under
-    --rdzv-backend etcd a store that goes is looked for again (``StatusReader.follow``): the controller moved."""
+    --rdzv-backend etcd a store that goes is looked for again (``StatusReader.follow``): the controller moved.
+    ``lines``: a line when the phase or the controller changes, and every PLAIN_EVERY seconds (as --status
+    plain), for a log, where a view redrawn in place shows nothing."""
     from rich.live import Live
 
-    from ftrun.live_view import moved_line, plain_line, render
+    from ftrun.live_view import PLAIN_EVERY, moved_line, plain_line, render
     from ftrun.store import StoreUnavailable
 
-    live = None if as_json else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)
+    live = None if as_json or lines else Live(render(snapshot, out.width, out.height), console=out, auto_refresh=False)
     if live is not None:
         live.start()
     ended, fresh = False, True
+    said, said_at = None, 0.0  # with lines: the phase and the controller's host last said, and when
     try:
         while True:
             if fresh and as_json:
                 print(json.dumps(snapshot), flush=True)
+            elif fresh and lines:
+                shown = (snapshot["phase"], reader.location.host)
+                if shown != said or time.monotonic() - said_at > PLAIN_EVERY:
+                    say(f"ftrun: {plain_line(snapshot)}")
+                    said, said_at = shown, time.monotonic()
             elif fresh:
                 live.update(render(snapshot, out.width, out.height), refresh=True)
             if ended or snapshot["phase"] == "done":
