@@ -222,6 +222,12 @@ class JobKeys:
         repair watch out of the store's wait, and no other rank takes that for a repair."""
         return f"{self.generation(generation)}/announced/{rank}"
 
+    def replaced(self, generation: int) -> str:
+        """The ranks a process-level repair into this generation starts again (comma-separated, set before it is
+        announced): a rank of one of them that is not its replacement (a frozen node's, woken after the spare
+        took its place) leaves rather than join."""
+        return f"{self.generation(generation)}/replaced"
+
     def group_ready(self, generation: int) -> str:
         """Set once every rank arrived to form the generation's group, or once it is superseded."""
         return f"{self.generation(generation)}/group_ready"

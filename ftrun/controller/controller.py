@@ -532,7 +532,8 @@ class Controller:
         # failed waits ``fault_wait`` (10 s) for this to tell a peer's fault from its own, and while etcd
         # has no quorum the journal waits longer (announced after it, the healthy ranks took the lost peer
         # for an error of their own, exited and were replaced too: 7 process starts for one fault)
-        self.publisher.announce(command.generation, self.view.world_size, online=not command.ranks)
+        self.publisher.announce(command.generation, self.view.world_size, online=not command.ranks,
+                                replaced=command.ranks)
         if not command.ranks:
             return command  # the online level: nothing to start, the agents only move to the new generation
         if self.policy.gather_timeout <= 0:

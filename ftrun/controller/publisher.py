@@ -144,13 +144,16 @@ class Publisher:
 
     # -- the ranks ----------------------------------------------------------------------------------
 
-    def announce(self, generation: int, world_size: int, online: bool = False) -> None:
+    def announce(self, generation: int, world_size: int, online: bool = False, replaced: tuple[int, ...] = ()) -> None:
         """Tell the ranks which generation to form; ranks still forming an older one give it up. ``online``:
-        the repair replaces no process (said before the target, for the MindSpore ranks' relays)."""
+        the repair replaces no process (said before the target, for the MindSpore ranks' relays); ``replaced``:
+        the ranks it starts again (said before the target: their old processes leave rather than join)."""
         if generation == self._announced:
             return  # more ranks for the same repair
         if online:
             self.store.set_text(self.keys.online_repair(generation), "1")
+        if replaced:
+            self.store.set_text(self.keys.replaced(generation), ",".join(map(str, replaced)))
         self.store.set_text(self.keys.target_generation, str(generation))  # first: what they move to
         self.store.set_texts([self.keys.group_ready(older) for older in range(self._announced, generation)],
                              "superseded")

@@ -119,6 +119,8 @@ class ControlLink:
         self.generation = -1
         #: a replacement: the generation it was spawned into, which it joins without having stopped
         self.spawned_for = env.generation if env.replacement else None
+        #: the generation this process was started into
+        self.born = env.generation
         #: the main thread is in a repair: the watch leaves it alone
         self.repairing = False
         self._groups: GroupSet | None = None
@@ -190,6 +192,15 @@ class ControlLink:
         """The newest generation the controller announced."""
         text = self.store.try_text(self.keys.target_generation)
         return int(text) if text else 0
+
+    def replaced_since_start(self, target: int) -> bool:
+        """Whether a repair since this process started, up to generation ``target``, started this rank again
+        elsewhere: a frozen node's rank, woken after a spare took its place, must not join in its stead."""
+        for generation in range(self.born + 1, target + 1):
+            text = self.store.try_text(self.keys.replaced(generation))
+            if text and str(self.rank) in text.split(","):
+                return True
+        return False
 
     def await_target(self, above: int, timeout: float) -> int | None:
         """The first generation announced above ``above`` within ``timeout`` seconds, or None. While the

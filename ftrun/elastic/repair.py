@@ -74,6 +74,10 @@ class Repair:
         """Leave the current generation's groups and form ``target``'s (or a newer one's); returns it."""
         while True:
             self.link.repairing = True
+            if self.link.replaced_since_start(target):
+                log.error("rank %d: generation %d starts this rank again elsewhere (its node was taken for lost); "
+                          "exiting", self.link.rank, target)
+                os._exit(EXIT_STUCK)
             if target != self.link.spawned_for:
                 self.link.reach(target, Milestone.STOPPED)
             self.leave()

@@ -3,16 +3,18 @@ job behind ftrun's groups, the real training state, and a fake link in place of 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from ftrun.contract import Fallback, Milestone, RollbackFailure
+from ftrun.elastic.arrays import TorchSnapshotWriter
 from ftrun.elastic.backends import CommBackend
 from ftrun.elastic.groups import GroupSet, install
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.repair import Repair, RepairError
-from ftrun.elastic.arrays import TorchSnapshotWriter
 from ftrun.elastic.state import TrainingState
 
 
@@ -37,6 +39,11 @@ class FakeLink:
         self.failures: dict[int, RollbackFailure] = {}
         self.timed_out = False
         self.collective_errors: list[BaseException] = []
+        #: generations that started this rank again elsewhere
+        self.replaced: set[int] = set()
+
+    def replaced_since_start(self, target: int) -> bool:
+        return any(generation <= target for generation in self.replaced)
 
     def reach(self, generation: int, milestone: Milestone) -> int:
         self.reached.append((generation, milestone))
@@ -128,6 +135,22 @@ def test_a_replacement_joins_its_generation_without_saying_it_stopped(groups):
     started(groups, state, link, generation=2)
     assert link.reached == [(2, Milestone.ARRIVED), (2, Milestone.JOINED)]
     assert link.repairing  # part of the repair until a peer sent it the state
+
+
+def test_a_rank_its_generation_starts_again_elsewhere_leaves_instead_of_joining(groups, monkeypatch):
+    # a frozen node's rank, woken after a spare took its place: joining, it took its replacement's seat in the
+    # generation's groups, and the job ended with another state than a fault-free run's
+    link = FakeLink(announced=2)
+    link.replaced = {2}
+    repair = Repair(TrainingState(ReplicaLayout.data_parallel(1)), groups, link)  # type: ignore[arg-type]
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)
+    with pytest.raises(SystemExit):
+        repair.join(2)
+    assert link.reached == []  # it never arrived in generation 2
 
 
 def test_a_generation_superseded_before_every_rank_arrived_is_left_for_the_newer_one(groups):
