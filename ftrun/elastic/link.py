@@ -195,7 +195,10 @@ class ControlLink:
 
     def replaced_since_start(self, target: int) -> bool:
         """Whether a repair since this process started, up to generation ``target``, started this rank again
-        elsewhere: a frozen node's rank, woken after a spare took its place, must not join in its stead."""
+        elsewhere: a frozen node's rank, woken after a spare took its place, must not join in its stead. Never
+        a replacement: a newer repair that still names its rank is one it goes on into (a successor's, say)."""
+        if self.spawned_for is not None:
+            return False
         for generation in range(self.born + 1, target + 1):
             text = self.store.try_text(self.keys.replaced(generation))
             if text and str(self.rank) in text.split(","):
