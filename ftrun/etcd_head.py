@@ -23,7 +23,7 @@ from ftrun.auth import new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.journal import DecisionPart
 from ftrun.controller.leadership import EtcdKeys
-from ftrun.controller.policy import Phase
+from ftrun.controller.states import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError, created_at, put
 from ftrun.head import SESSION_GRACE, SSH_FAILED, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import time
 
-from ftrun.controller.policy import REPAIR_PHASES, JobView, Phase
+from ftrun.controller.states import REPAIR_PHASES, JobView, Phase
 from ftrun.events import EventLog
 from ftrun.keys import JobKeys
 from ftrun.messages import NodeSlot, NodeStatus
@@ -97,7 +97,7 @@ class StatusBoard:
             "elapsed": now - self.started,
             "generation": view.generation,
             "phase": view.phase.value,
-            "level": view.repair_level if view.phase in REPAIR_PHASES else "",
+            "level": view.level.value if view.phase in REPAIR_PHASES else "",
             "phase_for": now - phase_since,
             "recovery": view.recovery.value,
             "restarts_used": view.restarts_used,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ftrun.controller.leadership import EtcdKeys, Leadership
-from ftrun.controller.policy import JobView, Phase
+from ftrun.controller.states import JobView, Phase
 from ftrun.etcd import EtcdClient, put
 from ftrun.messages import NodeSlot, RendezvousResult, from_json, to_json
 

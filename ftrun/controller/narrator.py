@@ -13,7 +13,7 @@ import logging
 from typing import Callable
 
 from ftrun.contract import Fallback, RollbackFailure
-from ftrun.controller.policy import REPAIR_PHASES, JobView, Level, Phase
+from ftrun.controller.states import IN_PLACE, REPAIR_PHASES, JobView, Level, Phase
 from ftrun.errors import ExitCode
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, OperatorAction, OperatorRequest, RendezvousResult
@@ -137,21 +137,21 @@ class Narrator:
         for line in after.resized[len(before.resized) if before else 0:]:
             log.warning(line)
             self.events.emit("resized", after.generation, line, world_size=after.world_size)
-        if before is None or (before.phase, before.generation, before.level, before.online) == (
-                after.phase, after.generation, after.level, after.online):
+        if before is None or (before.phase, before.generation, before.level) == (
+                after.phase, after.generation, after.level):
             return False  # nothing moved (a process-level repair that goes to job level may stay STOPPING)
         if before.phase is not after.phase:
             self.events.emit("phase", after.generation, f"{before.phase.value} -> {after.phase.value}",
-                             phase=after.phase.value, level=after.repair_level)
-        if before.online and not after.online and after.level is Level.PROCESS and after.phase in REPAIR_PHASES:
+                             phase=after.phase.value, level=after.level.value)
+        if before.level is Level.ONLINE and after.level is Level.PROCESS and after.phase in REPAIR_PHASES:
             self._went_down(after)
         if after.phase is Phase.EXITING:
             pass  # the controller says how the job finished, with the final status
         elif before.phase is Phase.RUNNING and after.phase is Phase.STOPPING:
             self._fault_stopped_the_job(before, after, now)
-        elif before.level is Level.PROCESS and after.level is Level.JOB and after.no_replica:
+        elif before.level in IN_PLACE and after.level is Level.JOB and after.no_replica:
             self._decision(after)  # the process-level repair under way is given up: every rank failed
-        elif before.level is Level.PROCESS and after.level is Level.JOB and after.phase is Phase.STOPPING:
+        elif before.level in IN_PLACE and after.level is Level.JOB and after.phase is Phase.STOPPING:
             self._fell_back(before, after)
         elif after.phase in PROCESS_PHASES:
             # a decision may pass through several phases at once (reaped before everyone stopped)
@@ -164,7 +164,7 @@ class Narrator:
                 self.repair.mark("restart", now)
                 self.restarting = after.generation
             else:
-                self._repaired(before.level, before.free_restart, after, now, before.online)
+                self._repaired(before.level, before.free_restart, after, now)
         return True
 
     def check_restarted(self, view: JobView, now: float) -> None:
@@ -207,7 +207,7 @@ class Narrator:
     def _fell_back(self, before: JobView, after: JobView) -> None:
         """The process-level (or online) repair under way gives way to a job-level restart: said here once
         for the whole job (the ranks that found it print nothing), with what would have avoided it."""
-        repair = "online repair" if before.online else "process-level repair"
+        repair = "online repair" if before.level is Level.ONLINE else "process-level repair"
         line = f"{repair} of generation {after.generation} falls back to job level: {after.reason}"
         remedy = fallback_remedy(after.fallback) if after.fallback is not None else ""
         if remedy:
@@ -219,25 +219,25 @@ class Narrator:
     def _decision(self, after: JobView) -> None:
         """The level the job's recovery takes (the first decision, or the move to job level once every
         rank has failed)."""
-        target = after.generation if after.level is Level.PROCESS else after.next_generation
+        target = after.generation if after.level in IN_PLACE else after.next_generation
         if after.free_restart:
             line = f"job-level restart into generation {target} to grow the job"
-        elif after.online:
+        elif after.level is Level.ONLINE:
             line = f"online repair into generation {target}: {after.reason}; no process is replaced"
         else:
             line = f"{after.level.value}-level repair into generation {target}: {after.reason}"
         log.warning(line)
-        self.events.emit("decision", after.generation, line, level="grow" if after.free_restart else after.repair_level,
+        self.events.emit("decision", after.generation, line, level="grow" if after.free_restart else after.level.value,
                          budget_left=after.budget_left, target_generation=target)
 
-    def _repaired(self, level: Level, free_restart: bool, after: JobView, now: float, online: bool = False) -> None:
-        """Training runs again: the repair's phase breakdown (``online``: no process was replaced)."""
+    def _repaired(self, level: Level, free_restart: bool, after: JobView, now: float) -> None:
+        """Training runs again: the repair's phase breakdown."""
         phases = self.repair.breakdown(now)
         total = sum(seconds for _, seconds in phases)
         detail = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in phases)
-        if level is Level.PROCESS:
+        if level in IN_PLACE:
             line = f"generation {after.generation} resumed training {total:.2f}s after the fault ({detail})"
-            line += ", repaired online: no process replaced" if online else ""
+            line += ", repaired online: no process replaced" if level is Level.ONLINE else ""
         elif free_restart:
             line = f"generation {after.generation} starting with {len(after.present)} nodes"
         elif phases[-1][0] == "restart":
@@ -247,7 +247,7 @@ class Narrator:
         log.warning(line)
         self.repair = RepairClock()
         if not free_restart:
-            self.events.emit("repair_done", after.generation, line, level="online" if online else level.value,
+            self.events.emit("repair_done", after.generation, line, level=level.value,
                              durations={name: round(seconds, 6) for name, seconds in phases}, total=round(total, 6))
 
     # -- what the controller did --------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The recovery policy, as pure transitions over a frozen view of the job.
 
 No clock, store or process in here: each ``on_*`` function takes the job's view
-and one event and returns the next view and the commands to publish. The
-controller thread (``controller.py``) turns store contents into events and
-applies the results.
+(``states.py``) and one event and returns the next view and the commands to publish;
+:func:`decide` picks the function for an event of the controller's inbox (``inbox.py``).
+The observers (``observers.py``) turn what the store shows into those events, and the
+executor (``executor.py``) applies the results.
 
 Process level (docs/design.md, "The repair, step by step"): a fault moves RUNNING to
 STOPPING and names the ranks to replace; the phases then follow the milestones
@@ -11,11 +12,11 @@ the ranks and agents reach (healthy ranks left the old group, failed processes
 reaped, the new group formed, state rolled back) until RUNNING again. Job level:
 STOPPING until every agent stopped its workers, then every worker starts anew.
 
-The online level is a process-level repair that replaces nobody: a rank's collective failed while
-every process lived (:func:`on_collective_failed`), so every rank is healthy and only the groups and the
-step are redone. Its phases are process level's, with no rank to reap; a death or a hang during it
-takes the same repair down to process level (``online`` goes False), a failure of the re-formed groups
-to job level.
+The online level replaces nobody: a rank's collective failed while every process lived
+(:func:`on_collective_failed`, once :func:`on_collective_seen` held it ONLINE_GRACE), so every rank is
+healthy and only the groups and the step are redone. Its phases are process level's, with no rank to
+reap; a death or a hang during it takes the same repair down to process level, a failure of the
+re-formed groups to job level.
 
 When every rank of a generation has failed, no healthy replica can hand the training state on, and
 a process-level repair would replace every rank only to find that out at the rollback: the job goes
@@ -36,164 +37,12 @@ rollback goes back to the newest snapshot all of them hold.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from dataclasses import dataclass
 
 from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure
+from ftrun.controller import inbox
+from ftrun.controller.states import IN_PLACE, MILESTONE_OF, REPAIR_PHASES, Decision, Heard, HeldCollective, JobView, Level, Phase
 from ftrun.errors import ExitCode
 from ftrun.messages import Command, CommandKind, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
-
-
-class Phase(enum.Enum):
-    """Where the job stands, from the controller's point of view."""
-
-    #: the generation's workers are running (or some nodes have finished theirs)
-    RUNNING = "running"
-    #: a fault was seen. Job level: agents stop every worker. Process level: healthy ranks leave
-    #: their process group at a safe point while the failed ranks' agents clear them
-    STOPPING = "stopping"
-    #: process level: healthy ranks have stopped; the failed ranks' processes are being reaped
-    ENV_CLEAR = "env_clear"
-    #: process level: replacements are up; every rank forms the next generation's process group
-    REPAIR = "repair"
-    #: process level: the group is formed; the consistent step's state goes to the ranks lacking it
-    ROLLBACK = "rollback"
-    #: the job is over (success, budget spent or interrupted); agents are stopping and leaving
-    EXITING = "exiting"
-    #: every agent has acknowledged the exit (or is gone); the controller can stop
-    DONE = "done"
-
-
-REPAIR_PHASES = (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR, Phase.ROLLBACK)
-
-#: every legal edge; anything else is a bug and raises
-TRANSITIONS = {
-    Phase.RUNNING: {Phase.STOPPING, Phase.EXITING},
-    # job level: all stopped -> the next generation runs; process level: healthy ranks out -> clear
-    # process level -> STOPPING at job level (here and from the next two): the repair failed, or every
-    # rank has failed and no healthy replica is left
-    Phase.STOPPING: {Phase.RUNNING, Phase.ENV_CLEAR, Phase.STOPPING, Phase.EXITING},
-    Phase.ENV_CLEAR: {Phase.REPAIR, Phase.STOPPING, Phase.EXITING},
-    Phase.REPAIR: {Phase.ROLLBACK, Phase.STOPPING, Phase.EXITING},
-    # rolled back -> running; a fault during rollback -> a new repair (STOPPING)
-    Phase.ROLLBACK: {Phase.RUNNING, Phase.STOPPING, Phase.EXITING},
-    Phase.EXITING: {Phase.DONE},
-    Phase.DONE: set(),
-}
-
-
-class Level(enum.Enum):
-    PROCESS = "process"
-    JOB = "job"
-
-
-#: the milestone that ends a process-level phase, and the phase after it
-MILESTONE_OF = {
-    Phase.STOPPING: (Milestone.STOPPED, Phase.ENV_CLEAR),
-    Phase.REPAIR: (Milestone.JOINED, Phase.ROLLBACK),
-    Phase.ROLLBACK: (Milestone.RESUMED, Phase.RUNNING),
-}
-
-
-class IllegalTransition(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class JobView:
-    node_count: int
-    max_restarts: int
-    world_size: int = 0
-    #: the finest level the user allows (--recovery)
-    recovery: Level = Level.JOB
-    #: ranks of the current generation that run under ftrun.elastic (process level needs all)
-    library_ranks: int = 0
-    #: why the script's layout rules process level out (its ranks said so), or ""
-    refusal: str = ""
-    phase: Phase = Phase.RUNNING
-    #: the level of the repair under way (meaningful outside RUNNING)
-    level: Level = Level.JOB
-    #: the process-level repair under way replaces no process: the online level (a collective failed while
-    #: every process lived). A process that dies or hangs meanwhile takes it down to process level
-    online: bool = False
-    generation: int = 0
-    #: the generation the last START began: its healthy ranks live on through process-level repairs
-    start_generation: int = 0
-    restarts_used: int = 0
-    #: process level: ranks being replaced in this generation, and the nodes that must reap them
-    replacing: frozenset[int] = frozenset()
-    clearing: frozenset[int] = frozenset()
-    succeeded: frozenset[int] = frozenset()
-    acknowledged: frozenset[int] = frozenset()
-    lost: frozenset[int] = frozenset()
-    #: every worker failure of the job, oldest first: the first is the root cause
-    failures: tuple[WorkerFailure, ...] = ()
-    #: nodes lost and replaced by a spare, each as one line
-    replaced_nodes: tuple[str, ...] = ()
-    #: --nnodes MIN: with fewer nodes than the rendezvous gave, the job may go on down to MIN
-    #: (0: no scale-in)
-    min_nodes: int = 0
-    #: node ranks left empty by a scale-in (no agent holds them; a node that joins later may)
-    vacant: frozenset[int] = frozenset()
-    #: nodes lost and left out (scale-in), and nodes that joined later (grow back), each as one line
-    resized: tuple[str, ...] = ()
-    #: the restart under way changes the job's size by choice (a node joined): it spends no budget
-    free_restart: bool = False
-    #: the ranks take snapshots (--snapshot-every): a rollback with no healthy replica goes back to them
-    snapshots: bool = False
-    #: process level: the agents were told to start this repair's replacements, which took warm standbys
-    replacements_started: bool = False
-    #: ranks replaced in earlier generations of the repair under way: their replacements hold no training
-    #: state yet, so they are no replica (with ``replacing``, whether a healthy replica is left)
-    stateless: frozenset[int] = frozenset()
-    #: the job-level restart under way was decided because every rank of the generation failed (no
-    #: healthy replica left), not because a process-level repair failed
-    no_replica: bool = False
-    #: the job-level restart under way was decided because the ranks' rollback found no state to go
-    #: back to (they said why; the narrator tells it, with what would have avoided it)
-    fallback: RollbackFailure | None = None
-    exit_code: int = 0
-    reason: str = ""
-    #: under etcd, a successor's: the generation its predecessor may have told the ranks of without its journal
-    #: holding it (the healthy ranks hear of a repair before the journal is written, and a controller may die
-    #: while its journal waits for etcd). The next generation comes after it: reused, it found the ranks
-    #: already past its first milestones in the old store, and the repair waited for them until its deadline
-    unjournaled: int = 0
-
-    def move(self, phase: Phase, **changes) -> "JobView":
-        if phase not in TRANSITIONS[self.phase]:
-            raise IllegalTransition(f"{self.phase.name} -> {phase.name}")
-        return dataclasses.replace(self, phase=phase, **changes)
-
-    @property
-    def next_generation(self) -> int:
-        """The generation a new repair or restart takes."""
-        return max(self.generation, self.unjournaled) + 1
-
-    @property
-    def repair_level(self) -> str:
-        """The level of the repair under way as the views name it: online, process or job."""
-        return "online" if self.online and self.level is Level.PROCESS else self.level.value
-
-    @property
-    def present(self) -> frozenset[int]:
-        return frozenset(range(self.node_count)) - self.lost - self.vacant
-
-    @property
-    def budget_left(self) -> int:
-        return self.max_restarts - self.restarts_used
-
-    @property
-    def every_rank(self) -> frozenset[int]:
-        return frozenset(range(self.world_size))
-
-    @property
-    def process_level_ready(self) -> bool:
-        return (self.recovery is Level.PROCESS and self.world_size > 0 and self.library_ranks >= self.world_size
-                and not self.refusal)
-
-
-Decision = tuple[JobView, list[Command]]
 
 
 def start(view: JobView) -> Decision:
@@ -237,7 +86,7 @@ def _fails_a_live_rank(view: JobView, report: Report) -> bool:
 def _earlier_generation_of_the_repair(view: JobView, generation: int) -> bool:
     """During a process-level repair, a generation since the last START before the repair's own: its healthy
     ranks live on into the repair's generations."""
-    return (view.level is Level.PROCESS and view.phase in REPAIR_PHASES
+    return (view.level in IN_PLACE and view.phase in REPAIR_PHASES
             and view.start_generation <= generation < view.generation)
 
 
@@ -274,25 +123,25 @@ def on_process_level_refused(view: JobView, reason: str) -> Decision:
 
 def on_milestone(view: JobView, milestone: Milestone) -> Decision:
     """Every rank concerned reached ``milestone`` (counted by the controller in the store)."""
-    if view.level is not Level.PROCESS or view.phase not in MILESTONE_OF:
+    if view.level not in IN_PLACE or view.phase not in MILESTONE_OF:
         return view, []
     expected, after = MILESTONE_OF[view.phase]
     if milestone is not expected:
         return view, []
     if after is Phase.RUNNING:
         return view.move(Phase.RUNNING, replacing=frozenset(), clearing=frozenset(), succeeded=frozenset(),
-                         replacements_started=False, stateless=frozenset(), online=False), []
+                         replacements_started=False, stateless=frozenset()), []
     return _advance_clear(view.move(after)), []
 
 
 def on_repair_failed(view: JobView, detail: str, fallback: RollbackFailure | None = None) -> Decision:
     """A process-level repair cannot finish (deadline; ``fallback``: the ranks found no state to go
     back to, ``detail`` its reason): fall back to job level."""
-    if view.phase not in REPAIR_PHASES or view.level is not Level.PROCESS:
+    if view.phase not in REPAIR_PHASES or view.level not in IN_PLACE:
         return view, []
     if view.budget_left <= 0:
         return _exit(view, ExitCode.JOB_FAILED, f"{detail}; retry budget spent, no job-level fallback left")
-    view = view.move(Phase.STOPPING, level=Level.JOB, online=False, acknowledged=frozenset(), reason=detail,
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail,
                      fallback=fallback)
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{detail}; falling back to job level")]
 
@@ -317,7 +166,7 @@ def on_node_lost(view: JobView, node_rank: int, detail: str, spare: str = "", ra
         # a job-level restart under way: the spare has nothing to stop, the lost node never will
         view, commands = _on_stopped(view, node_rank)
         return view, [takeover, *commands]
-    if view.level is Level.PROCESS and view.phase in REPAIR_PHASES and ranks:
+    if view.level in IN_PLACE and view.phase in REPAIR_PHASES and ranks:
         return _repair_goes_on_without(view, node_rank, frozenset(ranks), detail, takeover)
     if view.budget_left <= 0:
         spent = f"retry budget spent ({view.max_restarts} restart{'s' if view.max_restarts != 1 else ''})"
@@ -362,7 +211,7 @@ def _repair_goes_on_without(view: JobView, node_rank: int, ranks: frozenset[int]
         replacing=replacing,
         clearing=view.clearing | {node_rank},
         acknowledged=frozenset(),
-        online=False,
+        level=Level.PROCESS,
     )
     return view, [takeover, _replace_command(view, replacing)]
 
@@ -378,7 +227,7 @@ def on_controller_moved(view: JobView) -> Decision:
     budget: one fault, one repair."""
     if view.phase is Phase.STOPPING and view.level is Level.JOB:
         return view, [Command(CommandKind.STOP, view.generation, reason=view.reason)]
-    if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
+    if view.level not in IN_PLACE or view.phase not in REPAIR_PHASES:
         return view, []
     view = view.move(Phase.STOPPING, generation=view.next_generation, acknowledged=frozenset(),
                      replacements_started=False)
@@ -475,10 +324,10 @@ def _on_failure(view: JobView, report: Report) -> Decision:
     setting = next((f for f in report.failures if f.cause == "setting"), None)
     if setting is not None:
         return _exit(view, ExitCode.JOB_FAILED, f"{setting.describe()}; not retried: a restart would fail the same way")
-    if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level is Level.PROCESS:
+    if view.phase in (Phase.STOPPING, Phase.ENV_CLEAR, Phase.REPAIR) and view.level in IN_PLACE:
         if view.stateless | view.replacing | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
-        if view.online:
+        if view.level is Level.ONLINE:
             # the online repair goes down to process level (its peers saw the death first, as a failed
             # collective), in a generation of its own: its ranks may have resumed their communicators in
             # place (MindSpore), which would leave the replacement out
@@ -496,7 +345,7 @@ def _on_failure(view: JobView, report: Report) -> Decision:
             acknowledged=view.acknowledged - {report.node_rank},
         )
         return view, [_replace_command(view, ranks)]
-    if view.phase is Phase.ROLLBACK and view.level is Level.PROCESS:
+    if view.phase is Phase.ROLLBACK and view.level in IN_PLACE:
         if view.stateless | ranks >= view.every_rank and not _repair_goes_on_from_snapshots(view):
             return _no_replica_left(view, first)
         # the repair's group broke before it resumed
@@ -533,7 +382,7 @@ def _repair_in_a_new_generation(view: JobView, ranks: frozenset[int], node_rank:
         stateless=view.stateless | view.replacing,
         clearing=frozenset({node_rank}),
         acknowledged=frozenset(),
-        online=False,
+        level=Level.PROCESS,
     )
     return view, [_replace_command(view, ranks)]
 
@@ -559,8 +408,7 @@ def on_collective_failed(view: JobView, failure: CollectiveFailure, node_rank: i
             return _exit(view, ExitCode.JOB_FAILED, f"{failure.describe()}; {spent}")
         view = view.move(
             Phase.STOPPING,
-            level=Level.PROCESS,
-            online=True,
+            level=Level.ONLINE,
             generation=view.next_generation,
             restarts_used=view.restarts_used + 1,
             replacing=frozenset(),
@@ -569,15 +417,45 @@ def on_collective_failed(view: JobView, failure: CollectiveFailure, node_rank: i
             reason=failure.describe(),
         )
         return view, [_replace_command(view, frozenset())]
-    if view.online and view.level is Level.PROCESS and view.phase in REPAIR_PHASES:
+    if view.level is Level.ONLINE and view.phase in REPAIR_PHASES:
         view = dataclasses.replace(view, failures=view.failures + (record,))
         return on_repair_failed(view, f"{failure.describe()} during the online repair")
     return view, []
 
 
+#: how long a rank's failed collective is held before it counts as a fault of its own (the online level):
+#: a peer that died breaks the same collectives, and its agent, which sees the death at once (pidfds),
+#: reports it within this; the death then decides, and the failed collective was its echo. It is held
+#: too until every node's agent has sent a keepalive since (at most AGENT_HEARTBEAT_INTERVAL): a node
+#: whose agent died with its ranks reports nothing, and its loss, told by --node-timeout, decides
+ONLINE_GRACE = 0.25
+
+
+def on_collective_seen(view: JobView, seen: inbox.CollectiveFailed) -> Decision:
+    """A rank's failed collective, seen again at each turn of the controller while its key holds it: held
+    from its first sight, it becomes the online repair (:func:`on_collective_failed`) once ONLINE_GRACE
+    passed with no death decided meanwhile and every node's agent was heard from since. Watched only where
+    process level is ready (else a rank's own wait for an announcement ends it) or during an online repair."""
+    watched = (view.phase is Phase.RUNNING and view.process_level_ready) or (
+        view.level is Level.ONLINE and view.phase in REPAIR_PHASES)
+    if not watched:
+        return view, []
+    held = view.held
+    if held is None or held.generation != view.generation:
+        return dataclasses.replace(view, held=HeldCollective(view.generation, seen.seen, seen.heard)), []
+    if seen.seen - held.since < ONLINE_GRACE or not _heard_from_every_node_since(held.heard, seen.heard):
+        return view, []
+    return on_collective_failed(view, seen.failure, seen.node_rank, seen.host)
+
+
+def _heard_from_every_node_since(then: tuple[Heard, ...], now: tuple[Heard, ...]) -> bool:
+    counts = {heard.node_rank: heard.keepalives for heard in now}
+    return all(counts.get(heard.node_rank, 0) > heard.keepalives for heard in then)
+
+
 def on_replacements_started(view: JobView) -> Decision:
     """The repair's REPLACE commands went out: its replacements take the nodes' warm standbys now."""
-    if view.level is not Level.PROCESS or view.phase not in REPAIR_PHASES:
+    if view.level not in IN_PLACE or view.phase not in REPAIR_PHASES:
         return view, []
     return dataclasses.replace(view, replacements_started=True), []
 
@@ -603,7 +481,7 @@ def _no_replica_left(view: JobView, first: str, why: str = "every rank failed") 
     cause = first if starting else view.reason  # the repair's reason names the root cause
     reason = f"{cause}; {why}, no healthy replica holds the training state"
     refund = 0 if starting else 1
-    view = view.move(Phase.STOPPING, level=Level.JOB, online=False, restarts_used=view.restarts_used - refund,
+    view = view.move(Phase.STOPPING, level=Level.JOB, restarts_used=view.restarts_used - refund,
                      acknowledged=frozenset(), no_replica=True, reason=reason)
     return view, [Command(CommandKind.STOP, view.generation, reason=f"{reason}; restarting at job level")]
 
@@ -636,7 +514,6 @@ def _restart_when_stopped(view: JobView) -> Decision:
         start_generation=view.next_generation,
         restarts_used=view.restarts_used + (0 if view.free_restart else 1),
         free_restart=False,
-        online=False,
         no_replica=False,
         fallback=None,
         replacements_started=False,
@@ -652,7 +529,7 @@ def _restart_when_stopped(view: JobView) -> Decision:
 
 def _on_cleared(view: JobView, node_rank: int) -> Decision:
     """An agent reaped its failed ranks; the milestone counts once every such node has."""
-    if view.level is not Level.PROCESS or view.phase not in (Phase.STOPPING, Phase.ENV_CLEAR):
+    if view.level not in IN_PLACE or view.phase not in (Phase.STOPPING, Phase.ENV_CLEAR):
         return view, []
     return _advance_clear(dataclasses.replace(view, acknowledged=view.acknowledged | {node_rank})), []
 
@@ -694,3 +571,47 @@ def _maybe_done(view: JobView, commands: list[Command]) -> Decision:
     if view.acknowledged >= view.present:
         view = view.move(Phase.DONE)
     return view, commands
+
+
+def decide(view: JobView, event: inbox.Event) -> Decision:
+    """The next view and commands after one event of the controller's inbox (a ``HostGone`` is made a
+    ``NodeLost`` by the controller, which knows the hosts)."""
+    match event:
+        case inbox.Reported(report):
+            return on_report(view, report)
+        case inbox.StopsAcknowledged(generation, nodes):
+            return on_stopped(view, nodes) if generation == view.generation else (view, [])
+        case inbox.CollectiveFailed():
+            return on_collective_seen(view, event)
+        case inbox.MilestoneReached(milestone):
+            return on_milestone(view, milestone)
+        case inbox.RepairFailed(detail, fallback):
+            return on_repair_failed(view, detail, fallback)
+        case inbox.NodeLost(slot, detail, spare):
+            return on_node_lost(view, slot.node_rank, detail, spare, event.ranks)
+        case inbox.LibraryRanks(count):
+            return on_library_ranks(view, count)
+        case inbox.ProcessLevelRefused(reason):
+            return on_process_level_refused(view, reason)
+        case inbox.OperatorAsked():
+            return _on_operator_asked(view, event)
+        case inbox.StopAsked(exit_code, reason):
+            return on_stop(view, exit_code, reason)
+        case inbox.SpareIdle(node_rank, spare):
+            return on_node_joined(view, node_rank, spare.agent_id, spare.nproc, spare.host)
+        case inbox.ReplacementsStarted():
+            return on_replacements_started(view)
+        case inbox.ControllerMoved():
+            return on_controller_moved(view)
+    raise ValueError(f"no decision for {event!r}")
+
+
+def _on_operator_asked(view: JobView, asked: inbox.OperatorAsked) -> Decision:
+    request, slot = asked.request, asked.slot
+    if asked.refusal:
+        return view, []
+    if request.action is OperatorAction.STOP or slot is None:
+        return on_operator(view, request)
+    if request.action is OperatorAction.DRAIN:
+        return on_operator(view, request, spare=asked.spare, ranks=tuple(range(slot.first_rank, slot.first_rank + slot.nproc)))
+    return on_operator(view, request, slot.node_rank, request.rank - slot.first_rank, slot.host, asked.pid, at=asked.at)

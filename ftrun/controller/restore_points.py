@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ftrun.controller.narrator import Narrator
-from ftrun.controller.policy import JobView
+from ftrun.controller.states import JobView
 from ftrun.keys import JobKeys
 from ftrun.messages import NodeSlot
 from ftrun.snapshots.keeper import SnapshotOptions

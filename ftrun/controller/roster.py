@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ftrun.controller.policy import JobView
+from ftrun.controller.states import JobView
 from ftrun.keys import JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult
 from ftrun.rendezvous import node_slot
@@ -44,6 +44,26 @@ class Keepalives:
 
     def forget(self, key: str) -> None:
         self._seen.pop(key, None)
+
+
+class OwnPause:
+    """A controller whose thread did not turn for longer than --node-timeout: its process was stopped
+    (SIGSTOP, its host suspended), and the agents' silence meanwhile is its own. Those whose calls to its
+    store gave up look for the controller in etcd, and come back once it answers; each agent gets a whole
+    timeout from then, as with a successor (counted, a controller woken after 8 s took its spares for lost
+    at once)."""
+
+    def __init__(self, keepalives: Keepalives, timeout: float):
+        self.keepalives, self.timeout = keepalives, timeout
+        #: when the controller's thread last turned (monotonic; 0 before its loop)
+        self._turned = 0.0
+
+    def turned(self, now: float) -> None:
+        if self._turned and now - self._turned > self.timeout:
+            log.warning("the controller did not run for %.1fs (its process stopped?): the agents' silence "
+                        "counts from now", now - self._turned)
+            self.keepalives.quiet_until(now + self.timeout)
+        self._turned = now
 
 
 class Roster:

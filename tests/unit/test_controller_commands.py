@@ -14,8 +14,9 @@ from ftrun.auth import Signer
 from ftrun.config import Endpoint
 from ftrun.contract import Milestone
 from ftrun.controller.controller import Controller, RecoveryPolicy
+from ftrun.controller.inbox import Reported
 from ftrun.controller.leadership import EtcdKeys
-from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.controller.states import JobView, Level, Phase
 from ftrun.etcd import EtcdUnavailable
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, RendezvousResult, Report, ReportKind, WorkerFailure
@@ -53,7 +54,7 @@ def published(controller: Controller) -> list[Command]:
 
 
 def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_told(controller):
-    controller._on_report(failed(3))
+    controller.take([Reported(failed(3))])
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.PROCESS)
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the healthy ranks leave now
     controller.publisher.release_held()
@@ -66,7 +67,7 @@ def test_a_repair_s_replacements_go_out_a_moment_after_the_healthy_ranks_are_tol
 def test_a_whole_job_crash_reported_rank_by_rank_takes_no_warm_standby_for_a_doomed_repair(controller):
     # the deaths of a whole job's crash come a few milliseconds apart, each node's in its own report
     for report in (failed(2), failed(0, 1), failed(3)):
-        controller._on_report(report)
+        controller.take([Reported(report)])
     assert (controller.view.phase, controller.view.level, controller.view.no_replica) == (Phase.STOPPING, Level.JOB,
                                                                                           True)
     controller.publisher.clock.advance(HOLD)
@@ -79,14 +80,14 @@ def test_staggered_deaths_of_every_rank_after_the_replacements_started_stay_one_
     # the first death's replacement took its node's warm standby; the others die over the next second.
     # A job-level restart now would kill it and want four warm standbys where three are left
     controller.view = dataclasses.replace(controller.view, snapshots=True)
-    controller._on_report(failed(3))
+    controller.take([Reported(failed(3))])
     controller.publisher.clock.advance(HOLD)
-    controller._release_replacements()
+    controller.take(controller.executor.release_held())
     assert controller.view.replacements_started
     for report in (failed(2), failed(0, 1)):
-        controller._on_report(report)
+        controller.take([Reported(report)])
     controller.publisher.clock.advance(HOLD)
-    controller._release_replacements()
+    controller.take(controller.executor.release_held())
     view = controller.view
     assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 3, 1)
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [
@@ -100,19 +101,19 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
 
     controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
     controller.view = dataclasses.replace(controller.view, recovery=Level.JOB, library_ranks=0)
-    controller._on_report(failed(3))
+    controller.take([Reported(failed(3))])
     assert (controller.view.phase, controller.view.level) == (Phase.STOPPING, Level.JOB)
     agents = []
     for n in (0, 1):
         agents.append(NodeProtocol(controller.store, controller.keys, f"agent-{n}", node_timeout=10.0))
         agents[-1].node_rank = n
     agents[0].acknowledge_stop(0)
-    controller._take_reports()
+    controller.tick(0.0)
     assert controller.view.phase is Phase.STOPPING  # node 1 still has workers
     # a stale agent's word for node 1, and a text anyone could write under its agent's key: neither counts
     NodeProtocol(controller.store, controller.keys, "gone", node_timeout=10.0).acknowledge_stop(0)
     controller.store.set_text(controller.keys.stopped(0, "agent-1"), '{"kind": "stopped"}')
-    controller._take_reports()
+    controller.tick(0.0)
     assert (controller.view.phase, controller.view.acknowledged) == (Phase.STOPPING, frozenset({0}))
     # node 1's rank 2 died as it stopped: reported, then the stop acknowledged, both just after the
     # controller read the reports; the failure still counts before the restart
@@ -126,8 +127,8 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
         return found
 
     monkeypatch.setattr(controller.store, "read_from", written_as_the_reports_are_read)
-    controller._take_reports()
-    controller._take_reports()
+    controller.tick(0.0)
+    controller.tick(0.0)
     assert (controller.view.phase, controller.view.generation) == (Phase.RUNNING, 1)
     assert sorted(f.rank for f in controller.view.failures) == [2, 3]  # counted before the restart
     assert [c.kind for c in published(controller)] == [CommandKind.STOP, CommandKind.START]
@@ -136,11 +137,11 @@ def test_a_job_level_restart_waits_for_every_node_s_signed_acknowledgement_and_c
 
 def test_a_start_says_the_world_before_it_and_the_layout_a_repair_s_replacement_sees_no_resize(controller):
     controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
-    controller._apply((controller.view, [Command(CommandKind.START, 0)]))
+    controller.executor.apply((controller.view, [Command(CommandKind.START, 0)]))
     # node 1 lost, no spare: the job goes on with node 0 alone (a scale-in restarts every rank)
     shrunk = dataclasses.replace(controller.view, lost=frozenset({1}), world_size=2)
-    controller._apply((shrunk, [Command(CommandKind.START, 1)]))
-    controller._apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
+    controller.executor.apply((shrunk, [Command(CommandKind.START, 1)]))
+    controller.executor.apply((shrunk, [Command(CommandKind.REPLACE, 2, ranks=(1,))]))
     controller.publisher.clock.advance(HOLD)
     controller.publisher.release_held()
     first, second, repair = published(controller)
@@ -185,15 +186,15 @@ def test_a_decision_that_waits_for_etcd_keeps_the_controllers_keepalive_beating_
     # 0.5 s), not once after each
     office = OfficeWithoutQuorum([(1, True), (3, False)],
                                  lambda: controller.store.counter(controller.keys.controller_heartbeat))
-    controller.leadership = office
+    controller.office.leadership = office
     controller.roster.nodes = {n: NodeSlot(n, f"agent-{n}", f"h{n}", 2, 2 * n) for n in (0, 1)}
-    controller.rendezvous_result = RendezvousResult(tuple(controller.roster.nodes.values()), 4)
-    controller._on_report(failed(3))  # waits for the journal: one try refused, the next one written
+    controller.executor.rendezvous = RendezvousResult(tuple(controller.roster.nodes.values()), 4)
+    controller.take([Reported(failed(3))])  # waits for the journal: one try refused, the next one written
     assert office.written == 1 and office.waits == []
     assert controller.narrator.etcd_down  # said once, while it waited
     assert controller.store.try_text(controller.keys.target_generation) == "1"  # the ranks were told at once
     controller.publisher.clock.advance(HOLD)
-    controller._release_replacements()  # and the replacement goes out once the journal holds the decision
+    controller.take(controller.executor.release_held())  # and the replacement goes out once the journal holds the decision
     assert [(c.kind, c.generation, c.ranks) for c in published(controller)] == [(CommandKind.REPLACE, 1, (3,))]
 
 
@@ -201,13 +202,13 @@ def test_a_failure_after_the_ranks_resumed_is_a_repair_of_its_own_however_far_be
     # the controller's decisions waited for etcd while the ranks finished the repair on their own; a rank
     # killed as etcd answered was taken for a failure of that repair's rollback, its replacement for one
     # without state (issue 40)
-    controller._on_report(failed(3))
+    controller.take([Reported(failed(3))])
     controller.publisher.clock.advance(HOLD)
-    controller._release_replacements()
+    controller.take(controller.executor.release_held())
     controller.view = dataclasses.replace(controller.view, phase=Phase.REPAIR)  # as far as it got
     for milestone in (Milestone.JOINED, Milestone.RESUMED):  # where the ranks are: training again
         controller.store.add(controller.keys.milestone(1, milestone.value), 4)
-    controller._on_report(dataclasses.replace(failed(2), generation=1))  # its agent is in generation 1 too
+    controller.take([Reported(dataclasses.replace(failed(2), generation=1))])  # its agent is in generation 1 too
     view = controller.view
     assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2, 2)
     assert view.replacing == {2} and view.stateless == frozenset()  # rank 3's replacement holds the state now
@@ -219,9 +220,9 @@ def test_a_controller_stopped_past_the_node_timeout_counts_no_silence_of_its_own
     # the agents that looked for it in etcd meanwhile were lost, and with them the job
     timeout = controller.policy.node_timeout
     for now in (100.0, 100.5, 101.0):  # turning: nothing to forgive
-        controller._after_own_pause(now)
+        controller.pause.turned(now)
         assert controller.roster.silent_nodes(controller.view, now, timeout) == []  # first seen at 100.0
-    controller._after_own_pause(101.0 + timeout + 1)  # the process stopped for longer than the timeout
+    controller.pause.turned(101.0 + timeout + 1)  # the process stopped for longer than the timeout
     woken = 101.0 + timeout + 1
     assert controller.roster.silent_nodes(controller.view, woken, timeout) == []
     assert controller.roster.silent_nodes(controller.view, woken + timeout + 0.5, timeout) == []  # back from etcd
@@ -234,5 +235,5 @@ def test_a_controller_that_turns_counts_the_agents_silence_as_ever(controller):
     controller.roster.silent_nodes(controller.view, now, timeout)  # first seen
     while now < 100.0 + timeout + 0.5:
         now += 1.0
-        controller._after_own_pause(now)
+        controller.pause.turned(now)
     assert controller.roster.silent_nodes(controller.view, now, timeout) == [0, 1]

@@ -10,7 +10,8 @@ import pytest
 
 from ftrun.contract import Fallback, RollbackFailure
 from ftrun.controller.narrator import Narrator
-from ftrun.controller.policy import JobView, Level, Phase, on_repair_failed, on_report
+from ftrun.controller.states import JobView, Level, Phase
+from ftrun.controller.policy import on_repair_failed, on_report
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, OperatorAction, OperatorRequest, Report, ReportKind, WorkerFailure
 from ftrun.snapshots.plan import Restore

@@ -14,7 +14,7 @@ from ftrun.agent.protocol import NodeProtocol, Watch
 from ftrun.auth import Signer
 from ftrun.config import Endpoint
 from ftrun.controller.controller import Controller, RecoveryPolicy
-from ftrun.controller.policy import Level
+from ftrun.controller.states import Level
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.errors import RendezvousError
 from ftrun.messages import (

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from ftrun.contract import CollectiveFailure, Milestone
 from ftrun.controller.narrator import Narrator
-from ftrun.controller.policy import JobView, Level, Phase, on_collective_failed, on_milestone, on_report
+from ftrun.controller.states import JobView, Level, Phase
+from ftrun.controller.policy import on_collective_failed, on_milestone, on_report
 from ftrun.elastic.backends import CommBackend, HcclBackend, Memory, NcclBackend
 from ftrun.elastic.groups import GroupError, GroupSet, _Guarded, first_line
 from ftrun.events import EventLog, read_events
@@ -38,10 +39,10 @@ def died(rank=1, node=0, generation=0) -> Report:
 
 def test_transition_running_to_stopping_online_replaces_nobody_and_spends_one_unit():
     v, commands = on_collective_failed(ready(), cut(), node_rank=0, host="h0")
-    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, True, 1, 1)
+    assert (v.phase, v.level, v.generation, v.restarts_used) == (Phase.STOPPING, Level.ONLINE, 1, 1)
     assert v.replacing == frozenset() and v.clearing == frozenset()
     assert [(c.kind, c.generation, c.ranks) for c in commands] == [(CommandKind.REPLACE, 1, ())]
-    assert v.repair_level == "online"
+    assert v.level.value == "online"
     assert v.failures[-1].cause == "collective" and v.failures[-1].timestamp == 100.0
     assert "rank 1 on node 0 (h0): a collective failed (Read error" in v.failures[-1].describe()
 
@@ -52,7 +53,9 @@ def test_transition_online_repair_through_its_phases_back_to_running():
     assert v.phase is Phase.REPAIR  # no rank to reap: env clear passes at once
     v, _ = on_milestone(v, Milestone.JOINED)
     v, _ = on_milestone(v, Milestone.RESUMED)
-    assert (v.phase, v.online, v.generation) == (Phase.RUNNING, False, 1)
+    assert (v.phase, v.generation) == (Phase.RUNNING, 1)
+    v, _ = on_report(v, died(rank=1, generation=1))  # the next fault is a repair of its own, not online
+    assert (v.phase, v.level, v.generation, v.replacing) == (Phase.STOPPING, Level.PROCESS, 2, {1})
 
 
 def test_a_failed_collective_of_a_generation_already_left_is_ignored():
@@ -77,7 +80,7 @@ def test_transition_online_to_process_level_when_a_rank_dies_during_it():
     # same repair down to process level, in a generation of its own, with no second unit of budget
     v, _ = on_collective_failed(ready(), cut(rank=0))
     v, commands = on_report(v, died(rank=1))
-    assert (v.phase, v.level, v.online, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, False, 2, 1)
+    assert (v.phase, v.level, v.generation, v.restarts_used) == (Phase.STOPPING, Level.PROCESS, 2, 1)
     assert v.replacing == {1} and [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, (1,))]
 
 
@@ -85,7 +88,7 @@ def test_transition_online_to_job_level_when_its_regrouped_collectives_fail_agai
     v, _ = on_collective_failed(ready(), cut())
     v, _ = on_milestone(v, Milestone.STOPPED)
     v, commands = on_collective_failed(v, cut(rank=2, generation=1))
-    assert (v.phase, v.level, v.online) == (Phase.STOPPING, Level.JOB, False)
+    assert (v.phase, v.level) == (Phase.STOPPING, Level.JOB)
     assert "during the online repair" in v.reason
     assert [c.kind for c in commands] == [CommandKind.STOP]
 

@@ -7,20 +7,8 @@ import dataclasses
 import pytest
 
 from ftrun.contract import Milestone
-from ftrun.controller.policy import (
-    IllegalTransition,
-    JobView,
-    Level,
-    Phase,
-    on_controller_moved,
-    on_milestone,
-    on_node_joined,
-    on_node_lost,
-    on_repair_failed,
-    on_replacements_started,
-    on_report,
-    start,
-)
+from ftrun.controller.states import IllegalTransition, JobView, Level, Phase
+from ftrun.controller.policy import on_controller_moved, on_milestone, on_node_joined, on_node_lost, on_repair_failed, on_replacements_started, on_report, start
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
 
 

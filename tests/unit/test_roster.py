@@ -10,7 +10,7 @@ import pytest
 
 from ftrun.auth import Signer
 from ftrun.config import Endpoint
-from ftrun.controller.policy import JobView
+from ftrun.controller.states import JobView
 from ftrun.controller.roster import Roster
 from ftrun.keys import JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, RendezvousResult

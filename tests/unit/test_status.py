@@ -14,7 +14,7 @@ from rich.console import Console
 
 from ftrun.config import Endpoint
 from ftrun.controller.board import Rate, StatusBoard
-from ftrun.controller.policy import JobView, Level, Phase
+from ftrun.controller.states import JobView, Level, Phase
 from ftrun.events import EventLog, read_events
 from ftrun.keys import JobKeys
 from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from ftrun.agent.stacks import current_thread_first
-from ftrun.controller.policy import JobView, Level, Phase, on_operator, operator_refusal
+from ftrun.controller.states import JobView, Level, Phase
+from ftrun.controller.policy import on_operator, operator_refusal
 from ftrun.errors import ExitCode
 from ftrun.messages import CommandKind, OperatorAction, OperatorRequest
 from ftrun.top_view import panes
