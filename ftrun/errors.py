@@ -52,10 +52,3 @@ class RendezvousError(FtrunError):
 
     def __init__(self, message: str):
         super().__init__(message, ExitCode.RENDEZVOUS)
-
-
-class DeviceError(FtrunError):
-    """A device is unusable, or there are too few usable devices for the ranks."""
-
-    def __init__(self, message: str):
-        super().__init__(message, ExitCode.DEVICE)

@@ -108,7 +108,7 @@ def _same(value):
 
 
 @dataclass(frozen=True)
-class DeviceRecord:
+class RankTableDevice:
     """One device a node offers its ranks, as the rank tables name it."""
 
     #: the logical id the runtime counts in
@@ -133,7 +133,7 @@ class JoinRecord:
     preflight: str = ""
     #: the host's IP address (the HCCL rank table's server_id), and its usable devices, ascending
     host_ip: str = ""
-    devices: tuple[DeviceRecord, ...] = ()
+    devices: tuple[RankTableDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class NodeSlot:
     first_rank: int
     host_ip: str = ""
     #: the devices the node's local ranks take at a fresh start, in order
-    devices: tuple[DeviceRecord, ...] = ()
+    devices: tuple[RankTableDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -351,7 +351,7 @@ class WorkerFailure:
     error: str = ""
     timestamp: float = 0.0
     generation: int = 0
-    #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.faults.process),
+    #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.detection.exits),
     #: or collective (a collective failed while the process lived: ``ftrun.contract.CollectiveFailure``)
     cause: str = ""
     #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")

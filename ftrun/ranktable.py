@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 
-from ftrun.messages import DeviceRecord, NodeSlot
+from ftrun.messages import NodeSlot, RankTableDevice
 
 FTRUN_TABLE = "ranktable.json"
 HCCL_TABLE = "hccl_ranktable.json"
@@ -71,11 +71,11 @@ def load_device_ips(path: str) -> dict[str, dict[int, str]]:
     return table
 
 
-def _device_of(node: NodeSlot, local_rank: int, assigned: dict[int, int] | None) -> DeviceRecord | None:
+def _device_of(node: NodeSlot, local_rank: int, assigned: dict[int, int] | None) -> RankTableDevice | None:
     by_index = {d.index: d for d in node.devices}
     if assigned is not None:
         index = assigned.get(local_rank)
-        return by_index.get(index, DeviceRecord(index)) if index is not None else None
+        return by_index.get(index, RankTableDevice(index)) if index is not None else None
     return node.devices[local_rank] if local_rank < len(node.devices) else None
 
 

@@ -7,8 +7,8 @@ reports, and executes commands; the policy lives in ``ftrun.controller.policy``.
 * ``connection.py``: the control store, the node's messages over it, the controller where this agent
   hosts it, and under etcd the controller followed as it moves;
 * ``seat.py``: where the node sits in the job (its slot, the controller's layout);
-* ``supervision.py``: what the node sees and reports (keepalive and status, hangs, device events, ranks
-  that ended, an interrupt);
+* ``supervision.py``: what the node sees and reports (keepalive and status, what its health sources find,
+  ranks that ended, an interrupt), the sources themselves being ``ftrun.detection``'s;
 * ``commands.py``: the controller's commands carried out, with ``spawner.py`` starting workers on usable
   devices in ``generations.py``'s environment;
 * ``node_snapshots.py`` and ``relay.py``: the node's snapshots, its MindSpore ranks' relay.
@@ -32,7 +32,6 @@ from ftrun.agent.commands import CommandExecutor
 from ftrun.agent.connection import ControlConnection
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
-from ftrun.agent.hang import HangWatch
 from ftrun.agent.log_folders import LogFolders
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.relay import FolderRelay
@@ -44,10 +43,12 @@ from ftrun.auth import new_token
 from ftrun.config import LaunchConfig
 from ftrun.contract import RelayFolder
 from ftrun.controller.controller import Controller
-from ftrun.device_report import probe
+from ftrun.detection.hang import HangWatch
+from ftrun.detection.oom import OomWatch
+from ftrun.detection.probe import probe
+from ftrun.detection.sources import NodeHealth
+from ftrun.detection.table import FaultTable, load_fault_table
 from ftrun.errors import ExitCode, FtrunError
-from ftrun.faults.levels import FaultTable, load_fault_table
-from ftrun.faults.process import OomWatch
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
 from ftrun.messages import CommandKind, JoinRecord
@@ -144,10 +145,12 @@ class Agent:
             raise
         self.seat = seat = Seat(self.agent_id, self.host, slot)
         group = WorkerGroup(ops, config, "", config.warm_standby)
+        hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
+        health = NodeHealth([hangs, *self.devices.sources()])
         self.supervision = Supervision(group, seat, self.devices, lambda: connection.protocol,
-                                       lambda: connection.top_feed, HangWatch(config.heartbeat_timeout, config.hang_timeout),
-                                       self.interrupts, table, OomWatch(), watch_output=bool(config.hang_timeout))
-        self.devices.start()
+                                       lambda: connection.top_feed, health, hangs, self.interrupts, table, OomWatch(),
+                                       watch_output=bool(config.hang_timeout))
+        health.start()
         try:
             if seat.node_rank < 0:
                 ended = self._stand_by(group, placement.node_count)
@@ -164,7 +167,7 @@ class Agent:
         finally:
             if self.snapshots is not None:
                 self.snapshots.stop()
-            self.devices.stop()
+            health.stop()
             group.stop(config.stop_timeout)
         return self._finish(code, reason)
 
@@ -199,8 +202,8 @@ class Agent:
         """This node's device problems before training, or "" (the rendezvous fails the job on any)."""
         report = probe(self.devices.backend, table)
         for row in report.rows:
-            log.info("preflight: device %d %s %s: %s", row.status.device.index, row.status.health.value,
-                     " ".join(row.status.codes) or "-", row.action)
+            log.info("preflight: device %d %s %s: %s", row.reading.device.index, row.reading.health.value,
+                     " ".join(row.reading.codes) or "-", row.action)
         if report.problem:
             log.error("preflight failed on %s: %s", self.host, report.problem)
             return f"{self.host}: {report.problem}"

@@ -1,12 +1,11 @@
 """The node's devices as its agent sees them: found at start, handed to ranks, watched, reset.
 
-Ties the device backend (``ftrun.devices``), the fault table (``ftrun.faults``), the
-allocator and the health monitor together. With no device tool, or none that
-answers, the node runs without device assignment and device health: exit codes
-and heartbeats still catch faults.
+Ties the device backend (``ftrun.devices``), the fault table and the device tool's health source
+(``ftrun.detection``) and the allocator together. With no device tool, or none that answers, the
+node runs without device assignment and device health: exit codes and heartbeats still catch faults.
 
-Everything here runs on the agent's main thread except the health monitor's polls and
-the device resets, which report back through queues.
+Everything here runs on the agent's main thread except the device tool's polls (the agent's
+``NodeHealth`` runs them in the background) and the device resets, which report back through a queue.
 """
 
 from __future__ import annotations
@@ -19,14 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from ftrun.agent.health import DeviceEvent, DeviceWatch, HealthMonitor
 from ftrun.agent.numa import HostCpus, bind_ranks
 from ftrun.agent.placement import DeviceAllocator, RankDevice
 from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment
+from ftrun.detection.device_tool import DeviceToolSource
+from ftrun.detection.sources import Background, HealthEvent, HealthSource
+from ftrun.detection.table import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_device_backend
-from ftrun.faults.levels import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
-from ftrun.messages import DeviceRecord, DeviceState
+from ftrun.messages import DeviceState, RankTableDevice
 
 log = logging.getLogger(__name__)
 #: levels after which the chip is reset before it takes a rank again
@@ -50,9 +50,7 @@ class NodeDevices:
         self.escalation = Escalation.from_table(table)
         self.reset_timeout = reset_timeout
         self.allocator = DeviceAllocator(devices) if devices and backend.visibility_var else None
-        self.monitor = None
-        if self.allocator is not None:
-            self.monitor = HealthMonitor(backend, DeviceWatch(table, self.escalation), health_interval)
+        self.health_interval = health_interval
         self._resets: queue.SimpleQueue[ResetDone] = queue.SimpleQueue()
         #: devices to reset as soon as none of the node's running ranks is on them
         self._due: set[int] = set()
@@ -112,17 +110,16 @@ class NodeDevices:
             return {}
         return bind_ranks(self.numa_mode, self.assigned, self._affinity, self._host)
 
-    def start(self) -> None:
-        if self.monitor is not None:
-            self.monitor.start()
+    def sources(self) -> list[HealthSource]:
+        """The node's health sources for its devices: the device tool, polled in the background every
+        --health-interval, when the node has devices to watch."""
+        if self.allocator is None:
+            return []
+        return [Background(DeviceToolSource(self.backend, self.table, self.escalation), self.health_interval)]
 
-    def stop(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop()
-
-    def tick(self, running: Iterable[int]) -> list[DeviceEvent]:
-        """Health changes since the last call. On the way: finished resets are taken into account,
-        and due resets start on devices that no running local rank (of ``running``) uses any more."""
+    def tick(self, running: Iterable[int]) -> None:
+        """Finished resets are taken into account, and due resets start on devices that no running local
+        rank (of ``running``) uses any more."""
         while True:
             try:
                 done = self._resets.get_nowait()
@@ -134,7 +131,6 @@ class NodeDevices:
             for device in sorted(self._due - busy):
                 self._due.discard(device)
                 threading.Thread(target=self._reset, args=(device,), name=f"ftrun-reset-{device}", daemon=True).start()
-        return self.monitor.pending() if self.monitor is not None else []
 
     # -- placing ranks -------------------------------------------------------------------------------
 
@@ -157,7 +153,7 @@ class NodeDevices:
         """A device is being reset: a rank that finds no usable device now may find one soon."""
         return bool(self.allocator and self.allocator.resetting)
 
-    def records(self, ips: dict[int, str]) -> tuple[DeviceRecord, ...]:
+    def records(self, ips: dict[int, str]) -> tuple[RankTableDevice, ...]:
         """The usable devices as the rank tables name them: physical ids and RoCE addresses where
         the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips)."""
         if self.allocator is None:
@@ -170,7 +166,7 @@ class NodeDevices:
                 ip = self.backend.device_ip(index) if hasattr(self.backend, "device_ip") else ""
             except DeviceToolError as e:
                 log.warning("device %d: %s", index, e)
-            records.append(DeviceRecord(index, physical, ip or ips.get(physical, "")))
+            records.append(RankTableDevice(index, physical, ip or ips.get(physical, "")))
         return tuple(records)
 
     def states(self) -> tuple[DeviceState, ...]:
@@ -203,7 +199,7 @@ class NodeDevices:
 
     # -- faults --------------------------------------------------------------------------------------
 
-    def apply(self, event: DeviceEvent) -> list[int]:
+    def apply(self, event: HealthEvent) -> list[int]:
         """Take a health change into account; the local ranks that must be stopped and replaced."""
         if self.allocator is None:
             return []
@@ -247,10 +243,10 @@ class NodeDevices:
         problem = f"not healthy {self.reset_timeout:g}s after the reset"
         while time.monotonic() < deadline:
             try:
-                status = next((s for s in self.backend.poll() if s.device.index == device), None)
+                reading = next((r for r in self.backend.poll() if r.device.index == device), None)
             except DeviceToolError as e:
-                status, problem = None, f"health unreadable after the reset: {e}"
-            if status is not None and status.health is Health.OK:
+                reading, problem = None, f"health unreadable after the reset: {e}"
+            if reading is not None and reading.health is Health.OK:
                 problem = ""
                 break
             time.sleep(RESET_CHECK_INTERVAL)

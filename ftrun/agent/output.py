@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import IO
 
-from ftrun.faults.process import is_cpp_trace_line
+from ftrun.detection.exits import is_cpp_trace_line
 from ftrun.folders import private_dirs
 
 STDOUT, STDERR = 1, 2

@@ -1,6 +1,7 @@
-"""What the agent sees of its node and tells the controller: its keepalive and status, its ranks'
-heartbeats (a rank that stopped showing signs of life is dumped, killed and reported), device events,
-ranks that ended (the failed ones reported, success once a generation), an operator's interrupt.
+"""What the agent sees of its node and tells the controller: its keepalive and status, what the node's
+health sources find (a rank that stopped showing signs of life is dumped, killed and reported; the ranks
+on a sick device are stopped), ranks that ended (the failed ones reported, success once a generation), an
+operator's interrupt.
 
 The agent decides nothing about recovery: what it reports, the controller decides on (``ftrun.controller.policy``).
 """
@@ -9,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import psutil
 
 from ftrun.agent.device_slots import NodeDevices
-from ftrun.agent.hang import HangWatch
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.protocol import NodeProtocol, committed_step
 from ftrun.agent.relay import FolderRelay
@@ -23,8 +23,10 @@ from ftrun.agent.spawner import Spawner
 from ftrun.agent.stacks import dump_stack
 from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import Worker, WorkerGroup
-from ftrun.faults.levels import FaultLevel, FaultTable
-from ftrun.faults.process import OomWatch
+from ftrun.detection.hang import HangWatch
+from ftrun.detection.oom import OomWatch
+from ftrun.detection.sources import HealthEvent, NodeHealth, RankSigns
+from ftrun.detection.table import FaultLevel, FaultTable
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL
 from ftrun.messages import NodeStatus, RankState, ReportKind
@@ -39,16 +41,18 @@ INTERRUPT_GRACE = 10.0
 
 class Supervision:
     """One node's observing and reporting, a turn of the agent's loop at a time (``tend``, then
-    ``report_ended``). ``protocol`` and ``top_feed`` give the controller's store's now (they move under etcd)."""
+    ``report_ended``). ``protocol`` and ``top_feed`` give the controller's store's now (they move under etcd).
+    ``health`` is the node's health sources, ``hangs`` among them (its ranks' heartbeats are read here)."""
 
     def __init__(self, group: WorkerGroup, seat: Seat, devices: NodeDevices, protocol: Callable[[], NodeProtocol],
-                 top_feed: Callable[[], TopFeed | None], hangs: HangWatch, interrupts: Interrupts,
+                 top_feed: Callable[[], TopFeed | None], health: NodeHealth, hangs: HangWatch, interrupts: Interrupts,
                  table: FaultTable, oom: OomWatch | None = None, watch_output: bool = False):
         self.group = group
         self.seat = seat
         self.devices = devices
         self._protocol = protocol
         self._top_feed = top_feed
+        self.health = health
         self.hangs = hangs
         self.interrupts = interrupts
         self.table = table
@@ -84,15 +88,14 @@ class Supervision:
     # -- a turn of the loop --------------------------------------------------------------------
 
     def tend(self, now: float) -> None:
-        """The node's own upkeep: the keepalive when due, device events, workers waiting for a device, warm
-        standbys, and an interrupt (reported once: the controller answers it)."""
+        """The node's own upkeep: the keepalive when due, device resets, what the health sources found,
+        workers waiting for a device, warm standbys, and an interrupt (reported once: the controller answers it)."""
         group = self.group
         if now >= self.next_beat:
             self.keepalive(now, judge_hangs=self.interrupted_at is None)
             self.next_beat = now + AGENT_HEARTBEAT_INTERVAL
-        for event in self.devices.tick(w.placement.local_rank for w in group.running):
-            for local_rank in self.devices.apply(event):
-                group.fail(local_rank, "device", event.reason)
+        self.devices.tick(w.placement.local_rank for w in group.running)
+        self.take(self.health.poll(now))
         if self.spawner is not None:
             self.spawner.tick(now)
         if self.relay is not None:
@@ -165,12 +168,13 @@ class Supervision:
 
     def keepalive(self, now: float, judge_hangs: bool) -> None:
         """What the node reads at a keepalive (the controller's counter, the commands published, its
-        ranks' heartbeats and steps: one round trip), the hang check, and the node's status."""
+        ranks' heartbeats and steps: one round trip), the health sources polled with the running ranks' signs
+        of life (the hang check), and the node's status."""
         workers = list(self.group.workers)
         beats, steps = self._protocol().observe([w.placement.rank for w in workers], now)
         if judge_hangs:
-            running = [(w, b) for w, b in zip(workers, beats) if w.returncode is None]
-            self._check_hangs([w for w, _ in running], [b for _, b in running], now)
+            signs = [self._signs(w, b) for w, b in zip(workers, beats) if w.returncode is None]
+            self.take(self.health.poll(now, signs), signs)
         stepped = dict(zip((w.placement.rank for w in workers), steps))
         if self.spawner is not None and self._past_first_steps(stepped):
             self.spawner.first_steps(now)
@@ -216,20 +220,31 @@ class Supervision:
             self._step_at_start[rank] = committed_step(step)
             self.hangs.restart(rank, count, time.monotonic())
 
-    # -- hangs ---------------------------------------------------------------------------------
+    # -- health ------------------------------------------------------------------------------
 
-    def _check_hangs(self, running: list[Worker], all_beats: list[int], now: float) -> None:
-        """A rank that stopped showing signs of life (``all_beats``: the heartbeat counters of the
-        ``running`` ranks): its stack is dumped, then it is killed and reported."""
-        for worker, beats in zip(running, all_beats):
-            rank = worker.placement.rank
-            activity, stopped = signs_of_life(worker) if self.watch_output else ((), False)
-            reason = self.hangs.observe(rank, beats, activity, now, stopped)
-            if reason:
-                log.error("rank %d (pid %d) is hung: %s; dumping its stack and killing it", rank, worker.pid, reason)
-                dump_stack(worker, uses_library=beats > 0)
-                self.group.fail(worker.placement.local_rank, "hang", reason)
-                self.hangs.forget(rank)
+    def take(self, events: list[HealthEvent], signs: Sequence[RankSigns] = ()) -> None:
+        """Act on what the health sources found: the ranks on a device that needs them gone are stopped
+        (and reported when they end); a rank found hung (``signs``: what it was judged by) is dumped and killed."""
+        for event in events:
+            if event.device is not None:
+                for local_rank in self.devices.apply(event):
+                    self.group.fail(local_rank, "device", event.reason)
+            elif event.rank is not None:
+                beats = next((s.beats for s in signs if s.rank == event.rank), 0)
+                self._stop_hung(event, uses_library=beats > 0)
+
+    def _stop_hung(self, event: HealthEvent, uses_library: bool) -> None:
+        worker = next((w for w in self.group.running if w.placement.rank == event.rank), None)
+        if worker is None:
+            return  # it ended meanwhile: its exit is reported as it is
+        log.error("rank %d (pid %d) is hung: %s; dumping its stack and killing it", event.rank, worker.pid, event.reason)
+        dump_stack(worker, uses_library=uses_library)
+        # the source's name is the kind of fault the rank's report gives ("hang")
+        self.group.fail(worker.placement.local_rank, event.source, event.reason)
+
+    def _signs(self, worker: Worker, beats: int) -> RankSigns:
+        activity, stopped = signs_of_life(worker) if self.watch_output else ((), False)
+        return RankSigns(worker.placement.rank, beats, activity, stopped)
 
 
 def signs_of_life(worker: Worker) -> tuple[tuple, bool]:

@@ -24,8 +24,9 @@ from ftrun.agent.numa import bind_process
 from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
-from ftrun.faults.levels import FaultTable
-from ftrun.faults.process import OomWatch, classify_exit
+from ftrun.detection.exits import classify_exit
+from ftrun.detection.oom import OomWatch
+from ftrun.detection.table import FaultTable
 from ftrun.messages import WorkerFailure, signal_name
 from ftrun.orphans import die_with_parent
 

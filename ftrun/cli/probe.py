@@ -31,9 +31,9 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
-    from ftrun.device_report import probe
+    from ftrun.detection.probe import probe
+    from ftrun.detection.table import load_fault_table
     from ftrun.devices import DeviceOptions, make_device_backend
-    from ftrun.faults.levels import load_fault_table
 
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
@@ -57,17 +57,17 @@ def show(report) -> None:
     for column in ("device", "name", "where", "health", "error codes", "level", "ftrun would"):
         table.add_column(column)
     for row in report.rows:
-        status = row.status
+        reading = row.reading
         style = None if row.usable else "bold red"
         if row.usable and row.level is not None:
             style = "yellow"
         table.add_row(
-            str(status.device.index), status.device.name, status.device.physical, status.health.value,
-            " ".join(status.codes) or "-", row.level.value if row.level else "-", row.action, style=style,
+            str(reading.device.index), reading.device.name, reading.device.physical, reading.health.value,
+            " ".join(reading.codes) or "-", row.level.value if row.level else "-", row.action, style=style,
         )
     out.print(table)
     for row in report.rows:
-        if row.status.info:
-            out.print(f"device {row.status.device.index}: {row.status.info}", markup=False)
+        if row.reading.info:
+            out.print(f"device {row.reading.device.index}: {row.reading.info}", markup=False)
     if report.problem:
         out.print(f"unusable: {report.problem}", style="bold red", markup=False)

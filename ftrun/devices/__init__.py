@@ -1,4 +1,4 @@
-"""The node's accelerators: what they are, and how healthy they are.
+"""The node's accelerators: what they are, and what their tools read of their health.
 
 One backend per kind (``--device {auto,npu,cuda,cpu}``):
 
@@ -8,7 +8,7 @@ One backend per kind (``--device {auto,npu,cuda,cpu}``):
 
 Every backend answers two questions: :meth:`DeviceBackend.discover` (which devices,
 by the logical index the runtime counts in) and :meth:`DeviceBackend.poll` (each
-device's health and error codes). A tool that is missing, hangs or prints nonsense
+device's health and error codes, a :class:`DeviceReading`). A tool that is missing, hangs or prints nonsense
 raises :class:`DeviceToolError` with one line; callers log it and carry on.
 """
 
@@ -57,8 +57,8 @@ class Device:
 
 
 @dataclass(frozen=True)
-class DeviceStatus:
-    """One device's health at one poll."""
+class DeviceReading:
+    """What a device tool read of one device at one poll: its health and error codes."""
 
     device: Device
     health: Health
@@ -80,7 +80,7 @@ class DeviceBackend(Protocol):
     def discover(self) -> list[Device]:
         """The node's compute devices, by logical index. Raises DeviceToolError."""
 
-    def poll(self) -> list[DeviceStatus]:
+    def poll(self) -> list[DeviceReading]:
         """Every device's health now. Raises DeviceToolError."""
 
     def reset(self, index: int) -> None:
@@ -96,7 +96,7 @@ class CpuBackend:
     def discover(self) -> list[Device]:
         return []
 
-    def poll(self) -> list[DeviceStatus]:
+    def poll(self) -> list[DeviceReading]:
         return []
 
     def reset(self, index: int) -> None:

@@ -1,8 +1,8 @@
 """NVIDIA GPUs: through NVML (``nvidia-ml-py``) when it is installed and works, else ``nvidia-smi``.
 
 Both paths produce the same ``fields`` mapping (nvidia-smi's query names to its
-text values), and one pure function, :func:`status_from_fields`, turns it into a
-:class:`DeviceStatus`. What ftrun reports as codes, and why:
+text values), and one pure function, :func:`reading_from_fields`, turns it into a
+:class:`DeviceReading`. What ftrun reports as codes, and why:
 
 * ``gpu-lost`` (Critical): the driver cannot reach the GPU (NVML_ERROR_GPU_IS_LOST,
   "[GPU is lost]", "Unknown Error"); it has usually fallen off the bus (Xid 79).
@@ -24,7 +24,7 @@ import os
 import re
 from typing import Mapping, Sequence
 
-from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health
 from ftrun.devices.tool import run_tool
 from ftrun.devices.topology import parse_affinity_matrix
 
@@ -129,11 +129,11 @@ def device_from_fields(fields: Mapping[str, str], fallback_index: int = -1) -> D
     )
 
 
-def status_from_fields(device: Device, fields: Mapping[str, str], xids: Sequence[int] = ()) -> DeviceStatus:
+def reading_from_fields(device: Device, fields: Mapping[str, str], xids: Sequence[int] = ()) -> DeviceReading:
     """Health and codes of one GPU from its query values (and the critical Xids NVML reported)."""
     if fields.get(ERROR_FIELD) or any(_is_lost(v) for v in fields.values()):
         why = fields.get(ERROR_FIELD) or next(v for v in fields.values() if _is_lost(v))
-        return DeviceStatus(device, Health.CRITICAL, ("gpu-lost",), f"GPU is not reachable: {why.strip('[] ')}")
+        return DeviceReading(device, Health.CRITICAL, ("gpu-lost",), f"GPU is not reachable: {why.strip('[] ')}")
 
     findings: list[tuple[Health, str, str]] = []
     ecc = _known(fields.get("ecc.errors.uncorrected.volatile.total"))
@@ -148,12 +148,12 @@ def status_from_fields(device: Device, fields: Mapping[str, str], xids: Sequence
     for xid in xids:
         findings.append((XID_HEALTH.get(xid, Health.WARNING), f"xid-{xid}", f"Xid {xid}"))
     if not findings:
-        return DeviceStatus(device, Health.OK)
+        return DeviceReading(device, Health.OK)
 
     order = list(Health)  # OK, Warning, Alarm, Critical: worse later
     health = max((h for h, _, _ in findings), key=order.index)
     codes = tuple(dict.fromkeys(code for _, code, _ in findings))
-    return DeviceStatus(device, health, codes, "; ".join(text for _, _, text in findings))
+    return DeviceReading(device, health, codes, "; ".join(text for _, _, text in findings))
 
 
 class CudaBackend:
@@ -173,7 +173,7 @@ class CudaBackend:
 
     def discover(self) -> list[Device]:
         """The node's GPUs by index. Raises DeviceToolError."""
-        return [status.device for status in self._statuses(polling=False)]
+        return [reading.device for reading in self._readings(polling=False)]
 
     def reset(self, index: int) -> None:
         """``nvidia-smi --gpu-reset -i N`` (root, and no process on the GPU). Raises DeviceToolError."""
@@ -183,9 +183,9 @@ class CudaBackend:
             first = next((line.strip() for line in result.stdout.splitlines() if line.strip()), "(no output)")
             raise DeviceToolError(f"nvidia-smi --gpu-reset -i {index} failed with exit code {result.returncode}: {first}")
 
-    def poll(self) -> list[DeviceStatus]:
+    def poll(self) -> list[DeviceReading]:
         """Every GPU's health now. Raises DeviceToolError."""
-        return self._statuses(polling=True)
+        return self._readings(polling=True)
 
     def cpu_affinity(self) -> dict[int, frozenset[int]]:
         """GPU index -> the CPUs near it, from ``nvidia-smi topo -m``. Raises DeviceToolError."""
@@ -197,7 +197,7 @@ class CudaBackend:
 
     # -- shared ---------------------------------------------------------------------------------------
 
-    def _statuses(self, polling: bool) -> list[DeviceStatus]:
+    def _readings(self, polling: bool) -> list[DeviceReading]:
         """Discovery needs names and indices only; a poll also asks for row remapping and drains the Xids."""
         nvml = self._nvml_module()
         if nvml is not None:
@@ -208,10 +208,10 @@ class CudaBackend:
             _merge_remap(rows, self._remap_rows())
         return self._place(rows)
 
-    def _place(self, rows: list[dict[str, str]], xids: Mapping[int, Sequence[int]] | None = None) -> list[DeviceStatus]:
+    def _place(self, rows: list[dict[str, str]], xids: Mapping[int, Sequence[int]] | None = None) -> list[DeviceReading]:
         """Statuses in index order; a row without an index gets its bus id's last index, else the lowest free one."""
         taken = {int(r["index"]) for r in rows if (r.get("index") or "").isdigit()}
-        statuses = []
+        readings = []
         for row in rows:
             if not (row.get("index") or "").isdigit():
                 index = self._known.get(bus_key(row.get("pci.bus_id") or ""))
@@ -222,8 +222,8 @@ class CudaBackend:
             device = device_from_fields(row)
             if device.physical and not row.get(ERROR_FIELD):
                 self._known[bus_key(device.physical)] = device.index
-            statuses.append(status_from_fields(device, row, (xids or {}).get(device.index, ())))
-        return sorted(statuses, key=lambda s: s.device.index)
+            readings.append(reading_from_fields(device, row, (xids or {}).get(device.index, ())))
+        return sorted(readings, key=lambda s: s.device.index)
 
     # -- nvidia-smi -----------------------------------------------------------------------------------
 

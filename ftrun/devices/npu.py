@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 
-from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health, npu_smi
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
 from ftrun.devices.topology import parse_affinity_matrix
 
@@ -56,41 +56,41 @@ class NpuBackend:
                  for chip in range(npu.chip_count)]
         return {(npu, chip): (logic_id, name) for logic_id, (npu, chip, name) in enumerate(chips)}
 
-    def poll(self) -> list[DeviceStatus]:
+    def poll(self) -> list[DeviceReading]:
         """Every chip's health: one table read, plus a detail query per chip that is not OK."""
         if self._chips is None:
             self.discover()
         rows = {(row.npu, row.chip): row for row in npu_smi.parse_info_table(self._smi.run("info"))}
-        statuses = []
+        readings = []
         detail_error: ToolUnavailable | None = None
         for key, device in sorted(self._chips.items(), key=lambda item: item[1].index):
             row = rows.get(key)
             if row is None:
-                statuses.append(DeviceStatus(device, Health.UNKNOWN, info="missing from npu-smi info"))
+                readings.append(DeviceReading(device, Health.UNKNOWN, info="missing from npu-smi info"))
                 continue
             # A2 tables print no Phy-ID: one chip per NPU, and the NPU id is the physical id
             self._phy_ids[device.index] = row.phy_id if row.phy_id is not None else row.npu
             if row.health is Health.OK:
-                statuses.append(DeviceStatus(device, Health.OK))
+                readings.append(DeviceReading(device, Health.OK))
             elif detail_error is not None:
                 # one hung detail query is enough: the next would only hang as long again
-                statuses.append(DeviceStatus(device, row.health, info=str(detail_error)))
+                readings.append(DeviceReading(device, row.health, info=str(detail_error)))
             else:
                 try:
-                    statuses.append(self._detailed_status(device, row))
+                    readings.append(self._detailed_reading(device, row))
                 except DeviceToolError as exc:
                     # the table's verdict stands; the codes are a bonus
                     log.warning("%s: %s", device.physical, exc)
-                    statuses.append(DeviceStatus(device, row.health, info=str(exc)))
+                    readings.append(DeviceReading(device, row.health, info=str(exc)))
                     if isinstance(exc, ToolUnavailable):
                         detail_error = exc
-        return statuses
+        return readings
 
-    def _detailed_status(self, device: Device, row: ChipRow) -> DeviceStatus:
+    def _detailed_reading(self, device: Device, row: ChipRow) -> DeviceReading:
         output = self._smi.run("info", "-t", "health", "-i", str(row.npu), "-c", str(row.chip))
         detail = npu_smi.parse_health(output)
         health = detail.health if detail.health is not Health.UNKNOWN else row.health
-        return DeviceStatus(device, health, detail.codes, detail.info)
+        return DeviceReading(device, health, detail.codes, detail.info)
 
     def reset(self, index: int) -> None:
         """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError."""

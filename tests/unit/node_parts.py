@@ -16,7 +16,6 @@ import pytest
 from ftrun.agent.commands import CommandExecutor
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
-from ftrun.agent.hang import HangWatch
 from ftrun.agent.protocol import NodeProtocol
 from ftrun.agent.seat import Seat
 from ftrun.agent.spawner import Spawner
@@ -26,7 +25,9 @@ from ftrun.auth import Signer
 from ftrun.config import LaunchConfig, build_launch_config
 from ftrun.contract import Endpoint
 from ftrun.controller.publisher import Publisher
-from ftrun.faults.levels import load_fault_table
+from ftrun.detection.hang import HangWatch
+from ftrun.detection.sources import NodeHealth
+from ftrun.detection.table import load_fault_table
 from ftrun.interrupts import Interrupts
 from ftrun.keys import JobKeys
 from ftrun.messages import Command, NodeLayout, NodeSlot, Report
@@ -146,8 +147,9 @@ def make_node(tmp_path: Path, parts: str, nproc: int = 2, hang_timeout: float = 
     table = load_fault_table(None)
     devices = NodeDevices.open(config, table)
     interrupts = Interrupts()
-    supervision = Supervision(group, seat, devices, lambda: protocol, lambda: None,
-                              HangWatch(heartbeat_timeout, hang_timeout), interrupts, table, watch_output=bool(hang_timeout))
+    hangs = HangWatch(heartbeat_timeout, hang_timeout)
+    supervision = Supervision(group, seat, devices, lambda: protocol, lambda: None, NodeHealth([hangs, *devices.sources()]),
+                              hangs, interrupts, table, watch_output=bool(hang_timeout))
     envs = GenerationEnvs(config.run_id, seat, devices, str(folder), lambda: store.endpoint)
     spawner = Spawner(group, seat, devices, envs, lambda: protocol, supervision.started)
     supervision.spawner = spawner

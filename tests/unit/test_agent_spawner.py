@@ -10,7 +10,7 @@ import pytest
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
 from ftrun.agent.spawner import REFILL_AFTER, STANDBYS_AT_THE_LATEST, Spawner
-from ftrun.faults.levels import FaultLevel, load_fault_table
+from ftrun.detection.table import FaultLevel, load_fault_table
 from ftrun.messages import CommandKind, ReportKind
 from tests.unit.node_parts import make_node
 

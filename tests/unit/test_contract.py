@@ -57,7 +57,8 @@ def test_the_worker_library_loads_nothing_of_the_launcher():
     loaded = json.loads(out.splitlines()[-1])
     assert "ftrun.elastic.job" in loaded and "ftrun.contract" in loaded
     launcher = [name for name in loaded if name.split(".")[:2] in (["ftrun", "config"], ["ftrun", "agent"],
-                                                                   ["ftrun", "controller"])]
+                                                                   ["ftrun", "controller"], ["ftrun", "detection"],
+                                                                   ["ftrun", "devices"])]
     assert not launcher, f"importing ftrun.elastic loads {', '.join(launcher)}"
     assert "yaml" not in loaded  # the launcher's config files are none of a training rank's business
 

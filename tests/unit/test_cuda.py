@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
-from ftrun.devices.cuda import GPU_FIELDS, REMAP_FIELDS, CudaBackend, parse_nvidia_smi_csv, status_from_fields
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health
+from ftrun.devices.cuda import GPU_FIELDS, REMAP_FIELDS, CudaBackend, parse_nvidia_smi_csv, reading_from_fields
 
 # index, name, pci.bus_id, uuid, ecc.errors.uncorrected.volatile.total, retired_pages.pending
 HEALTHY = "0, NVIDIA H100 80GB HBM3, 00000000:19:00.0, GPU-aaaa, 0, No\n"
@@ -88,13 +88,13 @@ def test_parse_remapped_rows_query():
     ({"error": "Unknown Error"}, Health.CRITICAL, ("gpu-lost",)),
 ])
 def test_health_of_fields(values, health, codes):
-    status = status_from_fields(device(), fields(**values))
+    status = reading_from_fields(device(), fields(**values))
     assert (status.health, status.codes) == (health, codes)
     assert status.device == device()
 
 
 def test_lost_gpu_info_names_the_drivers_words():
-    status = status_from_fields(device(), {"index": "0", "error": "GPU is lost"})
+    status = reading_from_fields(device(), {"index": "0", "error": "GPU is lost"})
     assert status.info == "GPU is not reachable: GPU is lost"
 
 
@@ -105,12 +105,12 @@ def test_lost_gpu_info_names_the_drivers_words():
     ((13, 79), Health.CRITICAL, ("xid-13", "xid-79")),
 ])
 def test_health_of_critical_xids(xids, health, codes):
-    status = status_from_fields(device(), fields(), xids)
+    status = reading_from_fields(device(), fields(), xids)
     assert (status.health, status.codes) == (health, codes)
 
 
 def test_ecc_count_is_in_the_info():
-    status = status_from_fields(device(), fields(**{"ecc.errors.uncorrected.volatile.total": "3"}))
+    status = reading_from_fields(device(), fields(**{"ecc.errors.uncorrected.volatile.total": "3"}))
     assert status.info == "3 uncorrected ECC errors since the driver loaded"
 
 
@@ -164,7 +164,7 @@ def test_backend_polls_health_and_merges_row_remapping(tmp_path):
 
 def test_backend_ignores_a_refused_remap_query(tmp_path):
     smi = fake_smi(tmp_path, HEALTHY, remap_output="Field is not a valid field to query.\n", remap_code=2)
-    assert CudaBackend(DeviceOptions(nvidia_smi=smi)).poll() == [DeviceStatus(device(), Health.OK)]
+    assert CudaBackend(DeviceOptions(nvidia_smi=smi)).poll() == [DeviceReading(device(), Health.OK)]
 
 
 def test_backend_places_an_unreachable_gpu_by_its_bus_id(tmp_path):

@@ -23,11 +23,11 @@ from ftrun.cli.cluster import ClusterPlan
 from ftrun.cli.launch import ALIASES, NOT_IN_CONFIG
 from ftrun.config import RDZV_BACKENDS, RECOVERY_LEVELS, STATUS_MODES, build_launch_config
 from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
+from ftrun.detection.table import load_fault_table
 from ftrun.devices import DEVICE_KINDS
 from ftrun.devices.cuda import CudaBackend
 from ftrun.devices.npu import NpuBackend
 from ftrun.errors import ExitCode, UsageError
-from ftrun.faults.levels import load_fault_table
 from tests.conftest import ROOT
 
 MAN_PAGE = (ROOT / "man" / "ftrun.1").read_text()
@@ -184,7 +184,7 @@ def test_every_ftrun_variable_in_the_man_page_exists_in_the_code():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_example_config_loads(path, tmp_path, monkeypatch):
     if path == FAULT_TABLE:
-        assert load_fault_table(str(path)).sources[-1] == str(path)
+        assert load_fault_table(str(path)).files[-1] == str(path)
         return
     monkeypatch.chdir(ROOT)  # paths in the files are relative to the repository, as their usage lines run them
     script = tmp_path / "train.py"

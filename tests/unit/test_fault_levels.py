@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.devices import Device, DeviceStatus, Health
+from ftrun.detection.table import Escalation, EscalationRule, FaultLevel, Verdict, cuda_code, load_fault_table, most_severe
+from ftrun.devices import Device, DeviceReading, Health
 from ftrun.errors import UsageError
-from ftrun.faults.levels import (
-    Escalation,
-    EscalationRule,
-    FaultLevel,
-    Verdict,
-    cuda_code,
-    load_fault_table,
-    most_severe,
-)
 
 L = FaultLevel
 TABLE = load_fault_table()
@@ -22,7 +14,7 @@ HOUR = 3600.0
 
 
 def status(health=Health.OK, *codes):
-    return DeviceStatus(Device(0, "910B2", "npu 0 chip 0"), health, tuple(codes))
+    return DeviceReading(Device(0, "910B2", "npu 0 chip 0"), health, tuple(codes))
 
 
 # -- levels ---------------------------------------------------------------------------------------
@@ -76,12 +68,12 @@ PACKAGED_CUDA = {
 
 
 def test_packaged_table_is_exactly_the_documented_one():
-    assert dict(TABLE.codes) == PACKAGED_CODES
-    assert dict(TABLE.cuda) == PACKAGED_CUDA
+    assert dict(TABLE.codes["npu"]) == PACKAGED_CODES
+    assert dict(TABLE.codes["cuda"]) == PACKAGED_CUDA
     assert dict(TABLE.health) == {Health.OK: None, Health.WARNING: L.NOT_HANDLE, Health.ALARM: L.SEPARATE,
                                   Health.CRITICAL: L.SEPARATE, Health.UNKNOWN: L.SEPARATE}
     assert TABLE.escalation == EscalationRule(24.0, 2, frozenset({L.RESTART_NPU, L.RESTART_BUSINESS}))
-    assert TABLE.sources == ("ftrun/faults/fault_levels.yaml",)
+    assert TABLE.files == ("ftrun/detection/fault_levels.yaml",)
 
 
 @pytest.mark.parametrize("code, level", sorted({**PACKAGED_CODES, **PACKAGED_CUDA}.items()))
@@ -194,17 +186,17 @@ escalation:
   window_hours: 12
 """)
     table = load_fault_table(path)
-    assert table.codes["80C98000"] is L.RESTART_NPU
-    assert table.codes["A4025021"] is L.SEPARATE
-    assert table.codes["00000001"] is L.RESTART_REQUEST
-    assert table.codes["80E01801"] is L.RESTART_BUSINESS  # untouched entries stay
+    assert table.codes["npu"]["80C98000"] is L.RESTART_NPU
+    assert table.codes["npu"]["A4025021"] is L.SEPARATE
+    assert table.codes["npu"]["00000001"] is L.RESTART_REQUEST
+    assert table.codes["npu"]["80E01801"] is L.RESTART_BUSINESS  # untouched entries stay
     assert table.health[Health.WARNING] is L.SUB_HEALTH and table.health[Health.ALARM] is L.SEPARATE
-    assert table.cuda["xid-79"] is L.RESTART_NPU and table.cuda["xid-31"] is L.RESTART_REQUEST
+    assert table.codes["cuda"]["xid-79"] is L.RESTART_NPU and table.codes["cuda"]["xid-31"] is L.RESTART_REQUEST
     assert dict(table.errors)["UCE ERROR"] is L.RESTART_NPU
     assert table.classify_text(["oh no: MY SITE'S ERROR"]) == Verdict(L.PRE_SEPARATE, "my site's error")
     assert table.escalation == EscalationRule(12.0, 2, frozenset({L.RESTART_NPU, L.RESTART_BUSINESS}))
-    assert table.sources == ("ftrun/faults/fault_levels.yaml", path)
-    assert TABLE.codes["A4025021"] is L.NOT_HANDLE  # the packaged table is not changed by it
+    assert table.files == ("ftrun/detection/fault_levels.yaml", path)
+    assert TABLE.codes["npu"]["A4025021"] is L.NOT_HANDLE  # the packaged table is not changed by it
 
 
 def test_override_changes_escalation_levels_and_repairs(tmp_path):

@@ -1,6 +1,6 @@
 """Hang detection: heartbeats for ranks under ftrun.elastic, output and CPU for the others."""
 
-from ftrun.agent.hang import HangWatch
+from ftrun.detection.hang import HangWatch
 
 
 def test_rank_with_fresh_heartbeats_is_alive():

@@ -8,23 +8,23 @@ import time
 import pytest
 
 from ftrun.agent.device_slots import NodeDevices
-from ftrun.agent.health import DeviceWatch
 from ftrun.agent.placement import NoDevice
 from ftrun.contract import DeviceAssignment
-from ftrun.devices import Device, DeviceStatus, Health
-from ftrun.faults.levels import Escalation, FaultLevel, load_fault_table
-from ftrun.device_report import probe
+from ftrun.detection.device_tool import DeviceToolSource
+from ftrun.detection.probe import probe
+from ftrun.detection.table import Escalation, FaultLevel, load_fault_table
+from ftrun.devices import CpuBackend, Device, DeviceReading, Health
 
 TABLE = load_fault_table()
 HOUR = 3600.0
 
 
-def status(index: int, health: Health = Health.OK, *codes: str) -> DeviceStatus:
-    return DeviceStatus(Device(index, "910B2", f"npu {index} chip 0"), health, codes)
+def status(index: int, health: Health = Health.OK, *codes: str) -> DeviceReading:
+    return DeviceReading(Device(index, "910B2", f"npu {index} chip 0"), health, codes)
 
 
-def watch() -> DeviceWatch:
-    return DeviceWatch(TABLE, Escalation.from_table(TABLE))
+def watch() -> DeviceToolSource:
+    return DeviceToolSource(CpuBackend(), TABLE, Escalation.from_table(TABLE))
 
 
 def test_devices_healthy_when_first_seen_are_no_news():

@@ -14,9 +14,9 @@ from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
 from ftrun.cli import launch_command, msrun
 from ftrun.config import build_launch_config, parse_rank_filter
 from ftrun.contract import DeviceAssignment
+from ftrun.detection.exits import classify_exit
+from ftrun.detection.table import load_fault_table
 from ftrun.errors import UsageError
-from ftrun.faults.levels import load_fault_table
-from ftrun.faults.process import classify_exit
 from ftrun.messages import WorkerFailure
 
 SCHEDULER = mindspore.Scheduler("10.0.0.1", 31000)

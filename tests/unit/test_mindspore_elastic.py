@@ -101,7 +101,8 @@ def test_the_mindspore_library_imports_no_torch_and_nothing_of_the_launcher():
     assert "ftrun.snapshots.rank" in loaded
     assert not [name for name in loaded if name.split(".")[0] in ("torch", "numpy", "mindspore", "yaml", "psutil")]
     assert not [name for name in loaded if name.split(".")[:2] in (["ftrun", "elastic"], ["ftrun", "agent"],
-                                                                   ["ftrun", "controller"], ["ftrun", "config"])]
+                                                                   ["ftrun", "controller"], ["ftrun", "config"],
+                                                                   ["ftrun", "detection"], ["ftrun", "devices"])]
 
 
 #: a tiny Model.train (3 batches a epoch, 2 epochs) with job.callback(), recording restore() and commit() calls

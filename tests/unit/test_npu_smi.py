@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.devices import Device, DeviceOptions, DeviceStatus, DeviceToolError, Health
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health
 from ftrun.devices.npu import NpuBackend
 from ftrun.devices.npu_smi import (
     ChipHealth,
@@ -271,7 +271,7 @@ def test_backend_a2_discover_and_poll_with_an_alarm_chip(fake_npu):
     statuses = backend.poll()
     assert [(s.device.index, s.health) for s in statuses] == [
         (0, Health.OK), (1, Health.OK), (2, Health.ALARM), (3, Health.OK)]
-    assert statuses[2] == DeviceStatus(devices[2], Health.ALARM, ("80E01801", "A4025021"),
+    assert statuses[2] == DeviceReading(devices[2], Health.ALARM, ("80E01801", "A4025021"),
                                        "on-chip memory uncorrectable error; "
                                        "node type=process-manager, event state=exit abnormally")
     assert statuses[0].codes == () and statuses[0].info == ""

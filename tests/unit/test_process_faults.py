@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
-from ftrun.faults.levels import FaultLevel, load_fault_table
-from ftrun.faults.process import OomWatch, ProcessFault, classify_exit, is_cpp_trace_line
+from ftrun.detection.exits import ProcessFault, classify_exit, is_cpp_trace_line
+from ftrun.detection.oom import OomWatch
+from ftrun.detection.table import FaultLevel, load_fault_table
 
 TABLE = load_fault_table()
 SIGKILL = -signal.SIGKILL

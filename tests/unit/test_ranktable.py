@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from ftrun.messages import DeviceRecord, NodeSlot
+from ftrun.messages import RankTableDevice, NodeSlot
 from ftrun.ranktable import ftrun_table, hccl_table, load_device_ips, write_table
 from ftrun.errors import UsageError
 
@@ -29,8 +29,8 @@ def assert_hccl_v1(table: dict, world_size: int) -> None:
     assert ranks == list(range(world_size))  # contiguous from 0, in server order
 
 
-def devices(*ips: str, physical_base: int = 0) -> tuple[DeviceRecord, ...]:
-    return tuple(DeviceRecord(i, physical_base + i, ip) for i, ip in enumerate(ips))
+def devices(*ips: str, physical_base: int = 0) -> tuple[RankTableDevice, ...]:
+    return tuple(RankTableDevice(i, physical_base + i, ip) for i, ip in enumerate(ips))
 
 
 NODES = (

@@ -21,10 +21,10 @@ from ftrun.cli import launch_command
 from ftrun.cli.launch import accepted_only_notes
 from ftrun.config import build_launch_config, parse_filters, parse_signals
 from ftrun.contract import DeviceAssignment
+from ftrun.detection.table import load_fault_table
 from ftrun.devices import CpuBackend, DeviceToolError
 from ftrun.devices.topology import parse_affinity_matrix, parse_cpu_list
 from ftrun.errors import UsageError
-from ftrun.faults.levels import load_fault_table
 from ftrun.folders import run_folder
 from ftrun.interrupts import Interrupts
 from ftrun.ports import PortRange, listen_in_range, parse_port_range

@@ -7,8 +7,8 @@ import os
 import time
 
 from ftrun.agent.output import StreamPump
-from ftrun.faults.levels import load_fault_table
-from ftrun.faults.process import classify_exit
+from ftrun.detection.exits import classify_exit
+from ftrun.detection.table import load_fault_table
 
 # the stderr of a TCPStore client whose server was killed while it waited in store.get (torch 2.13, CPU),
 # frames #3 to #8 and #19 to #20 cut out and the library folder shortened

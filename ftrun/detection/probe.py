@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.devices import DeviceBackend, DeviceStatus, DeviceToolError
-from ftrun.faults.levels import ACTIONS, FaultLevel, FaultTable
+from ftrun.detection.table import ACTIONS, FaultLevel, FaultTable
+from ftrun.devices import DeviceBackend, DeviceReading, DeviceToolError
 
 #: levels at which a device is not fit for new work
 UNUSABLE = frozenset({FaultLevel.SEPARATE, FaultLevel.RESTART_NPU, FaultLevel.FREE_RESTART, FaultLevel.PRE_SEPARATE})
@@ -13,7 +13,7 @@ UNUSABLE = frozenset({FaultLevel.SEPARATE, FaultLevel.RESTART_NPU, FaultLevel.FR
 
 @dataclass(frozen=True)
 class ProbeRow:
-    status: DeviceStatus
+    reading: DeviceReading
     level: FaultLevel | None
     reason: str
 
@@ -26,10 +26,10 @@ class ProbeRow:
         return ACTIONS[self.level]
 
     def as_dict(self) -> dict:
-        device = self.status.device
+        device = self.reading.device
         return {
             "index": device.index, "name": device.name, "physical": device.physical,
-            "health": self.status.health.value, "codes": list(self.status.codes), "info": self.status.info,
+            "health": self.reading.health.value, "codes": list(self.reading.codes), "info": self.reading.info,
             "level": self.level.value if self.level else None, "reason": self.reason, "action": self.action,
             "usable": self.usable,
         }
@@ -48,7 +48,7 @@ class ProbeReport:
         if self.error:
             return f"cannot read {self.kind} device health: {self.error}"
         bad = [r for r in self.rows if not r.usable]
-        return "; ".join(f"device {r.status.device.index} {r.status.health.value}: {r.reason} ({r.level.value})" for r in bad)
+        return "; ".join(f"device {r.reading.device.index} {r.reading.health.value}: {r.reason} ({r.level.value})" for r in bad)
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "error": self.error, "usable": not self.problem, "problem": self.problem,
@@ -58,11 +58,11 @@ class ProbeReport:
 def probe(backend: DeviceBackend, table: FaultTable) -> ProbeReport:
     """Poll every device once and classify it."""
     try:
-        statuses = backend.poll()
+        readings = backend.poll()
     except DeviceToolError as e:
         return ProbeReport(backend.kind, error=str(e))
     rows = []
-    for status in statuses:
-        verdict = table.classify_device(status)
-        rows.append(ProbeRow(status, verdict.level, verdict.reason or "healthy"))
+    for reading in readings:
+        verdict = table.classify_device(reading)
+        rows.append(ProbeRow(reading, verdict.level, verdict.reason or "healthy"))
     return ProbeReport(backend.kind, tuple(rows))

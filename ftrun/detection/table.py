@@ -1,8 +1,10 @@
 """Fault levels (MindCluster's vocabulary) and the table that assigns them.
 
 The table is data: ``fault_levels.yaml`` beside this module, plus an optional
-site file (``--fault-levels``) merged on top by :func:`load_fault_table`.
-:class:`FaultTable` decides a level for a device's status or a worker's last
+site file (``--fault-levels``) merged on top by :func:`load_fault_table`. Each
+source that reports codes has a section of its own (:data:`CODE_SECTIONS`), so a
+new source is a row there and a section in the file, not a branch here.
+:class:`FaultTable` decides a level for a device's reading or a worker's last
 output; :class:`Escalation` isolates a device that keeps needing repairs.
 Nothing here reads a clock or runs a process.
 """
@@ -15,14 +17,16 @@ import importlib.resources
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
 from ftrun.config import check_known_keys, parse_yaml_mapping, read_yaml_mapping
-from ftrun.devices import DeviceStatus, Health
+from ftrun.devices import DeviceReading, Health
 from ftrun.errors import UsageError
 
+#: the file's sections, in the order a complaint lists them: each source's codes (CODE_SECTIONS), the
+#: health word for codes no section lists, a failed worker's messages, and when to escalate
 SECTIONS = ("codes", "health", "cuda", "errors", "escalation")
 ESCALATION_KEYS = ("window_hours", "repairs", "levels")
 PACKAGED_NAME = "fault_levels.yaml"
@@ -102,7 +106,7 @@ def most_severe(levels: Iterable[FaultLevel]) -> FaultLevel | None:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the table made of one device status or one worker's output."""
+    """What the table made of one device's reading or one worker's output."""
 
     #: None: healthy
     level: FaultLevel | None
@@ -119,6 +123,11 @@ class EscalationRule:
     levels: frozenset[FaultLevel] = frozenset({FaultLevel.RESTART_NPU, FaultLevel.RESTART_BUSINESS})
 
 
+def ascend_code(code: Any) -> str:
+    """The table's spelling of an Ascend error code: 8 hex digits, upper case."""
+    return str(code).strip().upper()
+
+
 def cuda_code(code: Any) -> str:
     """The table's spelling of an NVIDIA finding: ``79``, ``xid 79``, ``XID_79`` all become ``xid-79``."""
     text = re.sub(r"[\s_]+", "-", str(code).strip().lower())
@@ -126,26 +135,51 @@ def cuda_code(code: Any) -> str:
 
 
 @dataclass(frozen=True)
+class CodeSection:
+    """The codes one source reports, as a section of the fault table lists them."""
+
+    #: the source that reports them: a device backend's kind (``npu``, ``cuda``)
+    source: str
+    #: its section of fault_levels.yaml
+    section: str
+    #: one spelling for every way the source (or a site's file) writes a code
+    spell: Callable[[Any], str]
+    #: what a spelled code must look like (a regex; "" takes any), and what the file is told when it does not
+    form: str = ""
+    misformed: str = ""
+
+
+#: every source whose codes the table lists, in the order a code is looked up (a device's reading does not
+#: say which tool read it, and no two sources spell a code alike)
+CODE_SECTIONS = (
+    CodeSection("npu", "codes", ascend_code, r"[0-9A-F]{8}", "is not 8 hex digits (quote codes in YAML)"),
+    CodeSection("cuda", "cuda", cuda_code),
+)
+
+
+@dataclass(frozen=True)
 class FaultTable:
     """Codes, health words and error messages mapped to fault levels; build it with :func:`load_fault_table`."""
 
-    #: Ascend error codes (upper case) -> level
-    codes: Mapping[str, FaultLevel]
+    #: source (CODE_SECTIONS) -> its codes as the table spells them -> level: Ascend error codes (``npu``),
+    #: NVIDIA findings such as ``gpu-lost``, ``xid-79`` (``cuda``)
+    codes: Mapping[str, Mapping[str, FaultLevel]]
     #: a device's health -> level, for codes the table lacks (None: healthy)
     health: Mapping[Health, FaultLevel | None]
-    #: NVIDIA findings (``gpu-lost``, ``xid-79``) -> level
-    cuda: Mapping[str, FaultLevel]
     #: message substrings -> level, in the file's order
     errors: tuple[tuple[str, FaultLevel], ...]
     #: when a device that keeps needing repairs is isolated
     escalation: EscalationRule = field(default_factory=EscalationRule)
     #: the files it was read from, packaged one first
-    sources: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
 
     def level_of_code(self, code: str) -> FaultLevel | None:
-        """The level the table gives ``code`` (Ascend or NVIDIA), or None when it does not know it."""
-        found = self.codes.get(str(code).strip().upper())
-        return found if found is not None else self.cuda.get(cuda_code(code))
+        """The level the first source's section that lists ``code`` gives it, or None when none does."""
+        for section in CODE_SECTIONS:
+            found = self.codes.get(section.source, {}).get(section.spell(code))
+            if found is not None:
+                return found
+        return None
 
     def level_of_health(self, health: Health) -> FaultLevel | None:
         """The level for a device judged by its health alone (None: healthy)."""
@@ -153,20 +187,20 @@ class FaultTable:
             return self.health[health]
         return None if health is Health.OK else FaultLevel.SEPARATE
 
-    def classify_device(self, status: DeviceStatus) -> Verdict:
-        """The level a device's status calls for: the most severe of its codes, else its health."""
-        by_health = self.level_of_health(status.health)
+    def classify_device(self, reading: DeviceReading) -> Verdict:
+        """The level a device's reading calls for: the most severe of its codes, else its health."""
+        by_health = self.level_of_health(reading.health)
         found: list[Verdict] = []
-        for code in status.codes:
+        for code in reading.codes:
             level = self.level_of_code(code)
             if level is not None:
                 found.append(Verdict(level, f"code {code}"))
             else:
                 # a code nobody listed still deserves a log line on an otherwise healthy device
                 found.append(Verdict(by_health or FaultLevel.NOT_HANDLE,
-                                     f"code {code} (not in the fault table; health {status.health.value})"))
+                                     f"code {code} (not in the fault table; health {reading.health.value})"))
         if not found:
-            return Verdict(by_health, f"health {status.health.value}")
+            return Verdict(by_health, f"health {reading.health.value}")
         return max(found, key=lambda v: v.level.severity)  # max keeps the first of equals
 
     def classify_text(self, lines: Iterable[str]) -> Verdict | None:
@@ -207,29 +241,28 @@ def load_fault_table(override_path: str | None = None) -> FaultTable:
 
     Raises UsageError naming the file when the override cannot be read or makes no sense.
     """
-    resource = importlib.resources.files("ftrun.faults").joinpath(PACKAGED_NAME)
-    packaged = f"ftrun/faults/{PACKAGED_NAME}"
+    resource = importlib.resources.files("ftrun.detection").joinpath(PACKAGED_NAME)
+    packaged = f"ftrun/detection/{PACKAGED_NAME}"
     shape = f"a mapping with keys {', '.join(SECTIONS)}"
     merged = _check(parse_yaml_mapping(resource.read_text(encoding="utf-8"), _TableLoader, f"fault table {packaged}",
                                        shape), packaged)
-    sources = [packaged]
+    files = [packaged]
     if override_path:
         override = _check(read_yaml_mapping(override_path, _TableLoader, "fault table", shape), override_path)
         for section in SECTIONS:
             merged[section].update(override[section])
-        sources.append(override_path)
+        files.append(override_path)
     rule = merged["escalation"]
     return FaultTable(
-        codes=MappingProxyType(merged["codes"]),
+        codes=MappingProxyType({s.source: MappingProxyType(merged[s.section]) for s in CODE_SECTIONS}),
         health=MappingProxyType(merged["health"]),
-        cuda=MappingProxyType(merged["cuda"]),
         errors=tuple(merged["errors"].items()),
         escalation=EscalationRule(
             window_hours=rule.get("window_hours", EscalationRule.window_hours),
             repairs=rule.get("repairs", EscalationRule.repairs),
             levels=rule.get("levels", EscalationRule().levels),
         ),
-        sources=tuple(sources),
+        files=tuple(files),
     )
 
 
@@ -255,12 +288,14 @@ def _check(data: dict, where: str) -> dict[str, dict]:
         except ValueError as e:
             raise UsageError(f"fault table {where}: {entry}: {e}") from None
 
-    codes = {}
-    for code, value in sections["codes"].items():
-        text = str(code).strip().upper()
-        if not re.fullmatch(r"[0-9A-F]{8}", text):
-            raise UsageError(f"fault table {where}: code '{code}' is not 8 hex digits (quote codes in YAML)")
-        codes[text] = level(value, f"codes.{text}")
+    codes: dict[str, dict] = {}
+    for source in CODE_SECTIONS:
+        listed = codes[source.section] = {}
+        for code, value in sections[source.section].items():
+            spelled = source.spell(code)
+            if source.form and not re.fullmatch(source.form, spelled):
+                raise UsageError(f"fault table {where}: code '{code}' {source.misformed}")
+            listed[spelled] = level(value, f"{source.section}.{spelled}")
 
     health = {}
     for word, value in sections["health"].items():
@@ -270,15 +305,13 @@ def _check(data: dict, where: str) -> dict[str, dict]:
                              f"(choose one of {', '.join(h.value for h in Health)})")
         health[match] = level(value, f"health.{match.value}", healthy_ok=True)
 
-    cuda = {cuda_code(code): level(value, f"cuda.{code}") for code, value in sections["cuda"].items()}
-
     errors = {}
     for text, value in sections["errors"].items():
         if not isinstance(text, str) or not text.strip():
             raise UsageError(f"fault table {where}: errors: '{text}' must be a non-empty string")
         errors[text] = level(value, f"errors.'{text}'")
 
-    return {"codes": codes, "health": health, "cuda": cuda, "errors": errors,
+    return {**codes, "health": health, "errors": errors,
             "escalation": _check_escalation(sections["escalation"], where, level)}
 
 

@@ -1,6 +1,7 @@
-"""Hang detection: which of the node's ranks stopped showing signs of life.
+"""Hang detection: which of the node's ranks stopped showing signs of life; a health source.
 
-Pure, with the clock passed in. Two kinds of evidence, per rank:
+Pure, with the clock passed in: the agent hands it what it read of each running rank at a keepalive
+(``RankSigns``). Two kinds of evidence, per rank:
 
 * a rank under ``ftrun.elastic`` beats a counter in the store once a second from a
   thread of its own; no beat for ``heartbeat_timeout`` seconds means the process is
@@ -16,6 +17,9 @@ Pure, with the clock passed in. Two kinds of evidence, per rank:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
+from ftrun.detection.sources import HealthEvent, RankSigns
 
 #: extra seconds of silence before a rank that is asleep (not stopped) counts as hung (--hang-timeout)
 WAITER_GRACE = 1.5
@@ -32,6 +36,11 @@ class _Rank:
 
 
 class HangWatch:
+    """A health source over the ranks' signs of life: a rank it reports hung is forgotten, and judged
+    again once a new process takes it (``restart``)."""
+
+    name = "hang"
+
     def __init__(self, heartbeat_timeout: float, hang_timeout: float = 0.0):
         self.heartbeat_timeout = heartbeat_timeout
         #: 0: ranks without heartbeats are never judged
@@ -49,6 +58,16 @@ class HangWatch:
 
     def forget(self, rank: int) -> None:
         self._ranks.pop(rank, None)
+
+    def poll(self, now: float, ranks: Sequence[RankSigns] = ()) -> list[HealthEvent]:
+        """The ranks among ``ranks`` that count as hung now, each once."""
+        events = []
+        for signs in ranks:
+            reason = self.observe(signs.rank, signs.beats, signs.activity, now, signs.stopped)
+            if reason:
+                self.forget(signs.rank)
+                events.append(HealthEvent(self.name, reason, rank=signs.rank))
+        return events
 
     def observe(self, rank: int, beats: int, activity: tuple, now: float, stopped: bool = False) -> str:
         """Record what the rank shows now (``stopped``: its process is in the stopped state);

@@ -1,0 +1,13 @@
+"""The detection wing: how the launcher finds out that something on a node is wrong, and how bad it is.
+
+* ``sources.py``: the seam every detector fits (``HealthSource``, its frozen ``HealthEvent``), the node's
+  sources polled as one (``NodeHealth``), a slow source polled in a thread of its own (``Background``);
+* ``device_tool.py``, ``hang.py``: the sources so far, a device tool's readings and the ranks' signs of life;
+* ``table.py`` and ``fault_levels.yaml``: the fault levels and the table that assigns them, a section per
+  source that reports codes;
+* ``exits.py``, ``oom.py``: why a worker ended, and the OOM killer's evidence;
+* ``probe.py``: what ``ftrun probe`` and ``--preflight`` report.
+
+The device tools themselves (discovery, readings, resets) are ``ftrun.devices``, below this wing; what the
+agent does about a finding is the agent's.
+"""
