@@ -12,10 +12,12 @@ peers are in the middle of training and not in a constructor; so under ftrun the
 ``ftrun.elastic.init()`` first, and accelerate takes the group it finds. Under plain torchrun or python the
 import and ``enable()`` do nothing.
 
-How a Trainer's steps become ftrun's steps (``ElasticJob.steps()``, driven from the Trainer's callbacks):
+How a Trainer's steps become ftrun's steps (the job's step protocol, driven from the Trainer's callbacks):
 
-* each optimizer step (its micro-batches, the clip, the optimizer's and the scheduler's steps) runs inside
-  ``job.guard()``, from ``on_step_begin`` to ``on_step_end``, where it commits;
+* the Trainer sets its step (``_init_training_state``): ``job.start_steps()``, where a replacement receives the
+  state;
+* each optimizer step (its micro-batches, the clip, the optimizer's and the scheduler's steps) runs between
+  ``job.begin_step()`` in ``on_step_begin`` and ``job.end_step()`` in ``on_step_end``, where it commits;
 * the registered state is the model, the optimizer, the LR scheduler and :class:`TrainerProgress` (the
   ``TrainerState``, the RNG states, the grad scaler and the loss summed for the next log, as of the step's
   beginning);
@@ -33,10 +35,10 @@ import copy
 import dataclasses
 import json
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from ftrun.elastic import frameworks
 from ftrun.elastic.ddp import pin_buckets
+from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
 
 log = logging.getLogger("ftrun.elastic")
@@ -47,8 +49,8 @@ COUNTERS = ("total_loss_scalar", "globalstep_last_logged", "initial_global_step"
 IN_MEMORY = "<ftrun.elastic: the consistent step's state, in memory>"
 
 
-#: this process's job, joined at import under ftrun (frameworks.py says why)
-job: ElasticJob | None = frameworks.join()
+#: this process's job, joined at import under ftrun (shared.py says why)
+job: ElasticJob | None = shared.join()
 
 
 def enable(trainer) -> None:
@@ -57,7 +59,7 @@ def enable(trainer) -> None:
     Call it once the Trainer is built and before ``train()``; import ``ftrun.elastic.hf`` before making the
     ``TrainingArguments``. Outside ftrun it does nothing."""
     if job is None:
-        frameworks.refuse_too_late("ftrun.elastic.hf", "TrainingArguments")
+        shared.refuse_too_late("ftrun.elastic.hf", "TrainingArguments")
         return
     if getattr(trainer, "_ftrun_elastic", None) is not None:
         return
@@ -86,7 +88,7 @@ class TrainerProgress:
         # log_history only grows (its entries stay as they are): a shallow copy of the list is a copy
         self._state = dataclasses.replace(state, log_history=list(state.log_history),
                                           stateful_callbacks=copy.deepcopy(state.stateful_callbacks))
-        self._rng = frameworks.rng_states()
+        self._rng = shared.rng_states()
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         self._scaler = scaler.state_dict() if scaler is not None else None
         trainer = self.trainer
@@ -129,7 +131,7 @@ class TrainerProgress:
 
     def put_back_rng(self) -> None:
         if self._rng is not None:
-            frameworks.set_rng_states(self._rng)
+            shared.set_rng_states(self._rng)
 
 
 class _Late:
@@ -163,12 +165,12 @@ class ElasticTrainer:
         self.scheduler = _Late(lambda: trainer.lr_scheduler)
         job.register(model=trainer.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
                      trainer=self.progress)
-        self._steps: Iterator[int] | None = None
+        #: the job's steps started (the first train() of the process)
+        self._started = False
         #: the place in the data to resume at, once a repair (or the state a replacement received) set it
         self._resume: int | None = None
         #: the RNG states go back as the first step after a repair begins
         self._rng_due = False
-        self._in_step = False
         #: the first train() of the process is the job's steps; a second one runs as the Trainer's alone
         self._active = True
         self._wrap(trainer)
@@ -191,12 +193,12 @@ class ElasticTrainer:
 
     def _wrap(self, trainer) -> None:
         for name in ("train", "_init_training_state", "_prepare_for_training", "_run_epoch", "_load_rng_state"):
-            frameworks.wrap(trainer, name, getattr(self, name))
+            shared.wrap(trainer, name, getattr(self, name))
 
     def train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         if self.job.receives_state:  # its peers are past the script's checkpoint: the state comes from them
             resume_from_checkpoint = None
-        if self._steps is not None:  # a second train(): its steps are not the job's (docs/integrations.md)
+        if self._started:  # a second train(): its steps are not the job's (docs/integrations.md)
             log.warning("ftrun.elastic.hf: a second train() in this process is not repaired at process level")
             self._active = False
             return original(resume_from_checkpoint, *args, **kwargs)
@@ -209,8 +211,9 @@ class ElasticTrainer:
         trained = original(max_steps, num_update_steps_per_epoch, *args)
         if not self._active:
             return trained
-        self._steps = self.job.steps(max_steps, start=self.trainer.state.global_step)
-        next(self._steps)  # a replacement receives the state here (a job-level restart may restore a snapshot)
+        self._started = True
+        # a replacement receives the state here (a job-level restart may restore a snapshot)
+        self.job.start_steps(max_steps, start=self.trainer.state.global_step)
         if not self.progress.loaded:
             self.progress.capture()
             return trained
@@ -276,39 +279,33 @@ class ElasticTrainer:
             self._rng_due = False
             self.progress.put_back_rng()
         self.progress.capture()
-        self.job.guard().__enter__()
-        self._in_step = True
+        self.job.begin_step()
 
     def step_ends(self) -> None:
         if not self._active:
             return
-        self._in_step = False
         self.progress.capture()
-        guard = self.job.guard()
-        guard.__exit__(None, None, None)
-        if guard.repair_target is not None:  # a collective failed after the optimizer's step: the step is lost
+        outcome = self.job.end_step()
+        if outcome.lost:  # a collective failed after the optimizer's step, and no repair comes
+            raise outcome.error
+        if outcome.repaired:  # ... and a repair came: the step is lost, the epoch runs again from the consistent step
             raise _StepLost()
-        next(self._steps, None)
 
     def _repaired(self, error: Exception) -> bool:
-        """``error`` ended the epoch: when it came from a fault elsewhere, repair and say where to resume."""
-        guard = self.job.guard()  # a _StepLost's holds the repair's target already
-        if self._in_step:
-            self._in_step = False
-            if not guard.__exit__(type(error), error, error.__traceback__):
-                return False
-        elif not isinstance(error, _StepLost):  # between steps (logging, saving): the last step committed
-            guard.repair_target = self.job.link.repair_target(error, self.job.step)
-            if guard.repair_target is None:
-                return False
-        next(self._steps, None)  # the repair: the state is the consistent step's
+        """``error`` ended the epoch: when it came from a fault elsewhere, repair and say where to resume. In a
+        step (between ``begin_step`` and ``end_step``) or between two (logging, saving: the last step committed),
+        ``end_step`` tells which; a ``_StepLost``'s repair is done already."""
+        if not isinstance(error, _StepLost) and self.job.end_step(error).lost:
+            return False
+        # the state is the consistent step's
         self.progress.put_back_state()
         self._resume = self.job.step
         return True
 
 
 class _StepLost(Exception):
-    """A step whose body finished although one of its collectives failed: its guard holds the repair's target."""
+    """A step whose body finished although one of its collectives failed, repaired already: the epoch ends, and
+    runs again from the consistent step."""
 
 
 def _inner(optimizer):

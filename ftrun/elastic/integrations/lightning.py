@@ -4,12 +4,14 @@
     trainer = lightning.Trainer(strategy="ddp", callbacks=[ftrun.elastic.lightning.Recovery()], ...)
     trainer.fit(model, data)
 
-The import joins the job for the reason ``frameworks.py`` gives (Lightning's strategy forms torch's process group
+The import joins the job for the reason ``shared.py`` gives (Lightning's strategy forms torch's process group
 as ``fit()`` begins). Under plain torchrun or python the callback does nothing.
 
-How Lightning's batches become the job's steps (``ElasticJob.steps()``, driven from the callback):
+How Lightning's batches become the job's steps (the job's step protocol, driven from the callback):
 
-* each optimizer step of the training epoch runs inside ``job.guard()``, and commits when it ends: its batch
+* the training starts (``on_train_start``): ``job.start_steps()``, where a replacement receives the state;
+* each optimizer step of the training epoch runs between ``job.begin_step()`` and ``job.end_step()``, and
+  commits when it ends: its batch
   (Lightning's ``_TrainingEpochLoop.advance``: the fetch, the hooks, the forward and backward in the optimizer's
   closure, the optimizer's and the schedulers' steps), or with ``accumulate_grad_batches`` above 1 its
   micro-batches (the epoch loop's iterations up to the one that steps);
@@ -29,16 +31,16 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any
 
-from ftrun.elastic import frameworks
+from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
 from ftrun.errors import EXIT_STUCK
 
 log = logging.getLogger("ftrun.elastic")
 
-#: this process's job, joined at import under ftrun (frameworks.py says why)
-job: ElasticJob | None = frameworks.join()
+#: this process's job, joined at import under ftrun (shared.py says why)
+job: ElasticJob | None = shared.join()
 
 
 class LoopProgress:
@@ -61,7 +63,7 @@ class LoopProgress:
             "optimizer": epoch.automatic_optimization.optim_progress.state_dict(),
             "batches_that_stepped": epoch._batches_that_stepped,
             "callbacks": {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in self.trainer.callbacks},
-            "rng": frameworks.rng_states(),
+            "rng": shared.rng_states(),
         }
 
     def state_dict(self) -> dict:
@@ -95,7 +97,7 @@ class LoopProgress:
         for callback in self.trainer.callbacks:
             if callback.state_key in taken["callbacks"]:
                 callback.load_state_dict(copy.deepcopy(taken["callbacks"][callback.state_key]))
-        frameworks.set_rng_states(taken["rng"])
+        shared.set_rng_states(taken["rng"])
 
 
 class _Held:
@@ -150,32 +152,33 @@ class _RecoveryHooks:
 
     def __init__(self):
         if job is None:
-            frameworks.refuse_too_late("ftrun.elastic.lightning", "the Trainer's process group (fit())")
+            shared.refuse_too_late("ftrun.elastic.lightning", "the Trainer's process group (fit())")
         self.job = job
         self.progress: LoopProgress | None = None
-        self._steps: Iterator[int] | None = None
+        #: the job's steps started (the first fit() of the process)
+        self._started = False
         #: a replacement's first batch: take the counters and skip to its place in the epoch
         self._joining = False
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.job is not None and self.job.receives_state:
             # its peers are past the script's checkpoint (fit(ckpt_path=...)): the state comes from them
-            frameworks.wrap(trainer._checkpoint_connector, "_restore_modules_and_callbacks",
+            shared.wrap(trainer._checkpoint_connector, "_restore_modules_and_callbacks",
                             lambda original, checkpoint_path=None, weights_only=None: original(None, weights_only))
 
     def on_train_start(self, trainer, pl_module) -> None:
         job = self.job
-        if job is None or self._steps is not None:
+        if job is None or self._started:
             return
         self.progress = LoopProgress(trainer)
         objects: dict[str, Any] = {"model": pl_module}
         objects.update({f"optimizer{i}": _Held(o) for i, o in enumerate(trainer.optimizers)})
         objects.update({f"lr_scheduler{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)})
         job.register(**objects, progress=self.progress)
-        frameworks.wrap(trainer.fit_loop.epoch_loop, "advance", self._advance)
+        shared.wrap(trainer.fit_loop.epoch_loop, "advance", self._advance)
         total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self._steps = job.steps(int(total), start=trainer.global_step)
-        next(self._steps)  # a replacement receives the state here
+        self._started = True
+        job.start_steps(int(total), start=trainer.global_step)  # a replacement receives the state here
         if self.progress.loaded:
             self.progress.put_back_epoch()
             self._joining = True
@@ -187,7 +190,7 @@ class _RecoveryHooks:
             self.job.link.report_progress(self.job.step)  # the job's summary says the step training ended at
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.job is not None and self._steps is not None:
+        if self.job is not None and self._started:
             self.job.state.before_update()  # GroupFailed when the backward's all-reduce failed
 
     # -- the epoch loop's batch, wrapped ---------------------------------------------------------------------
@@ -206,26 +209,24 @@ class _RecoveryHooks:
         rewind = _Rewind(data_fetcher)
         step = job.step
         while True:
-            guard = job.guard()
-            guard.__enter__()
+            job.begin_step()
             try:
                 self._optimizer_step(original, data_fetcher)
             except StopIteration as stop:  # no batch left: the epoch loop's own way out, no step
-                guard.__exit__(type(stop), stop, stop.__traceback__)
+                job.end_step(stop)
                 raise
             except Exception as error:
-                if not guard.__exit__(type(error), error, error.__traceback__):
+                outcome = job.end_step(error)
+                if outcome.lost:
                     raise
-                next(self._steps, None)  # the repair: the state is the consistent step's
-                self._again(step, rewind)
-                continue
-            guard.__exit__(None, None, None)
-            if guard.repair_target is not None:  # a collective failed after the update: the step is lost
-                next(self._steps, None)
+            else:
+                outcome = job.end_step()
+                if outcome.lost:  # a collective failed after the update, and no repair comes
+                    raise outcome.error
+            if outcome.repaired:  # the state is the consistent step's: the step's batches run again
                 self._again(step, rewind)
                 continue
             rewind.done()
-            next(self._steps, None)
             return
 
     def _optimizer_step(self, original, data_fetcher) -> None:
