@@ -20,8 +20,8 @@ from ftrun.contract import CollectiveFailure, Endpoint, Fallback, Milestone, Rel
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.mindspore_elastic.backends import AscendHooks
-from ftrun.mindspore_elastic.link import RepairChannel
 from ftrun.mindspore_elastic.job import MindSporeJob
+from ftrun.mindspore_elastic.link import RepairChannel
 from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.repair_loop import RepairError
 from ftrun.rollback import NO_STATE
