@@ -5,12 +5,15 @@ each way a step can end is answered, and what the job did to get there."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
 from ftrun.elastic.job import ElasticJob, StepGuard
 from ftrun.mindspore_elastic.job import MindSporeJob
 from ftrun.steps import Ending, StepOutcome
+from tests.conftest import ROOT
+from tests.unit.test_contract import imported_modules
 
 #: the step a fake job is at as a step begins, and the one its fake repair rolls back to
 AT, CONSISTENT = 5, 3
@@ -251,3 +254,11 @@ def test_a_mindspore_job_outside_process_level_loses_every_error():
     job = MindSporeJob()  # outside ftrun: no repair
     job.begin_step()
     assert job.end_step(PEER).lost and job.end_step().committed and job.step == 1
+
+
+def test_the_outcome_s_module_imports_the_standard_library_alone():
+    """Both worker libraries import it, and MindSpore's python has no torch."""
+    imported = imported_modules(ROOT / "ftrun" / "steps.py")
+    assert imported, "no import found: the check reads the wrong file"
+    outside = sorted(name for name in imported if name not in sys.stdlib_module_names and name != "__future__")
+    assert not outside, f"ftrun/steps.py imports {', '.join(outside)}: it may depend on the standard library only"
