@@ -43,17 +43,30 @@ def test_the_table_reads_and_names_every_integration_in_the_folder():
     assert not in_folder - listed, f"docs/integrations.md's checklist table lacks {sorted(in_folder - listed)}"
 
 
+def protocol_faults(module: str, source: str) -> list[str]:
+    """What ``module``'s ``source`` lacks of the step protocol, or does by hand instead (empty: nothing)."""
+    calls = ("end_step(",) if "mindspore" in module else ("start_steps(", "begin_step(", "end_step(")
+    faults = [f"does not call {call}" for call in calls if f".{call}" not in source]
+    if module.startswith("ftrun/elastic/integrations/"):
+        faults += [f"drives the job by hand ({dance})" for dance in BY_HAND if dance in source]
+    return faults
+
+
 @pytest.mark.parametrize("framework, module, imported, worker", ROWS, ids=[row[0] for row in ROWS])
 def test_each_integration_drives_the_step_protocol_and_has_its_test_worker(framework, module, imported, worker):
-    source = (ROOT / module).read_text()
-    calls = ("end_step(",) if "mindspore" in module else ("start_steps(", "begin_step(", "end_step(")
-    missing = [call for call in calls if f".{call}" not in source]
-    assert not missing, f"{module} does not call {', '.join(missing)}"
-    if module.startswith("ftrun/elastic/integrations/"):
-        by_hand = [dance for dance in BY_HAND if dance in source]
-        assert not by_hand, f"{module} drives the job by hand ({', '.join(by_hand)}): use the step protocol"
+    assert not protocol_faults(module, (ROOT / module).read_text()), f"{module}: use the step protocol"
     assert (ROOT / worker).is_file(), f"{framework}: no test worker {worker}"
     assert imported in (ROOT / worker).read_text(), f"{worker} does not import {imported}"
+
+
+def test_the_check_spots_an_integration_that_drives_the_guard_by_hand():
+    by_hand = "self._steps = job.steps(total)\nnext(self._steps)\njob.guard().__enter__()\njob.end_step()\n"
+    assert protocol_faults("ftrun/elastic/integrations/deepspeed.py", by_hand) == [
+        "does not call start_steps(", "does not call begin_step(", "drives the job by hand (__enter__()",
+        "drives the job by hand (.guard())", "drives the job by hand (next(self._steps)",
+        "drives the job by hand (.steps()"]
+    protocol = "job.start_steps(total)\njob.begin_step()\noutcome = job.end_step(error)\n"
+    assert protocol_faults("ftrun/elastic/integrations/deepspeed.py", protocol) == []
 
 
 @pytest.mark.parametrize("short, full", [("ftrun.elastic.hf", "ftrun.elastic.integrations.hf"),
