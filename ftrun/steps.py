@@ -38,14 +38,17 @@ class StepOutcome:
 
     @property
     def committed(self) -> bool:
+        """The step counts: go on with ``step``, the next one."""
         return self.ending is Ending.COMMITTED
 
     @property
     def repaired(self) -> bool:
+        """A fault elsewhere stopped the step and the repair is done: go on from ``step``, the consistent one."""
         return self.ending is Ending.REPAIRED
 
     @property
     def lost(self) -> bool:
+        """Not ours to repair: raise ``error``."""
         return self.ending is Ending.LOST
 
 
