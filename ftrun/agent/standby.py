@@ -20,7 +20,9 @@ import sys
 
 #: what a script that names one of these (its integration in ftrun.elastic) imports besides torch: modules
 #: whose import costs seconds more (transformers' Trainer loads most of the library, and accelerate)
-FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",)}
+FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",),
+                     "ftrun.elastic.integrations.hf": ("transformers.trainer",),
+                     "ftrun.elastic.integrations.lightning": ("lightning.pytorch",)}
 
 
 def warm_up(script: str | None = None) -> None:

@@ -18,7 +18,9 @@ Add a few lines to an ordinary DDP script::
 Under ``ftrun --recovery process`` a failed rank is respawned, every rank joins the
 next generation's process group, the highest step a healthy replica fully committed
 is chosen, its holder sends the registered state to the ranks that lack it, and the
-loop goes on from that step. With ``ftrun --snapshot-every K`` each rank also snapshots its
+loop goes on from that step. A loop that is not a ``for`` (a framework's callbacks) makes the same steps
+with ``job.start_steps()``, ``job.begin_step()`` and ``job.end_step(error)``, which answers a
+:class:`StepOutcome`. With ``ftrun --snapshot-every K`` each rank also snapshots its
 registered state into its node's shared memory every K steps, and a job-level restart resumes
 from there. Under plain torchrun the same script runs as usual.
 """
@@ -27,6 +29,7 @@ from ftrun.contract import WorkerEnv
 from ftrun.elastic.ddp import ElasticDDP
 from ftrun.elastic.job import ElasticJob, StepGuard
 from ftrun.elastic.repair import RepairError
+from ftrun.steps import Ending, StepOutcome
 
 
 def init(backend: str | None = None, **options) -> ElasticJob:
@@ -44,4 +47,4 @@ def init(backend: str | None = None, **options) -> ElasticJob:
     return ElasticJob(backend, **options)
 
 
-__all__ = ["init", "ElasticJob", "ElasticDDP", "StepGuard", "RepairError", "WorkerEnv"]
+__all__ = ["init", "ElasticJob", "ElasticDDP", "StepGuard", "StepOutcome", "Ending", "RepairError", "WorkerEnv"]

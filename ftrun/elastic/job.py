@@ -33,6 +33,7 @@ from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
+from ftrun.steps import COMMITTED, StepDecision, StepOutcome
 
 log = logging.getLogger("ftrun.elastic")
 #: init()'s collective_timeout: seconds that every group formation (and gloo's collectives) may take
@@ -44,38 +45,28 @@ COMMIT_DEADLINE = 60.0
 
 
 class StepGuard:
-    """``with job.guard():`` around a step's body: commits the step when the body finishes, and
-    catches a fault elsewhere (a collective that failed because a peer died) so that
-    ``job.steps()`` can repair and go on from the consistent step."""
+    """``with job.guard():`` around a step's body: :meth:`ElasticJob.begin_step` as the block begins and the
+    decision of :meth:`ElasticJob.end_step` as it ends. A finished body commits the step; a fault elsewhere (a
+    collective that failed because a peer died) is swallowed, and ``job.steps()`` repairs and goes on from the
+    consistent step when the loop asks for the next step, so that the code after the block still sees the
+    step as it ended (``job.step == step + 1`` tells a committed one); an error that is not ours goes on up."""
 
-    def __init__(self, state: TrainingState, link: ControlLink | NullLink):
-        self.state = state
-        self.link = link
-        self.entered = False
-        #: the generation the repair goes to, when a fault elsewhere interrupted the step
-        self.repair_target: int | None = None
+    def __init__(self, job: "ElasticJob"):
+        self.job = job
+        #: how the step ended, once the block is left (None before, or when it was never entered)
+        self.decision: StepDecision | None = None
 
     def __enter__(self) -> "StepGuard":
-        self.entered = True
-        self.state.begin_step()
-        self.link.step_begins()
+        self.job.begin_step()
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
-        failure = self.link.step_ends()
-        if kind is None and failure is None:
-            self.state.commit()
+        self.decision = decision = self.job._end(error)
+        if decision.lost is not None:
+            if error is None:  # the body finished, but one of its collectives failed and no repair comes
+                raise decision.lost
             return False
-        if kind is None:  # a collective failed, yet the body finished: what it changed is unknown
-            self.state.mark_mutated()
-            error = failure
-        self.repair_target = self.link.repair_target(error, self.state.step)
-        if self.repair_target is None:
-            if kind is None:
-                raise failure
-            return False
-        self.state.restore_buffers()  # the forward of the lost step moved running statistics
-        return True  # swallowed: steps() repairs and goes on from the consistent step
+        return decision.target is not None  # swallowed: steps() repairs and goes on from the consistent step
 
 
 class ElasticJob:
@@ -107,12 +98,20 @@ class ElasticJob:
         #: a mesh of torch's whose replica dimensions the first step shows (meshes.py); None once settled
         self._part_mesh: PartMesh | None = None
         self._started = False
+        #: the step the steps began at (start_steps()); None before
+        self._began: int | None = None
+        #: the first step past _began was told to the link
+        self._told = False
+        #: begin_step() came, and its end_step() not yet
+        self._open = False
+        #: how many steps ended through the protocol (steps() tells a body that used it from one that did not)
+        self._ends = 0
         self.link: ControlLink | NullLink
         if self.env is None:
             self.link = NullLink()
             dist.init_process_group(self.backend.name)
             self.state = TrainingState(_default_layout(dist.get_world_size(), sharded), overlap=snapshot_overlap)
-            self._guard = StepGuard(self.state, self.link)
+            self._guard = StepGuard(self)
             return
         _dump_stack_on_signal()
         track_torch_ddp()
@@ -122,7 +121,7 @@ class ElasticJob:
         self.state = TrainingState(_default_layout(self.env.world_size, sharded), snapshots, snapshot_overlap,
                                    rank=self.env.rank, needs_state=self.env.replacement,
                                    lost_collective=link.lost_collective)
-        self._guard = StepGuard(self.state, link)
+        self._guard = StepGuard(self)
         #: every process group the script makes, the same objects in every generation
         self.groups = GroupSet(self.backend, link.store.raw, link.keys.process_group, collective_timeout)
         install(self.groups, self.backend.devices())
@@ -238,29 +237,106 @@ class ElasticJob:
         The step number is the data position: make each step's batch a function of it. Put the
         step's body in ``with job.guard():``. ``start`` is where a fresh job begins (e.g. the step
         after the one in your own checkpoint); a replacement rank resumes where the others are.
+        A loop built on the step protocol itself (:meth:`start_steps`, :meth:`begin_step`,
+        :meth:`end_step`), as a framework's callbacks are, gives the same steps.
+        """
+        self.start_steps(total, start)
+        while self.state.step < total:
+            self._guard = guard = StepGuard(self)
+            ends = self._ends
+            yield self.state.step
+            if guard.decision is not None:
+                self._go_on(guard.decision)
+            elif self._ends == ends:  # a loop without guard(): the body finished, so the step did
+                self.end_step()
+
+    def guard(self) -> StepGuard:
+        """The context manager for the current step's body (see :meth:`steps`)."""
+        return self._guard
+
+    # -- the step protocol: what steps(), guard() and the frameworks' integrations are built on -----------------
+
+    def start_steps(self, total: int, start: int = 0) -> int:
+        """Before the first :meth:`begin_step`: the setup is over. Returns the step to run first.
+
+        ``total`` is the number of steps the job runs (the controller's status shows it); ``start`` is where
+        a fresh job begins (e.g. the step after the one in your own checkpoint). A replacement rank receives
+        the registered state from a healthy replica here and starts where its peers are; after a job-level
+        restart with ``--snapshot-every``, the snapshot the controller names is restored here.
+        :meth:`steps` calls it; a framework's integration calls it where the framework sets its step.
         """
         self._start(total)
         if self.state.needs_state:
             self.repair.recover(self.generation, joined=True)
         elif not self._restore(start):
             self.state.start_at(start)
-        began, told = self.state.step, False
-        while self.state.step < total:
-            self._guard = StepGuard(self.state, self.link)
-            yield self.state.step
-            if self._guard.repair_target is not None:
-                self.repair.recover(self._guard.repair_target)
-            elif not self._guard.entered:
-                self.state.commit()  # a loop without guard(): the body finished, so the step did
-            if not told and self.state.step > began:
-                told = True
-                self.link.first_step_committed()
-            if self._part_mesh is not None:
-                self._settle_part_mesh(self._part_mesh)
+        self._began, self._told = self.state.step, False
+        return self.state.step
 
-    def guard(self) -> StepGuard:
-        """The context manager for the current step's body (see :meth:`steps`)."""
-        return self._guard
+    def begin_step(self) -> None:
+        """The body of step :attr:`step` begins: from here to :meth:`end_step`, a collective that fails because
+        a peer died is recorded rather than left to hang, and the buffers are kept to put back if the step is
+        lost. Call :meth:`start_steps` once before the first."""
+        if self._began is None and self.link.repairs:  # a replacement would train on without the state
+            raise RuntimeError("ftrun.elastic: begin_step() before start_steps() (or a loop over job.steps())")
+        self._open = True
+        self.state.begin_step()
+        self.link.step_begins()
+
+    def end_step(self, error: BaseException | None = None) -> StepOutcome:
+        """The body of the step ended: ``error`` is what it raised (None when it finished). Returns a
+        :class:`~ftrun.steps.StepOutcome`:
+
+        * committed: the body finished and its collectives held; ``outcome.step`` is the next step;
+        * repaired: a fault elsewhere interrupted the step (a collective failed and the controller announced
+          a repair); the repair is done, the registered state is the consistent step's, and the loop goes on
+          from ``outcome.step`` (it may run this step again: put back what the framework counts);
+        * lost: the error is not ours to repair (this rank's own, or no repair was announced within
+          ``fault_wait``): raise ``outcome.error`` (the body's error, or the failed collective's when the
+          body finished).
+
+        Without :meth:`begin_step` first: no error commits the step (a body run outside the protocol
+        finished), and an error is one between two steps (logging, saving): the last step stays committed,
+        and the answer is repaired or lost as above.
+        """
+        return self._go_on(self._end(error))
+
+    def _end(self, error: BaseException | None) -> StepDecision:
+        """How the step ended, and its state set accordingly (committed, or its buffers put back); the repair
+        is left to :meth:`_go_on`."""
+        self._ends += 1
+        if not self._open:
+            if error is None:
+                self.state.commit()
+                return COMMITTED
+            target = self.link.repair_target(error, self.state.step)
+            return StepDecision(target) if target is not None else StepDecision(lost=error)
+        self._open = False
+        failure = self.link.step_ends()
+        if error is None and failure is None:
+            self.state.commit()
+            return COMMITTED
+        if error is None:  # a collective failed, yet the body finished: what it changed is unknown
+            self.state.mark_mutated()
+            error = failure
+        target = self.link.repair_target(error, self.state.step)
+        if target is None:
+            return StepDecision(lost=error)
+        self.state.restore_buffers()  # the forward of the lost step moved running statistics
+        return StepDecision(target)
+
+    def _go_on(self, decision: StepDecision) -> StepOutcome:
+        """Do what the step's end calls for: the repair, the first commit's news, the mesh the first step shows."""
+        if decision.lost is not None:
+            return decision.outcome(self.state.step)
+        if decision.target is not None:
+            self.repair.recover(decision.target)
+        if not self._told and self._began is not None and self.state.step > self._began:
+            self._told = True
+            self.link.first_step_committed()
+        if self._part_mesh is not None:
+            self._settle_part_mesh(self._part_mesh, finished=decision.target is None)
+        return decision.outcome(self.state.step)
 
     def close(self) -> None:
         """Leave the job: finish the snapshot under way, stop the heartbeat and the repair watch, destroy
@@ -293,12 +369,12 @@ class ElasticJob:
         if refusal:
             self._refuse(refusal)
 
-    def _settle_part_mesh(self, part: PartMesh) -> None:
+    def _settle_part_mesh(self, part: PartMesh, finished: bool) -> None:
         """After the first step that finished: the groups it all-reduced the gradients over hold copies."""
         if self.state.layout.known:  # a repair's rollback took it from the ranks that ran the first step
             self._part_mesh = None
             return
-        if self._guard.repair_target is not None:  # the step did not finish: the next one shows it
+        if not finished:  # the step did not finish: the next one shows it
             return
         layout, refusal = part.settle()
         self._part_mesh = None

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -61,8 +61,12 @@ class StoreLocation:
     again); whichever reads the new address first moves the location, and the others follow it at once.
     """
 
-    def __init__(self, endpoint: Endpoint, file: str = "", timeout: float = STORE_TIMEOUT, rank: int = 0):
+    def __init__(self, endpoint: Endpoint, file: str = "", timeout: float = STORE_TIMEOUT, rank: int = 0,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         self.file = file
+        #: what the give-up deadline and the probes are timed by, and how a wait for the file pauses (tests
+        #: pass a fake clock, whose sleep moves it)
+        self.clock, self.sleep = clock, sleep
         self.timeout = timeout
         self.rank = rank
         self._endpoint = (self.named() if file else None) or endpoint
@@ -70,7 +74,7 @@ class StoreLocation:
         #: when a connection first found the store gone; None while the store answers
         self._gone_since: float | None = None
         self._gave_up = False
-        #: time.monotonic() when a connection last reached the store after it was gone; 0.0: never
+        #: clock() when a connection last reached the store after it was gone; 0.0: never
         self.back_at = 0.0
         #: the rank is ending (``ControlLink.let_go``): a store that is gone is not waited for any more
         self.closing = False
@@ -98,36 +102,36 @@ class StoreLocation:
         """The store at ``gone`` is gone: the endpoint to go to instead, once the file names another (or
         ``gone`` itself, if it answers again while the file still names it: only this connection broke).
         Gives up ``timeout`` seconds after the rank first found the store gone."""
-        probed = time.monotonic()
+        probed = self.clock()
         while True:
             if self.closing:
                 raise StoreGone(f"the control store at {gone} is gone, and this rank is ending")
-            deadline = self._clock(gone)
+            deadline = self._deadline(gone)
             if deadline is None:
                 return self._endpoint  # another connection moved already
             named = self.named()
             if named is not None and named != gone:
                 return self._move(gone, named)
-            if named == gone and time.monotonic() - probed > PROBE_AGAIN:
+            if named == gone and self.clock() - probed > PROBE_AGAIN:
                 if _answers(gone):
                     return gone
-                probed = time.monotonic()
-            if time.monotonic() >= deadline:
+                probed = self.clock()
+            if self.clock() >= deadline:
                 self._give_up(gone)
-            time.sleep(FILE_POLL)
+            self.sleep(FILE_POLL)
 
     def try_again(self, unreachable: Endpoint) -> Endpoint:
         """A connection could not reach ``unreachable`` (a store not yet listening, or gone already): the
         endpoint to try next, the same one while the file names it and time is left."""
         if self.closing:
             raise StoreGone(f"the control store at {unreachable} is gone, and this rank is ending")
-        deadline = self._clock(unreachable)
+        deadline = self._deadline(unreachable)
         if deadline is None:
             return self._endpoint
         named = self.named()
         if named is not None and named != unreachable:
             return self._move(unreachable, named)
-        if time.monotonic() >= deadline:
+        if self.clock() >= deadline:
             self._give_up(unreachable)
         return unreachable
 
@@ -135,9 +139,9 @@ class StoreLocation:
         """A connection reached the store at ``endpoint``: if it was away, it is back."""
         with self._lock:
             if self._endpoint == endpoint and self._gone_since is not None:
-                self._gone_since, self.back_at = None, time.monotonic()
+                self._gone_since, self.back_at = None, self.clock()
 
-    def _clock(self, gone: Endpoint) -> float | None:
+    def _deadline(self, gone: Endpoint) -> float | None:
         """The give-up deadline, the clock started if the store was taken for present; None when the
         location is no longer at ``gone``."""
         with self._lock:
@@ -146,7 +150,7 @@ class StoreLocation:
             if self._gave_up:
                 raise StoreGone(f"the control store at {gone} is gone")
             if self._gone_since is None:
-                self._gone_since = time.monotonic()
+                self._gone_since = self.clock()
                 log.warning("rank %d: the control store at %s is gone; waiting up to %gs for %s to name its "
                             "successor", self.rank, gone, self.timeout, self.file)
             return self._gone_since + self.timeout

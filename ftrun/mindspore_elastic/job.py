@@ -18,10 +18,11 @@ from ftrun.mindspore import DEFAULT_CLUSTER_TIMEOUT
 from ftrun.mindspore_elastic.arrays import MindSporeArrays
 from ftrun.mindspore_elastic.backends import AscendHooks
 from ftrun.mindspore_elastic.link import RepairChannel
-from ftrun.mindspore_elastic.repair import MindSporeRepair, RepairGuard
+from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.snapshots.rank import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer, sources_to_restore
+from ftrun.steps import COMMITTED, StepDecision, StepOutcome
 
 log = logging.getLogger("ftrun.mindspore_elastic")
 #: how often a rank writes its committed step for its agent to relay (a torch rank's heartbeat interval)
@@ -49,7 +50,11 @@ class MindSporeJob:
         self._progress_at = 0.0
         #: process level on Ascend: this rank's part in every repair
         self.repair = _make_repair(self) if self.relay is not None and self.env.recovery == "process" else None
-        self._guard = RepairGuard(self.repair, self.commit)
+        #: begin_step() came, and its end_step() not yet
+        self._open = False
+        #: how many steps ended through the protocol (steps() tells a body that used it from one that did not)
+        self._ends = 0
+        self._guard = StepGuard(self)
 
     @property
     def rank(self) -> int:
@@ -121,17 +126,54 @@ class MindSporeJob:
             if repair is not None and (announced := repair.announced()) is not None:
                 repair.recover(announced)  # announced between two steps: nothing to interrupt
                 continue
-            self._guard = RepairGuard(repair, self.commit)
+            self._guard = guard = StepGuard(self)
+            ends = self._ends
             yield self._step
-            if self._guard.repair_target is not None:
-                repair.recover(self._guard.repair_target)  # type: ignore[union-attr]
-            elif not self._guard.entered:
-                self.commit()  # a loop without guard(): the body finished, so the step did
+            if guard.decision is not None:
+                self._go_on(guard.decision)
+            elif self._ends == ends:  # a loop without guard(): the body finished, so the step did
+                self.end_step()
         self.close()
 
-    def guard(self) -> RepairGuard:
+    def guard(self) -> "StepGuard":
         """The context manager for the current step's body (see :meth:`steps`)."""
         return self._guard
+
+    # -- the step protocol: what steps(), guard() and the callback are built on ----------------------------
+
+    def begin_step(self) -> None:
+        """The body of step :attr:`step` begins: until :meth:`end_step`, a repair announced meanwhile stops
+        the device under it (process level on Ascend), so that a step blocked in a collective ends."""
+        self._open = True
+        if self.repair is not None:
+            self.repair.in_step = True
+
+    def end_step(self, error: BaseException | None = None) -> StepOutcome:
+        """The body of the step ended: ``error`` is what it raised (None when it finished). Returns a
+        :class:`~ftrun.steps.StepOutcome`: committed (snapshotted when one is due); repaired (a fault elsewhere
+        stopped the step, the repair is done, and the loop goes on from ``outcome.step``, the step every rank
+        agreed on); or lost (not ours to repair, or no process-level repair here: raise ``outcome.error``).
+        Without :meth:`begin_step` first, no error commits the step (as the callback does after each of
+        ``Model.train``'s steps)."""
+        return self._go_on(self._end(error))
+
+    def _end(self, error: BaseException | None) -> StepDecision:
+        """How the step ended, and the step committed if it did; the repair is left to :meth:`_go_on`."""
+        self._ends += 1
+        self._open = False
+        if self.repair is not None:
+            self.repair.in_step = False
+        if error is None:
+            self.commit()
+            return COMMITTED
+        target = self.repair.target_after(error) if self.repair is not None else None
+        return StepDecision(target) if target is not None else StepDecision(lost=error)
+
+    def _go_on(self, decision: StepDecision) -> StepOutcome:
+        """The repair the step's end calls for, if any."""
+        if decision.target is not None:
+            self.repair.recover(decision.target)
+        return decision.outcome(self._step)
 
     # -- what the repair needs of the state (ftrun.mindspore_repair.RepairedState) ---------------------
 
@@ -203,7 +245,7 @@ class MindSporeJob:
                 job.restore()
 
             def on_train_step_end(self, run_context) -> None:
-                job.commit()
+                job.end_step()  # Model.train's step finished: it commits (no begin_step: nothing guards it)
 
             def on_train_end(self, run_context) -> None:
                 job.close()
@@ -237,6 +279,26 @@ class MindSporeJob:
         log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.rank, plan.step, source.where,
                     source.node_rank, time.monotonic() - began)
         return True
+
+
+class StepGuard:
+    """``with job.guard():`` around a MindSpore step's body: :meth:`MindSporeJob.begin_step` as the block begins
+    and the decision of :meth:`MindSporeJob.end_step` as it ends. A finished body commits the step; a fault
+    elsewhere (the device stopped, a peer lost) is swallowed, and ``job.steps()`` repairs and goes on from the
+    agreed step when the loop asks for the next one; an error that is not ours goes on up."""
+
+    def __init__(self, job: MindSporeJob):
+        self.job = job
+        #: how the step ended, once the block is left (None before, or when it was never entered)
+        self.decision: StepDecision | None = None
+
+    def __enter__(self) -> "StepGuard":
+        self.job.begin_step()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self.decision = self.job._end(error)
+        return self.decision.target is not None  # swallowed: steps() repairs and goes on from the agreed step
 
 
 def _make_repair(job: MindSporeJob) -> MindSporeRepair:

@@ -287,33 +287,3 @@ class MindSporeRepair:
             self._closed.wait(WATCH_POLL)
         while not self._closed.is_set() and self.generation <= generation:
             self._closed.wait(WATCH_POLL)  # the repair is under way on the main thread
-
-
-class RepairGuard:
-    """``with job.guard():`` around a MindSpore step's body: commits the step when the body finishes, and
-    catches a fault elsewhere (the device stopped, a peer lost) so that ``job.steps()`` repairs and goes
-    on from the agreed step."""
-
-    def __init__(self, repair: MindSporeRepair | None, commit: Callable[[], None]):
-        self.repair = repair
-        self.commit = commit
-        self.entered = False
-        #: the generation the repair goes to, when a fault elsewhere interrupted the step
-        self.repair_target: int | None = None
-
-    def __enter__(self) -> "RepairGuard":
-        self.entered = True
-        if self.repair is not None:
-            self.repair.in_step = True
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if self.repair is not None:
-            self.repair.in_step = False
-        if kind is None:
-            self.commit()
-            return False
-        if self.repair is None:
-            return False
-        self.repair_target = self.repair.target_after(error)
-        return self.repair_target is not None

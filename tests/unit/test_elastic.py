@@ -277,6 +277,11 @@ def test_a_standby_imports_ahead_the_framework_its_script_names(tmp_path):
     hf_script.write_text("import ftrun.elastic.hf\n")
     plain.write_text("import ftrun.elastic\n")
     assert standby.framework_imports(str(hf_script)) == ("transformers.trainer",)
+    lightning_script = tmp_path / "lightning_script.py"  # by the integration's own module name
+    lightning_script.write_text("from ftrun.elastic.integrations import lightning\n")
+    assert standby.framework_imports(str(lightning_script)) == ()  # the text names no module path in full
+    lightning_script.write_text("import ftrun.elastic.integrations.lightning\n")
+    assert standby.framework_imports(str(lightning_script)) == ("lightning.pytorch",)
     assert standby.framework_imports(str(plain)) == ()
     assert standby.framework_imports(str(missing)) == standby.framework_imports(None) == ()
 

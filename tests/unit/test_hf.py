@@ -1,6 +1,6 @@
-"""ftrun.elastic.hf's parts that need no Trainer: the line outside ftrun and too late, and the Trainer's
-progress (TrainerState, RNG states, the loss counters) taken and put back. The Trainer itself runs in
-tests/integration/test_frameworks.py."""
+"""ftrun.elastic.hf's parts (ftrun/elastic/integrations/hf.py) that need no Trainer: the line outside ftrun and
+too late, and the Trainer's progress (TrainerState, RNG states, the loss counters) taken and put back. The
+Trainer itself runs in tests/integration/test_frameworks.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import ftrun.elastic.hf as hf
+import ftrun.elastic.integrations.hf as hf
 from ftrun.errors import WORKER_SETTING_EXIT
 
 
@@ -42,7 +42,7 @@ def test_outside_ftrun_enable_does_nothing(monkeypatch):
 def test_enable_after_training_arguments_formed_the_group_says_so_in_one_line(monkeypatch, capsys):
     # under ftrun (a worker environment) but nothing joined at import: the process group came first
     monkeypatch.setattr(hf, "job", None)
-    monkeypatch.setattr(hf.frameworks.WorkerEnv, "from_environ", classmethod(lambda cls: object()))
+    monkeypatch.setattr(hf.shared.WorkerEnv, "from_environ", classmethod(lambda cls: object()))
     with pytest.raises(SystemExit) as ended:
         hf.enable(SimpleNamespace())
     assert ended.value.code == WORKER_SETTING_EXIT

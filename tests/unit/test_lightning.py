@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ftrun.elastic.lightning import _RecoveryHooks, _Rewind
+from ftrun.elastic.integrations.lightning import _RecoveryHooks, _Rewind
 
 
 class Loader:

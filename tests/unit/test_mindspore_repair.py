@@ -20,8 +20,9 @@ from ftrun.contract import CollectiveFailure, Endpoint, Fallback, Milestone, Rel
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.mindspore_elastic.backends import AscendHooks
+from ftrun.mindspore_elastic.job import MindSporeJob
 from ftrun.mindspore_elastic.link import RepairChannel
-from ftrun.mindspore_elastic.repair import MindSporeRepair, RepairGuard
+from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.repair_loop import RepairError
 from ftrun.rollback import NO_STATE
 from ftrun.store import ControlStore
@@ -186,22 +187,31 @@ def test_a_superseded_generation_is_left_for_the_newer_one(monkeypatch, folder):
     assert (2, 0, "resumed") in agent.reached() and (1, 0, "joined") not in agent.reached()
 
 
+def job_with(repair: MindSporeRepair) -> MindSporeJob:
+    """A MindSpore job (made outside ftrun: no snapshots, no relay) whose steps ``repair`` repairs."""
+    job = MindSporeJob()
+    job.repair = repair
+    return job
+
+
 def test_the_watch_stops_the_device_under_a_blocked_step_and_the_guard_repairs(monkeypatch, folder):
     fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
     agent = Agent(folder)
     state = State(rank=0)
     repair = make_repair(folder, state)
     repair.start_watch()
-    guard = RepairGuard(repair, commit=lambda: pytest.fail("an interrupted step is not committed"))
+    job = job_with(repair)
+    guard = job.guard()
     try:
         with guard:
             agent.announce(1)
             if not fake.stopped.wait(5.0):  # the step blocked in a collective until the device stops
                 pytest.fail("the watch did not stop the device")
             raise RuntimeError("the device was stopped")
-        assert guard.repair_target == 1
+        assert guard.decision.target == 1
+        assert job.step == 0  # an interrupted step is not committed
         agent.ready(1)
-        repair.recover(guard.repair_target)
+        assert job._go_on(guard.decision).repaired
     finally:
         repair.close()
     assert fake.names()[:2] == ["_stop_device", "_stop_device"]  # the watch's, then the repair's own
@@ -209,13 +219,14 @@ def test_the_watch_stops_the_device_under_a_blocked_step_and_the_guard_repairs(m
 
 
 def test_the_guard_lets_the_ranks_own_error_through(monkeypatch, folder):
-    repair = make_repair(folder, State(rank=0), fault_wait=0.05)
+    job = job_with(make_repair(folder, State(rank=0), fault_wait=0.05))
     with pytest.raises(RuntimeError, match="its own"):
-        with RepairGuard(repair, commit=lambda: None):
+        with job.guard():
             raise RuntimeError("its own")  # no repair announced within fault_wait
     with pytest.raises(ValueError):
-        with RepairGuard(repair, commit=lambda: None):
+        with job.guard():
             raise ValueError("a bug")
+    assert job.step == 0
 
 
 def test_a_rank_stuck_in_its_step_exits_to_be_replaced(folder):

@@ -1,6 +1,7 @@
 """A rank's control store that moves (ftrun/elastic/store_location.py): the controller's node is lost, a
-successor hosts a new store and the agent names it in FTRUN_CONTROL_STORE_FILE. Real TCPStores, each
-hosted in a child process that the test kills with SIGKILL as a lost node would go."""
+successor hosts a new store and the agent names it in FTRUN_CONTROL_STORE_FILE. The location's waits run on a
+fake clock that its sleeps move, so no test waits for a deadline; real TCPStores, each hosted in a child
+process that the test kills with SIGKILL as a lost node would go."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from ftrun.contract import Endpoint, WorkerEnv
 from ftrun.elastic.backends import make_comm_backend
 from ftrun.elastic.groups import GroupSet
 from ftrun.elastic.link import ControlLink
-from ftrun.elastic.store_location import MovableStore, StoreGone, StoreLocation
+from ftrun.elastic.store_location import FILE_POLL, MovableStore, StoreGone, StoreLocation
 from ftrun.keys import JobKeys
-from tests.conftest import name_store
+from tests.conftest import FakeClock, name_store
 
 #: generous deadlines, against hangs only (a child imports torch on a busy machine)
 DEADLINE = 60.0
@@ -30,6 +31,12 @@ DEADLINE = 60.0
 
 def client(endpoint: Endpoint) -> TCPStore:
     return TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+
+
+def fake_time() -> tuple[FakeClock, dict]:
+    """A fake clock, and the location's arguments that time it: its sleeps move the clock at once."""
+    clock = FakeClock()
+    return clock, {"clock": clock, "sleep": clock.advance}
 
 
 def wait_until(condition, what: str) -> None:
@@ -58,25 +65,37 @@ def test_a_location_moves_once_the_file_names_another_store(tmp_path):
     file = tmp_path / "control_store"
     old, new = Endpoint("10.0.0.1", 29400), Endpoint("10.0.0.2", 29500)
     name_store(file, old)
-    location = StoreLocation(old, str(file), timeout=DEADLINE)
-    threading.Timer(0.2, name_store, (file, new)).start()
+    clock = FakeClock()
+    began = clock.now
+
+    def sleep(seconds: float) -> None:  # the successor names its store 0.2s into the wait
+        clock.advance(seconds)
+        if clock.now - began >= 0.2:
+            name_store(file, new)
+
+    location = StoreLocation(old, str(file), timeout=DEADLINE, clock=clock, sleep=sleep)
     assert location.successor(old) == new
+    assert clock.now - began == pytest.approx(0.2, abs=FILE_POLL)  # it read the file until it named the new
     assert location.endpoint == new and location.back_at == 0.0  # moved; back once a connection reached it
     assert location.successor(old) == new  # a connection that finds the old store gone later follows at once
+    clock.advance(1.0)
     location.reached(new)
-    assert location.back_at > 0
+    assert location.back_at == clock.now
 
 
 def test_a_store_not_yet_listening_is_tried_again_until_the_file_names_another_or_time_runs_out(tmp_path):
     file = tmp_path / "control_store"
     old, slow, other = Endpoint("10.0.0.1", 29400), Endpoint("10.0.0.2", 29500), Endpoint("10.0.0.3", 29600)
     name_store(file, slow)
-    location = StoreLocation(old, str(file), timeout=0.3)
+    clock, timed = fake_time()
+    location = StoreLocation(old, str(file), timeout=0.3, **timed)
     assert location.endpoint == slow  # the file named it already at the start
     assert location.try_again(slow) == slow  # named, and time is left: the same store once more
     name_store(file, other)
+    clock.advance(0.2)
     assert location.try_again(slow) == other
-    time.sleep(0.3)
+    assert location.try_again(other) == other  # time is left still
+    clock.advance(0.1)
     with pytest.raises(SystemExit, match="named no other within 0.3s"):  # the clock ran from the first failure
         location.try_again(other)
 
@@ -85,10 +104,13 @@ def test_a_location_gives_up_in_one_line_when_the_file_names_no_other_store(tmp_
     file = tmp_path / "control_store"
     gone = Endpoint("10.0.0.1", 29400)
     name_store(file, gone)
-    location = StoreLocation(gone, str(file), timeout=0.3, rank=3)
+    clock, timed = fake_time()
+    began = clock.now
+    location = StoreLocation(gone, str(file), timeout=0.3, rank=3, **timed)
     with pytest.raises(SystemExit, match=rf"rank 3: the control store at {gone} is gone, and {file} named no "
                                          r"other within 0\.3s \(FTRUN_STORE_TIMEOUT\)"):
         location.successor(gone)
+    assert clock.now - began == pytest.approx(0.3, abs=FILE_POLL)  # it read the file until the timeout, no longer
     with pytest.raises(StoreGone):  # said once; later calls (the interpreter's end) fail at once
         location.successor(gone)
 
@@ -107,7 +129,7 @@ def test_a_connection_whose_store_is_killed_gives_up_after_the_store_timeout(hos
     endpoint = host.endpoint
     file = tmp_path / "control_store"
     name_store(file, endpoint)
-    store = StoreLocation(endpoint, str(file), timeout=0.5).connect(timeout=DEADLINE)
+    store = StoreLocation(endpoint, str(file), timeout=0.5, **fake_time()[1]).connect(timeout=DEADLINE)
     assert isinstance(store, MovableStore)
     store.set("key", "value")
     host.kill()
