@@ -109,10 +109,10 @@ def follow_run(outcome: HeadOutcome) -> int:
     on a terminal, else a line at each change of phase or controller), then its exit code, read from the
     controller's journal. Ctrl-C leaves it running."""
     from ftrun.cli.status import leave_without_teardown, watch_status
-    from ftrun.controller.leadership import EtcdKeys
     from ftrun.etcd import EtcdClient, EtcdError
     from ftrun.head.etcd import is_over, wait_for_the_controller_to_leave, wait_for_the_end
     from ftrun.head.sessions import SESSION_GRACE
+    from ftrun.keys import EtcdKeys
     from ftrun.store import StoreUnavailable
 
     config = outcome.config
@@ -160,8 +160,8 @@ def out_is_terminal() -> bool:
 def _status_reader(config: LaunchConfig, client, deadline: float):
     """The job's status reader once its controller published a status; None when the job ended first."""
     from ftrun.cli.status import StatusReader, StoreFinder
-    from ftrun.controller.leadership import EtcdKeys
     from ftrun.head.etcd import is_over, read_decision
+    from ftrun.keys import EtcdKeys
     from ftrun.store import StoreUnavailable
 
     end = time.monotonic() + deadline

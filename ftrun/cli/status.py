@@ -136,8 +136,9 @@ class StoreFinder:
             assert self._endpoint is not None
             return Location(self._endpoint, self._endpoint.host)
         from ftrun.config import parse_endpoint
-        from ftrun.controller.leadership import EtcdKeys, current_store_record
+        from ftrun.controller.leadership import current_store_record
         from ftrun.etcd import EtcdError
+        from ftrun.keys import EtcdKeys
 
         try:
             record = current_store_record(self._etcd, EtcdKeys(self._run_id))
@@ -160,8 +161,8 @@ class StoreFinder:
     def wait(self, after_revision: int, timeout: float) -> None:
         """Until one of the job's keys in etcd changes after ``after_revision`` (a lease lapsed, a successor
         published its store), or ``timeout``: a watch, as the agents wait, rather than reads in a loop."""
-        from ftrun.controller.leadership import EtcdKeys
         from ftrun.etcd import EtcdError
+        from ftrun.keys import EtcdKeys
 
         if self._etcd is not None and after_revision:
             try:

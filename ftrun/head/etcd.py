@@ -22,7 +22,6 @@ import time
 from ftrun.auth import new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.journal import DecisionPart
-from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.policy import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError, created_at, put
@@ -37,6 +36,7 @@ from ftrun.head.sessions import (
     end_sessions,
 )
 from ftrun.interrupts import Interrupts
+from ftrun.keys import EtcdKeys
 from ftrun.messages import from_json
 
 log = logging.getLogger(__name__)

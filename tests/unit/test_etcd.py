@@ -19,10 +19,11 @@ from ftrun.auth import Signer
 from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, StoreRecord, current_store_record
+from ftrun.controller.leadership import Leadership, LeadershipLost, StoreRecord, current_store_record
 from ftrun.controller.policy import JobView, Level, Phase
 from ftrun.errors import ExitCode, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
+from ftrun.keys import EtcdKeys
 from ftrun.messages import NodeSlot, RendezvousResult, from_json, to_json
 
 
