@@ -333,6 +333,44 @@ class JobKeys:
         return f"{self.root}/events/{index}"
 
 
+@dataclass(frozen=True)
+class EtcdKeys:
+    """The run's keys in etcd, under ``ftrun/<run id>/`` (``--rdzv-backend etcd``: the controller's office,
+    ``controller/leadership.py``, and its journal, ``controller/journal.py``)."""
+
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        return f"ftrun/{self.run_id}/"
+
+    @property
+    def leader(self) -> str:
+        """The controller's agent id, on its lease."""
+        return self.root + "leader"
+
+    @property
+    def journal(self) -> str:
+        """The controller's state (``controller.journal.Journal``), written at each decision before its commands:
+        the prefix of its parts' keys."""
+        return self.root + "journal"
+
+    def journal_part(self, name: str) -> str:
+        """One part of the journal (``controller.journal.PARTS``; "": the prefix of them all)."""
+        return f"{self.journal}/{name}"
+
+    @property
+    def launch(self) -> str:
+        """A head node's launch of the run, on a lease of a minute: while it lives and no controller leads
+        yet, the agents are starting (a head started again then follows them rather than launch again)."""
+        return self.root + "launch"
+
+    @property
+    def store_record(self) -> str:
+        """Where the current controller's control store listens (``controller.leadership.StoreRecord``)."""
+        return self.root + "store"
+
+
 #: what a generation's ``group_ready`` key says once every rank arrived (else the controller's "superseded")
 GROUP_READY = "ready"
 #: between the commands' texts when one ring carries several (a sealed text is JSON on one line)

@@ -8,7 +8,9 @@ serves the cluster, and the process ends when the workers are done) and once per
 ``MS_WORKER_NUM``, ``MS_SCHED_HOST``, ``MS_SCHED_PORT``, ``MS_TOPO_TIMEOUT`` and ``RANK_SIZE``. Without them
 ``init()`` fails ("... without using 'mpirun' ...").
 
-This module decides; it starts nothing (``agent/workers.py`` spawns the scheduler beside the workers).
+This module decides; it starts nothing (``agent/workers.py`` spawns the scheduler beside the workers). Its
+``*_variables`` functions give MindSpore's part of a process's environment; the agent adds it to the whole
+(``agent/workers.py``'s ``worker_env``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Scheduler:
         return f"{self.host}:{self.port}"
 
 
-def cluster_env(scheduler: Scheduler, world_size: int, topo_timeout: int) -> dict[str, str]:
+def cluster_variables(scheduler: Scheduler, world_size: int, topo_timeout: int) -> dict[str, str]:
     """What the scheduler and every worker share: the cluster's size, its scheduler, how long it forms."""
     return {
         "MS_WORKER_NUM": str(world_size),
@@ -64,15 +66,15 @@ def cluster_env(scheduler: Scheduler, world_size: int, topo_timeout: int) -> dic
     }
 
 
-def scheduler_env(scheduler: Scheduler, world_size: int, topo_timeout: int) -> dict[str, str]:
+def scheduler_variables(scheduler: Scheduler, world_size: int, topo_timeout: int) -> dict[str, str]:
     """The scheduler's variables (msrun's ``start_scheduler``: its RANK_ID is always 0)."""
-    return cluster_env(scheduler, world_size, topo_timeout) | {"MS_ROLE": "MS_SCHED", "RANK_ID": "0"}
+    return cluster_variables(scheduler, world_size, topo_timeout) | {"MS_ROLE": "MS_SCHED", "RANK_ID": "0"}
 
 
-def worker_env(scheduler: Scheduler, world_size: int, topo_timeout: int, rank: int, device_index: int) -> dict[str, str]:
+def worker_variables(scheduler: Scheduler, world_size: int, topo_timeout: int, rank: int, device_index: int) -> dict[str, str]:
     """A worker's variables: ftrun always knows the global rank, so MS_NODE_ID and RANK_ID are set as
     msrun sets them with --node_rank (the cluster then numbers the ranks as ftrun does)."""
-    return cluster_env(scheduler, world_size, topo_timeout) | {
+    return cluster_variables(scheduler, world_size, topo_timeout) | {
         "MS_ROLE": "MS_WORKER",
         "MS_NODE_ID": str(rank),
         "RANK_ID": str(rank),
@@ -80,7 +82,7 @@ def worker_env(scheduler: Scheduler, world_size: int, topo_timeout: int, rank: i
     }
 
 
-def recovery_env() -> dict[str, str]:
+def recovery_variables() -> dict[str, str]:
     """Process level (Ascend): the dynamic cluster's recovery, in the scheduler and every worker, so that
     a replacement started under its predecessor's MS_NODE_ID rejoins the running scheduler (msrun sets
     the same for its own restarts: ``process_entity/_api.py``)."""

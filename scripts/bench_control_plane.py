@@ -100,10 +100,10 @@ from ftrun.agent.workers import STOP_POLL  # noqa: E402
 from ftrun.contract import Endpoint, Milestone, parse_endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
 from ftrun.controller.journal import JournalWriter, read_journal  # noqa: E402
-from ftrun.controller.leadership import EtcdKeys, Leadership  # noqa: E402
+from ftrun.controller.leadership import Leadership  # noqa: E402
 from ftrun.controller.states import Level  # noqa: E402
 from ftrun.etcd import EtcdClient, EtcdOptions  # noqa: E402
-from ftrun.keys import JobKeys  # noqa: E402
+from ftrun.keys import EtcdKeys, JobKeys  # noqa: E402
 from ftrun.messages import (  # noqa: E402
     CommandKind, JoinRecord, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
 )

@@ -1,13 +1,16 @@
-"""Parts of the machine that some tests need (etcd, sshd, tmux, chromium, MindSpore) and what a test does
-without one: here it skips and says why (scripts/test.sh runs pytest with -rs, so the reasons are in the
-log); on CI (``CI=true``), where scripts/test.sh installs every part, a part that is missing or fails to
-start is a failure, never a quiet skip that a count hides."""
+"""Parts of the machine that some tests need (etcd, sshd, tmux, chromium, ip and network namespaces, root,
+MindSpore, the frameworks) and what a test does without one: here it skips and says why (scripts/test.sh runs
+pytest with -rs, so the reasons are in the log); on CI (``CI=true``), where scripts/test.sh installs every
+part and runs as root, a part that is missing or fails to start is a failure, never a quiet skip that a count
+hides."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import warnings
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -29,6 +32,14 @@ def unavailable(why: str, *, wanted: bool = True) -> NoReturn:
         pytest.fail(f"{why} (CI installs every part the tests use: one that fails to start is a failure)",
                     pytrace=False)
     pytest.skip(why)
+
+
+def module(name: str) -> ModuleType:
+    """The Python module ``name`` (a framework a test drives), or the test skips (fails on CI)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        unavailable(f"{name} cannot be imported here: {e}")
 
 
 def tmux() -> str:

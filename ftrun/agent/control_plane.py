@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, StoreRecord, current_store_record
+from ftrun.controller.leadership import Leadership, StoreRecord, current_store_record
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdUnavailable
+from ftrun.keys import EtcdKeys
 from ftrun.store import PROBE_DEADLINE, ControlStore, _store_server, bind_address, connect_store
 
 log = logging.getLogger(__name__)

@@ -213,7 +213,7 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, "scheduler")
         env = generation_env(self.config, gen, paths["error"])
         env.update(FTRUN_RUN_ID=self.config.run_id, FTRUN_GENERATION=str(gen.generation))  # no rank: no WorkerEnv
-        env.update(mindspore.scheduler_env(scheduler, gen.world_size, self.config.cluster_timeout))
+        env.update(mindspore.scheduler_variables(scheduler, gen.world_size, self.config.cluster_timeout))
         argv = [*self.config.entrypoint, *self.config.script_args]
         proc = self.ops.spawn(argv, env)
         placement = WorkerPlacement(-1, mindspore.SCHEDULER_RANK, node_rank, host)
@@ -477,7 +477,7 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
     if gen.relay_dir and config.recovery == "process":  # a MindSpore job on Ascend (config.py)
-        env.update(mindspore.recovery_env())
+        env.update(mindspore.recovery_variables())
     return env
 
 
@@ -515,8 +515,8 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         env["RANK_TABLE_FILE"] = gen.hccl_ranktable
     scheduler = mindspore.Scheduler.parse(gen.scheduler)
     if scheduler is not None:
-        env.update(mindspore.worker_env(scheduler, gen.world_size, config.cluster_timeout, placement.rank,
-                                        worker.device_index))
+        env.update(mindspore.worker_variables(scheduler, gen.world_size, config.cluster_timeout, placement.rank,
+                                              worker.device_index))
     return env
 
 

@@ -19,7 +19,7 @@ from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:  # the launch's modules load only when a job runs
     from ftrun.agent.agent import JobOutcome
-    from ftrun.head import HeadOutcome
+    from ftrun.head.sessions import HeadOutcome
 
 HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for torchrun.
 
@@ -154,8 +154,8 @@ def read_session_token() -> bytes:
 
 def keep_agent_session(config, argv: list[str]) -> int:
     """A host's ssh session under --rdzv-backend etcd: its agent detached, followed while the head is there
-    (``ftrun.session_keeper``)."""
-    from ftrun.session_keeper import detached_argv, keep_session, log_paths
+    (``ftrun.head.session_keeper``)."""
+    from ftrun.head.session_keeper import detached_argv, keep_session, log_paths
 
     paths = log_paths(config.log_dir, config.run_id, config.log_layout, config.local_addr or socket.gethostname())
     return keep_session(detached_argv(argv), config.token, paths)

@@ -21,10 +21,11 @@ from ftrun.cli.console import say
 from ftrun.cli.launch import agent_flags
 from ftrun.config import ETCD_SPELLINGS, LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
 from ftrun.errors import ExitCode, RendezvousError, UsageError
-from ftrun.head import Head, HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents, store_endpoint
-from ftrun.hosts import parse_hostfile, select_hosts
+from ftrun.head.c10d import Head, store_endpoint
+from ftrun.head.hosts import parse_hostfile, select_hosts
+from ftrun.head.sessions import HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents
+from ftrun.head.slurm import PLACEMENT_OPTIONS, slurm_plan
 from ftrun.ports import parse_port_range
-from ftrun.slurm import PLACEMENT_OPTIONS, slurm_plan
 
 #: options that place the job themselves, which a hostfile does instead
 NOT_WITH_HOSTFILE = ("standalone", "node_rank", "master_addr", "master_port", "spares")
@@ -88,7 +89,7 @@ def _write(line: str) -> None:
 def run_cluster(values: dict, command: click.Command) -> HeadOutcome:
     plan = ClusterPlan.from_values(values, command)
     if plan.config.etcd is not None:
-        from ftrun.etcd_head import EtcdHead
+        from ftrun.head.etcd import EtcdHead
 
         head: Head | EtcdHead = EtcdHead(plan.config, plan.agents)
     else:
@@ -108,10 +109,10 @@ def follow_run(outcome: HeadOutcome) -> int:
     on a terminal, else a line at each change of phase or controller), then its exit code, read from the
     controller's journal. Ctrl-C leaves it running."""
     from ftrun.cli.status import leave_without_teardown, watch_status
-    from ftrun.controller.leadership import EtcdKeys
     from ftrun.etcd import EtcdClient, EtcdError
-    from ftrun.etcd_head import is_over, wait_for_the_controller_to_leave, wait_for_the_end
-    from ftrun.head import SESSION_GRACE
+    from ftrun.head.etcd import is_over, wait_for_the_controller_to_leave, wait_for_the_end
+    from ftrun.head.sessions import SESSION_GRACE
+    from ftrun.keys import EtcdKeys
     from ftrun.store import StoreUnavailable
 
     config = outcome.config
@@ -159,8 +160,8 @@ def out_is_terminal() -> bool:
 def _status_reader(config: LaunchConfig, client, deadline: float):
     """The job's status reader once its controller published a status; None when the job ended first."""
     from ftrun.cli.status import StatusReader, StoreFinder
-    from ftrun.controller.leadership import EtcdKeys
-    from ftrun.etcd_head import is_over, read_decision
+    from ftrun.head.etcd import is_over, read_decision
+    from ftrun.keys import EtcdKeys
     from ftrun.store import StoreUnavailable
 
     end = time.monotonic() + deadline

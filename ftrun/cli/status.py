@@ -47,15 +47,29 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
+def job_options(backend_detail: str = "", conf_detail: str = ""):
+    """The options that say where a running job is, shared by ``ftrun status`` and ``ftrun top`` (what
+    :func:`store_finder` takes): ``endpoint``, ``run_id``, ``backend``, ``rdzv_conf``. ``*_detail`` ends that
+    option's help in the command's own words."""
+    def decorate(command):
+        for option in reversed((  # click adds the nearest decorator's option first: this keeps the order read
+            click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
+                         help="The job's store (its --rdzv-endpoint, or the head node's address and port)."),
+            click.option("--run-id", "--run_id", "run_id", default="",
+                         help="The job's run id (needed when the store has several)."),
+            click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
+                         help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members and the "
+                              f"job is found wherever its controller is now{backend_detail}."),
+            click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+                         help=f"With etcd: the job's TLS and auth{conf_detail}."),
+        )):
+            command = option(command)
+        return command
+    return decorate
+
+
 @click.command(help=STATUS_HELP, context_settings={"max_content_width": 110})
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
-              help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
-@click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
-@click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
-              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members and the job "
-                   "is found wherever its controller is now.")
-@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", help="With etcd: the job's TLS and auth "
-              "(cacert, cert, key, user, password).")
+@job_options(conf_detail=" (cacert, cert, key, user, password)")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (one object per line with --watch).")
 @click.option("--watch", is_flag=True, help="Keep showing it, redrawn in place, until the job ends or Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(0.1, 3600), default=1.0, show_default=True, callback=_finite,
@@ -122,8 +136,9 @@ class StoreFinder:
             assert self._endpoint is not None
             return Location(self._endpoint, self._endpoint.host)
         from ftrun.config import parse_endpoint
-        from ftrun.controller.leadership import EtcdKeys, current_store_record
+        from ftrun.controller.leadership import current_store_record
         from ftrun.etcd import EtcdError
+        from ftrun.keys import EtcdKeys
 
         try:
             record = current_store_record(self._etcd, EtcdKeys(self._run_id))
@@ -146,8 +161,8 @@ class StoreFinder:
     def wait(self, after_revision: int, timeout: float) -> None:
         """Until one of the job's keys in etcd changes after ``after_revision`` (a lease lapsed, a successor
         published its store), or ``timeout``: a watch, as the agents wait, rather than reads in a loop."""
-        from ftrun.controller.leadership import EtcdKeys
         from ftrun.etcd import EtcdError
+        from ftrun.keys import EtcdKeys
 
         if self._etcd is not None and after_revision:
             try:

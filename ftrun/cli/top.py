@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ftrun.cli.status import _finite
+from ftrun.cli.status import _finite, job_options
 from ftrun.errors import ExitCode, RendezvousError, UsageError
 
 TOP_HELP = """Watch a running job and act on it: select a rank, read its output and stack, restart it as a drill.
@@ -26,13 +26,7 @@ INSTALL = "ftrun top needs the textual package, a dependency of ftrun missing he
 
 
 @click.command(help=TOP_HELP, context_settings={"max_content_width": 110})
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST:PORT",
-              help="The job's store (its --rdzv-endpoint, or the head node's address and port).")
-@click.option("--run-id", "--run_id", "run_id", default="", help="The job's run id (needed when the store has several).")
-@click.option("--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
-              help="The job's --rdzv-backend: with etcd, --rdzv-endpoint names the etcd members and the job "
-                   "is found wherever its controller is now, and again when it moves.")
-@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", help="With etcd: the job's TLS and auth.")
+@job_options(backend_detail=", and again when it moves")
 @click.option("--token-file", default="", metavar="FILE",
               help="The job's token: needed for r, d and x, and for stacks when the job has a token.")
 @click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True, callback=_finite,

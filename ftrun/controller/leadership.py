@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, created_at, put
+from ftrun.keys import EtcdKeys
 from ftrun.messages import from_json, to_json
 
 log = logging.getLogger(__name__)
@@ -30,43 +31,6 @@ RENEWALS_PER_TTL = 3
 
 class LeadershipLost(Exception):
     """This agent's lease lapsed, or another agent leads now: its writes are refused."""
-
-
-@dataclass(frozen=True)
-class EtcdKeys:
-    """The run's keys in etcd, under ``ftrun/<run id>/``."""
-
-    run_id: str
-
-    @property
-    def root(self) -> str:
-        return f"ftrun/{self.run_id}/"
-
-    @property
-    def leader(self) -> str:
-        """The controller's agent id, on its lease."""
-        return self.root + "leader"
-
-    @property
-    def journal(self) -> str:
-        """The controller's state (``journal.Journal``), written at each decision before its commands:
-        the prefix of its parts' keys."""
-        return self.root + "journal"
-
-    def journal_part(self, name: str) -> str:
-        """One part of the journal (``journal.PARTS``; "": the prefix of them all)."""
-        return f"{self.journal}/{name}"
-
-    @property
-    def launch(self) -> str:
-        """A head node's launch of the run, on a lease of a minute: while it lives and no controller leads
-        yet, the agents are starting (a head started again then follows them rather than launch again)."""
-        return self.root + "launch"
-
-    @property
-    def store_record(self) -> str:
-        """Where the current controller's control store listens (:class:`StoreRecord`)."""
-        return self.root + "store"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from tests.conftest import WORKERS, Node, free_port, wait_for
+from tests.parts import unavailable
 
 pytestmark = pytest.mark.integration
 TRAIN = str(WORKERS / "train.py")
@@ -27,7 +28,7 @@ def ip(*args: str, namespace: str = "") -> None:
 def netns():
     """A namespace with one veth link to this one: (namespace, host side, far side, host address, far address)."""
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        unavailable("network namespaces need root")
     tag = uuid.uuid4().hex[:6]
     namespace, near, far = f"ftrun{tag}", f"vh{tag}", f"vn{tag}"
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
@@ -43,7 +44,7 @@ def netns():
             ip("link", "set", "lo", "up", namespace=namespace)
         except (OSError, subprocess.CalledProcessError) as e:
             why = getattr(e, "stderr", b"") or b""
-            pytest.skip(f"network namespaces are not permitted here: {why.decode(errors='replace').strip() or e}")
+            unavailable(f"network namespaces are not permitted here: {why.decode(errors='replace').strip() or e}")
         yield namespace, near, far, f"{subnet}.1", f"{subnet}.2"
     finally:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)

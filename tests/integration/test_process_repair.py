@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import WORKERS, Launcher, step_reached, unique_mark, wait_for
 from tests.links import can_cut_links, cut_links
+from tests.parts import unavailable
 
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
@@ -175,7 +176,7 @@ def test_a_link_cut_while_every_process_lives_is_repaired_in_place(launcher, fau
     # store connections stay): the online level re-forms the groups and rolls back, no process is replaced
     why = can_cut_links()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     env = launcher.env(STEPS=str(STEPS), BATCHNORM="1", STEP_SLEEP="0.2")
     flags = ["--recovery", "process", "--max-restarts", "3", "--warm-standby", "0"]
     launcher.start_job(1, 4, [ELASTIC], flags=flags, env=env)

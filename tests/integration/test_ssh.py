@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from ftrun.session_keeper import stop_request
+from ftrun.head.session_keeper import stop_request
 from tests.conftest import ELASTIC_STEPS, WORKERS, free_port, marked_processes, step_reached, unique_mark, wait_for
 from tests.integration.test_mindspore import STEPS as MS_STEPS
 from tests.integration.test_mindspore import TRAIN as MS_TRAIN
@@ -271,12 +271,12 @@ time.sleep(120)
 
 
 def start_keeper(tmp_path, mark: str) -> subprocess.Popen:
-    """``ftrun.session_keeper.keep_session`` as a host's session runs it, the stand-in agent behind it."""
+    """``ftrun.head.session_keeper.keep_session`` as a host's session runs it, the stand-in agent behind it."""
     agent = tmp_path / "agent.py"
     agent.write_text(KEEPER_AGENT)
     paths = (str(tmp_path / "h.stdout.log"), str(tmp_path / "h.stderr.log"))
     (tmp_path / "h.stdout.log").write_text("an earlier run's output\n")
-    code = (f"import sys; from ftrun.session_keeper import keep_session; "
+    code = (f"import sys; from ftrun.head.session_keeper import keep_session; "
             f"sys.exit(keep_session([sys.executable, {str(agent)!r}], b'the-token', {paths!r}))")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, FTRUN_TEST_MARK=mark))

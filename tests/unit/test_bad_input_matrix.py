@@ -22,8 +22,8 @@ from ftrun.cli import launch_command, main
 from ftrun.cli.launch import NOT_IN_CONFIG
 from ftrun.devices import DeviceToolError, npu_smi
 from ftrun.errors import ExitCode, UsageError
-from ftrun.head import forwarded_env
-from ftrun.hosts import parse_host_filter, parse_hostfile
+from ftrun.head.hosts import parse_host_filter, parse_hostfile
+from ftrun.head.sessions import forwarded_env
 
 USAGE = ExitCode.USAGE
 #: text that came from bytes that are not UTF-8, as Python decodes argv and the environment

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import parts
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -445,7 +447,7 @@ def test_link_cut_runs_each_launcher_fault_free_once_then_the_repeats(bench, mon
 
 
 def test_checkpoint_digest_tells_one_bit_apart(bench, tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = parts.module("torch")
     state = {"model": {"0.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
              "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.01}]},
              "step": 160}

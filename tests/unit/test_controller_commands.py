@@ -15,10 +15,9 @@ from ftrun.config import Endpoint
 from ftrun.contract import Milestone
 from ftrun.controller.controller import Controller, RecoveryPolicy
 from ftrun.controller.inbox import Reported
-from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.states import JobView, Level, Phase
 from ftrun.etcd import EtcdUnavailable
-from ftrun.keys import JobKeys
+from ftrun.keys import EtcdKeys, JobKeys
 from ftrun.messages import Command, CommandKind, NodeLayout, NodeSlot, RendezvousResult, Report, ReportKind, WorkerFailure
 from ftrun.rendezvous import RendezvousPolicy
 from ftrun.store import ControlStore

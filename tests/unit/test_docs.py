@@ -156,8 +156,8 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
                            control_store_file="/tmp/x/control_store", relay_dir="/tmp/x/repair").to_environ())
     # a MindSpore job's workers and scheduler (msrun's contract)
     scheduler = mindspore.Scheduler("head", 31000)
-    names |= set(mindspore.worker_env(scheduler, 4, 600, 3, 1)) | set(mindspore.scheduler_env(scheduler, 4, 600))
-    names |= set(mindspore.recovery_env())
+    names |= set(mindspore.worker_variables(scheduler, 4, 600, 3, 1)) | set(mindspore.scheduler_variables(scheduler, 4, 600))
+    names |= set(mindspore.recovery_variables())
     return names
 
 

@@ -19,10 +19,11 @@ from ftrun.auth import Signer
 from ftrun.config import build_launch_config
 from ftrun.contract import parse_endpoint
 from ftrun.controller.journal import Journal, JournalWriter, read_journal
-from ftrun.controller.leadership import EtcdKeys, Leadership, LeadershipLost, StoreRecord, current_store_record
+from ftrun.controller.leadership import Leadership, LeadershipLost, StoreRecord, current_store_record
 from ftrun.controller.states import JobView, Level, Phase
 from ftrun.errors import ExitCode, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdOptions, EtcdUnavailable, NotAGateway, created_at, put, read
+from ftrun.keys import EtcdKeys
 from ftrun.messages import NodeSlot, RendezvousResult, from_json, to_json
 
 
@@ -290,7 +291,7 @@ def test_a_journal_written_in_parts_is_read_back_whole(etcd):
 
 def test_a_head_started_again_finds_a_run_going_on_by_its_leader_its_launch_or_its_journal(etcd):
     from ftrun.controller.journal import DecisionPart
-    from ftrun.etcd_head import run_is_going_on
+    from ftrun.head.etcd import run_is_going_on
 
     client = EtcdClient(options(etcd))
     keys = EtcdKeys("head-again")
@@ -317,7 +318,7 @@ def test_a_head_started_again_finds_a_run_going_on_by_its_leader_its_launch_or_i
 
 
 def test_of_two_heads_started_at_once_for_a_run_one_says_its_launch(etcd):
-    from ftrun.etcd_head import say_launch
+    from ftrun.head.etcd import say_launch
 
     client = EtcdClient(options(etcd))
     keys = EtcdKeys("two-heads")

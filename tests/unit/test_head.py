@@ -12,9 +12,10 @@ import pytest
 
 from ftrun.config import Endpoint
 from ftrun.errors import UsageError
-from ftrun.head import RemoteSpec, SshOptions, forwarded_env, plan_agents, remote_command, ssh_argv, store_endpoint
-from ftrun.hosts import Host
-from ftrun.session_keeper import DETACHED_FLAG, detached_argv, parse_stop_request, send_within, stop_request
+from ftrun.head.c10d import store_endpoint
+from ftrun.head.hosts import Host
+from ftrun.head.session_keeper import DETACHED_FLAG, detached_argv, parse_stop_request, send_within, stop_request
+from ftrun.head.sessions import RemoteSpec, SshOptions, forwarded_env, plan_agents, remote_command, ssh_argv
 from ftrun.store import is_local_host
 
 #: every character a shell treats specially

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftrun.errors import ExitCode, UsageError
-from ftrun.hosts import Host, expand_nodelist, parse_host_filter, parse_hostfile, select_hosts
+from ftrun.head.hosts import Host, expand_nodelist, parse_host_filter, parse_hostfile, select_hosts
 
 
 def usage_error(call, *args, **kwargs) -> str:

@@ -23,13 +23,13 @@ SCHEDULER = mindspore.Scheduler("10.0.0.1", 31000)
 
 
 def test_the_scheduler_gets_msrun_s_variables_and_rank_id_0():
-    assert mindspore.scheduler_env(SCHEDULER, 4, 600) == {
+    assert mindspore.scheduler_variables(SCHEDULER, 4, 600) == {
         "MS_ROLE": "MS_SCHED", "MS_WORKER_NUM": "4", "MS_SCHED_HOST": "10.0.0.1", "MS_SCHED_PORT": "31000",
         "MS_TOPO_TIMEOUT": "600", "RANK_ID": "0", "RANK_SIZE": "4"}
 
 
 def test_a_worker_is_numbered_by_its_global_rank_and_sees_its_device():
-    env = mindspore.worker_env(SCHEDULER, 4, -1, rank=3, device_index=1)
+    env = mindspore.worker_variables(SCHEDULER, 4, -1, rank=3, device_index=1)
     assert env["MS_ROLE"] == "MS_WORKER"
     assert env["MS_NODE_ID"] == env["RANK_ID"] == "3"
     assert env["DEVICE_ID"] == "1" and env["RANK_SIZE"] == env["MS_WORKER_NUM"] == "4"

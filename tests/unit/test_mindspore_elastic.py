@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 from ftrun.messages import to_json
 from ftrun.mindspore import persister_command, with_ftrun_on_path
@@ -23,6 +22,7 @@ from ftrun.mindspore_elastic import read_plan
 from ftrun.snapshots.format import HEADER_SIZE, copy_arrays, lay_out, load_arrays, load_states, read_verified
 from ftrun.snapshots.plan import MEMORY, RestorePlan, RestoreSource
 from ftrun.snapshots.rank import ArrayKind, SnapshotWriter, load_own, own_steps
+from tests import parts
 from tests.conftest import ROOT
 from tests.integration.test_mindspore import needs_mindspore
 
@@ -57,7 +57,7 @@ def test_numpy_arrays_come_back_from_a_snapshot_exactly_with_their_dtypes_and_sh
 
 
 def test_a_numpy_snapshot_reads_back_as_torch_tensors_of_the_same_dtypes():
-    torch = pytest.importorskip("torch")
+    torch = parts.module("torch")
     state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array([3], dtype=np.int64),
              "m": np.array([True])}
     layout = lay_out(state, "numpy")

@@ -34,14 +34,14 @@ from ftrun.config import (
 )
 from ftrun.devices import DeviceToolError, npu_smi
 from ftrun.errors import UsageError
-from ftrun.hosts import (
+from ftrun.head.hosts import (
     Host,
     expand_nodelist,
     parse_host_filter,
     parse_hostfile,
     select_hosts,
 )
-from ftrun.slurm import slurm_plan
+from ftrun.head.slurm import slurm_plan
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: the round trips build well-formed values, which take longer to draw and show less per example

@@ -6,7 +6,7 @@ import pytest
 
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, build_launch_config
 from ftrun.errors import UsageError
-from ftrun.slurm import PORT_SPREAD, SlurmPlan, derived_port, slurm_plan
+from ftrun.head.slurm import PORT_SPREAD, SlurmPlan, derived_port, slurm_plan
 from tests.conftest import WORKERS
 
 

@@ -28,6 +28,7 @@ from ftrun.snapshots.plan import (
     DISK, MEMORY, PINNED, REPLICA, HeldSnapshot, RestorePlan, RestoreSource, SnapshotInventory, choose_restore,
 )
 from ftrun.snapshots.transfer import TransferError, get, put
+from tests.parts import unavailable
 
 
 def states(seed: int = 0) -> dict:
@@ -128,7 +129,7 @@ def small_shared_memory(tmp_path):
     folder.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+        unavailable(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     yield folder
     subprocess.run(["umount", str(folder)], check=True)
 

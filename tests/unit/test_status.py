@@ -403,3 +403,15 @@ def test_watch_gives_up_with_the_stores_last_state_when_no_controller_came(store
         watch_status(reader, last, as_json=True, interval=0.1)  # type: ignore[arg-type]
     assert "moved" not in capsys.readouterr().err
     assert reader.follows == 1
+
+
+def test_status_and_top_find_a_job_through_the_same_four_options():
+    from ftrun.cli.status import status_command
+    from ftrun.cli.top import top_command
+
+    def where(command) -> list[tuple]:
+        return [(p.name, p.opts, p.secondary_opts, p.default, p.required, p.metavar)
+                for p in command.params if p.name in {"endpoint", "run_id", "backend", "rdzv_conf"}]
+
+    assert [name for name, *_ in where(status_command)] == ["endpoint", "run_id", "backend", "rdzv_conf"]
+    assert where(status_command) == where(top_command)

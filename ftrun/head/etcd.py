@@ -1,7 +1,7 @@
 """A head node under ``--rdzv-backend etcd``: it starts the agents over ssh, then only follows the job.
 
 The controller runs in an agent on a worker node, elected through etcd as in the direct launch, and each
-agent is detached from its ssh session (``ftrun.session_keeper``), so that the job goes on whatever
+agent is detached from its ssh session (``ftrun.head.session_keeper``), so that the job goes on whatever
 happens to the head: its terminal closed, its ssh sessions cut, its process killed, its machine lost.
 While it is there the head shows the agents' output (their sessions copy it) and ends with the job's
 exit code, which it reads from the controller's journal in etcd; Ctrl-C on it stops the job, as under
@@ -22,12 +22,21 @@ import time
 from ftrun.auth import new_token
 from ftrun.config import LaunchConfig
 from ftrun.controller.journal import DecisionPart
-from ftrun.controller.leadership import EtcdKeys
 from ftrun.controller.states import Phase
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import EtcdClient, EtcdError, created_at, put
-from ftrun.head import SESSION_GRACE, SSH_FAILED, WATCH_INTERVAL, HeadOutcome, RemoteAgent, Session, agent_exit_code, end_sessions
+from ftrun.head.sessions import (
+    SESSION_GRACE,
+    SSH_FAILED,
+    WATCH_INTERVAL,
+    HeadOutcome,
+    RemoteAgent,
+    Session,
+    agent_exit_code,
+    end_sessions,
+)
 from ftrun.interrupts import Interrupts
+from ftrun.keys import EtcdKeys
 from ftrun.messages import from_json
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint
 from ftrun.errors import UsageError
-from ftrun.hosts import check_host_name, expand_nodelist
+from ftrun.head.hosts import check_host_name, expand_nodelist
 
 #: options that, when given, mean the user placed the job themselves: Slurm's values are not used
 PLACEMENT_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone", "hostfile")
