@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.controller.leadership import EtcdKeys, Leadership
+from ftrun.controller.leadership import Leadership
 from ftrun.controller.states import JobView, Phase
 from ftrun.etcd import EtcdClient, put
+from ftrun.keys import EtcdKeys
 from ftrun.messages import NodeSlot, RendezvousResult, from_json, to_json
 
 
