@@ -125,7 +125,10 @@ class Views:
 
     def opened(self) -> int:
         """Once both show the job on its first controller: the step they show."""
-        wait_for(lambda: self.lines(), timeout=60, what="ftrun status --watch's first line")
+        # a watcher that ended says why at once (it gave up on the store: issue 48's failure waited out the 60 s)
+        wait_for(lambda: self.lines() or self.watcher.poll() is not None, timeout=60,
+                 what="ftrun status --watch's first line")
+        assert self.lines(), (self.watcher.returncode, Path(f"{self.into}.err").read_text())
         if self.top is not None:
             self.top.wait_for("RUNNING", "controller on 127.0.0.2 ·")
         assert {s["controller"]["host"] for s in self.lines()} == {"127.0.0.2"}
