@@ -57,16 +57,20 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     token.write_text("a-secret-of-the-jobs-own-0123456789")
     token.chmod(0o600)
     logs, began = launcher.tmp / "logs", time.monotonic()
-    # slow steps: time for the views to open, then for the kill, while the job still trains (the digests do
-    # not depend on the pace). The views open first: on a loaded CI run their opening took so long that the
-    # job had finished its 40 steps when the kill came, and the repair waited for ranks that had ended
+    # the job holds after step 1 until the views show it, then steps slowly: time for the kill while it still
+    # trains (the digests depend on neither). On a loaded run the views took so long to open that the job had
+    # ended first: once the kill came too late (the repair waited for ranks that had ended), once the watcher
+    # found the store gone and printed nothing (at a load of 18: 32 s from its start to "connection refused")
+    hold = launcher.out_dir / "hold-steps"
+    hold.write_text("")
     leader, *others = start(launcher, etcd, flags=["--token-file", str(token), "--log-dir", str(logs)],
-                            STEP_SLEEP="0.4")
+                            STEP_SLEEP="0.4", HOLD_AFTER="1")
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
     wait_for_progress(launcher, 1, 1)
     watching = views()  # ftrun status --watch and ftrun top follow the controller (issue 40)
     step_before = watching.opened()
+    hold.unlink()
     wait_for_progress(launcher, 1, step_before + 2)
     etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, step_before + 4)
