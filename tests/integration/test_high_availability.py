@@ -29,10 +29,12 @@ NODES, NPROC = ELASTIC_NODES, ELASTIC_NPROC
 
 
 def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
-    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads."""
+    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads. One warm standby per
+    agent (not the default one per rank): the faults here replace one rank of a node at a time, or move a
+    node to the spare; each standby more only imported torch beside the ranks (2 cores)."""
     common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", str(NPROC), "--rdzv-backend", "etcd",
               "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark, "--monitor-interval", "0.05",
-              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", *flags]
+              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--warm-standby", "1", *flags]
     environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
     agents = [launcher.start([*common, "--local-addr", "127.0.0.2", ELASTIC], env=environment)]
     wait_for(lambda: "hosting the control store" in agents[0].output, timeout=120, what="the first agent to lead")
