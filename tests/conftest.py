@@ -248,28 +248,28 @@ def fake_npu(tmp_path, monkeypatch):
 #: The files that take longest, longest first (pytest -n 0 --durations=0, one file at a time). scripts/test.sh
 #: hands whole files to 2 workers as they come free (--dist loadfile, --no-loadscope-reorder): xdist's own order,
 #: by number of tests, left the slowest files (the HA file, 4 tests; the chaos run, 1) to the end, where one
-#: worker ran them for minutes after the other had none left. The MindSpore and framework files come once the
-#: installs that scripts/test.sh starts beside the first tests are likely done (they wait for them). Files not
-#: listed (seconds each, the unit tests) follow in their own order and fill the gaps.
+#: worker ran them for minutes after the other had none left. Files not listed (seconds each, the unit tests)
+#: follow in their own order and fill the gaps. The MindSpore and framework files wait, if need be, for the
+#: installs that scripts/test.sh starts beside the first tests.
 SLOWEST_FIRST = (
     "integration/test_high_availability.py",
+    "integration/test_ssh.py",
     "chaos/test_chaos.py",
     "integration/test_layouts.py",
-    "integration/test_spares.py",
     "integration/test_etcd_outage.py",
-    "integration/test_process_repair.py",
     "integration/test_snapshots.py",
+    "integration/test_spares.py",
     "integration/test_detection.py",
-    "integration/test_ssh.py",
+    "integration/test_process_repair.py",
     "integration/test_mindspore.py",
-    "integration/test_frameworks.py",
-    "integration/test_status_view.py",
-    "integration/test_top_view.py",
     "integration/test_job_restart.py",
+    "integration/test_frameworks.py",
+    "integration/test_bad_input.py",
     "integration/test_lifecycle.py",
     "integration/test_control_plane_sim.py",
+    "integration/test_top_view.py",
     "integration/test_torchrun_flags.py",
-    "integration/test_bad_input.py",
+    "integration/test_status_view.py",
 )
 
 
