@@ -451,6 +451,11 @@ def connect_store(endpoint: Endpoint, timeout: float, refused_is_final: bool = F
     """A TCPStore client of ``endpoint``, retrying until ``timeout`` seconds have passed.
     ``refused_is_final``: a refused connection (the host is up, nothing listens) ends the wait at
     once, for a reader such as ``ftrun status``; agents wait, since the store's host may start later."""
+    # Imported before the deadline counts, and outside the handshake's guard: a first import of torch is
+    # this process's own work, not the store's silence (6 s on a 2-core machine at a load of 8.6; made in
+    # the guard, it used up ftrun status's whole --timeout, and the view left with nothing shown)
+    from torch.distributed import TCPStore  # noqa: F401
+
     deadline = time.monotonic() + timeout
     last_error = "nothing listens there"
     while True:

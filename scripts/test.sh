@@ -53,11 +53,13 @@ checks=0
 .venv/bin/ruff check ftrun || checks=1
 .venv/bin/mypy || checks=1
 # Two test processes, each taking whole files (a module's reference run is made once): most of the
-# suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one.
+# suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one. The
+# files go out slowest first (tests/conftest.py's SLOWEST_FIRST), not by their number of tests, so that the
+# two workers end together.
 # The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores. -rs: every
 # skip's reason is in the log, not only their count.
 code=0
-.venv/bin/python -m pytest -q -rs -n 2 --dist loadfile --durations=20 "$@" || code=$?
+.venv/bin/python -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@" || code=$?
 [ -z "$installer" ] || wait "$installer" || true  # never left running
 [ -z "$frameworks" ] || wait "$frameworks" || true
 [ "$code" = 0 ] || exit "$code"

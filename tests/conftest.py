@@ -243,6 +243,46 @@ def fake_npu(tmp_path, monkeypatch):
     return make
 
 
+# -- the order in which scripts/test.sh's two workers take the files ----------------------------------------
+
+#: The files that take longest, longest first (pytest -n 0 --durations=0, one file at a time). scripts/test.sh
+#: hands whole files to 2 workers as they come free (--dist loadfile, --no-loadscope-reorder): xdist's own order,
+#: by number of tests, left the slowest files (the HA file, 4 tests; the chaos run, 1) to the end, where one
+#: worker ran them for minutes after the other had none left. Files not listed (seconds each, the unit tests)
+#: follow in their own order and fill the gaps. The MindSpore and framework files wait, if need be, for the
+#: installs that scripts/test.sh starts beside the first tests.
+SLOWEST_FIRST = (
+    "integration/test_high_availability.py",
+    "integration/test_ssh.py",
+    "chaos/test_chaos.py",
+    "integration/test_layouts.py",
+    "integration/test_etcd_outage.py",
+    "integration/test_snapshots.py",
+    "integration/test_spares.py",
+    "integration/test_detection.py",
+    "integration/test_process_repair.py",
+    "integration/test_mindspore.py",
+    "integration/test_job_restart.py",
+    "integration/test_frameworks.py",
+    "integration/test_bad_input.py",
+    "integration/test_lifecycle.py",
+    "integration/test_control_plane_sim.py",
+    "integration/test_top_view.py",
+    "integration/test_torchrun_flags.py",
+    "integration/test_status_view.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    place = {name: index for index, name in enumerate(SLOWEST_FIRST)}
+
+    def file_place(item) -> int:
+        path = Path(str(item.fspath)).relative_to(ROOT / "tests").as_posix()
+        return place.get(path, len(place))
+
+    items.sort(key=file_place)  # stable: each file's tests keep their order, as do the files not listed
+
+
 # The suite's in-process TCPStores (servers and clients, some left mid-handshake by the connect
 # deadline tests) run threads inside libtorch; once in a while one of them meets the interpreter's
 # shutdown and std::terminate turns a passed run into exit status 134. Every result is reported by

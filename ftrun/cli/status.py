@@ -80,8 +80,9 @@ def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_
                    interval: float, timeout: float) -> int:
     from ftrun.store import StoreUnavailable
 
-    reader = StatusReader(store_finder(backend, endpoint, run_id, rdzv_conf, timeout), run_id, timeout)
+    find = store_finder(backend, endpoint, run_id, rdzv_conf, timeout)
     try:
+        reader = StatusReader(find, run_id, timeout)
         snapshot = reader.read()
         if watch:
             code = watch_status(reader, snapshot, as_json, interval)
@@ -90,7 +91,7 @@ def status_command(endpoint: str, run_id: str, backend: str, rdzv_conf: str, as_
             code = ExitCode.OK
     except StoreUnavailable as e:
         raise RendezvousError(str(e)) from None
-    if reader.find.moves:
+    if find.moves:
         leave_without_teardown(code)
     return code
 
@@ -208,15 +209,19 @@ class StatusReader:
         from ftrun.keys import CONTROL_STORE
         from ftrun.store import ControlStore, connect_store
 
-        raw = connect_store(endpoint, timeout, refused_is_final=True)  # a host that does not answer is waited for
-        if raw.check([CONTROL_STORE]):  # a static rendezvous's --master-port: the control store is elsewhere
-            endpoint = Endpoint(endpoint.host, int(raw.get(CONTROL_STORE)))
-            raw = connect_store(endpoint, timeout, refused_is_final=True)
         # a store that moves (etcd) is given up within --timeout when its host stops answering without closing
-        # the connection (stopped, cut off: a TCPStore call waits for good), so that the view looks for the next
+        # the connection (stopped, cut off: a TCPStore call waits for good), so that the view looks for the next;
+        # its first read too (at a controller stopped as the view connected, a bare TCPStore check waited for good)
         call_timeout = self.timeout if self.find.moves else 0.0
-        return ControlStore(raw, endpoint, is_host=False, signer=self.store.signer if self.store else None,
-                            call_timeout=call_timeout)
+        signer = self.store.signer if self.store else None
+        raw = connect_store(endpoint, timeout, refused_is_final=True)  # a host that does not answer is waited for
+        store = ControlStore(raw, endpoint, is_host=False, signer=signer, call_timeout=call_timeout)
+        control = store.try_text(CONTROL_STORE)
+        if control:  # a static rendezvous's --master-port: the control store is elsewhere
+            endpoint = Endpoint(endpoint.host, int(control))
+            raw = connect_store(endpoint, timeout, refused_is_final=True)
+            store = ControlStore(raw, endpoint, is_host=False, signer=signer, call_timeout=call_timeout)
+        return store
 
     def follow(self, deadline: float) -> str:
         """--rdzv-backend etcd: the store stopped answering. Look in etcd, as the agents do, until it names a

@@ -29,10 +29,12 @@ NODES, NPROC = ELASTIC_NODES, ELASTIC_NPROC
 
 
 def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
-    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads."""
+    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads. One warm standby per
+    agent (not the default one per rank): the faults here replace one rank of a node at a time, or move a
+    node to the spare; each standby more only imported torch beside the ranks (2 cores)."""
     common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", str(NPROC), "--rdzv-backend", "etcd",
               "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark, "--monitor-interval", "0.05",
-              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", *flags]
+              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--warm-standby", "1", *flags]
     environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
     agents = [launcher.start([*common, "--local-addr", "127.0.0.2", ELASTIC], env=environment)]
     wait_for(lambda: "hosting the control store" in agents[0].output, timeout=120, what="the first agent to lead")
@@ -57,16 +59,20 @@ def test_the_controllers_node_lost_a_spare_takes_its_place_and_the_other_ranks_l
     token.write_text("a-secret-of-the-jobs-own-0123456789")
     token.chmod(0o600)
     logs, began = launcher.tmp / "logs", time.monotonic()
-    # slow steps: time for the views to open, then for the kill, while the job still trains (the digests do
-    # not depend on the pace). The views open first: on a loaded CI run their opening took so long that the
-    # job had finished its 40 steps when the kill came, and the repair waited for ranks that had ended
+    # the job holds after step 1 until the views show it, then steps slowly: time for the kill while it still
+    # trains (the digests depend on neither). On a loaded run the views took so long to open that the job had
+    # ended first: once the kill came too late (the repair waited for ranks that had ended), once the watcher
+    # found the store gone and printed nothing (at a load of 18: 32 s from its start to "connection refused")
+    hold = launcher.out_dir / "hold-steps"
+    hold.write_text("")
     leader, *others = start(launcher, etcd, flags=["--token-file", str(token), "--log-dir", str(logs)],
-                            STEP_SLEEP="0.4")
+                            STEP_SLEEP="0.4", HOLD_AFTER="1")
     assert "node 0 of 2" in wait_for(lambda: "node 0 of" in leader.output and leader.output, timeout=120,
                                      what="the leader's place")
     wait_for_progress(launcher, 1, 1)
     watching = views()  # ftrun status --watch and ftrun top follow the controller (issue 40)
     step_before = watching.opened()
+    hold.unlink()
     wait_for_progress(launcher, 1, step_before + 2)
     etcd.kill(2)  # one member of three: no effect
     wait_for_progress(launcher, 1, step_before + 4)
@@ -125,7 +131,10 @@ class Views:
 
     def opened(self) -> int:
         """Once both show the job on its first controller: the step they show."""
-        wait_for(lambda: self.lines(), timeout=60, what="ftrun status --watch's first line")
+        # a watcher that ended says why at once (it gave up on the store: issue 48's failure waited out the 60 s)
+        wait_for(lambda: self.lines() or self.watcher.poll() is not None, timeout=60,
+                 what="ftrun status --watch's first line")
+        assert self.lines(), (self.watcher.returncode, Path(f"{self.into}.err").read_text())
         if self.top is not None:
             self.top.wait_for("RUNNING", "controller on 127.0.0.2 ·")
         assert {s["controller"]["host"] for s in self.lines()} == {"127.0.0.2"}

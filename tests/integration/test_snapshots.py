@@ -173,7 +173,7 @@ def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
     checkpoints = launcher.tmp / "ckpt"
     env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="3:9:sigkill")
     flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
-             "--checkpoint-dir", str(checkpoints), "--save-on-failure"]
+             "--checkpoint-dir", str(checkpoints), "--save-on-failure", "--warm-standby", "1"]  # one rank replaced
     launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
     assert launcher.wait() == [0, 0], launcher.output()
     assert_fault_free_result(launcher, sharded=True)

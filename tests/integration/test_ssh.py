@@ -84,7 +84,7 @@ def test_two_hosts_by_two_ranks_run_to_completion_with_a_log_file_per_host(launc
 def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
     env = launcher.env(STEPS="40", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [ELASTIC],
-                      flags=["--recovery", "process", "--max-restarts", "2"], env=env)
+                      flags=["--recovery", "process", "--max-restarts", "2", "--warm-standby", "1"], env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 2) >= 3,
              timeout=120, what="rank 2 to make progress")
     victim = worker_of_rank(launcher.mark, 2)

@@ -3,8 +3,8 @@ output ftrun reads, fed a wrong value, gets one clear line and a documented exit
 
 In-process: ``ftrun.cli.main(argv)`` with stderr captured. No case may start a job: ``Agent`` and
 ``Head`` are replaced by a stand-in that fails the test, so a value that slips through shows up as
-"would have launched". The subprocess version of a few of these is tests/integration/test_bad_input.py;
-no case here repeats one of its.
+"would have launched". The cases at the end ran each in a process of its own in
+tests/integration/test_bad_input.py, which still runs the first of each table so, through ``python -m ftrun``.
 """
 
 from __future__ import annotations
@@ -905,3 +905,126 @@ def test_dry_run_of_a_value_that_is_not_utf8(tmp_path, capsys, monkeypatch):
                        capsys)
     assert code == 0
     assert os.fsencode(NON_UTF8) in stdout.buffer.getvalue()  # the same bytes the ssh command would carry
+
+
+# --- the cases that tests/integration/test_bad_input.py ran each in a process of its own --------------------
+# In-process since issue 48: each cost an interpreter's start (about 2 s on 2 cores, 56 of them) and needs no
+# process of its own; that file still runs the first case of each table as ``python -m ftrun``, and as before
+# the cases whose error comes from a started agent (an endpoint, etcd, a fault table), which here would launch.
+# Their assertions as they were there: the exit code, one "ftrun: error:" line among the lines, with the words,
+# no traceback.
+
+SCRIPT = str(Path(__file__).resolve().parent.parent / "workers" / "train.py")
+
+CASES = [
+    # (id, args, exit code, words the line must contain)
+    ("nnodes-zero", ["--nnodes", "0", SCRIPT], 2, "--nnodes"),
+    ("nnodes-garbage", ["--nnodes", "a:b", SCRIPT], 2, "--nnodes"),
+    ("nnodes-min-above-max", ["--nnodes", "3:2", SCRIPT], 2, "--nnodes"),
+    ("nproc-zero", ["--nproc-per-node", "0", SCRIPT], 2, "--nproc-per-node"),
+    ("nproc-word", ["--nproc_per_node", "many", SCRIPT], 2, "--nproc-per-node"),
+    ("missing-script", ["no_such_train.py"], 2, "no_such_train.py"),
+    ("no-script", [], 2, "no training script"),
+    ("config-missing", ["--config", "missing.yaml", SCRIPT], 2, "missing.yaml"),
+    ("recovery-unknown", ["--recovery", "node", SCRIPT], 2, "--recovery"),
+    ("negative-budget", ["--max-restarts", "-1", SCRIPT], 2, "--max-restarts"),
+    ("budget-not-a-number", ["--fault-retry-times", "lots", SCRIPT], 2, "lots"),
+    ("endpoint-port-word", ["--rdzv-endpoint", "head:http", SCRIPT], 2, "port 'http'"),
+    ("endpoint-port-range", ["--rdzv-endpoint", "head:70000", SCRIPT], 2, "70000"),
+    ("unknown-flag", ["--frobnicate", SCRIPT], 2, "--frobnicate"),
+    ("static-without-node-rank", ["--nnodes", "2", SCRIPT], 2, "--node-rank"),
+    ("node-rank-out-of-range", ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "localhost:1", SCRIPT], 2, "--node-rank 2"),
+    ("standalone-multi-node", ["--standalone", "--nnodes", "2", SCRIPT], 2, "--standalone"),
+    ("module-and-no-python", ["-m", "--no-python", "pkg"], 2, "cannot be combined"),
+    ("bad-redirects", ["-r", "7", SCRIPT], 2, "--redirects"),
+    ("bad-rdzv-conf", ["--rdzv-conf", "join_timeout", SCRIPT], 2, "--rdzv-conf"),
+    ("negative-interval", ["--monitor-interval", "-1", SCRIPT], 2, "--monitor-interval"),
+    ("device-unknown", ["--device", "tpu", SCRIPT], 2, "--device must be one of auto, npu, cuda, cpu"),
+    ("health-interval-zero", ["--health-interval", "0", SCRIPT], 2, "--health-interval"),
+    ("device-timeout-word", ["--device-timeout", "soon", SCRIPT], 2, "--device-timeout"),
+    ("hang-timeout-negative", ["--hang-timeout", "-3", SCRIPT], 2, "--hang-timeout"),
+    ("fault-levels-missing", ["--fault-levels", "no-such-levels.yaml", SCRIPT], 2, "no-such-levels.yaml"),
+    ("probe-device-unknown", ["probe", "--device", "tpu"], 2, "--device must be one of"),
+    ("probe-unknown-flag", ["doctor", "--frobnicate"], 2, "--frobnicate"),
+]
+
+
+def assert_one_error_line(stderr: str, words: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ftrun: error:")]
+    assert len(errors) == 1, stderr
+    assert words in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
+def run_ftrun(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``run_main`` with stdout too."""
+    sys.stderr.reconfigure(errors="backslashreplace")
+    with pytest.raises(SystemExit) as leaving:
+        main(argv)
+    code = leaving.value.code
+    captured = capsys.readouterr()
+    return (0 if code is None else code), captured.out, captured.err
+
+
+@pytest.mark.parametrize("args, code, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_clear_line(args, code, words, capsys):
+    returncode, _, stderr = run_ftrun(args, capsys)
+    assert returncode == code, stderr
+    assert_one_error_line(stderr, words)
+
+
+CONFIGS = [
+    ("unknown-key", "nproc_per_node: 2\nnprocs: 4\n", "unknown key 'nprocs'"),
+    ("not-yaml", "nnodes: [1, 2\n", "not valid YAML"),
+    ("not-a-mapping", "- 1\n- 2\n", "must be a mapping"),
+    ("not-utf8", b"nnodes: \xff\xfe\n", "not UTF-8"),
+    ("wrong-type", "max_restarts: [1, 2]\n", "--max-restarts"),
+]
+
+
+@pytest.mark.parametrize("text, words", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_bad_config_file_gets_one_clear_line(tmp_path, text, words, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    returncode, _, stderr = run_ftrun(["--config", str(path), SCRIPT], capsys)
+    assert returncode == 2, stderr
+    assert_one_error_line(stderr, words)
+
+
+HOSTFILES = [
+    # (id, hostfile text, extra args, words the line must contain); every one exits 2 before any ssh runs
+    ("missing-file", None, [], "cannot read hostfile hosts"),
+    ("empty", "# nothing\n\n", [], "lists no hosts"),
+    ("slots-zero", "n01 slots=0\n", [], "line 1: slots must be a whole number of at least 1, got '0'"),
+    ("slots-word", "n01:many\n", [], "got 'many'"),
+    ("duplicate", "n01\nn02\nn01 slots=2\n", [], "line 3: host 'n01' is already listed on line 1"),
+    ("unknown-word", "n01 gpus=8\n", [], "unexpected 'gpus=8'"),
+    ("option-as-host", "-oProxyCommand=x\n", [], "is not a host name"),
+    ("shell-in-host", "n01;reboot\n", [], "is not a host name"),
+    ("not-utf8", b"n01 slots=\xff\n", [], "cannot read hostfile hosts"),
+    ("include-unknown", "n01\nn02\n", ["--include", "n09"], "--include: host 'n09' is not in the hostfile"),
+    ("include-and-exclude", "n01\nn02\n", ["--include", "n01", "--exclude", "n02"], "cannot be combined"),
+    ("exclude-everything", "n01\n", ["--exclude", "n01"], "--exclude leaves no host"),
+    ("slot-not-there", "n01 slots=2\n", ["--include", "n01:5"], "host 'n01' has no slot 5"),
+    ("too-many-nodes", "n01\nn02\n", ["--nnodes", "3"], "--nnodes 3 but the hostfile has 2 hosts"),
+    ("with-node-rank", "n01\n", ["--node-rank", "0"], "--node-rank cannot be used with --hostfile"),
+    ("with-standalone", "n01\n", ["--standalone"], "--standalone cannot be used with --hostfile"),
+    ("bad-env", "n01\n", ["--env", "1X=2"], "--env: '1X=2' is not NAME or NAME=VALUE"),
+    ("env-unset", "n01\n", ["--env", "FTRUN_NO_SUCH_VARIABLE"], "FTRUN_NO_SUCH_VARIABLE is not set here"),
+    ("bad-ssh-option", "n01\n", ["--ssh-option", "-v"], "--ssh-option must be Name=Value"),
+    ("bad-ssh-port", "n01\n", ["--ssh-port", "0"], "--ssh-port must be a port number"),
+    ("endpoint-elsewhere", "n01\n", ["--rdzv-endpoint", "192.0.2.1:29400"], "must name it"),
+    ("spares-flag", "n01\nn02 spare\n", ["--spares", "1"], "--spares cannot be used with --hostfile"),
+    ("bad-devices", "n01\n", ["--devices", "0,x"], "--devices must be device ids"),
+]
+
+
+@pytest.mark.parametrize("text, args, words", [c[1:] for c in HOSTFILES], ids=[c[0] for c in HOSTFILES])
+def test_bad_hostfile_or_cluster_flag_gets_one_clear_line(tmp_path, text, args, words, capsys):
+    if text is not None:
+        (tmp_path / "hosts").write_bytes(text if isinstance(text, bytes) else text.encode())
+    returncode, stdout, stderr = run_ftrun(["--hostfile", "hosts", *args, SCRIPT], capsys)
+    assert returncode == 2, stderr
+    assert_one_error_line(stderr, words)
+    assert not stdout

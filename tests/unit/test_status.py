@@ -8,6 +8,7 @@ import os
 import re
 import select
 import stat
+import threading
 
 import pytest
 from rich.console import Console
@@ -233,6 +234,36 @@ def test_status_of_a_refused_port_answers_at_once_without_waiting_for_its_timeou
         StatusReader(StoreFinder(Endpoint("127.0.0.1", free_port())), "", timeout=600)
 
 
+def test_a_slow_first_import_of_torch_leaves_the_store_s_handshake_its_whole_deadline(store, monkeypatch):
+    """ftrun status --watch printed nothing for 60 s on a loaded 2-core run: its first import of torch, made
+    in the handshake's guard (3 s), took longer than the guard and then than the whole --timeout (6 s
+    measured at a load of 8.6), and it left with "does not answer as a store" before its first line. Here
+    the first import of torch.distributed takes 0.6 s, and every other thread's waits for it, as Python's
+    module lock makes them; the store answers at once."""
+    import builtins
+    import time
+
+    from ftrun.store import connect_store
+
+    real_import, imported, first = builtins.__import__, threading.Event(), []
+
+    def slow_import(name, *args, **kwargs):
+        if name == "torch.distributed" and not imported.is_set():
+            if not first:
+                first.append(threading.get_ident())
+                time.sleep(0.6)
+                imported.set()
+            elif first[0] != threading.get_ident():
+                imported.wait()
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", slow_import)
+    client = connect_store(store.endpoint, timeout=0.3, refused_is_final=True)
+    monkeypatch.undo()
+    store.set_text(KEYS.status, json.dumps({"step": 5}))
+    assert client.get(KEYS.status) == b'{"step": 5}'
+
+
 def test_a_known_total_gives_a_progress_bar_and_an_eta(store):
     publish_node(store, "a0", "host-a", 0, steps=(25, 25), ages=(0.1, 0.1))
     publish_node(store, "a1", "host-b", 2, steps=(25, 25), ages=(0.1, 0.1))
@@ -340,6 +371,48 @@ def test_follow_waits_for_the_successors_status_before_it_reads_there():
     reader = StatusReader(MovingFinder(located(old, "127.0.0.2"), located(new, "127.0.0.3")), "job1", timeout=5)  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: new.set_text(KEYS.status, json.dumps({"step": 6}))).start()
     assert reader.follow(deadline=10) == "127.0.0.3" and reader.read() == {"step": 6}
+
+
+class StoppedHostClient:
+    """A TCPStore client whose store's host stopped (SIGSTOP) once it had connected: every call waits for
+    good (a real one's check was still waiting after 200 s) until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.released.wait()
+        raise RuntimeError("Connection reset by peer")
+
+    get = wait = check
+
+
+def test_a_moving_store_that_stops_answering_as_the_view_opens_it_is_given_up_within_the_timeout(monkeypatch):
+    """The view's first read of a store found through etcd (is it a --master-port?) was a bare TCPStore call:
+    at a controller stopped just as the view connected, it waited for good, where every later call gives up
+    within --timeout and the view looks for the next controller."""
+    import ftrun.store
+    from ftrun.cli.status import Location, StatusReader
+    from ftrun.store import StoreUnavailable
+
+    client, outcome = StoppedHostClient(), []
+    monkeypatch.setattr(ftrun.store, "connect_store", lambda *args, **kwargs: client)
+
+    def open_view() -> None:
+        try:
+            StatusReader(MovingFinder(Location(Endpoint("127.0.0.2", 29400), "127.0.0.2")), "job1",  # type: ignore[arg-type]
+                         timeout=0.2)
+        except Exception as e:
+            outcome.append(e)
+
+    opening = threading.Thread(target=open_view, name="test-open-view", daemon=True)
+    opening.start()
+    opening.join(5)
+    waited = not outcome
+    client.released.set()  # the thread left in the read goes
+    opening.join(5)
+    assert not waited, "the view's first read waits on a stopped store"
+    assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable), outcome
 
 
 def test_a_c10d_store_is_not_followed(store):

@@ -12,6 +12,8 @@ Faults come from the environment and hit only original ranks (never a replacemen
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
 PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
+HOLD_AFTER=step: once that step is committed, every rank waits while OUT_DIR/hold-steps exists (a test keeps
+the job training until what it opened beside it shows the job).
 STOP_FILE=path: once that file holds a step count, the loop ends when that many steps are committed
 (STEPS then only bounds it; every rank reads the same count, so all stop at the same step).
 BATCHNORM=1 puts a BatchNorm1d (running statistics: buffers that ElasticDDP broadcasts) in the model.
@@ -78,6 +80,13 @@ def step_sleep(step: int) -> float:
     return float(os.environ.get("STEP_SLEEP", "0.05"))
 
 
+def hold_after(committed: int, out_dir: str) -> None:
+    """HOLD_AFTER=step: once ``committed`` is that step, wait while OUT_DIR/hold-steps exists."""
+    if os.environ.get("HOLD_AFTER") == str(committed):
+        while os.path.exists(os.path.join(out_dir, "hold-steps")):
+            time.sleep(0.05)
+
+
 def stop_requested(committed: int) -> bool:
     """STOP_FILE holds a step count that ``committed`` has reached."""
     path = os.environ.get("STOP_FILE")
@@ -123,6 +132,7 @@ def main() -> None:
         os.replace(progress + ".tmp", progress)
         if os.environ.get("PRINT_STEPS") == "1":
             print(f"rank {job.rank} step {step} loss {float(loss):.4f}", flush=True)
+        hold_after(job.step, out_dir)
         if stop_requested(job.step):
             break
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
