@@ -56,7 +56,7 @@ checks=0
 # suite's time is workers starting and waiting on each other, which overlaps well. "-n 0" runs one. The
 # files go out slowest first (tests/conftest.py's SLOWEST_FIRST), not by their number of tests, so that the
 # two workers end together.
-# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores. -rs: every
+# The slowest tests are listed at the end: the suite must stay within 25 minutes on 2 cores. -rs: every
 # skip's reason is in the log, not only their count.
 code=0
 .venv/bin/python -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@" || code=$?
