@@ -99,14 +99,13 @@ from ftrun.agent.protocol import NodeProtocol, Watch  # noqa: E402
 from ftrun.agent.workers import STOP_POLL  # noqa: E402
 from ftrun.contract import Endpoint, Milestone, parse_endpoint  # noqa: E402
 from ftrun.controller.controller import Controller, RecoveryPolicy  # noqa: E402
+from ftrun.controller.inbox import NodeLost  # noqa: E402
 from ftrun.controller.journal import JournalWriter, read_journal  # noqa: E402
 from ftrun.controller.leadership import Leadership  # noqa: E402
 from ftrun.controller.states import Level  # noqa: E402
 from ftrun.etcd import EtcdClient, EtcdOptions  # noqa: E402
 from ftrun.keys import EtcdKeys, JobKeys  # noqa: E402
-from ftrun.messages import (  # noqa: E402
-    CommandKind, JoinRecord, NodeStatus, RankState, ReportKind, WorkerFailure, to_json,
-)
+from ftrun.messages import CommandKind, JoinRecord, NodeStatus, RankState, ReportKind, WorkerFailure, to_json  # noqa: E402
 from ftrun.ranktable import FTRUN_TABLE, ftrun_table, write_table  # noqa: E402
 from ftrun.rendezvous import RendezvousPolicy  # noqa: E402
 from ftrun.snapshots.plan import MEMORY, REPLICA, HeldSnapshot, SnapshotInventory, choose_restore  # noqa: E402
@@ -537,13 +536,14 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     controller = Controller(store, keys, rendezvous, "sim-0", "127.0.0.1", policy,
                             leadership=office.leadership if office else None)
     lost_at: list[float] = []
-    lose_node = controller.lose_node
+    tell = controller.executor.tell
 
-    def timed_lose_node(node: int, detail: str) -> None:
-        lost_at.append(time.time())
-        lose_node(node, detail)
+    def timed_tell(event) -> None:  # a node lost is told as its decision is taken
+        if isinstance(event, NodeLost):
+            lost_at.append(time.time())
+        tell(event)
 
-    controller.lose_node = timed_lose_node  # type: ignore[method-assign]
+    controller.executor.tell = timed_tell  # type: ignore[method-assign]
     published: list[tuple[str, float]] = []
     #: the journal writes made before each kind of command was first published
     journaled: dict[str, int] = {}

@@ -5,6 +5,7 @@ benchmark's (scripts/bench_control_plane.py), never asserted here."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +21,16 @@ from tests.conftest import marked_processes  # noqa: E402
 from tests.parts import unavailable  # noqa: E402
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def ftrun_s_log_level():
+    """simulate() quiets ftrun's logger for its thousands of agents: the level comes back after each test,
+    whatever its outcome, so that a later test of the same process that reads the log finds it."""
+    logger = logging.getLogger("ftrun")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 def test_simulated_agents_join_hold_every_decision_and_a_spare_takes_a_lost_node():
