@@ -80,9 +80,7 @@ class Collectives:
         self.store, self.keys, self.roster = store, keys, roster
 
     def observe(self, view: JobView, now: float) -> list[Event]:
-        watched = (view.phase is Phase.RUNNING and view.process_level_ready) or (
-            view.level is Level.ONLINE and view.phase in REPAIR_PHASES)
-        if not watched:
+        if not view.watches_collectives:
             return []
         said = self.store.try_text(self.keys.collective_failure(view.generation))
         failure = CollectiveFailure.from_text(said) if said else None

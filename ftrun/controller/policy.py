@@ -436,9 +436,7 @@ def on_collective_seen(view: JobView, seen: inbox.CollectiveFailed) -> Decision:
     from its first sight, it becomes the online repair (:func:`on_collective_failed`) once ONLINE_GRACE
     passed with no death decided meanwhile and every node's agent was heard from since. Watched only where
     process level is ready (else a rank's own wait for an announcement ends it) or during an online repair."""
-    watched = (view.phase is Phase.RUNNING and view.process_level_ready) or (
-        view.level is Level.ONLINE and view.phase in REPAIR_PHASES)
-    if not watched:
+    if not view.watches_collectives:
         return view, []
     held = view.held
     if held is None or held.generation != view.generation:

@@ -186,6 +186,13 @@ class JobView:
         return frozenset(range(self.world_size))
 
     @property
+    def watches_collectives(self) -> bool:
+        """Whether a rank's failed collective can start or end a repair now: while process level is ready (else
+        a rank's own wait for an announcement ends it), and during an online repair."""
+        return (self.phase is Phase.RUNNING and self.process_level_ready) or (
+            self.level is Level.ONLINE and self.phase in REPAIR_PHASES)
+
+    @property
     def process_level_ready(self) -> bool:
         return (self.recovery is Level.PROCESS and self.world_size > 0 and self.library_ranks >= self.world_size
                 and not self.refusal)

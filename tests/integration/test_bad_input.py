@@ -62,18 +62,6 @@ def test_bad_fault_table_gets_one_clear_line_naming_the_file(ftrun_cli, tmp_path
         assert str(path) in stderr
 
 
-
-@pytest.mark.parametrize("text, words", [c[1:] for c in FAULT_TABLES], ids=[c[0] for c in FAULT_TABLES])
-def test_bad_fault_table_gets_one_clear_line_naming_the_file(ftrun_cli, tmp_path, text, words):
-    path = tmp_path / "levels.yaml"
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    for args in (["--fault-levels", str(path), SCRIPT], ["probe", "--fault-levels", str(path)]):
-        returncode, _, stderr = ftrun_cli(*args)
-        assert returncode == 2, stderr
-        assert_one_clear_line(stderr, words)
-        assert str(path) in stderr
-
-
 def test_port_in_use_by_another_program(ftrun_cli):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
