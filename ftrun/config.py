@@ -388,9 +388,9 @@ def _stream_bits(text: str) -> int:
 
 def _warm_standby(value: Any, recovery: str, nproc: int) -> int:
     if value is None or value == "":
-        # one per local rank under process level: a whole job's failure (or a spare taking a whole node)
-        # then restarts every rank of the node without importing torch again
-        return nproc if recovery == "process" else 0
+        # on under process level: every rank, replacement and restart of the node is forked from its warm
+        # interpreter, which imported torch once (ftrun/agent/forkserver.py)
+        return 1 if recovery == "process" else 0
     return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 

@@ -114,14 +114,17 @@ class Agent:
     def run(self) -> JobOutcome:
         # the orphan guardian first: it removes the agent's folders if the agent is SIGKILLed from here on
         ops = ProcessOps()
+        group = WorkerGroup(ops, self.config, "", self.config.warm_standby)
+        group.keep_warm()  # the warm interpreter imports torch while the node joins
         try:
-            return self._run(ops)
+            return self._run(ops, group)
         finally:
+            group.stop(self.config.stop_timeout)  # stopped already, unless the join failed: the warm interpreter
             self.connection.close()
             self.folders.cleanup()  # whatever ended the run: the folders this agent made go with it
             ops.close()
 
-    def _run(self, ops: ProcessOps) -> JobOutcome:
+    def _run(self, ops: ProcessOps, group: WorkerGroup) -> JobOutcome:
         config, connection = self.config, self.connection
         table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, table)
@@ -144,7 +147,6 @@ class Agent:
             connection.stop_controller()
             raise
         self.seat = seat = Seat(self.agent_id, self.host, slot)
-        group = WorkerGroup(ops, config, "", config.warm_standby)
         hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
         health = NodeHealth([hangs, *self.devices.sources()])
         self.supervision = Supervision(group, seat, self.devices, lambda: connection.protocol,
@@ -239,14 +241,13 @@ class Agent:
         log.warning("going on with the controller at %s", self.connection.store.endpoint)
 
     def _stand_by(self, group: WorkerGroup, node_count: int) -> tuple[int, str] | None:
-        """A spare node: keep alive, keep warm standby workers, and wait to take over a lost node.
+        """A spare node: keep alive, keep its warm interpreter, and wait to take over a lost node.
         Returns how the job ended, when it ended first."""
         return self._following(lambda: self._stand_by_turns(group, node_count))
 
     def _stand_by_turns(self, group: WorkerGroup, node_count: int) -> tuple[int, str] | None:
         log.info("standing by as a spare node (the job has %d nodes)", node_count)
         connection, seat = self.connection, self.seat
-        group.fill_standbys()
         while True:
             now = time.monotonic()
             self.supervision.publish_status()  # the spare's keepalive

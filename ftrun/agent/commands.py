@@ -70,9 +70,10 @@ class CommandExecutor:
         log.warning("stopping generation %d: %s", command.generation, command.reason)
         # ranks that failed on their own before this stop, or as it came
         failed = [w for w in group.poll() if w.returncode != 0]
-        # the restart's ranks take warm interpreters that import torch while this one stops
-        group.fill_standbys(at_least=self.seat.nproc)
-        failed += group.stop(self.stop_timeout, keep_standbys=True)
+        # the restart's ranks are forked from the node's warm interpreter (a new one, if it failed, imports
+        # torch while this generation stops)
+        group.keep_warm()
+        failed += group.stop(self.stop_timeout, keep_warm=True)
         if failed and self.supervision.interrupted_at is None:
             self.supervision.report_failed(failed)
         if self.snapshots is not None:

@@ -1,8 +1,8 @@
 """--numa-binding: which CPUs each worker may run on, near its device.
 
 Deciding is pure (:func:`bind_ranks`, over the devices' affinities and the host's CPU layout);
-reading the layout (:class:`HostCpus`, from /sys) and applying it (:func:`bind_process`) are
-small and separate. The modes are torchrun's (torch/numa/binding.py):
+reading the layout (:class:`HostCpus`, from /sys) is small and separate; each worker binds itself
+(``sched_setaffinity`` before its script runs). The modes are torchrun's (torch/numa/binding.py):
 
 * ``node``: the CPUs the device tool names as the device's affinity (its NUMA node's);
 * ``socket``: every CPU of the socket(s) those CPUs are on;
@@ -87,15 +87,3 @@ def bind_ranks(mode: str, assigned: dict[int, int], affinity: dict[int, frozense
         bound[rank] = tuple(sorted(cpus))
     return bound
 
-
-def bind_process(pid: int, cpus: tuple[int, ...]) -> None:
-    """Bind every thread of a running process (a warm standby has threads already) to ``cpus``."""
-    try:
-        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        threads = [pid]
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError:
-            pass  # the thread ended meanwhile

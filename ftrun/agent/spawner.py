@@ -1,14 +1,12 @@
 """Starting the node's workers on usable devices: a generation's (START), a repair's replacements
 (REPLACE). Where no device is usable because one is being reset, the workers wait for it (the repair's
-deadline bounds the wait); where none will be, the node reports itself unusable (a node-level fault).
-
-Warm standbys are made off the ranks' own start: a generation's once every rank of the node has committed
-its first step (``first_steps``), those a repair took once it is over."""
+deadline bounds the wait); where none will be, the node reports itself unusable (a node-level fault). While
+the node's warm interpreter imports torch (``forkserver.py``), the workers wait for it too: forked from it,
+they start sooner than each importing torch beside the others."""
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,18 +19,12 @@ from ftrun.agent.workers import Worker, WorkerGroup
 from ftrun.messages import Command, CommandKind, ReportKind
 
 log = logging.getLogger(__name__)
-#: seconds after a node's ranks were replaced that it starts new warm standbys in place of those taken
-REFILL_AFTER = 5.0
-#: a generation's warm standbys are made once every rank of the node committed its first step: a standby's
-#: torch import beside the ranks' own start delayed their first step (1 x 4 on 2 cores: 11.4 s after launch
-#: with one standby per rank, 6.4 s with none, torchrun 6.0 s); or this many seconds after the start at the
-#: latest, for ranks that commit no step (a script without ftrun.elastic)
-STANDBYS_AT_THE_LATEST = 30.0
 
 
 @dataclass(frozen=True)
 class PendingSpawn:
-    """Workers a command asked for that wait for a usable device (one is being reset)."""
+    """Workers a command asked for that wait for a usable device (one is being reset), or for the warm
+    interpreter."""
 
     command: Command
     #: REPLACE: the local ranks still to respawn; START: every local rank
@@ -54,17 +46,15 @@ class Spawner:
         self._started = started
         #: whether this node hosts the generation's worker store (and so a MindSpore job's scheduler)
         self._hosts_worker_store = hosts_worker_store
-        #: workers waiting for a device (one is being reset)
+        #: workers waiting for a device (one is being reset) or for the warm interpreter
         self.pending: PendingSpawn | None = None
-        #: when to make the warm standbys (0: none due): at the latest after a start, or after a repair
-        self.standbys_due = 0.0
-        #: a generation started: its standbys are made once its ranks committed their first step
-        self._after_first_steps = False
 
     def start(self, command: Command) -> None:
         """A generation's workers, every local rank (a MindSpore generation's scheduler first, on the
         node that hosts the worker store, as msrun's)."""
         nproc, group = self.seat.nproc, self.group
+        if self._wait_for_warm(command, tuple(range(nproc))):
+            return
         try:
             assigned = self.devices.assign(nproc)
         except NoDevice as e:
@@ -79,10 +69,11 @@ class Spawner:
             group.start_scheduler(gen, self.seat.node_rank, self.seat.host)
         group.start(placements, gen)
         self._started(group.workers)
-        self.standbys_due, self._after_first_steps = time.monotonic() + STANDBYS_AT_THE_LATEST, True
 
     def respawn(self, command: Command, local_ranks: tuple[int, ...]) -> None:
         """Process level (repair): start replacements for these local ranks, on usable devices."""
+        if self._wait_for_warm(command, local_ranks):
+            return
         gen = self.envs.for_command(command, replacement=True)
         for done, local_rank in enumerate(local_ranks):
             try:
@@ -94,36 +85,34 @@ class Spawner:
             self.group.respawn(self.seat.placement(local_rank, self.devices.placed(device), cpus), gen)
             self._started([self.group.workers[local_rank]])
         self.pending = None
-        # the standbys taken are made again once the repair is over: a new one's torch import would
-        # compete for the CPU with the ranks' repair and their first steps
-        self.standbys_due, self._after_first_steps = time.monotonic() + REFILL_AFTER, False
 
     def waiting_replacements(self) -> tuple[int, ...]:
         """The local ranks a repair before this one still waits to respawn."""
         pending = self.pending
         return pending.local_ranks if pending is not None and pending.command.kind is CommandKind.REPLACE else ()
 
-    def first_steps(self, now: float) -> None:
-        """Every rank of the node committed a step since it started: a generation's standbys are due now."""
-        if self._after_first_steps:
-            self.standbys_due, self._after_first_steps = now, False
-
     def cancel(self) -> None:
         """The workers waiting for a device are wanted no more (a stop, the exit)."""
         self.pending = None
 
-    def tick(self, now: float) -> None:
-        """At each turn of the agent's loop: workers waiting for a device tried again; standbys made
-        once they are due."""
+    def tick(self) -> None:
+        """At each turn of the agent's loop: workers waiting for a device or the warm interpreter tried again."""
         pending = self.pending
         if pending is not None:
             if pending.command.kind is CommandKind.START:
                 self.start(pending.command)
             else:
                 self.respawn(pending.command, pending.local_ranks)
-        if self.standbys_due and now >= self.standbys_due:
-            self.standbys_due, self._after_first_steps = 0.0, False
-            self.group.fill_standbys()
+
+    def _wait_for_warm(self, command: Command, local_ranks: tuple[int, ...]) -> bool:
+        """The warm interpreter still imports: the workers wait for it (True); its own deadline bounds the wait."""
+        if not self.group.warming:
+            return False
+        if self.pending is None:
+            log.info("local rank%s %s wait%s for the node's warm interpreter", "s" if len(local_ranks) > 1 else "",
+                     ", ".join(map(str, local_ranks)), "" if len(local_ranks) > 1 else "s")
+        self.pending = PendingSpawn(command, local_ranks)
+        return True
 
     def _wait_for_device(self, command: Command, local_ranks: tuple[int, ...], problem: NoDevice) -> None:
         """No usable device now: wait for a reset under way (the repair deadline bounds it), else the

@@ -16,7 +16,7 @@ import psutil
 
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.node_snapshots import NodeSnapshots
-from ftrun.agent.protocol import NodeProtocol, committed_step
+from ftrun.agent.protocol import NodeProtocol
 from ftrun.agent.relay import FolderRelay
 from ftrun.agent.seat import Seat
 from ftrun.agent.spawner import Spawner
@@ -65,8 +65,6 @@ class Supervision:
         self.spawner: Spawner | None = None
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
-        #: global rank -> its committed step as its process started (a restart's keys hold the step before)
-        self._step_at_start: dict[int, int | None] = {}
         #: --rdzv-backend etcd: the failure reports of this node since its workers last started (generation,
         #: failures), said again to each new controller: the store may have gone before it took one, or its
         #: controller before its journal held the decision (it dies inside an etcd outage), and a repair that
@@ -89,7 +87,7 @@ class Supervision:
 
     def tend(self, now: float) -> None:
         """The node's own upkeep: the keepalive when due, device resets, what the health sources found,
-        workers waiting for a device, warm standbys, and an interrupt (reported once: the controller answers it)."""
+        workers waiting for a device or the warm interpreter, and an interrupt (reported once: the controller answers it)."""
         group = self.group
         if now >= self.next_beat:
             self.keepalive(now, judge_hangs=self.interrupted_at is None)
@@ -97,7 +95,7 @@ class Supervision:
         self.devices.tick(w.placement.local_rank for w in group.running)
         self.take(self.health.poll(now))
         if self.spawner is not None:
-            self.spawner.tick(now)
+            self.spawner.tick()
         if self.relay is not None:
             self.relay.tick()
         if self.interrupts.requested and self.interrupted_at is None:
@@ -175,17 +173,7 @@ class Supervision:
         if judge_hangs:
             signs = [self._signs(w, b) for w, b in zip(workers, beats) if w.returncode is None]
             self.take(self.health.poll(now, signs), signs)
-        stepped = dict(zip((w.placement.rank for w in workers), steps))
-        if self.spawner is not None and self._past_first_steps(stepped):
-            self.spawner.first_steps(now)
-        self.publish_status(stepped, now)
-
-    def _past_first_steps(self, steps: dict[int, int | None]) -> bool:
-        """Every running rank of the node committed a step since its process started: its step is above the
-        one its key held then (a fresh rank says 0 until its first commit; a restarted one's key holds the
-        step of the generation before, until it commits past it)."""
-        running = [w.placement.rank for w in self.group.running]
-        return bool(running) and all((steps.get(rank) or 0) > (self._step_at_start.get(rank) or 0) for rank in running)
+        self.publish_status(dict(zip((w.placement.rank for w in workers), steps)), now)
 
     def publish_status(self, steps: dict[int, int | None] | None = None, now: float | None = None) -> None:
         """This node's ranks (with ``steps``, their committed steps as read at ``now``, and their
@@ -199,8 +187,8 @@ class Supervision:
                       self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
             for w in group.workers
         )
-        standbys = sum(1 for p in group.standbys if p.poll() is None)
-        status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, standbys, self.devices.states())
+        status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, int(group.warm_ready),
+                            self.devices.states())
         self._protocol().keepalive(status, now)
         top_feed = self._top_feed()
         if top_feed is not None:
@@ -210,14 +198,13 @@ class Supervision:
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against
-        their heartbeat counters as they stand; their committed steps as they stand (one round trip)."""
+        their heartbeat counters as they stand (one round trip)."""
         protocol = self._protocol()
         keys = protocol.keys
         ranks = [w.placement.rank for w in workers]
-        beats, steps = protocol.store.readings([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks])
-        for rank, count, step in zip(ranks, beats, steps):
+        beats, _ = protocol.store.readings([keys.rank_heartbeat(r) for r in ranks], [])
+        for rank, count in zip(ranks, beats):
             self._starts[rank] = self._starts.get(rank, 0) + 1
-            self._step_at_start[rank] = committed_step(step)
             self.hangs.restart(rank, count, time.monotonic())
 
     # -- health ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ftrun import mindspore
 from ftrun.agent import standby
-from ftrun.agent.numa import bind_process
+from ftrun.agent.forkserver import ForkedProcess, ForkServer, reap_orphans
 from ftrun.agent.output import RECENT_LINES, STDERR, STDOUT, ConsoleStream, FilteredCopy, StreamPump, line_prefix, rank_log_paths
 from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
@@ -52,7 +52,7 @@ class ProcessOps:
         )
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, stdin=subprocess.DEVNULL,
-              cpus: tuple[int, ...] = ()) -> subprocess.Popen:
+              cpus: tuple[int, ...] = (), pass_fds: tuple[int, ...] = (), output=subprocess.PIPE) -> subprocess.Popen:
         def before_exec() -> None:
             die_with_parent()
             if cpus:
@@ -63,11 +63,17 @@ class ProcessOps:
             env=env,
             cwd=cwd,
             stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=output,
+            stderr=output,
             start_new_session=True,  # own process group: a stop reaches its grandchildren too
             preexec_fn=before_exec,
+            pass_fds=pass_fds,
         )
+        self._tell_guardian(f"+{proc.pid}")
+        return proc
+
+    def adopt(self, proc: ForkedProcess) -> ForkedProcess:
+        """A rank forked from the node's warm interpreter, the agent's child now: the guardian is told of it."""
         self._tell_guardian(f"+{proc.pid}")
         return proc
 
@@ -123,7 +129,7 @@ class WorkerPlacement:
 @dataclass
 class Worker:
     placement: WorkerPlacement
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     out: StreamPump
     err: StreamPump
     error_file: str
@@ -169,7 +175,7 @@ class GenerationEnv:
 
 
 class WorkerGroup:
-    """The node's workers, and its warm standbys."""
+    """The node's workers, and its warm interpreter (``forkserver.py``) they are forked from."""
 
     def __init__(self, ops: ProcessOps, config: LaunchConfig, log_dir: str, warm_standbys: int = 0):
         self.ops = ops
@@ -180,25 +186,37 @@ class WorkerGroup:
         #: --framework mindspore, on the node that hosts the worker store: the generation's scheduler. Not
         #: one of ``workers`` (it holds no rank), but watched, reported and stopped as they are
         self.scheduler: Worker | None = None
-        self.warm_standbys = warm_standbys if standby.can_run(config.entrypoint) else 0
-        self.standbys: list[subprocess.Popen] = []
+        #: --warm-standby: ranks are forked from a warm interpreter (one that can run the entrypoint only)
+        self.warm_wanted = warm_standbys > 0 and standby.can_run(config.entrypoint)
+        self.warm: ForkServer | None = None
+        #: the process groups of reaped ranks that may still hold processes the agent adopted (their orphans)
+        self._orphan_groups: set[int] = set()
         #: what stop() sends first: SIGTERM, or the signal that stopped the agent when the user asked
         #: for it to be forwarded (--signals-to-handle)
         self.stop_signal: int = signal.SIGTERM
         #: (generation, stream name) -> the attempt's filtered copy (--duplicate-*-filters)
         self._filtered: dict[tuple[int, str], FilteredCopy] = {}
 
-    def fill_standbys(self, at_least: int = 0) -> None:
-        """Start standbys up to the wanted number, or ``at_least`` (every rank of the node, before a
-        job-level restart), when standbys are on at all (they import torch in the background)."""
-        self.standbys = [p for p in self.standbys if p.poll() is None]
+    def keep_warm(self) -> None:
+        """Start the node's warm interpreter when it is wanted and there is none (it imports torch in the
+        background, and its ranks wait for it), or a new one in place of one that failed."""
+        if not self.warm_wanted or self.warm is not None and not self.warm.failed:
+            return
+        if self.warm is not None:
+            self.ops.forget_group(self.warm.proc.pid)
         env = base_env(self.config)  # what torch reads when it loads must be what the workers get
-        wanted = max(self.warm_standbys, at_least) if self.warm_standbys else 0
-        while len(self.standbys) < wanted:
-            # the script, whose text says which framework to import ahead (none for a module run with -m)
-            script = self.config.entrypoint[2:3] if self.config.entrypoint[2] != "-m" else []
-            argv = [sys.executable, "-u", "-m", "ftrun.agent.standby", *script]
-            self.standbys.append(self.ops.spawn(argv, env, stdin=subprocess.PIPE))
+        # the script, whose text says which framework to import ahead (none for a module run with -m)
+        script = list(self.config.entrypoint[2:3]) if self.config.entrypoint[2] != "-m" else []
+        self.warm = ForkServer(self.ops, env, script)
+
+    @property
+    def warming(self) -> bool:
+        """The warm interpreter is still importing: the node's ranks wait for it."""
+        return self.warm is not None and self.warm.warming
+
+    @property
+    def warm_ready(self) -> bool:
+        return self.warm is not None and not self.warm.warming and self.warm.ready
 
     def start(self, placements: list[WorkerPlacement], gen: GenerationEnv) -> None:
         self.generation = gen.generation
@@ -225,12 +243,12 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, placement.local_rank if torchrun_layout else placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
-        proc = self._take_standby(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
+        proc = self._forked(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
         prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
                              placement.rank, placement.local_rank).encode()
         return self._watch(placement, proc, paths, gen.generation, prefix)
 
-    def _watch(self, placement: WorkerPlacement, proc: subprocess.Popen, paths: dict[str, str], generation: int,
+    def _watch(self, placement: WorkerPlacement, proc: subprocess.Popen | ForkedProcess, paths: dict[str, str], generation: int,
                prefix: bytes) -> Worker:
         """A started process's output pumped to the console and its log files (as -r, -t and
         --local-ranks-filter say for its local rank; the scheduler's, -1, follows the defaults)."""
@@ -270,20 +288,15 @@ class WorkerGroup:
             self._filtered[key] = FilteredCopy(os.path.join(folder, f"filtered_{name}.log"), words)
         return self._filtered[key]
 
-    def _take_standby(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] = ()) -> subprocess.Popen | None:
-        while self.standbys:
-            proc = self.standbys.pop(0)
-            if cpus:
-                bind_process(proc.pid, cpus)
-            try:
-                proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n")
-                proc.stdin.close()
-                log.info("rank %s runs in a warm standby (pid %d)", env["RANK"], proc.pid)
-                return proc
-            except OSError:  # it died while waiting: reap it and try the next
-                proc.wait()
-                self.ops.forget_group(proc.pid)
-        return None
+    def _forked(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...]) -> ForkedProcess | None:
+        """The rank forked from the warm interpreter, when it is ready (else the caller starts a fresh one)."""
+        if self.warm is None:
+            return None
+        proc = self.warm.fork(argv, env, cpus)
+        if proc is None:
+            return None
+        log.info("rank %s forked from the node's warm interpreter (pid %d)", env["RANK"], proc.pid)
+        return self.ops.adopt(proc)
 
     def clear(self, local_rank: int, timeout: float) -> None:
         """Kill one worker if it is still alive and reap it (process-level env clear)."""
@@ -320,6 +333,7 @@ class WorkerGroup:
                 worker.returncode = worker.proc.returncode
                 self._clear_group(worker)
                 ended.append(worker)
+        self._orphan_groups = {pgid for pgid in self._orphan_groups if reap_orphans(pgid)}
         return ended
 
     def wait(self, timeout: float, wakeup: Wakeup | None = None) -> None:
@@ -360,13 +374,13 @@ class WorkerGroup:
         """Every worker exited 0 (and the scheduler, which msrun waits for too)."""
         return bool(self.workers) and all(w.returncode == 0 for w in self._processes)
 
-    def stop(self, timeout: float, keep_standbys: bool = False) -> list[Worker]:
+    def stop(self, timeout: float, keep_warm: bool = False) -> list[Worker]:
         """SIGTERM (or ``stop_signal``) every running worker's group, SIGKILL what is left after
-        ``timeout``, reap all; the standbys too, unless ``keep_standbys`` (a generation's stop before
-        a job-level restart, which takes them). Returns the workers that a SIGKILL not of this stop
+        ``timeout``, reap all; the warm interpreter too, unless ``keep_warm`` (a generation's stop before
+        a job-level restart, whose ranks are forked from it). Returns the workers that a SIGKILL not of this stop
         ended meanwhile (one that died as the stop came: killed, or taken by the OOM killer)."""
-        if not keep_standbys:
-            self._stop_standbys()
+        if not keep_warm:
+            self._stop_warm()
         alive = stopping = [w for w in self._processes if w.returncode is None]
         for worker in alive:
             self.ops.signal_group(worker.pid, self.stop_signal)
@@ -387,17 +401,18 @@ class WorkerGroup:
         self.scheduler = None  # the next generation's, if any, starts afresh (here, or where the controller is)
         return [w for w in stopping if w.returncode == -signal.SIGKILL and w not in alive]
 
-    def _stop_standbys(self) -> None:
-        for proc in self.standbys:
-            self.ops.signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-            self.ops.forget_group(proc.pid)
-        self.standbys = []
+    def _stop_warm(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.ops.forget_group(self.warm.proc.pid)
+            self.warm = None
 
     def _clear_group(self, worker: Worker) -> None:
-        # whatever the worker left behind in its group dies with it
+        # whatever the worker left behind in its group dies with it (and is reaped, when the agent adopted it)
         self.ops.signal_group(worker.pid, signal.SIGKILL)
         self.ops.forget_group(worker.pid)
+        if self.warm_wanted:  # the agent is a subreaper
+            self._orphan_groups.add(worker.pid)
 
     def failure(self, worker: Worker, table: FaultTable, oom: OomWatch | None = None) -> WorkerFailure:
         worker.err.drain(DRAIN_TIMEOUT)

@@ -176,10 +176,11 @@ def launch_options(fn):
         option("repair-timeout", group=RECOVERY, type=float, default=DEFAULTS.repair_timeout, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
-               help="Warm standby workers per node (torch already imported, about 300 MB of host memory each), "
-                    "started once the node's ranks committed their first step, taken by replacement ranks and "
-                    "by a job-level restart's.  "
-                    "[default: --nproc-per-node with --recovery process, else 0]"),
+               help="1: each node keeps a warm interpreter (torch and the script's framework imported once, "
+                    "about 300 MB of host memory) from which its ranks, their replacements and a job-level "
+                    "restart's ranks are forked; 0: each rank starts in a fresh interpreter, as under torchrun. "
+                    "(A larger number means 1: one warm interpreter serves every rank.)  "
+                    "[default: 1 with --recovery process, else 0]"),
         option("snapshot-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.every, show_default=True,
                help="Snapshot each rank's registered state into its node's shared memory after every K-th step "
                     "(ftrun.elastic); a job-level restart resumes from it. 0: no snapshots."),
@@ -263,7 +264,7 @@ def launch_options(fn):
         option("sim-rank-id", group=MSRUN, default=None, help="msrun's dry run's rank: refused, as --sim-level."),
         option("role", group=WORKER, default=DEFAULTS.role, show_default=True, help="Role name given to the workers."),
         option("start-method", group=WORKER, type=click.Choice(("spawn", "fork", "forkserver")), default=None,
-               help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or a warm standby)."),
+               help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or forks from the warm interpreter)."),
         option("log-dir", group=LOGS, default="", help="Folder for per-rank logs and error files."),
         option("redirects", group=LOGS, short="-r", default=DEFAULT_STREAMS, show_default=True,
                help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),
@@ -307,7 +308,7 @@ ALIASES = {"rdzv_id": "run_id", "fault_retry_times": "max_restarts", "shutdown_t
 #: torchrun's flags that mean nothing to ftrun: accepted, with one line saying what ftrun does instead
 ACCEPTED_ONLY = {
     "start_method": "--start-method has no effect: ftrun starts each worker as a fresh interpreter "
-                    "(or hands it to a warm standby)",
+                    "(or forks it from the node's warm interpreter: --warm-standby)",
     "logs_specs": "--logs-specs has no effect: ftrun has no LogsSpecs plugins; its logs follow --log-dir, "
                   "--tee and --redirects",
     "event_log_handler": "--event-log-handler has no effect: ftrun writes its events to events.jsonl in "

@@ -12,8 +12,10 @@ the process as torchrun expects.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable, NoReturn
@@ -378,8 +380,9 @@ class ControlLink:
                 interrupted = True
                 self._groups.interrupt()
             if waited > self.fault_wait:
-                log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced",
-                          self.rank, self.fault_wait)
+                log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced "
+                          "(where each thread was, below)", self.rank, self.fault_wait)
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
                 os._exit(EXIT_STUCK)
             time.sleep(0.01)
         while not self._closed.is_set() and self.generation <= generation:

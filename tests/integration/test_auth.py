@@ -40,9 +40,7 @@ def test_forged_messages_are_ignored_and_logged_and_the_job_is_unaffected(launch
     port = free_port()
     env = launcher.env(STEPS=str(STEPS), STEP_SLEEP="0.1")
     for node in (0, 1):
-        # no rank is replaced (asserted below): no warm standby to start
-        start(launcher, port, token, node, "--recovery", "process", "--max-restarts", "1", "--warm-standby", "0",
-              env=env)
+        start(launcher, port, token, node, "--recovery", "process", "--max-restarts", "1", env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 3) >= 3, 120, "training to begin")
 
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))

@@ -60,7 +60,7 @@ def wait_for_step(launcher: Launcher, rank: int, step: int) -> None:
 
 def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str, ...] = ()) -> list:
     # each repair here replaces one rank of the node: one warm standby serves it
-    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", "--warm-standby", "1", *flags]
+    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", *flags]
     return launcher.start_job(nnodes, 2, [ELASTIC], flags=common, env=env)
 
 
@@ -68,8 +68,7 @@ def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str
 def fault_free(tmp_path_factory):
     """One node, 2 ranks, STEPS steps, no fault: the parameters every repaired run must end with."""
     runner = Launcher(tmp_path_factory.mktemp("detection-fault-free"), unique_mark("detection-fault-free"))
-    # no warm standby: the reference checksum does not depend on it, and the run starts faster
-    runner.start_job(1, 2, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
+    runner.start_job(1, 2, [ELASTIC], flags=["--recovery", "process"],
                      env=runner.env(STEPS=str(STEPS), STEP_SLEEP="0"))
     assert runner.wait() == [0], runner.output()
     return runner.results()[0]["checksum"]
@@ -187,7 +186,7 @@ def test_explicit_device_kind_with_too_few_devices_stops_the_job_with_exit_4(lau
 
 def test_sigstopped_rank_is_detected_dumped_killed_and_recovered(launcher):
     env = launcher.env(STEPS="12", STEP_SLEEP="0.05")
-    flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3", "--warm-standby", "1"]
+    flags = ["--recovery", "process", "--max-restarts", "3", "--heartbeat-timeout", "3"]
     launcher.start_job(2, 2, [ELASTIC], flags=flags, env=dict(env, FAULT="3:4:sigstop"))
     assert launcher.wait() == [0, 0], launcher.output()
     results = launcher.results()

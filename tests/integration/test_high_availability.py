@@ -29,12 +29,10 @@ NODES, NPROC = ELASTIC_NODES, ELASTIC_NPROC
 
 
 def start(launcher, etcd, spares: int = 1, flags=(), **env) -> list:
-    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads. One warm standby per
-    agent (not the default one per rank): the faults here replace one rank of a node at a time, or move a
-    node to the spare; each standby more only imported torch beside the ranks (2 cores)."""
+    """The job's agents; agent i says it is on host 127.0.0.<i+2>. The first one leads."""
     common = ["--nnodes", str(NODES), "--spares", str(spares), "--nproc-per-node", str(NPROC), "--rdzv-backend", "etcd",
               "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark, "--monitor-interval", "0.05",
-              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--warm-standby", "1", *flags]
+              "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", *flags]
     environment = launcher.env(**{"STEPS": str(STEPS), "STEP_SLEEP": "0.1", **env})
     agents = [launcher.start([*common, "--local-addr", "127.0.0.2", ELASTIC], env=environment)]
     wait_for(lambda: "hosting the control store" in agents[0].output, timeout=120, what="the first agent to lead")
@@ -235,9 +233,8 @@ def test_the_controller_lost_in_the_middle_of_a_repair_the_successor_finishes_it
 
 def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the_job(launcher, etcd):
     checkpoints = launcher.tmp / "checkpoints"
-    # no rank is restarted here: no warm standbys to start beside the ranks
     flags = ["--store-timeout", "12", "--snapshot-every", "2", "--snapshot-memory", "64M",
-             "--checkpoint-dir", str(checkpoints), "--save-on-failure", "--warm-standby", "0"]
+             "--checkpoint-dir", str(checkpoints), "--save-on-failure"]
     leader, *others = start(launcher, etcd, spares=0, flags=flags, STEPS="1000", STEP_SLEEP="0.15")
     wait_for_progress(launcher, 1, 3)
     # ftrun status and ftrun top find the job through etcd

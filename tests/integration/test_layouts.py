@@ -39,7 +39,7 @@ RANKS = {"3d": 8}
 def run(launcher: Launcher, layout: str, flags: tuple[str, ...] | None = None, script: str = SCRIPT,
         nodes: int = 2, **env) -> list[int]:
     """``flags``: in place of the layout's own (FLAGS). ``nodes``: the ranks (4, RANKS) on 2 nodes, or on 1."""
-    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60", "--warm-standby", "0",
+    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "60",
              *(FLAGS.get(layout, ()) if flags is None else flags)]
     launcher.start_job(nodes, RANKS.get(layout, 4) // nodes, [script], flags=flags,
                        env=launcher.env(LAYOUT=layout, STEPS=str(STEPS), **env))

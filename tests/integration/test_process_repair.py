@@ -20,12 +20,6 @@ from tests.parts import unavailable
 pytestmark = pytest.mark.integration
 ELASTIC = str(WORKERS / "elastic_train.py")
 STEPS = 10
-#: a test that replaces one rank per node, once, needs one warm standby per node, not the default one per
-#: rank (each standby imports torch beside the ranks' first steps); the others keep the default
-ONE_STANDBY = ("--warm-standby", "1")
-#: the standbys are made once every rank of the node committed its first step (a keepalive, every 0.5 s,
-#: sees it: agent/spawner.py); slow steps 1-3 leave them 1.5 s to be there for a fault at step 4
-STANDBYS_UP = {"SLOW_STEPS": "1,2,3", "STEP_SLEEP": "0.5"}
 
 
 def run(launcher, max_restarts: int = 3, script: str = ELASTIC, repair_timeout: int = 60, flags=(), nodes: int = 2,
@@ -66,8 +60,8 @@ def start_pids(launcher) -> dict[int, list[int]]:
     return pids
 
 
-def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max_restarts: int = 3, warm: bool = True):
-    """``warm``: the replacements ran in warm standbys (else each in a fresh interpreter)."""
+def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max_restarts: int = 3):
+    """Every rank and each replacement forked from its node's warm interpreter."""
     results = launcher.results()
     assert sorted(results) == [0, 1, 2, 3], launcher.output()
     assert {r["step"] for r in results.values()} == {STEPS}
@@ -83,19 +77,20 @@ def assert_repaired(launcher, fault_free, replaced: set[int], restarts: int, max
     assert "process-level repair into generation 1" in output
     # the phase breakdown (a fault during the rollback carries the repair on into generation 2)
     assert re.search(r"generation [12] resumed training [0-9.]+s after the fault \(detect .* rollback [0-9]+ ms\)", output)
-    assert ("runs in a warm standby" in output) == warm
+    forked = re.findall(r"rank (\d) forked from the node's warm interpreter", output)
+    assert all(forked.count(str(rank)) == 1 + (rank in replaced) for rank in range(4)), forked
 
 
 @pytest.mark.parametrize("kind", ["sigkill", "exit1"])
 def test_one_failed_rank_is_replaced_while_the_others_live_on(launcher, fault_free, kind):
-    assert run(launcher, flags=ONE_STANDBY, FAULT=f"1:4:{kind}", **STANDBYS_UP) == [0, 0], launcher.output()
+    assert run(launcher, FAULT=f"1:4:{kind}") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={1}, restarts=1)
 
 
 def test_two_ranks_failing_at_once_cost_one_repair(launcher, fault_free):
     # the long step 3 leaves time for both ranks to finish its all-reduce before either fails
     # (ranks 1 and 2 are on different nodes: one standby each)
-    codes = run(launcher, flags=ONE_STANDBY, FAULT="1:4:sigkill,2:4:exit1", **STANDBYS_UP)
+    codes = run(launcher, FAULT="1:4:sigkill,2:4:exit1")
     assert codes == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={1, 2}, restarts=1)
 
@@ -104,24 +99,23 @@ def test_rank_zero_on_the_controller_node_is_replaced_too_and_every_ranks_buffer
         launcher, fault_free_batchnorm):
     # rank 0 dies as step 4 begins, after the buffers of step 3 were broadcast from it; rank 1 (the
     # lowest healthy rank) sends the replacement its state
-    assert run(launcher, flags=ONE_STANDBY, BATCHNORM="1", FAULT="0:4:sigkill", **STANDBYS_UP) == [0, 0], launcher.output()
+    assert run(launcher, BATCHNORM="1", FAULT="0:4:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free_batchnorm[0]["checksum"], replaced={0}, restarts=1)
     for rank, result in sorted(launcher.results().items()):
         assert result["digest"] == fault_free_batchnorm[rank]["digest"], (
             f"rank {rank}: parameters, buffers or optimizer state differ from the fault-free run's")
 
 
-def test_a_rank_lost_at_step_0_before_the_standbys_are_up_is_replaced_in_a_fresh_interpreter(launcher, fault_free):
-    # the standbys come once every rank committed its first step (their torch import would delay it): rank 1
-    # dies as step 0 begins, before any rank committed one, so none is there; its replacement imports torch
-    # itself and receives step 0's state from a healthy rank
+def test_a_rank_lost_at_step_0_is_replaced_from_the_warm_interpreter_too(launcher, fault_free):
+    # rank 1 dies as step 0 begins, before any rank committed one: the warm interpreter its node's ranks were
+    # forked from forks its replacement, which receives step 0's state from a healthy rank
     assert run(launcher, FAULT="1:0:sigkill") == [0, 0], launcher.output()
-    assert_repaired(launcher, fault_free, replaced={1}, restarts=1, warm=False)
+    assert_repaired(launcher, fault_free, replaced={1}, restarts=1)
 
 
 def test_fault_during_the_repair_is_absorbed(launcher, fault_free):
     # the replacement for rank 3 dies right after joining the repair; a second replacement finishes it
-    assert run(launcher, FAULT="3:4:sigkill", FAULT_REPLACEMENT="3", **STANDBYS_UP) == [0, 0], launcher.output()
+    assert run(launcher, FAULT="3:4:sigkill", FAULT_REPLACEMENT="3") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free, replaced={3}, restarts=1)
     assert "injecting sigkill into a replacement" in launcher.output()
 

@@ -173,7 +173,7 @@ def test_process_level_repair_of_sharded_state_and_save_on_failure(launcher):
     checkpoints = launcher.tmp / "ckpt"
     env = launcher.env(STEPS=str(STEPS), SHARDED="1", FAULT="3:9:sigkill")
     flags = ["--recovery", "process", "--max-restarts", "2", "--snapshot-every", "1", "--snapshot-memory", "256M",
-             "--checkpoint-dir", str(checkpoints), "--save-on-failure", "--warm-standby", "1"]  # one rank replaced
+             "--checkpoint-dir", str(checkpoints), "--save-on-failure"]
     launcher.start_job(2, 2, [SCRIPT], flags=flags, env=env)
     assert launcher.wait() == [0, 0], launcher.output()
     assert_fault_free_result(launcher, sharded=True)
@@ -213,13 +213,14 @@ def test_every_rank_lost_under_process_recovery_restarts_at_job_level_from_the_s
     output = launcher.output()
     assert "falling back to job level" not in output and "1 of 2 restarts used" in output
     if "every rank failed, no healthy replica holds the training state" in output:
-        # every rank of the restart runs in a warm interpreter that imported torch while the job stopped
+        # every rank of the restart is forked from the warm interpreter its node's first ranks came from
         restarted = "".join(node.output.split("restarting workers as generation")[-1] for node in launcher.nodes)
-        assert sorted(re.findall(r"rank (\d) runs in a warm standby", restarted)) == ["0", "1", "2", "3"], output
+        assert sorted(re.findall(r"rank (\d) forked from the node.s warm interpreter", restarted)) == ["0", "1", "2", "3"], output
         (event,) = restore_events(launcher)
         assert event["step"] == 10 and {s["where"] for s in event["sources"].values()} == {"memory"}, event
-    else:  # the repair went on: each rank replaced once, in a warm standby, back to its own snapshot
-        assert sorted(re.findall(r"rank (\d) runs in a warm standby", output)) == ["0", "1", "2", "3"], output
+    else:  # the repair went on: each rank replaced once (forked, as at the start), back to its own snapshot
+        forked = sorted(re.findall(r"rank (\d) forked from the node.s warm interpreter", output))
+        assert forked == ["0", "0", "1", "1", "2", "2", "3", "3"], output
         assert re.search(r"generation \d resumed training", output), output
     for rank, history in runs(launcher).items():
         assert [s for g, s in history if g > 0][0] == 10, (rank, history)

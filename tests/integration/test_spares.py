@@ -151,9 +151,9 @@ def test_losing_the_node_that_hosts_the_store_ends_the_job_everywhere(launcher):
 @pytest.fixture(scope="module")
 def elastic_fault_free(tmp_path_factory):
     runner = Launcher(tmp_path_factory.mktemp("spares-elastic-fault-free"), unique_mark("spares-elastic-fault-free"))
-    # the 3 ranks on one agent, no warm standby, no step sleep: the reference checksum depends on none of them,
-    # and the run starts faster
-    runner.start_job(1, NODES, [ELASTIC], flags=["--recovery", "process", "--warm-standby", "0"],
+    # the 3 ranks on one agent, forked from its warm interpreter, no step sleep: the reference checksum depends
+    # on neither, and the run starts faster
+    runner.start_job(1, NODES, [ELASTIC], flags=["--recovery", "process"],
                      env=runner.env(STEPS=str(STEPS), STEP_SLEEP="0"))
     assert runner.wait() == [0], runner.output()
     return {r["checksum"] for r in runner.results().values()}

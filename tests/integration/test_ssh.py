@@ -84,7 +84,7 @@ def test_two_hosts_by_two_ranks_run_to_completion_with_a_log_file_per_host(launc
 def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
     env = launcher.env(STEPS="40", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [ELASTIC],
-                      flags=["--recovery", "process", "--max-restarts", "2", "--warm-standby", "1"], env=env)
+                      flags=["--recovery", "process", "--max-restarts", "2"], env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 2) >= 3,
              timeout=120, what="rank 2 to make progress")
     victim = worker_of_rank(launcher.mark, 2)
@@ -145,8 +145,7 @@ def test_under_etcd_the_job_outlives_its_head_and_its_controllers_node_and_a_new
     logs = launcher.tmp / "logs"
     hosts = [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2", f"{HOSTS[2]} slots=2 spare"]
     flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--run-id", launcher.mark,
-             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs),
-             "--warm-standby", "0"]  # the lost node's ranks go to the spare: no standby takes part
+             "--node-timeout", "3", "--recovery", "process", "--max-restarts", "2", "--log-dir", str(logs)]
     env = launcher.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0.4")
     head = start_head(launcher, sshd, hosts, [ELASTIC], flags=flags, env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 1) >= 2, timeout=120, what="training to start")

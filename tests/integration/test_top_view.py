@@ -36,7 +36,7 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
     env = launcher.env(STEPS="2000", STEP_SLEEP="0.1", PRINT_STEPS="1")
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--run-id", "top",
               "--recovery", "process", "--max-restarts", "2", "--monitor-interval", "0.05", "--token-file", str(token),
-              "--status", "off", "--warm-standby", "1"]  # one rank is restarted: one standby per node serves it
+              "--status", "off"]
     script = str(WORKERS / "elastic_train.py")
     nodes = [launcher.start([*common, "--node-rank", str(n), script], env=env) for n in (0, 1)]
     view_env = dict(os.environ)

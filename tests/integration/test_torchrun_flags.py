@@ -50,7 +50,7 @@ def test_numa_binding_virtual_local_rank_filters_and_a_forwarded_signal(launcher
     env["PATH"] = os.pathsep.join([str(FAKES), os.path.dirname(sys.executable), env["PATH"]])
     logs = tmp_path / "logs"
     node = launcher.start(["--standalone", "--nproc-per-node", "2", "--run-id", "flags", "--device", "npu",
-                           "--numa-binding", "node", "--virtual-local-rank", "--warm-standby", "0",
+                           "--numa-binding", "node", "--virtual-local-rank", "--warm-standby", "1",
                            "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "--log-dir", str(logs),
                            "--duplicate-stdout-filters", "KEEP", "--monitor-interval", "0.05", str(script)], env=env)
     filtered = logs / "flags" / "node0" / "attempt_0" / "filtered_stdout.log"

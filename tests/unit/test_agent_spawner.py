@@ -9,7 +9,7 @@ import pytest
 
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.generations import GenerationEnvs
-from ftrun.agent.spawner import REFILL_AFTER, STANDBYS_AT_THE_LATEST, Spawner
+from ftrun.agent.spawner import Spawner
 from ftrun.detection.table import FaultLevel, load_fault_table
 from ftrun.messages import CommandKind, ReportKind
 from tests.unit.node_parts import make_node
@@ -51,7 +51,7 @@ def test_a_replacement_waits_for_its_device_reset_then_starts_on_it(node):
     deadline = time.monotonic() + 20
     while spawner.pending is not None and time.monotonic() < deadline:
         devices.tick(running=[1])  # the reset starts once no running rank is on the device, and ends
-        spawner.tick(time.monotonic())
+        spawner.tick()
         time.sleep(0.05)
     assert spawner.pending is None
     env = node.env_of(0, 1)
@@ -81,47 +81,6 @@ def test_a_cancelled_wait_starts_nothing(node):
     lose_rank_zero(node, FaultLevel.RESTART_NPU, "HBM MULTI BIT ECC ERROR")
     node.spawner.cancel()
     assert node.spawner.waiting_replacements() == () and node.group.workers[0].returncode is not None
-
-
-@pytest.fixture
-def warm(tmp_path):
-    """A node with one warm standby wanted (as --warm-standby 1), its generation started."""
-    n = make_node(tmp_path, "sleep,sleep")
-    n.group.warm_standbys = 1
-    n.spawner.start(n.command(CommandKind.START))
-    yield n
-    n.close()
-
-
-def test_a_generations_standbys_are_made_once_its_ranks_committed_their_first_step(warm):
-    spawner = warm.spawner
-    assert warm.group.standbys == []  # not beside the ranks' own start
-    spawner.tick(time.monotonic())
-    assert warm.group.standbys == []
-    spawner.first_steps(now=time.monotonic())
-    spawner.tick(time.monotonic())
-    assert len(warm.group.standbys) == 1 and spawner.standbys_due == 0.0
-
-
-def test_a_generations_standbys_are_made_at_the_latest_a_while_after_its_start(warm):
-    due = warm.spawner.standbys_due
-    assert due >= time.monotonic() + STANDBYS_AT_THE_LATEST - 5
-    warm.spawner.tick(due - 1.0)
-    assert warm.group.standbys == []
-    warm.spawner.tick(due)
-    assert len(warm.group.standbys) == 1
-
-
-def test_standbys_taken_by_a_repair_are_made_again_once_it_is_over(warm):
-    warm.group.clear(1, 2.0)
-    warm.spawner.respawn(warm.command(CommandKind.REPLACE, 1, ranks=(1,)), (1,))
-    due = warm.spawner.standbys_due
-    assert due > 0
-    warm.spawner.first_steps(now=due - REFILL_AFTER / 2)  # the repair's rule holds now, not the start's
-    warm.spawner.tick(due - REFILL_AFTER / 2)
-    assert warm.group.standbys == []
-    warm.spawner.tick(due)
-    assert len(warm.group.standbys) == 1 and warm.spawner.standbys_due == 0.0
 
 
 def test_the_environment_names_the_control_store_as_it_is_now(tmp_path):
