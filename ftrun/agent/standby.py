@@ -1,19 +1,14 @@
-"""A warm standby worker: a Python process that has already imported torch and waits for a rank.
+"""What the node's warm interpreter (``forkserver.py``) imports ahead, and how a rank forked from it runs its script.
 
-Importing torch costs seconds; a replacement rank handed to a standby skips that.
-The agent starts it like any worker (own process group, parent-death signal, the
-guardian told), then writes one JSON line on its stdin: the worker's argv, its
-environment and its working directory. The standby takes them on and runs the
-script as ``python -u SCRIPT`` or ``python -u -m MODULE`` would.
-
-Runs as ``python -u -m ftrun.agent.standby [SCRIPT]``: a script that names ftrun's integration of a framework
-(``ftrun.elastic.hf``, ``ftrun.elastic.lightning``) has that framework imported ahead too.
+Importing torch costs seconds; a rank forked from an interpreter that did it skips that. The rank takes on its
+argv, environment and working directory, and runs the script as ``python -u SCRIPT`` or ``python -u -m MODULE``
+would. A script that names ftrun's integration of a framework (``ftrun.elastic.hf``, ``ftrun.elastic.lightning``)
+has that framework imported ahead too.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import runpy
 import sys
@@ -68,23 +63,12 @@ def run(assignment: dict) -> None:
         runpy.run_module(argv[3], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv[2:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[2])))
+        # python SCRIPT puts the script's folder first where python -m put the working directory
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[2]))
         runpy.run_path(argv[2], run_name="__main__")
 
 
-def main() -> None:
-    warm_up(sys.argv[1] if len(sys.argv) > 1 else None)
-    line = sys.stdin.readline()
-    if not line:
-        return  # the agent let this standby go unused
-    sys.stdin.close()
-    run(json.loads(line))
-
-
 def can_run(argv: list[str] | tuple[str, ...]) -> bool:
-    """Whether a worker command is one a standby can take over (python -u SCRIPT / -m MODULE)."""
+    """Whether a worker command is one a warm interpreter can fork (python -u SCRIPT / -m MODULE)."""
     return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-u" and argv[2] != "-c"
 
-
-if __name__ == "__main__":
-    main()

@@ -264,7 +264,7 @@ def launch_options(fn):
         option("sim-rank-id", group=MSRUN, default=None, help="msrun's dry run's rank: refused, as --sim-level."),
         option("role", group=WORKER, default=DEFAULTS.role, show_default=True, help="Role name given to the workers."),
         option("start-method", group=WORKER, type=click.Choice(("spawn", "fork", "forkserver")), default=None,
-               help="Accepted for torchrun's scripts: ftrun always starts a fresh interpreter (or forks from the warm interpreter)."),
+               help="Accepted for torchrun's scripts: ftrun starts a fresh interpreter (or forks the warm one: --warm-standby)."),
         option("log-dir", group=LOGS, default="", help="Folder for per-rank logs and error files."),
         option("redirects", group=LOGS, short="-r", default=DEFAULT_STREAMS, show_default=True,
                help="Send streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2 per local rank."),

@@ -301,7 +301,10 @@ class Controller:
     def tick(self, now: float) -> None:
         """One turn: each observer's events are decided before the next one looks, so that it sees where
         they moved the job; then what the hosting process sent."""
-        self.take(self.reports.observe(self.view))
+        reports = self.reports.observe(self.view)
+        if reports:  # a rank that failed within a keepalive of joining: its level is chosen on what joined by now
+            self.take(self.library.observe(self.view))
+        self.take(reports)
         self.take(self.collectives.observe(self.view, now))
         self.take(self.executor.release_held())
         self.take(self.repair.observe(self.view))

@@ -5,6 +5,7 @@ test's process plays the agent (a subreaper for the test's length)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -112,20 +113,35 @@ from ftrun.agent.workers import ProcessOps
 warm = ForkServer(ProcessOps(), dict(os.environ), [])
 while warm.warming:
     time.sleep(0.05)
-rank = warm.fork([sys.executable, "-u", sys.argv[1]], dict(os.environ), ())
+rank = warm.fork([sys.executable, "-u", *sys.argv[1:]], dict(os.environ), ())
 print(warm.proc.pid, rank.pid, flush=True)
 time.sleep(120)
 """
 
 
+RANK_SCRIPT = """
+import json, sys, time
+with open(sys.argv[1] + ".part", "w") as f:
+    json.dump({"path": sys.path, "argv": sys.argv, "main": __name__}, f)
+os.replace(sys.argv[1] + ".part", sys.argv[1])
+time.sleep(120)
+"""
+
+
 def test_ranks_and_the_warm_interpreter_end_with_a_killed_agent(tmp_path):
-    rank_script = tmp_path / "rank.py"
-    rank_script.write_text("import time\ntime.sleep(120)\n")
-    agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(AGENT_SCRIPT), str(rank_script)],
-                             stdout=subprocess.PIPE, text=True)
+    (tmp_path / "scripts").mkdir()
+    rank_script, seen = tmp_path / "scripts" / "rank.py", tmp_path / "seen.json"
+    rank_script.write_text("import os\n" + RANK_SCRIPT)
+    agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(AGENT_SCRIPT), str(rank_script), str(seen)],
+                             stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         warm, rank = map(int, agent.stdout.readline().split())
         assert psutil.Process(rank).ppid() == agent.pid
+        wait_for(seen.exists, 30, "the rank's script to run")
+        # as `python -u rank.py SEEN` would: its folder first on the path (not the working directory), its argv
+        ran = json.loads(seen.read_text())
+        assert ran["path"][0] == str(rank_script.parent) and str(tmp_path) not in ran["path"]
+        assert (ran["argv"], ran["main"]) == ([str(rank_script), str(seen)], "__main__")
     finally:
         agent.kill()
         agent.wait()
