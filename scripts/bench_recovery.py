@@ -56,7 +56,7 @@ torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --
 shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
 --kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
 (goal 0; <= K from snapshots), and the median step of each before the fault, leaving out the first --warmup
-seconds (5: ftrun's warm standbys import torch beside the workers then), and ftrun's over torchrun's (goal
+seconds (5: the ranks' own first steps), and ftrun's over torchrun's (goal
 <= 1.03x); the fault comes after step 135 here, for a window of steady steps; for pure DP also job.ddp()
 under ftrun over torch DDP (train_ddp.py) under torchrun. The
 all-lost row has every rank SIGKILL itself at once (goal: regain <= 0.7x torchrun's, steps redone <= K);
@@ -86,7 +86,7 @@ needs root and ss (iproute2); without them the row says so and is skipped.
 
 The start row measures what a job pays before it trains: train_ddp_elastic.py (job.ddp()) at 1 node x 4
 ranks, no fault, a short run, under torchrun-noshare and under ftrun --recovery process with its defaults
-(a warm standby per rank), alternating; per launcher the seconds from starting it to the first finished
+(its ranks forked from each node's warm interpreter), alternating; per launcher the seconds from starting it to the first finished
 step, and ftrun's over torchrun's in each repeat (the two runs side by side) and of the medians. Goal:
 ftrun's at most 1.1x torchrun's (a standby's torch import beside the ranks' own start once made it 1.9x).
 
@@ -241,8 +241,8 @@ SCALING_DEFAULTS = ModeDefaults(
     launchers=(BASELINE, "ftrun", "ftrun-process"), steps=40, step_sleep=0.05, deadline=180.0,
 )
 NODE_LOSS_DEFAULTS = SCALING_DEFAULTS
-# The step-time goal is a few percent: the median step leaves out the first seconds, in which ftrun's warm
-# standbys import torch beside the workers (once their first step is done), and the fault comes late
+# The step-time goal is a few percent: the median step leaves out the first seconds (the ranks' own first
+# steps; ftrun's warm standbys used to import torch beside the workers then), and the fault comes late
 # enough for a window of 60-110 steps after them (about 25 when it came after step 55: one slow spell of
 # the machine then moved a run's median); 5 steps after a checkpoint, as in the single run.
 LAYOUTS_DEFAULTS = ModeDefaults(launchers=(BASELINE, "ftrun-process"), steps=160, step_sleep=0.0, deadline=240.0,
@@ -1065,8 +1065,8 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
         LayoutCase("hf", "Hugging Face Trainer, DDP, ftrun.elastic.hf.enable(trainer)", EXAMPLES / "train_hf_trainer.py",
                    needs="transformers"),
-        # an MLP's steps take milliseconds: without a sleep the fault came before the warm standbys had
-        # imported torch and Lightning, and the replacement waited for one (0.30x, against 0.021x once warm)
+        # an MLP's steps take milliseconds: without a sleep the fault came before the warm standbys (before the
+        # warm interpreter) had imported torch and Lightning (0.30x, against 0.021x once warm); kept as measured
         LayoutCase("lightning", "PyTorch Lightning, DDP, ftrun.elastic.lightning.Recovery(), step sleep 0.1 s",
                    EXAMPLES / "train_lightning.py", needs="lightning", step_sleep=0.1),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,

@@ -88,7 +88,7 @@ class Executor:
         self.office.record(self.view, self.rendezvous, self.roster, self.started_world, self.started_at)
 
     def release_held(self) -> list[Event]:
-        """The held REPLACE commands go out once their moment has passed: warm standbys are taken from now."""
+        """The held REPLACE commands go out once their moment has passed: the replacements start from now."""
         return [ReplacementsStarted()] if self.publisher.release_held() else []
 
     def tell(self, event: Event) -> None:
@@ -135,8 +135,7 @@ class Executor:
             return command
         # The replacements start a moment later (the healthy ranks take longer to stop). If the reports
         # that come meanwhile name every rank (a whole job's crash, whose deaths come a few milliseconds
-        # apart), the policy gives the repair up for a job-level restart, and no replacement has taken a
-        # warm standby that the restart's ranks need.
+        # apart), the policy gives the repair up for a job-level restart before any replacement started.
         self.publisher.hold(command, self.gather_timeout)
         return None
 

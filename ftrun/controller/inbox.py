@@ -131,7 +131,7 @@ class SpareIdle:
 
 @dataclass(frozen=True)
 class ReplacementsStarted:
-    """The repair's REPLACE commands went out: its replacements take warm standbys from now."""
+    """The repair's REPLACE commands went out: its replacements start from now."""
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,13 @@ to job level at once (restoring the snapshots, with --snapshot-every). The failu
 arrive as separate reports, so the first starts a process-level repair: the report that completes the
 set of failed ranks turns that repair into the job-level restart (:func:`_no_replica_left`), with no
 second unit of budget. (The controller holds a repair's REPLACE commands back for a moment, so that a
-repair given up this way has not taken the warm standbys the restart needs.)
+repair given up this way has started no replacement that the restart would kill at once.)
 
 With snapshots (--snapshot-every), once a repair's replacements have started (the agents were told),
 the repair is not given up when its healthy ranks die too (staggered deaths: the last one may come a
-second later): the replacements already run in warm standbys, which a job-level restart would kill and
-then want again from nodes that have too few left (new ones are made only after a repair, and a fresh
-one imports torch for seconds). The same repair replaces the later ranks as well, and every rank's
-rollback goes back to the newest snapshot all of them hold.
+second later): the replacements already run, and a job-level restart would kill them and start every
+rank again. The same repair replaces the later ranks as well, and every rank's rollback goes back to the
+newest snapshot all of them hold.
 """
 
 from __future__ import annotations
@@ -452,7 +451,7 @@ def _heard_from_every_node_since(then: tuple[Heard, ...], now: tuple[Heard, ...]
 
 
 def on_replacements_started(view: JobView) -> Decision:
-    """The repair's REPLACE commands went out: its replacements take the nodes' warm standbys now."""
+    """The repair's REPLACE commands went out: its replacements start now."""
     if view.level not in IN_PLACE or view.phase not in REPAIR_PHASES:
         return view, []
     return dataclasses.replace(view, replacements_started=True), []

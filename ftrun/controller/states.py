@@ -142,7 +142,7 @@ class JobView:
     free_restart: bool = False
     #: the ranks take snapshots (--snapshot-every): a rollback with no healthy replica goes back to them
     snapshots: bool = False
-    #: process level: the agents were told to start this repair's replacements, which took warm standbys
+    #: process level: the agents were told to start this repair's replacements
     replacements_started: bool = False
     #: ranks replaced in earlier generations of the repair under way: their replacements hold no training
     #: state yet, so they are no replica (with ``replacing``, whether a healthy replica is left)

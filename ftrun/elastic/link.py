@@ -162,7 +162,7 @@ class ControlLink:
 
     def first_step_committed(self) -> None:
         """This process committed its first step: the heartbeat writes it at once, not up to a second later
-        (its agent makes the node's warm standbys once every rank is past its first step)."""
+        (the status shows it at once)."""
         self._wake.set()
 
     def collective_failed(self, error: BaseException) -> None:

@@ -102,7 +102,7 @@ def assert_repaired(launcher: Launcher, reference: dict[int, dict], first: int =
         if rank == 1:
             assert result["replacement"] == "1" and len(pids[1]) == 2 and result["pid"] in pids[1]
         else:  # the healthy ranks lived through the repair in one process
-            assert pids[rank] == [result["pid"]] and result["replacement"] == "0", (rank, pids)
+            assert pids[rank] == [result["pid"]] and result["replacement"] == "0", (rank, pids, output)
         assert sorted(commits(launcher, rank)) == list(range(first, STEPS)), (rank, commits(launcher, rank))
     assert "process-level repair into generation 1" in output and "falling back to job level" not in output
     assert "generation 1 resumed training" in output
