@@ -382,6 +382,10 @@ class _Abandonable(dist.Store):
 
 #: how long a guarded collective's wait lasts before it looks whether its generation was given up
 WAIT_SLICE = datetime.timedelta(seconds=0.05)
+#: a wait's timeout that means none: torch's ``kNoTimeout``, what C++ passes when it waits on a work (DDP's
+#: reducer on its unused-parameter map's allreduce, with ``find_unused_parameters=True``, as the Trainer sets
+#: it), and ``Work.wait()``'s default
+NO_TIMEOUT = datetime.timedelta(0)
 #: point-to-point works, waited whole: a gloo send or recv whose wait with a timeout runs out closes its
 #: pair ("Timed out waiting 50ms for recv operation to complete", then "Application timeout caused pair
 #: closure" at the next wait), and its is_completed() stays False until a wait, so it cannot be polled
@@ -406,7 +410,7 @@ class _Guarded(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         try:
-            if timeout is not None:
+            if timeout is not None and timeout != NO_TIMEOUT:
                 return self._real.wait(timeout)
             sliced = self._owner.backend.sliced_waits and self._op not in WHOLE_WAITS
             return self._wait_unless_given_up() if sliced else self._real.wait()

@@ -21,6 +21,7 @@ import pytest
 
 from ftrun.head.session_keeper import stop_request
 from tests.conftest import ELASTIC_STEPS, WORKERS, free_port, marked_processes, step_reached, unique_mark, wait_for
+from tests.integration.test_layouts import start_pids
 from tests.integration.test_mindspore import STEPS as MS_STEPS
 from tests.integration.test_mindspore import TRAIN as MS_TRAIN
 from tests.integration.test_mindspore import check_results, needs_mindspore
@@ -87,7 +88,10 @@ def test_rank_killed_on_a_remote_host_is_replaced(launcher, sshd):
                       flags=["--recovery", "process", "--max-restarts", "2"], env=env)
     wait_for(lambda: step_reached(launcher.out_dir, 2) >= 3,
              timeout=120, what="rank 2 to make progress")
-    victim = worker_of_rank(launcher.mark, 2)
+    # its pid from its own file: a rank forked from the warm interpreter shows that interpreter's environment
+    # in /proc (no RANK there)
+    [pid] = start_pids(launcher)[2]
+    victim = psutil.Process(pid)
     victim.kill()
     assert launcher.wait() == [0], head.output
     results = launcher.results()
@@ -415,13 +419,6 @@ def test_dry_run_without_a_hostfile_prints_this_nodes_worker_commands(ftrun_cli)
     for local_rank, line in enumerate(lines[1:]):
         words = shlex.split(line)
         assert words[0] == f"LOCAL_RANK={local_rank}" and words[-2:] == [TRAIN, "a b"] and "-u" in words
-
-
-def worker_of_rank(mark: str, rank: int) -> psutil.Process:
-    for proc in workers(mark):
-        if proc.environ().get("RANK") == str(rank):
-            return proc
-    raise AssertionError(f"no worker process of rank {rank}")
 
 
 def workers(mark: str) -> list[psutil.Process]:

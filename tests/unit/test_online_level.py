@@ -3,6 +3,7 @@ the policy, the narration, the rank's report, and Ascend's UCE check (no store, 
 
 from __future__ import annotations
 
+import datetime
 import sys
 import threading
 import types
@@ -13,8 +14,8 @@ import torch.distributed as dist
 
 from ftrun.contract import CollectiveFailure, Milestone
 from ftrun.controller.narrator import Narrator
-from ftrun.controller.states import JobView, Level, Phase
 from ftrun.controller.policy import on_collective_failed, on_milestone, on_report
+from ftrun.controller.states import JobView, Level, Phase
 from ftrun.elastic.backends import CommBackend, HcclBackend, Memory, NcclBackend
 from ftrun.elastic.groups import GroupError, GroupSet, _Guarded, first_line
 from ftrun.events import EventLog, read_events
@@ -170,7 +171,10 @@ class NeverEnds:
         return torch.futures.Future()  # never set
 
 
-def test_a_collective_that_never_ends_is_given_up_once_its_generation_is():
+@pytest.mark.parametrize("timeout", [None, datetime.timedelta(0)], ids=["python-wait", "cpp-wait-no-timeout"])
+def test_a_collective_that_never_ends_is_given_up_once_its_generation_is(timeout):
+    # C++ waits with torch's kNoTimeout, timedelta(0): DDP's reducer so waits on its unused-parameter map's
+    # allreduce (find_unused_parameters=True, the Trainer's DDP), which held a healthy rank past fault_wait
     groups = GroupSet(CommBackend(), dist.HashStore(), lambda generation: f"g{generation}", timeout=5)
     groups.generation = 0
     work = NeverEnds()
@@ -178,7 +182,7 @@ def test_a_collective_that_never_ends_is_given_up_once_its_generation_is():
     future = guarded.get_future()
     watch = threading.Timer(0.2, groups.abandon, args=(0,))  # the repair watch, as the repair is announced
     watch.start()
-    assert guarded.wait() is True  # the step goes on to its end, the failure recorded
+    assert guarded.wait(timeout) is True  # the step goes on to its end, the failure recorded
     assert work.waits >= 2 and isinstance(groups.failure, GroupError)
     watch.join(5)  # the wait ends as soon as the generation is marked given up, before the futures are settled
     assert future.done()  # settled locally: nothing waits for it
