@@ -112,7 +112,7 @@ def phase_track(s: dict, width: int = 120) -> Text:
 
 def node_table(s: dict, width: int) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-    columns = ["node", "host", "role", "state", "ranks", "standby"] + (["devices"] if width >= NARROW else [])
+    columns = ["node", "host", "role", "state", "ranks", "warm"] + (["devices"] if width >= NARROW else [])
     for name in columns:
         table.add_column(name, overflow="fold")
     for node in s["nodes"]:
