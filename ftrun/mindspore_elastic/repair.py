@@ -6,7 +6,9 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
 
 1. **stop**: the step raises, or the watch, seeing the repair announced while the main thread is still
    in its step, stops the device (``_stop_device``): the blocked step raises and its guard hands the rank
-   to :meth:`MindSporeRepair.recover`.
+   to :meth:`MindSporeRepair.recover`. (MindSpore fails a stopped step only with ``MS_ENABLE_TFT``'s ARF or
+   UCE on, which the agent sets: ``ftrun/mindspore.py``.) A rank whose step was cut short in its
+   optimizer's update (the fault-tolerant optimizer's flag says so) gives up its claim to its committed step.
 2. **env clear**: the rank says ``stopped``; ``clean_tdt_channel()`` and ``_reset_snapshot_state()``, as
    the callback's clean does for a repair that replaces a process ("recover"). For a repair that replaces
    none (the online level: a collective failed while every process lived, which the rank told the
@@ -20,13 +22,16 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
    Once every rank arrived, the healthy ones destroy and rebuild their communication groups
    (``_finalize_comm()``, ``_rebuild_group()``) and every rank prepares the point-to-point links
    (``_pre_launch_send_recv``); at the online level they rebuild nothing. A rank that had a UCE repairs
-   its device (``_repair_device``).
+   its device (``_repair_device``). Every rank that was stopped clears the stop's error state
+   (``_reset_error_state``).
 4. **rollback**: the ranks gather what each committed and which snapshots it holds (an all-gather on the
    rebuilt world group) and decide alike (:func:`ftrun.rollback.choose_rollback`): a healthy replica sends
    the parameters to the replacement (``send_recv(parameters, src, dst)``, the call the callback makes on
    both ends); with no replica holding the state, every rank goes back to the newest snapshot all hold,
    and with none of those the repair falls back to job level, as for torch.
-5. **continue**: the rank says ``resumed`` and ``steps()`` goes on from the agreed step.
+5. **continue**: the rank says ``resumed`` and ``steps()`` goes on from the agreed step. As each step
+   ends, the optimizer's flag goes back to 1 and, after a rebuild, ``set_is_arf(False)`` lowers the ARF
+   flag, as MindSpore's fault-tolerance callback does at a step's end.
 
 **The channel.** A MindSpore python has no torch, so the rank cannot open the control store (a torch
 ``TCPStore``), and a client of its wire protocol of our own would be a second implementation to keep in
