@@ -126,8 +126,9 @@ class AscendMindSpore:
         """A step blocked in a collective whose peer is gone, until the device is stopped. With UCE or
         ARF on, the runtime turns the stop into a failed step (IsRunningFailed in the runtime's actor
         code, gated by TftConfig::IsEnableUCE/IsEnableARF). Otherwise the HCCL watchdog sees the
-        communicator's error and sends SIGTERM to the worker's process group
-        (hccl_watch_dog_thread.cc, the ``killpg(getpid(), SIGTERM)`` that ARF:1 turns off)."""
+        communicator's error and, while TftConfig::IsEnableWatchdog holds, sends SIGTERM to the worker's
+        process group (``HcclWatchDogHandler::WatchDogProcess``, ``hccl_watch_dog_thread.cc`` in the Ascend
+        collective plugin), which ARF:1 turns off."""
         if not self.stopped.wait(timeout):
             raise TimeoutError("the stand-in's collective was never stopped")
         if self.enabled("UCE") or self.enabled("ARF"):
