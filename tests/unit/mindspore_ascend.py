@@ -124,8 +124,8 @@ class AscendMindSpore:
 
     def blocked_collective(self, timeout: float = 5.0) -> None:
         """A step blocked in a collective whose peer is gone, until the device is stopped. With UCE or
-        ARF on, the runtime turns the stop into a failed step (IsRunningFailed in the runtime's actor
-        code, gated by TftConfig::IsEnableUCE/IsEnableARF). Otherwise the HCCL watchdog sees the
+        ARF on, the runtime turns the stop into a failed step (IsRunningFailed in the graph scheduler's
+        ``actor_common.cc``, gated by TftConfig::IsEnableUCE/IsEnableARF). Otherwise the HCCL watchdog sees the
         communicator's error and, while TftConfig::IsEnableWatchdog holds, sends SIGTERM to the worker's
         process group (``HcclWatchDogHandler::WatchDogProcess``, ``hccl_watch_dog_thread.cc`` in the Ascend
         collective plugin), which ARF:1 turns off."""
