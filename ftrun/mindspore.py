@@ -82,11 +82,24 @@ def worker_variables(scheduler: Scheduler, world_size: int, topo_timeout: int, r
     }
 
 
-def recovery_variables() -> dict[str, str]:
-    """Process level (Ascend): the dynamic cluster's recovery, in the scheduler and every worker, so that
+#: MindSpore's own fault tolerance, as MindCluster's jobs switch it on with ``MS_ENABLE_TFT``. UCE:1: the
+#: runtime tags an on-chip memory error ("UCEError ...") and keeps its address, which
+#: ``_get_uce_process_strategy`` reads. ARF:1: a step blocked when ``_stop_device`` runs fails instead of
+#: hanging, and the HCCL watchdog, which would send SIGTERM to the worker's process group on a
+#: communicator error, is off (``mindspore/utils/utils.py``, ``_parser_tft_and_thm_env``). HCCE:1: an HCCL
+#: error in the step is tagged too ("HCCEError"), the error the online level repairs. Without TTP:1 and
+#: without MindIO: ftrun plays MindIO's part, and nothing calls MindSpore's ``TftHandle.init``.
+FAULT_TOLERANCE = "{UCE:1,HCCE:1,ARF:1}"
+
+
+def recovery_variables(given: dict[str, str] | None = None) -> dict[str, str]:
+    """Process level (Ascend), in the scheduler and every worker: the dynamic cluster's recovery, so that
     a replacement started under its predecessor's MS_NODE_ID rejoins the running scheduler (msrun sets
-    the same for its own restarts: ``process_entity/_api.py``)."""
-    return {"MS_ENABLE_RECOVERY": "1"}
+    the same for its own restarts: ``process_entity/_api.py``); and MindSpore's own fault tolerance
+    (FAULT_TOLERANCE), which the repair's hooks need. An ``MS_ENABLE_TFT`` of the user's own, in
+    ``given`` (the environment the workers inherit), is kept as it is."""
+    fault_tolerance = (given or {}).get("MS_ENABLE_TFT", FAULT_TOLERANCE)
+    return {"MS_ENABLE_RECOVERY": "1", "MS_ENABLE_TFT": fault_tolerance}
 
 
 #: the lines a worker's python runs to say whether it can import mindspore (without importing it: 2 s)

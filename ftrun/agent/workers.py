@@ -492,7 +492,7 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
     if gen.relay_dir and config.recovery == "process":  # a MindSpore job on Ascend (config.py)
-        env.update(mindspore.recovery_variables())
+        env.update(mindspore.recovery_variables(env))
     return env
 
 

@@ -20,7 +20,9 @@ goes on from there: at most K steps are redone. ``Model.train`` users pass :meth
 
 With ``--recovery process`` on Ascend, put the step's body in ``with job.guard():``: a fault elsewhere is
 repaired in place through MindSpore's own hooks, and a replacement receives the parameters from a healthy
-replica (``ftrun/mindspore_elastic/repair.py``).
+replica (``ftrun/mindspore_elastic/repair.py``). Build the optimizer with MindSpore's fault-tolerant wrapper
+(``TrainFaultTolerance.get_optimizer_wrapper``) and register it: its flag tells whether a rank stopped in
+the middle of its step can still give its state (docs/mindspore.md).
 
 Outside ftrun, or without ``--snapshot-every``, ``steps()`` simply counts. This package imports neither
 torch (a MindSpore python has none) nor anything of the launcher; mindspore and numpy are imported by the

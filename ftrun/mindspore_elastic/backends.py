@@ -52,6 +52,35 @@ class AscendHooks:
         _rebuild_group()
         set_is_arf(True)
 
+    def reset_error_state(self) -> None:
+        """Clear what the stop left in the runtime (its force-stop flag, a UCE's tag), so that steps run
+        again: MindSpore's training loop calls it once a repair is done (``train/model.py:326``)."""
+        from mindspore._c_expression import _reset_error_state
+
+        _reset_error_state()
+
+    def end_rebuild(self) -> None:
+        """The first step after a rebuild ended: the ARF flag that :meth:`rebuild` raised comes down, as
+        MindSpore's fault-tolerance callback lowers it at that step's end
+        (``train/callback/_train_fault_tolerance.py:974-979``)."""
+        from mindspore._c_expression import set_is_arf
+
+        set_is_arf(False)
+
+    def parameters_consistent(self, flag) -> bool:
+        """Whether no optimizer update is under way: the fault-tolerant optimizer's flag reads 1, as
+        ``TrainFaultTolerance._is_params_consistent`` reads it (``_train_fault_tolerance.py:791-796``)."""
+        from mindspore._c_expression import direct_copy_to_host
+
+        return int(direct_copy_to_host(flag)) == 1
+
+    def mark_consistent(self, flag) -> None:
+        """At a step's end, the flag back to 1: the optimizer sums it over the ranks as its update begins,
+        and MindSpore's callback puts it back as each step ends (``_train_fault_tolerance.py:957-972``)."""
+        import mindspore
+
+        mindspore.ops.assign(flag, mindspore.Tensor([1], dtype=mindspore.int32))
+
     def prepare_transfers(self) -> None:
         from mindspore._c_expression import _pre_launch_send_recv
 
@@ -77,5 +106,16 @@ class AscendHooks:
 #: what _get_uce_process_strategy answers, and whether the rank's training state is still good; any other
 #: answer: the error is outside what MindSpore manages, and the process is replaced
 UCE_STRATEGIES = {"RS_UCE_HIGHLEVEL": False, "RS_UCE_LOWLEVEL": True}
-#: how a UCE shows in the error a rank's step raises (docs: torch_npu's and ACL's texts for it)
-UCE_SIGNS = ("UCE ERROR", "507053")
+#: how a UCE shows in the error a rank's step raises: MindSpore's own texts once UCE:1 is on ("UCEError
+#: error occurs when execute, error_code=507053", the same with 507054 for an HBM multi-bit ECC error,
+#: which MindSpore also repairs as a UCE, and "UCEError occurs when execute."), and torch_npu's and ACL's
+UCE_SIGNS = ("UCEError", "UCE ERROR", "507053", "507054")
+
+#: the parameter that MindSpore's fault-tolerant optimizer adds to say whether its update is under way
+#: (``TrainFaultTolerance.get_optimizer_wrapper``, ``_train_fault_tolerance.py:843``)
+CONSISTENCY_FLAG = "tft_g_one_flag"
+
+
+def consistency_flag(parameters: list):
+    """Among a rank's parameters, the fault-tolerant optimizer's CONSISTENCY_FLAG, or None without one."""
+    return next((p for p in parameters if CONSISTENCY_FLAG in p.name), None)

@@ -204,6 +204,8 @@ class MindSporeJob:
         """One more step is done (``steps()`` calls it; a loop of one's own, or the callback, calls it
         after each step): snapshot the state when one is due."""
         self._step += 1
+        if self.repair is not None:
+            self.repair.step_committed()
         if self.relay is not None and time.monotonic() - self._progress_at >= PROGRESS_INTERVAL:
             self._tell_progress()
         if self.snapshots is None or not self.snapshots.due(self._step):

@@ -6,7 +6,9 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
 
 1. **stop**: the step raises, or the watch, seeing the repair announced while the main thread is still
    in its step, stops the device (``_stop_device``): the blocked step raises and its guard hands the rank
-   to :meth:`MindSporeRepair.recover`.
+   to :meth:`MindSporeRepair.recover`. (MindSpore fails a stopped step only with ``MS_ENABLE_TFT``'s ARF or
+   UCE on, which the agent sets: ``ftrun/mindspore.py``.) A rank whose step was cut short in its
+   optimizer's update (the fault-tolerant optimizer's flag says so) gives up its claim to its committed step.
 2. **env clear**: the rank says ``stopped``; ``clean_tdt_channel()`` and ``_reset_snapshot_state()``, as
    the callback's clean does for a repair that replaces a process ("recover"). For a repair that replaces
    none (the online level: a collective failed while every process lived, which the rank told the
@@ -20,13 +22,16 @@ and MindIO drive it (``mindspore/train/callback/_train_fault_tolerance.py`` in m
    Once every rank arrived, the healthy ones destroy and rebuild their communication groups
    (``_finalize_comm()``, ``_rebuild_group()``) and every rank prepares the point-to-point links
    (``_pre_launch_send_recv``); at the online level they rebuild nothing. A rank that had a UCE repairs
-   its device (``_repair_device``).
+   its device (``_repair_device``). Every rank that was stopped clears the stop's error state
+   (``_reset_error_state``).
 4. **rollback**: the ranks gather what each committed and which snapshots it holds (an all-gather on the
    rebuilt world group) and decide alike (:func:`ftrun.rollback.choose_rollback`): a healthy replica sends
    the parameters to the replacement (``send_recv(parameters, src, dst)``, the call the callback makes on
    both ends); with no replica holding the state, every rank goes back to the newest snapshot all hold,
    and with none of those the repair falls back to job level, as for torch.
-5. **continue**: the rank says ``resumed`` and ``steps()`` goes on from the agreed step.
+5. **continue**: the rank says ``resumed`` and ``steps()`` goes on from the agreed step. As each step
+   ends, the optimizer's flag goes back to 1 and, after a rebuild, ``set_is_arf(False)`` lowers the ARF
+   flag, as MindSpore's fault-tolerance callback does at a step's end.
 
 **The channel.** A MindSpore python has no torch, so the rank cannot open the control store (a torch
 ``TCPStore``), and a client of its wire protocol of our own would be a second implementation to keep in
@@ -53,7 +58,7 @@ from typing import Any, Callable, NoReturn, Protocol
 
 from ftrun.contract import CollectiveFailure, Fallback, Milestone, RollbackFailure
 from ftrun.errors import EXIT_STUCK
-from ftrun.mindspore_elastic.backends import UCE_SIGNS, UCE_STRATEGIES, AscendHooks
+from ftrun.mindspore_elastic.backends import UCE_SIGNS, UCE_STRATEGIES, AscendHooks, consistency_flag
 from ftrun.mindspore_elastic.link import WATCH_POLL, RepairChannel
 from ftrun.repair_loop import RepairError, repair_until_resumed
 from ftrun.rollback import NO_STATE, RollbackPlan, choose_rollback
@@ -65,6 +70,8 @@ log = logging.getLogger("ftrun.mindspore_elastic")
 INTERRUPT_AFTER = WATCH_POLL
 #: how many of its snapshots a rank names in the rollback (its agent keeps two)
 HELD = 2
+#: MindSporeRepair's flag parameter before it was looked up
+_NOT_LOOKED_UP = object()
 
 
 class RepairedState(Protocol):
@@ -116,6 +123,13 @@ class MindSporeRepair:
         self.repairing = False
         #: the step that stopped raised an on-chip memory error (UCE): the device says where it hit
         self.uce = False
+        #: a step's body was cut short by the repair (not a repair between two steps): its optimizer may
+        #: have been in its update
+        self.step_interrupted = False
+        #: this rank rebuilt its groups and raised MindSpore's ARF flag: the next step's end lowers it
+        self.rebuilt = False
+        #: the fault-tolerant optimizer's flag among the rank's parameters (None: none), once looked up
+        self._flag: Any = _NOT_LOOKED_UP
         self._closed = threading.Event()
         self._watch: threading.Thread | None = None
 
@@ -138,6 +152,7 @@ class MindSporeRepair:
                                                              (text.splitlines() or [type(error).__name__])[0][:200],
                                                              time.time()))
         target = self.channel.await_target(above=self.generation, timeout=self.fault_wait)
+        self.step_interrupted = target is not None
         if target is not None:
             log.warning("rank %d: step %d interrupted (%s); repairing into generation %d", self.state.rank,
                         self.state.step, str(error).splitlines()[0] if str(error) else type(error).__name__, target)
@@ -163,6 +178,7 @@ class MindSporeRepair:
             if not fresh:
                 self.channel.reach(target, Milestone.STOPPED)
                 self.hooks.stop()
+                self._check_parameters()
                 self._check_memory()
                 self.hooks.clean(online)
             self.channel.reach(target, Milestone.ARRIVED)
@@ -175,15 +191,57 @@ class MindSporeRepair:
             target = self.channel.target()
         if not fresh and not online:
             self.hooks.rebuild()
+            self.rebuilt = True
         if not online:
             self.hooks.prepare_transfers()
         if self.uce:
             self.hooks.repair_device()
             self.uce = False
+        if not fresh:
+            # MindSpore clears the stop's error state once its repair is done (train/model.py:326); ftrun
+            # does it before the rollback, whose all-gather is the first operation the rank runs again
+            self.hooks.reset_error_state()
+        self.step_interrupted = False
         self.spawned_for = None
         self.generation = target
         self.channel.reach(target, Milestone.JOINED)
         return target
+
+    def _check_parameters(self) -> None:
+        """A step cut short may have been stopped in its optimizer's update: its parameters are then
+        neither the committed step's nor the next one's. MindSpore refuses to stop such a rank
+        (``_tft_stop_callback``); ftrun must stop it all the same, since its step may be blocked in a
+        collective, so it reads the flag once the device is still and rolls the rank back instead: the
+        rank gives up its claim to the committed step and takes a healthy replica's state, or with none,
+        the newest snapshot every rank holds. Its process and device are sound, so it is not replaced.
+        With no fault-tolerant optimizer there is no flag, and MindSpore's answer, "not consistent", is
+        kept. A UCE is judged by where it hit instead (:meth:`_check_memory`), as MindSpore skips the
+        check for a UCE rank."""
+        if self.uce or not self.holds_state or not self.step_interrupted:
+            return
+        flag = self.consistency_flag()
+        if flag is None or not self.hooks.parameters_consistent(flag):
+            log.warning("rank %d: stopped %s; it takes its state from a replica or a snapshot", self.state.rank,
+                        "in its step with no fault-tolerant optimizer to vouch for its parameters" if flag is None
+                        else "in its optimizer's update")
+            self.holds_state = False
+
+    def consistency_flag(self):
+        """The fault-tolerant optimizer's flag among the rank's parameters, or None (looked up once: the
+        parameters are registered before the first step)."""
+        if self._flag is _NOT_LOOKED_UP:
+            self._flag = consistency_flag(self.state.parameters())
+        return self._flag
+
+    def step_committed(self) -> None:
+        """What MindSpore's fault-tolerance callback does as each step ends (``on_train_step_end``): the
+        optimizer's flag back to 1, and after a rebuild, the ARF flag lowered."""
+        flag = self.consistency_flag()
+        if flag is not None:
+            self.hooks.mark_consistent(flag)
+        if self.rebuilt:
+            self.hooks.end_rebuild()
+            self.rebuilt = False
 
     def _check_memory(self) -> None:
         """After a UCE, the device says where it hit: the training state (a replica's is taken), memory a

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ftrun import mindspore
-from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, generation_env, worker_env
 from ftrun.cli import launch_command, msrun
 from ftrun.config import build_launch_config, parse_rank_filter
 from ftrun.contract import DeviceAssignment
@@ -138,6 +138,22 @@ def test_a_process_level_mindspore_worker_gets_recovery_and_its_relay_folder(tmp
         assert (env.get("MS_ENABLE_RECOVERY"), env["MS_NODE_ID"], env["FTRUN_RELAY_DIR"]) == \
             (recovery, "1", str(tmp_path / "relay"))
         assert env["MS_SCHED_PORT"] == str(SCHEDULER.port)  # the running scheduler's
+        assert env.get("MS_ENABLE_TFT") == (mindspore.FAULT_TOLERANCE if recovery else None)
+
+
+def test_process_level_on_ascend_switches_on_mindspore_s_fault_tolerance_unless_the_user_set_it(tmp_path, monkeypatch):
+    """Pins mismatch 3 of ASCEND.md: MindSpore tags UCEs, fails a stopped step and turns its HCCL watchdog off
+    only with MS_ENABLE_TFT's UCE:1 and ARF:1."""
+    gen = GenerationEnv(1, 0, 2, 1, "127.0.0.1", 29500, "127.0.0.1:29400", 3, scheduler=str(SCHEDULER),
+                        relay_dir=str(tmp_path / "relay"))
+    config = build_launch_config({"script": script(tmp_path), "standalone": True, "device": "npu",
+                                  "framework": "mindspore", "nproc_per_node": "2", "recovery": "process"},
+                                 check_script=False)
+    monkeypatch.delenv("MS_ENABLE_TFT", raising=False)
+    env = generation_env(config, gen, str(tmp_path / "error.json"))  # the scheduler's and every worker's
+    assert {"UCE:1", "ARF:1", "HCCE:1"} <= set(env["MS_ENABLE_TFT"].strip("{}").split(","))
+    monkeypatch.setenv("MS_ENABLE_TFT", "{UCE:1,ARF:1,TSP:1}")
+    assert generation_env(config, gen, str(tmp_path / "error.json"))["MS_ENABLE_TFT"] == "{UCE:1,ARF:1,TSP:1}"
 
 
 def test_python_on_path_runs_mindspore_when_ftrun_s_own_cannot(tmp_path, monkeypatch):

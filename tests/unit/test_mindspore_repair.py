@@ -1,7 +1,8 @@
-"""The process-level repair of MindSpore ranks on Ascend (ftrun/mindspore_elastic/repair.py), through a fake of
-MindSpore's Ascend internals (``mindspore._c_expression``, ``mindspore.communication``) that records the
-calls, as the hccl path is tested through a fake torch_npu. The channel (files, threads) and the agent's
-relay (a real TCPStore on loopback) are real."""
+"""The process-level repair of MindSpore ranks on Ascend (ftrun/mindspore_elastic/repair.py), through a stand-in
+for MindSpore 2.10's Ascend parts (tests/unit/mindspore_ascend.py) that behaves as the released code does and
+records the calls, as the hccl path is tested through a fake torch_npu. Every test runs with the variables the
+agent gives a process-level worker. The channel (files, threads) and the agent's relay (a real TCPStore on
+loopback) are real."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ftrun.agent.relay import FolderRelay
 from ftrun.contract import CollectiveFailure, Endpoint, Fallback, Milestone, RelayFolder, RollbackFailure, WorkerEnv
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
+from ftrun.mindspore import recovery_variables
 from ftrun.mindspore_elastic.backends import AscendHooks
 from ftrun.mindspore_elastic.job import MindSporeJob
 from ftrun.mindspore_elastic.link import RepairChannel
@@ -26,60 +28,23 @@ from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.repair_loop import RepairError
 from ftrun.rollback import NO_STATE
 from ftrun.store import ControlStore
-
-
-class FakeMindSpore:
-    """``mindspore._c_expression`` and ``mindspore.communication`` as far as the repair calls them: each
-    call is recorded; the all-gather answers with the rows the test gives."""
-
-    def __init__(self, monkeypatch, rows, uce_strategy="RS_UCE_HIGHLEVEL"):
-        self.calls: list[tuple] = []
-        self.rows = rows
-        self.stopped = threading.Event()
-        record = self._record
-        c_expression = types.SimpleNamespace(
-            _stop_device=lambda device: (record("_stop_device", device), self.stopped.set()),
-            clean_tdt_channel=lambda: record("clean_tdt_channel"),
-            _reset_snapshot_state=lambda: record("_reset_snapshot_state"),
-            _finalize_comm=lambda: record("_finalize_comm"),
-            _rebuild_group=lambda: record("_rebuild_group"),
-            set_is_arf=lambda on: record("set_is_arf", on),
-            _pre_launch_send_recv=lambda device: record("_pre_launch_send_recv", device),
-            send_recv=lambda params, src, dst: record("send_recv", len(params), src, dst) or 0,
-            CollectiveManager=types.SimpleNamespace(get_instance=lambda: types.SimpleNamespace(
-                resume_hccl_comm=lambda: record("resume_hccl_comm"))),
-            _get_uce_mem_info=lambda device: record("_get_uce_mem_info", device),
-            _get_uce_process_strategy=lambda: record("_get_uce_process_strategy") or uce_strategy,
-            _repair_device=lambda device: record("_repair_device", device),
-        )
-        comm_func = types.SimpleNamespace(all_gather_into_tensor=self._all_gather)
-        mindspore = types.SimpleNamespace(Tensor=np.asarray, _c_expression=c_expression,
-                                          communication=types.SimpleNamespace(comm_func=comm_func))
-        monkeypatch.setitem(sys.modules, "mindspore", mindspore)
-        monkeypatch.setitem(sys.modules, "mindspore._c_expression", c_expression)
-        monkeypatch.setitem(sys.modules, "mindspore.communication", mindspore.communication)
-
-    def _record(self, *call):
-        self.calls.append(call)
-
-    def _all_gather(self, tensor):
-        self.calls.append(("all_gather", tuple(int(x) for x in tensor[0])))
-        return types.SimpleNamespace(asnumpy=lambda: np.array(self.rows)), None
-
-    def names(self) -> list[str]:
-        return [call[0] for call in self.calls]
+from tests.unit.mindspore_ascend import FLAG_NAME, AscendMindSpore, KilledByWatchdog, Parameter
 
 
 class State:
     """A rank's training state as the repair sees it (MindSporeJob's part of it)."""
 
-    def __init__(self, rank, world_size=2, step=5, held=(), sharded=False):
+    def __init__(self, rank, world_size=2, step=5, held=(), sharded=False, flag=1):
         self.rank, self.world_size, self.step, self.sharded = rank, world_size, step, sharded
+        #: the network's and the fault-tolerant optimizer's parameters (flag None: a plain optimizer, no flag)
+        self.params = [Parameter("w", [1.0]), Parameter("b", [0.0]), Parameter("moment", [0.0])]
+        if flag is not None:
+            self.params.append(Parameter(f"optimizer.{FLAG_NAME}", np.array([flag], dtype=np.int32)))
         self.held = list(held)
         self.loaded: list[int] = []
 
     def parameters(self):
-        return ["w", "b", "moment"]
+        return self.params
 
     def held_snapshots(self):
         return self.held
@@ -107,6 +72,15 @@ class Agent:
         return sorted((g, rank, what) for _, g, rank, what in self.folder.reports())
 
 
+@pytest.fixture(autouse=True)
+def process_level_worker(monkeypatch):
+    """The environment the agent gives a worker at process level on Ascend (agent/workers.py's
+    generation_env), which the stand-in reads as MindSpore does."""
+    monkeypatch.delenv("MS_ENABLE_TFT", raising=False)
+    for name, value in recovery_variables().items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture
 def folder(tmp_path):
     return RelayFolder(str(tmp_path))
@@ -118,7 +92,7 @@ def make_repair(folder, state, generation=0, replacement=False, timeout=5.0, fau
 
 
 def test_a_healthy_rank_stops_cleans_rebuilds_and_sends_the_state_in_order(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
     agent = Agent(folder)
     agent.announce(1)
     agent.ready(1)
@@ -127,28 +101,28 @@ def test_a_healthy_rank_stops_cleans_rebuilds_and_sends_the_state_in_order(monke
     assert fake.calls == [
         ("_stop_device", 3), ("clean_tdt_channel",), ("_reset_snapshot_state",),
         ("_finalize_comm",), ("_rebuild_group",), ("set_is_arf", True), ("_pre_launch_send_recv", 3),
-        ("all_gather", (5, NO_STATE, NO_STATE)), ("send_recv", 3, 0, 1),
+        ("_reset_error_state",), ("all_gather", (5, NO_STATE, NO_STATE)), ("send_recv", 4, 0, 1),
     ]
     assert agent.reached() == [(1, 0, m.value) for m in sorted(Milestone, key=lambda m: m.value)]
     assert state.step == 5
 
 
 def test_the_replacement_rejoins_without_stopping_and_receives_the_state(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
     agent = Agent(folder)
     agent.announce(1)
     agent.ready(1)
     state = State(rank=1, step=0)
     make_repair(folder, state, generation=1, replacement=True).recover(1)
     assert fake.calls == [("_pre_launch_send_recv", 3), ("all_gather", (NO_STATE, NO_STATE, NO_STATE)),
-                          ("send_recv", 3, 0, 1)]
+                          ("send_recv", 4, 0, 1)]
     assert [what for _, _, what in agent.reached()] == ["arrived", "joined", "resumed"]  # never "stopped"
     assert state.step == 5
 
 
 def test_no_replica_holds_the_state_so_every_rank_goes_back_to_the_common_snapshot(monkeypatch, folder):
     # sharded: each rank is its own replica set, and rank 1's was lost; both hold step 4's snapshot
-    fake = FakeMindSpore(monkeypatch, rows=[[5, 4, 2], [NO_STATE, 4, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[5, 4, 2], [NO_STATE, 4, NO_STATE]])
     Agent(folder).ready(1)
     state = State(rank=0, held=[4, 2], sharded=True)
     make_repair(folder, state).rollback(1)
@@ -157,7 +131,7 @@ def test_no_replica_holds_the_state_so_every_rank_goes_back_to_the_common_snapsh
 
 
 def test_no_snapshot_either_falls_back_to_job_level_through_the_agent(monkeypatch, folder):
-    FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
     channel_waits = []
     monkeypatch.setattr(RepairChannel, "await_stop",
                         lambda self, generation, failure: channel_waits.append(failure) or sys.exit(0))
@@ -170,7 +144,7 @@ def test_no_snapshot_either_falls_back_to_job_level_through_the_agent(monkeypatc
 
 
 def test_a_repair_whose_ranks_never_all_arrive_ends_at_its_deadline(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[])
+    fake = AscendMindSpore(monkeypatch, rows=[])
     Agent(folder).announce(1)  # never ready
     with pytest.raises(RepairError, match="not every rank arrived within 0.1s"):
         make_repair(folder, State(rank=0), timeout=0.1).recover(1)
@@ -178,7 +152,7 @@ def test_a_repair_whose_ranks_never_all_arrive_ends_at_its_deadline(monkeypatch,
 
 
 def test_a_superseded_generation_is_left_for_the_newer_one(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
     agent = Agent(folder)
     agent.announce(2)  # generation 1 was superseded before every rank arrived in it
     agent.ready(2)
@@ -195,7 +169,9 @@ def job_with(repair: MindSporeRepair) -> MindSporeJob:
 
 
 def test_the_watch_stops_the_device_under_a_blocked_step_and_the_guard_repairs(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    """Pins mismatch 3 of ASCEND.md: only with MS_ENABLE_TFT's ARF (or UCE) does MindSpore turn the stop into a
+    failed step; without it, its HCCL watchdog ends the worker's process group instead."""
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
     agent = Agent(folder)
     state = State(rank=0)
     repair = make_repair(folder, state)
@@ -205,9 +181,7 @@ def test_the_watch_stops_the_device_under_a_blocked_step_and_the_guard_repairs(m
     try:
         with guard:
             agent.announce(1)
-            if not fake.stopped.wait(5.0):  # the step blocked in a collective until the device stops
-                pytest.fail("the watch did not stop the device")
-            raise RuntimeError("the device was stopped")
+            fake.blocked_collective()  # the step blocked until the device stops: with ARF on, the step then fails
         assert guard.decision.target == 1
         assert job.step == 0  # an interrupted step is not committed
         agent.ready(1)
@@ -216,6 +190,7 @@ def test_the_watch_stops_the_device_under_a_blocked_step_and_the_guard_repairs(m
         repair.close()
     assert fake.names()[:2] == ["_stop_device", "_stop_device"]  # the watch's, then the repair's own
     assert repair.generation == 1 and not repair.repairing
+    assert fake.killpg == []
 
 
 def test_the_guard_lets_the_ranks_own_error_through(monkeypatch, folder):
@@ -348,7 +323,7 @@ def announce_online(folder: RelayFolder, generation: int) -> None:
 
 
 def test_a_step_that_fails_with_no_repair_announced_tells_its_agent_at_once(monkeypatch, folder):
-    FakeMindSpore(monkeypatch, rows=[])
+    AscendMindSpore(monkeypatch, rows=[])
     repair = make_repair(folder, State(rank=1), fault_wait=0.05)
     assert repair.target_after(RuntimeError("HCCL function error: link down\ncontext")) is None  # none came
     [(_, generation, rank, what)] = folder.reports()
@@ -358,46 +333,47 @@ def test_a_step_that_fails_with_no_repair_announced_tells_its_agent_at_once(monk
 
 
 def test_a_step_stopped_by_an_announced_repair_reports_nothing(monkeypatch, folder):
-    FakeMindSpore(monkeypatch, rows=[])
+    AscendMindSpore(monkeypatch, rows=[])
     Agent(folder).announce(1)
     assert make_repair(folder, State(rank=0)).target_after(RuntimeError("device stopped")) == 1
     assert folder.reports() == []
 
 
 def test_an_online_repair_resumes_the_communicators_and_rebuilds_nothing(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
     announce_online(folder, 1)
     state = State(rank=0)
     make_repair(folder, state).recover(1)
-    assert fake.calls == [("_stop_device", 3), ("clean_tdt_channel",), ("resume_hccl_comm",),
+    assert fake.calls == [("_stop_device", 3), ("clean_tdt_channel",), ("resume_hccl_comm",), ("_reset_error_state",),
                           ("all_gather", (5, NO_STATE, NO_STATE))]
     assert state.step == 5
 
 
 def test_a_uce_in_the_training_state_repairs_the_device_and_takes_a_replica_s_state(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[NO_STATE, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    fake = AscendMindSpore(monkeypatch, rows=[[NO_STATE, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
     announce_online(folder, 1)
     repair = make_repair(folder, State(rank=0))
-    assert repair.target_after(RuntimeError("ACL stream synchronize failed, error code is 507053")) == 1
+    assert repair.target_after(fake.memory_error()) == 1
     repair.recover(1)
     assert fake.calls == [
         ("_stop_device", 3), ("_get_uce_mem_info", 3), ("_get_uce_process_strategy",), ("clean_tdt_channel",),
-        ("resume_hccl_comm",), ("_repair_device", 3), ("all_gather", (NO_STATE, NO_STATE, NO_STATE)),
-        ("send_recv", 3, 1, 0)]
+        ("resume_hccl_comm",), ("_repair_device", 3), ("_reset_error_state",),
+        ("all_gather", (NO_STATE, NO_STATE, NO_STATE)),
+        ("send_recv", 4, 1, 0)]
 
 
 def test_a_uce_in_memory_of_a_step_keeps_the_rank_s_own_state(monkeypatch, folder):
-    fake = FakeMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]],
-                         uce_strategy="RS_UCE_LOWLEVEL")
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]],
+                           uce_strategy="RS_UCE_LOWLEVEL")
     announce_online(folder, 1)
     repair = make_repair(folder, State(rank=0))
-    repair.target_after(RuntimeError("UCE ERROR happened on device"))
+    repair.target_after(fake.memory_error())
     repair.recover(1)
     assert ("all_gather", (5, NO_STATE, NO_STATE)) in fake.calls and "send_recv" not in fake.names()
 
 
 def test_a_uce_mindspore_cannot_repair_ends_the_process_to_be_replaced(monkeypatch, folder):
-    FakeMindSpore(monkeypatch, rows=[], uce_strategy="RS_NORMAL")
+    fake = AscendMindSpore(monkeypatch, rows=[], uce_strategy="RS_NORMAL")
     announce_online(folder, 1)
 
     def exit_(code):
@@ -405,7 +381,7 @@ def test_a_uce_mindspore_cannot_repair_ends_the_process_to_be_replaced(monkeypat
 
     monkeypatch.setattr("ftrun.mindspore_elastic.repair.os._exit", exit_)
     repair = make_repair(folder, State(rank=0))
-    repair.target_after(RuntimeError("UCE ERROR happened on device"))
+    repair.target_after(fake.memory_error())
     with pytest.raises(SystemExit) as ended:
         repair.recover(1)
     assert ended.value.code == EXIT_STUCK
@@ -427,3 +403,119 @@ def test_the_relay_hands_a_failed_collective_and_the_online_flag_on(store, folde
     store.set_text(keys.target_generation, "2")  # a repair that replaces a process
     relay.tick()
     assert not RepairChannel(folder, rank=0).online(2)
+
+
+# -- MindSpore's own fault tolerance switched on, and its resume sequence (ASCEND.md, mismatches 3 and 4) ----
+
+
+def test_process_level_switches_on_mindspore_s_uce_and_arf_and_turns_its_hccl_watchdog_off(monkeypatch):
+    """What MindSpore makes of the variables a process-level worker gets: UCE tagging, the ARF path (a
+    stopped step fails), and no HCCL watchdog to end the process group under a repair."""
+    fake = AscendMindSpore(monkeypatch, rows=[])
+    assert fake.enabled("UCE") and fake.enabled("ARF") and fake.enabled("HCCE")
+    assert not fake.watchdog
+
+
+@pytest.mark.parametrize("hbm_ecc", [False, True])
+def test_mindspore_s_own_uce_texts_mark_the_step_s_error_as_a_uce(monkeypatch, folder, hbm_ecc):
+    fake = AscendMindSpore(monkeypatch, rows=[])
+    Agent(folder).announce(1)
+    repair = make_repair(folder, State(rank=0))
+    assert repair.target_after(fake.memory_error(hbm_ecc)) == 1
+    assert repair.uce
+
+
+@pytest.mark.parametrize("text", ["UCEError occurs when execute.",
+                                  "UCEError error occurs when execute, error_code=507054",
+                                  "ACL stream synchronize failed, error code is 507054"])
+def test_every_uce_text_of_mindspore_and_acl_is_a_uce(monkeypatch, folder, text):
+    AscendMindSpore(monkeypatch, rows=[])
+    Agent(folder).announce(1)
+    repair = make_repair(folder, State(rank=0))
+    repair.target_after(RuntimeError(text))
+    assert repair.uce
+
+
+def test_the_error_state_is_reset_before_the_rank_resumes(monkeypatch, folder):
+    """Pins mismatch 4: MindSpore clears the stop's error state before training goes on (model.py:326)."""
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    Agent(folder).announce(1)
+    Agent(folder).ready(1)
+    make_repair(folder, State(rank=0)).recover(1)
+    assert not fake.force_stop
+    names = fake.names()
+    assert names.index("_pre_launch_send_recv") < names.index("_reset_error_state") < names.index("all_gather")
+
+
+def test_the_arf_flag_comes_down_at_the_end_of_the_first_step_after_a_rebuild(monkeypatch, folder):
+    """Pins mismatch 4: TrainFaultTolerance lowers it with set_is_arf(False) as the next step ends
+    (_train_fault_tolerance.py:974-979), once."""
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    Agent(folder).announce(1)
+    Agent(folder).ready(1)
+    repair = make_repair(folder, State(rank=0))
+    job = job_with(repair)
+    repair.recover(1)
+    assert fake.is_arf
+    with job.guard():
+        pass
+    assert not fake.is_arf
+    with job.guard():
+        pass
+    assert fake.names().count("set_is_arf") == 2
+
+
+def test_the_optimizer_s_flag_goes_back_to_one_as_each_step_ends(monkeypatch, folder):
+    fake = AscendMindSpore(monkeypatch, rows=[])
+    state = State(rank=0)
+    job = job_with(make_repair(folder, state))
+    with job.guard():
+        fake.optimizer_update_begins(state.params[-1], world_size=2)
+    assert int(state.params[-1].value[0]) == 1 and job.step == 1
+
+
+def interrupt_mid_step(fake, folder, state, update_began: bool) -> MindSporeRepair:
+    """A healthy rank whose step is stopped by a repair, in its optimizer's update or before it."""
+    agent = Agent(folder)
+    repair = make_repair(folder, state)
+    if update_began:
+        fake.optimizer_update_begins(state.params[-1], state.world_size)
+    agent.announce(1)
+    agent.ready(1)
+    assert repair.target_after(RuntimeError("ForceStopError error occurs when execute")) == 1
+    repair.recover(1)
+    return repair
+
+
+def test_a_rank_stopped_in_its_optimizer_s_update_takes_a_replica_s_state(monkeypatch, folder):
+    """Pins mismatch 4: MindSpore refuses to stop a rank whose parameters are mid-update
+    (_is_params_consistent, _train_fault_tolerance.py:176-180). ftrun stops it all the same (its step may be
+    blocked) and has it give up its claim, so that it takes a healthy replica's state rather than serve its own."""
+    fake = AscendMindSpore(monkeypatch, rows=[[NO_STATE, NO_STATE, NO_STATE], [5, NO_STATE, NO_STATE]])
+    state = State(rank=0)
+    interrupt_mid_step(fake, folder, state, update_began=True)
+    assert ("all_gather", (NO_STATE, NO_STATE, NO_STATE)) in fake.calls
+    assert ("send_recv", 4, 1, 0) in fake.calls and state.step == 5
+
+
+def test_a_rank_stopped_before_its_optimizer_s_update_serves_its_committed_step(monkeypatch, folder):
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    interrupt_mid_step(fake, folder, State(rank=0), update_began=False)
+    assert ("all_gather", (5, NO_STATE, NO_STATE)) in fake.calls and ("send_recv", 4, 0, 1) in fake.calls
+
+
+def test_a_rank_with_no_fault_tolerant_optimizer_cannot_vouch_for_an_interrupted_step(monkeypatch, folder):
+    """With no flag, MindSpore's check answers "not consistent" (_train_fault_tolerance.py:791-796)."""
+    fake = AscendMindSpore(monkeypatch, rows=[[NO_STATE, 4, NO_STATE], [NO_STATE, 4, NO_STATE]])
+    state = State(rank=0, held=[4], flag=None)
+    interrupt_mid_step(fake, folder, state, update_began=False)
+    assert ("all_gather", (NO_STATE, 4, NO_STATE)) in fake.calls
+    assert state.loaded == [4] and state.step == 4
+
+
+def test_a_rank_repaired_between_steps_holds_its_committed_step_with_or_without_the_flag(monkeypatch, folder):
+    fake = AscendMindSpore(monkeypatch, rows=[[5, NO_STATE, NO_STATE], [NO_STATE, NO_STATE, NO_STATE]])
+    Agent(folder).announce(1)
+    Agent(folder).ready(1)
+    make_repair(folder, State(rank=0, flag=None)).recover(1)  # announced between two steps: nothing interrupted
+    assert ("all_gather", (5, NO_STATE, NO_STATE)) in fake.calls

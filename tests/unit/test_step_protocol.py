@@ -221,13 +221,16 @@ def test_a_body_that_drives_the_protocol_itself_is_not_committed_twice():
 
 class FakeMindSporeRepair:
     def __init__(self, target: int | None):
-        self.target, self.in_step, self.recovered = target, False, []
+        self.target, self.in_step, self.recovered, self.committed = target, False, [], 0
 
     def target_after(self, error: BaseException) -> int | None:
         return self.target if isinstance(error, RuntimeError) else None
 
     def recover(self, target: int) -> None:
         self.recovered.append(target)
+
+    def step_committed(self) -> None:
+        self.committed += 1
 
 
 MS_CASES = [
@@ -247,6 +250,7 @@ def test_a_mindspore_step_ends_as_a_torch_one(error, target, ending, step, recov
     assert repair.in_step
     outcome = job.end_step(error)
     assert (outcome.ending, outcome.step, repair.recovered, repair.in_step) == (ending, step, recovered, False)
+    assert repair.committed == step  # MindSpore's step-end work (the flags) only for a committed step
     assert outcome.error is (error if ending is Ending.LOST else None)
 
 
