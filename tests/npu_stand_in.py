@@ -57,7 +57,6 @@ class ProcessGroup:
         CUSTOM = "CUSTOM"
 
     def __init__(self, store, rank: int, size: int):
-        self.store, self._rank, self._size = store, rank, size
         self._backends: dict[str, object] = {}
 
     def _set_default_backend(self, kind) -> None:
@@ -77,18 +76,10 @@ class ProcessGroup:
         """A collective goes to the backend of the tensors' device (ftrun's tests use the npu one)."""
         return self._get_backend(Device("npu")).barrier(*args, **options)
 
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 class Work:
     """An enqueued collective, as the watchdog tracks it (WorkHCCL)."""
-
-    def __init__(self, group: "ProcessGroupHCCL"):
-        self.group = group
 
     def wait(self, timeout=None) -> bool:
         return True
@@ -241,12 +232,12 @@ class ProcessGroupHCCL:
         if owner.force_stop_error_flag:
             owner.force_stop_error_flag = False  # one collective fails, the flag is spent
             raise RuntimeError("FORCE STOP.")
-        work = Work(self)
+        work = Work()
         if self.watchdog_status != WATCHDOG_STOP:
             self.work_meta_list.append(work)
         return work
 
-    barrier = broadcast = allgather = allreduce
+    barrier = allreduce
 
     def watchdog_tick(self) -> None:
         """One pass of Watchdog::runLoop (ProcessGroupHCCL.cpp:2081-2135)."""

@@ -197,6 +197,10 @@ def _abort(group) -> None:
 
 
 
+#: torch_npu's watchdog states (``set_watchdog_status``): a paused watchdog looks at nothing
+WATCHDOG_RUN, WATCHDOG_STOP = 1, 2
+
+
 class HcclBackend(CommBackend):
     """torch_npu's HCCL groups, each with a watchdog thread of its own.
 
@@ -259,10 +263,6 @@ class HcclBackend(CommBackend):
         if result != 0:  # 1: the device's tasks were not aborted (aclrtDeviceTaskAbort failed)
             raise DeviceNotStopped(f"the device's tasks could not be stopped (torch_npu.npu.stop_device("
                                    f"{self.local_rank}) returned {result})")
-
-
-#: torch_npu's watchdog states (``set_watchdog_status``): a paused watchdog looks at nothing
-WATCHDOG_RUN, WATCHDOG_STOP = 1, 2
 
 
 def _set_watchdogs(groups: list, status: int) -> None:

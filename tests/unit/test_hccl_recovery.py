@@ -6,6 +6,7 @@ pins (a real cluster's failure that the old code would meet)."""
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import pytest
@@ -15,6 +16,7 @@ from ftrun.agent.workers import GenerationEnv, generation_env
 from ftrun.config import build_launch_config
 from ftrun.elastic.backends import DeviceNotStopped, HcclBackend
 from ftrun.elastic.groups import GroupSet
+from ftrun.elastic.link import ControlLink
 from ftrun.elastic.repair import Repair
 from ftrun.errors import EXIT_STUCK
 from tests.npu_stand_in import Device, ProcessGroup, ProcessTornDown, TorchNpu, WATCHDOG_STOP
@@ -77,6 +79,7 @@ def test_mismatch_1_the_watchdogs_of_ftrun_s_groups_are_paused_for_the_repair_an
     assert paused == [[WATCHDOG_STOP, WATCHDOG_STOP]]  # between stop_device and restart_device
     assert [(o.watchdog_status, o.work_meta_list) for o in olds] == [(1, []), (1, [])]
     assert torch_npu.calls == [("stop_device", 3), ("restart_device", 3)]
+    assert not torch_npu.python_force_stop  # else torch_npu's excepthook reports any later error as FORCE STOP
 
 
 def test_mismatch_1_torch_npu_alone_pauses_no_watchdog_of_ftrun_s_groups(torch_npu):
@@ -115,7 +118,7 @@ def test_mismatch_1_a_peer_s_death_seen_by_a_healthy_rank_s_watchdog_before_the_
 
 def test_mismatch_1_at_job_level_torch_npu_s_own_error_handling_stays(torch_npu, tmp_path, monkeypatch):
     monkeypatch.setattr("os.environ", process_level_env(tmp_path, "job"))
-    assert "TORCH_HCCL_ASYNC_ERROR_HANDLING" not in __import__("os").environ
+    assert "TORCH_HCCL_ASYNC_ERROR_HANDLING" not in os.environ
     groups = hccl_groups()
     world = script_group(groups, "0", 0, [], size=2)
     world.barrier()
@@ -176,10 +179,18 @@ def test_mismatch_8_a_rank_whose_device_cannot_be_stopped_exits_to_be_replaced(t
         "exiting to be replaced"]
 
 
-def test_mismatch_8_an_interrupt_whose_device_cannot_be_stopped_says_so(torch_npu):
+def test_mismatch_8_a_rank_whose_device_cannot_be_stopped_to_release_a_collective_exits_at_once(
+        torch_npu, monkeypatch, caplog):
+    # the repair watcher's interrupt: the main thread waits in a collective that nothing else can end
     torch_npu.abort_fails = True
-    with pytest.raises(DeviceNotStopped):
-        hccl_groups(local_rank=1).interrupt()
+    monkeypatch.setattr("ftrun.elastic.link.os._exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    link = types.SimpleNamespace(_groups=hccl_groups(local_rank=1), rank=4)
+    with caplog.at_level(logging.ERROR, logger="ftrun.elastic"), pytest.raises(SystemExit) as exited:
+        ControlLink._interrupt(link)
+    assert exited.value.code == EXIT_STUCK
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 4: the device's tasks could not be stopped (torch_npu.npu.stop_device(1) returned 1); "
+        "exiting to be replaced"]
 
 
 @pytest.mark.parametrize("answer", [0, 1, 2, 3])
