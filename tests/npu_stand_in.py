@@ -85,10 +85,17 @@ class Work:
         return True
 
 
+def torch_pg_map() -> list:
+    """The groups in torch's ``_pg_map`` (what _recovery.py:3 imports): those init_process_group and new_group made."""
+    from torch.distributed.distributed_c10d import _pg_map
+
+    return list(_pg_map)
+
+
 class TorchNpu:
     """One process's torch_npu: its process-wide HCCL state, the device, and the groups built in it."""
 
-    def __init__(self, pg_map: Callable[[], list] = list):
+    def __init__(self, pg_map: Callable[[], list] = torch_pg_map):
         #: torch's ``_pg_map``, the groups ``stop_device`` and ``restart_device`` walk (_recovery.py:81, 95)
         self.pg_map = pg_map
         #: file-static in ProcessGroupHCCL.cpp:100-101: shared by every group of the process

@@ -9,9 +9,9 @@ down before the next generation's group forms. How depends on the backend:
   C++ may hold on to), then the real groups are dropped.
 * nccl (CUDA): each communicator must be aborted (``ProcessGroup.abort``) or the
   kernels stay queued; then the real groups are dropped.
-* hccl (Ascend, torch_npu): the device's tasks are stopped
-  (``torch_npu.npu.stop_device``), the device restarted
-  (``restart_device``), then the real groups are dropped.
+* hccl (Ascend, torch_npu): each real group's watchdog is paused, the device's tasks are
+  stopped (``torch_npu.npu.stop_device``), the device restarted (``restart_device``), the
+  watchdogs cleared and resumed, then the real groups are dropped.
 
 Each backend also makes the real groups (``connect``) that ftrun's reconfigurable groups
 (``ftrun/elastic/groups.py``) hand their collectives to: a ``ProcessGroup`` with the backend's

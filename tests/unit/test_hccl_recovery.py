@@ -15,11 +15,11 @@ import torch.distributed as dist
 from ftrun.agent.workers import GenerationEnv, generation_env
 from ftrun.config import build_launch_config
 from ftrun.elastic.backends import DeviceNotStopped, HcclBackend
-from ftrun.elastic.groups import GroupSet
+from ftrun.elastic.groups import GroupSet, init_default_group, install
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.repair import Repair
 from ftrun.errors import EXIT_STUCK
-from tests.npu_stand_in import Device, ProcessGroup, ProcessTornDown, TorchNpu, WATCHDOG_STOP
+from tests.npu_stand_in import WATCHDOG_STOP, Device, ProcessGroup, ProcessTornDown, TorchNpu, torch_pg_map
 
 NPU = Device("npu")
 
@@ -83,15 +83,19 @@ def test_mismatch_1_the_watchdogs_of_ftrun_s_groups_are_paused_for_the_repair_an
 
 
 def test_mismatch_1_torch_npu_alone_pauses_no_watchdog_of_ftrun_s_groups(torch_npu):
-    # the reason ftrun pauses them itself: torch_npu walks torch's _pg_map, where ftrun's real groups are not
-    # and its ElasticGroup has no device types
-    elastic = types.SimpleNamespace(_device_types=[])
-    torch_npu.pg_map = lambda: [elastic]
+    # the reason ftrun pauses them itself: torch_npu walks torch's _pg_map, where ftrun's real groups are not,
+    # and the ElasticGroup that is there has no device types
     groups = hccl_groups()
-    world = script_group(groups, "0", 0, [], size=2)
-    world.barrier()
-    torch_npu.stop_device(0)
-    assert hccl_of(world).watchdog_status != WATCHDOG_STOP
+    install(groups, ("cpu",))
+    init_default_group(groups, rank=0, world_size=1, timeout=5)
+    try:
+        world = dist.group.WORLD
+        assert world in torch_pg_map() and world._device_types == []
+        world.barrier()
+        torch_npu.stop_device(0)
+        assert hccl_of(world).watchdog_status != WATCHDOG_STOP
+    finally:
+        dist.destroy_process_group()
 
 
 def process_level_env(tmp_path, recovery: str) -> dict[str, str]:
