@@ -3,7 +3,10 @@ group with its watchdog, and the device recovery calls (``stop_device``, ``resta
 ``check_uce_in_memory``). Each behaviour follows the released code, and its comment says where it is:
 ``_recovery.py`` and ``utils.py`` are the wheel's ``torch_npu/npu/`` files; the ``.cpp``/``.hpp`` files are
 in the public Ascend/pytorch repository, ``torch_npu/csrc/`` (ProcessGroupHCCL in ``distributed/``,
-``Module.cpp`` in ``npu/``, ``OptionsManager.cpp`` in ``core/npu/register/``).
+``Module.cpp`` in ``npu/``, ``OptionsManager.cpp`` in ``core/npu/register/``), with the line numbers of its
+master branch at commit 9e73e708 (August 2026), the snapshot that ASCEND.md's table was read from; the log
+texts of those C++ paths (the FORCE STOP flag's, the rank table's world communicator's, the error-handling
+variable's check) are also in the 2.14.0 wheel's ``libtorch_npu.so``.
 
 One process's torch_npu is one :class:`TorchNpu`; ``install`` puts it where ``import torch_npu`` finds it.
 The stand-in has no threads: where the real watchdog polls in a thread of its own, a test calls
@@ -247,7 +250,7 @@ class ProcessGroupHCCL:
     barrier = allreduce
 
     def watchdog_tick(self) -> None:
-        """One pass of Watchdog::runLoop (ProcessGroupHCCL.cpp:2081-2135)."""
+        """One pass of Watchdog::runLoop (ProcessGroupHCCL.cpp:2069-2135)."""
         if self.watchdog_status == WATCHDOG_STOP:
             return  # a paused watchdog looks at nothing (:2098-2100)
         # checkHcclComms (:2022-2056): a communicator's error ends the process in a tearing-down mode
