@@ -43,8 +43,9 @@ class Device(NamedTuple):
 
 
 def async_error_handling() -> int:
-    """The mode torch_npu reads once per process: TORCH_HCCL_ASYNC_ERROR_HANDLING, else the deprecated
-    HCCL_ASYNC_ERROR_HANDLING, else 1, TearDown (OptionsManager.cpp:223-242)."""
+    """The error-handling mode: TORCH_HCCL_ASYNC_ERROR_HANDLING, else the deprecated HCCL_ASYNC_ERROR_HANDLING,
+    else 1, TearDown (OptionsManager.cpp:223-242). torch_npu reads it once per process and the stand-in at each
+    group it builds, which comes to the same while a test leaves the environment alone."""
     value = os.environ.get("TORCH_HCCL_ASYNC_ERROR_HANDLING", os.environ.get("HCCL_ASYNC_ERROR_HANDLING", "1"))
     mode = int(value)
     if mode not in (NO_HANDLING, TEAR_DOWN, CLEAN_UP_ONLY, SKIP_CLEAN_UP):
