@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from ftrun import mindspore
 from ftrun.agent import standby
@@ -491,9 +491,23 @@ def generation_env(config: LaunchConfig, gen: GenerationEnv, error_file: str) ->
         TORCHELASTIC_ERROR_FILE=error_file,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
+    if config.recovery == "process":
+        env.update(torch_npu_recovery_variables(env))
     if gen.relay_dir and config.recovery == "process":  # a MindSpore job on Ascend (config.py)
         env.update(mindspore.recovery_variables(env))
     return env
+
+
+def torch_npu_recovery_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """What a process-level repair needs of torch_npu (only torch_npu reads these, so they go to every worker).
+
+    Its HCCL watchdog ends the whole process on a communicator error by default (TORCH_HCCL_ASYNC_ERROR_HANDLING
+    1). A peer's death shows up on a healthy rank's communicators (an error CQE) before any repair is announced,
+    so that rank would die too; with 0, the error reaches the rank's collective and the repair. The user's own
+    setting, or the deprecated HCCL_ASYNC_ERROR_HANDLING, wins."""
+    if "TORCH_HCCL_ASYNC_ERROR_HANDLING" in env or "HCCL_ASYNC_ERROR_HANDLING" in env:
+        return {}
+    return {"TORCH_HCCL_ASYNC_ERROR_HANDLING": "0"}
 
 
 def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: GenerationEnv, error_file: str) -> dict[str, str]:

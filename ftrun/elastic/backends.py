@@ -9,9 +9,9 @@ down before the next generation's group forms. How depends on the backend:
   C++ may hold on to), then the real groups are dropped.
 * nccl (CUDA): each communicator must be aborted (``ProcessGroup.abort``) or the
   kernels stay queued; then the real groups are dropped.
-* hccl (Ascend, torch_npu): the device's tasks are stopped
-  (``torch_npu.npu.stop_device``), the device restarted
-  (``restart_device``), then the real groups are dropped.
+* hccl (Ascend, torch_npu): each real group's watchdog is paused, the device's tasks are
+  stopped (``torch_npu.npu.stop_device``), the device restarted (``restart_device``), the
+  watchdogs cleared and resumed, then the real groups are dropped.
 
 Each backend also makes the real groups (``connect``) that ftrun's reconfigurable groups
 (``ftrun/elastic/groups.py``) hand their collectives to: a ``ProcessGroup`` with the backend's
@@ -43,6 +43,11 @@ class Memory(enum.Enum):
     STATE_LOST = "state lost"
     #: memory torch does not manage: nothing in place can vouch for it, the process is replaced
     UNKNOWN = "unknown"
+
+
+class DeviceNotStopped(RuntimeError):
+    """The device's tasks could not be stopped for a repair (Ascend's ``stop_device`` failed): whatever
+    this rank waits in may never end, and nothing in the process can make the device usable again."""
 
 
 class CommBackend:
@@ -85,15 +90,17 @@ class CommBackend:
         """Device types the real group also carries beyond its own (gloo: CUDA's, where CUDA is present)."""
         return ("cuda",) if _cuda_present() else ()
 
-    def connect(self, store, rank: int, size: int, timeout: float):
-        """A real group of this backend over ``store`` (a generation's and a group's own prefix)."""
+    def connect(self, store, rank: int, size: int, timeout: float, global_ranks: tuple[int, ...], name: str):
+        """A real group of this backend over ``store`` (a generation's and a group's own prefix), for the
+        members ``global_ranks`` and named ``name``, which no other group of any generation shares."""
         before = _socket_fds()
-        real = self._real_group(store, rank, size, datetime.timedelta(seconds=timeout))
+        real = self._real_group(store, rank, size, datetime.timedelta(seconds=timeout), global_ranks, name)
         self._group_fds |= _socket_fds() - before
         self._live.append(real)
         return real
 
-    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta):
+    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: tuple[int, ...],
+                    name: str):
         import torch
 
         group = self.dist.ProcessGroup(store, rank, size)
@@ -142,7 +149,8 @@ class NcclBackend(CommBackend):
 
         return torch.device("cuda", self.local_rank)
 
-    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta):
+    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: tuple[int, ...],
+                    name: str):
         import torch
 
         options = self.dist.ProcessGroupNCCL.Options()
@@ -189,7 +197,22 @@ def _abort(group) -> None:
 
 
 
+#: torch_npu's watchdog states (``set_watchdog_status``): a paused watchdog looks at nothing
+WATCHDOG_RUN, WATCHDOG_STOP = 1, 2
+
+
 class HcclBackend(CommBackend):
+    """torch_npu's HCCL groups, each with a watchdog thread of its own.
+
+    torch_npu's ``stop_device``/``restart_device`` pause and resume only the watchdogs of groups in
+    torch's group map, where ftrun's real groups are not: the backend pauses its own around the device's
+    stop (a running watchdog that meets the stopped tasks sets a process-wide flag that fails the next
+    generation's first collective with "FORCE STOP."), then clears their work and resumes them, which
+    clears that flag. Each real group is given its members' global ranks and a name of its own: with
+    none, torch_npu takes a group for the world and, where RANK_TABLE_FILE is set, builds it as the
+    table's whole world at the group's own rank.
+    """
+
     name = "hccl"
     device_type = "npu"
     sliced_waits = False
@@ -202,12 +225,15 @@ class HcclBackend(CommBackend):
 
         return torch.device("npu", self.local_rank)
 
-    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta):
+    def _real_group(self, store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: tuple[int, ...],
+                    name: str):
         import torch
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout
+        options.global_ranks_in_group = list(global_ranks)
+        options.group_id = name
         group = self.dist.ProcessGroup(store, rank, size)
         kind = self.dist.ProcessGroup.BackendType.CUSTOM
         group._set_default_backend(kind)
@@ -217,17 +243,38 @@ class HcclBackend(CommBackend):
     def interrupt(self) -> None:
         import torch_npu
 
-        torch_npu.npu.stop_device(self.local_rank)  # aborts the device's tasks; the HCCL watchdog pauses
+        _set_watchdogs(self._live, WATCHDOG_STOP)
+        self._stop_device(torch_npu)  # aborts the device's tasks: the collective waited in returns
 
     def release(self, groups: list) -> None:
         import torch_npu
 
         # the device's tasks stop and its resources are rebuilt once for every group on it; in between, the
         # device says whether an on-chip memory fault (UCE) hit memory the training state lives in
-        torch_npu.npu.stop_device(self.local_rank)
+        _set_watchdogs(groups, WATCHDOG_STOP)
+        self._stop_device(torch_npu)
         self.memory = _uce_memory(torch_npu, self.local_rank)
         torch_npu.npu.restart_device(self.local_rank, rebuild_all_resources=False)
+        _set_watchdogs(groups, WATCHDOG_RUN)
         self._live = []
+
+    def _stop_device(self, torch_npu) -> None:
+        result = torch_npu.npu.stop_device(self.local_rank)
+        if result != 0:  # 1: the device's tasks were not aborted (aclrtDeviceTaskAbort failed)
+            raise DeviceNotStopped(f"the device's tasks could not be stopped (torch_npu.npu.stop_device("
+                                   f"{self.local_rank}) returned {result})")
+
+
+def _set_watchdogs(groups: list, status: int) -> None:
+    """Pause or resume the HCCL watchdog of each real group. A resumed one first forgets the works the
+    stop aborted: it would query them and meet the stop's FORCE STOP again."""
+    import torch
+
+    for group in groups:
+        hccl = group._get_backend(torch.device("npu"))
+        if status == WATCHDOG_RUN:
+            hccl.clear_workmeta_list()
+        hccl.set_watchdog_status(status)
 
 
 #: check_uce_in_memory's answers: 0 no UCE, 1 in memory torch_npu does not manage, 2 in its temporary

@@ -202,7 +202,8 @@ class GroupSet:
         group._connecting_store = _Abandonable(self, generation)
         store = dist.PrefixStore(f"{self.prefix(generation)}/{group.group_name}", group._connecting_store)
         try:
-            real = self.backend.connect(store, group.rank(), group.size(), self.timeout)
+            real = self.backend.connect(store, group.rank(), group.size(), self.timeout, group.global_ranks,
+                                        f"{generation}_{group.group_name}")
         except Exception as e:
             raise GroupError(f"group {group.group_name} ({len(group.global_ranks)} ranks) could not connect in "
                              f"generation {generation}: {e}") from None

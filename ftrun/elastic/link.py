@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ftrun.auth import Signer
 from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure, WorkerEnv, parse_endpoint
+from ftrun.elastic.backends import DeviceNotStopped
 from ftrun.elastic.groups import GroupSet, first_line
 from ftrun.elastic.store_location import StoreLocation
 from ftrun.errors import EXIT_STUCK
@@ -370,6 +371,15 @@ class ControlLink:
                 return  # rung by let_go
             self._see_through_repair(generation)
 
+    def _interrupt(self) -> None:
+        """Release the main thread from the collective it waits in; a device that cannot be stopped would
+        hold it there for good, and this rank exits to be replaced at once."""
+        try:
+            self._groups.interrupt()
+        except DeviceNotStopped as e:
+            log.error("rank %d: %s; exiting to be replaced", self.rank, e)
+            os._exit(EXIT_STUCK)
+
     def _see_through_repair(self, generation: int) -> None:
         self._groups.abandon(generation)  # a group still connecting may wait for a peer that died
         announced_at = time.monotonic()
@@ -378,7 +388,7 @@ class ControlLink:
             waited = time.monotonic() - announced_at
             if waited > INTERRUPT_AFTER and not interrupted:
                 interrupted = True
-                self._groups.interrupt()
+                self._interrupt()
             if waited > self.fault_wait:
                 log.error("rank %d: blocked in a collective %.0fs after a repair was announced; exiting to be replaced "
                           "(where each thread was, below)", self.rank, self.fault_wait)

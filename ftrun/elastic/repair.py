@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ftrun.contract import Fallback, Milestone, RollbackFailure
 from ftrun.elastic.arrays import load_own, own_steps
-from ftrun.elastic.backends import Memory
+from ftrun.elastic.backends import DeviceNotStopped, Memory
 from ftrun.elastic.groups import GroupSet, first_line, init_default_group
 from ftrun.elastic.link import ControlLink
 from ftrun.elastic.shards import to_local
@@ -87,7 +87,11 @@ class Repair:
 
     def leave(self) -> None:
         self.state.reset_wrappers()
-        self.groups.release()
+        try:
+            self.groups.release()
+        except DeviceNotStopped as e:
+            log.error("rank %d: %s; exiting to be replaced", self.link.rank, e)
+            os._exit(EXIT_STUCK)
         if self.groups.backend.memory is Memory.UNKNOWN:
             # an on-chip memory fault outside what torch manages: nothing here can vouch for the process
             log.error("rank %d: a memory fault (UCE) outside torch's memory; exiting to be replaced", self.link.rank)

@@ -46,7 +46,7 @@ def measure(repeats: int) -> dict:
     for _ in range(repeats):
         for way in WAYS:
             made += 1
-            group = backend.connect(dist.PrefixStore(f"g{made}", store), 0, 1, timeout=60)
+            group = backend.connect(dist.PrefixStore(f"g{made}", store), 0, 1, 60, (0,), f"g{made}")
             tensor = torch.ones(1024, device="cuda")
             group.allreduce([tensor]).wait()
             torch.cuda.synchronize()
@@ -68,7 +68,7 @@ def measure(repeats: int) -> dict:
     for name, release in (("4 groups in turn", lambda gs: [g.abort() for g in gs]), ("4 groups at once", backend.release)):
         for _ in range(repeats):
             made += 4
-            four = [backend.connect(dist.PrefixStore(f"g{made}-{i}", store), 0, 1, timeout=60) for i in range(4)]
+            four = [backend.connect(dist.PrefixStore(f"g{made}-{i}", store), 0, 1, 60, (0,), f"g{made}-{i}") for i in range(4)]
             for group in four:
                 group.allreduce([torch.ones(1024, device="cuda")]).wait()
             torch.cuda.synchronize()

@@ -118,6 +118,7 @@ EXPECTED_WORKER_ENV = {
     "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "8", "TORCHELASTIC_ERROR_FILE": "/logs/error.json",
     "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "job",
     "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": "8",
+    "TORCH_HCCL_ASYNC_ERROR_HANDLING": "0",  # --recovery process
 }
 
 
@@ -127,7 +128,8 @@ def test_a_worker_gets_every_variable_of_its_place_key_for_key(tmp_path, monkeyp
     the workers got when it was merged from parts, variable for variable."""
     for name in [name for name in os.environ if name.startswith(("FTRUN_", "PET_", "CUDA_", "RANK_TABLE"))]:
         monkeypatch.delenv(name)
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
     script = tmp_path / "train.py"
     script.write_text("")
     config = build_launch_config({"script": str(script), "nproc_per_node": "2", "rdzv_endpoint": "head:29400",

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ftrun import mindspore
-from ftrun.agent.workers import GenerationEnv, WorkerPlacement, worker_env
+from ftrun.agent.workers import GenerationEnv, WorkerPlacement, torch_npu_recovery_variables, worker_env
 from ftrun.cli import _subcommands, launch_command
 from ftrun.cli.cluster import ClusterPlan
 from ftrun.cli.launch import ALIASES, NOT_IN_CONFIG
@@ -158,6 +158,7 @@ def variables_set_for_workers(tmp_path: Path, monkeypatch) -> set[str]:
     scheduler = mindspore.Scheduler("head", 31000)
     names |= set(mindspore.worker_variables(scheduler, 4, 600, 3, 1)) | set(mindspore.scheduler_variables(scheduler, 4, 600))
     names |= set(mindspore.recovery_variables())
+    names |= set(torch_npu_recovery_variables({}))  # under --recovery process
     return names
 
 

@@ -12,6 +12,7 @@ from ftrun.agent import standby
 from ftrun.elastic.backends import CommBackend, HcclBackend, NcclBackend, make_comm_backend
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.rollback import NO_STATE, RollbackPlan, Transfer, choose_rollback
+from tests.npu_stand_in import Device, ProcessGroup, TorchNpu
 
 
 def plan(step, *transfers):
@@ -161,7 +162,7 @@ def test_nccl_backend_builds_its_group_with_its_timeout_on_the_cuda_device_over_
     nccl.Options = Options
     backend = NcclBackend(dist=fake, local_rank=1)
     monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
-    backend.connect("store", 2, 4, timeout=30)
+    backend.connect("store", 2, 4, 30, (0, 1, 2, 3), "0_0")
     assert made == [("group", "store", 2, 4), ("default", "NCCL"), ("register", "cuda", "NCCL", ("nccl", 2, 4, 30.0))]
     assert backend.devices() == ("cuda", "cpu") and len(backend._live) == 1
 
@@ -176,7 +177,7 @@ def test_gloo_serves_cuda_tensors_where_cuda_is_present(monkeypatch, cuda):
     monkeypatch.setattr("ftrun.elastic.backends._cuda_present", lambda: cuda)
     monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
     backend = CommBackend(dist=fake)
-    backend.connect("store", 0, 2, timeout=30)
+    backend.connect("store", 0, 2, 30, (0, 1), "0_0")
     expected = ["cpu", "cuda"] if cuda else ["cpu"]
     assert [m for m in made if m[0] == "register"] == [("register", device, "GLOO", "gloo") for device in expected]
     assert backend.devices() == tuple(expected)
@@ -184,58 +185,37 @@ def test_gloo_serves_cuda_tensors_where_cuda_is_present(monkeypatch, cuda):
 
 
 @pytest.fixture
-def fake_torch_npu(monkeypatch):
-    calls = []
-    npu = types.SimpleNamespace(
-        stop_device=lambda device: calls.append(("stop_device", device)),
-        restart_device=lambda device, rebuild_all_resources: calls.append(("restart_device", device, rebuild_all_resources)),
-    )
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
-    return calls
-
-
-def test_hccl_release_stops_and_restarts_the_device_once_for_every_group(fake_torch_npu):
-    HcclBackend(dist=types.SimpleNamespace(), local_rank=3).release([object(), object()])
-    assert fake_torch_npu == [("stop_device", 3), ("restart_device", 3, False)]
-
-
-def test_hccl_backend_builds_its_group_through_a_stand_in_torch_npu_on_the_npu_device(fake_torch_npu, monkeypatch):
-    made = []
-
-    class ProcessGroupHCCL:
-        class Options:
-            pass
-
-        def __init__(self, store, rank, size, options):
-            made.append(("hccl", rank, size, options._timeout.total_seconds()))
-
-    class ProcessGroup:
-        class BackendType:
-            CUSTOM = "CUSTOM"
-
-        def __init__(self, store, rank, size):
-            pass
-
-        def _set_default_backend(self, kind):
-            made.append(("default", kind))
-
-        def _register_backend(self, device, kind, backend):
-            made.append(("register", device.type, kind))
-
-    c10d = types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL)
-    monkeypatch.setitem(sys.modules, "torch_npu._C", types.SimpleNamespace(_distributed_c10d=c10d))
-    monkeypatch.setitem(sys.modules, "torch_npu._C._distributed_c10d", c10d)
+def torch_npu(monkeypatch):
+    npu = TorchNpu()
+    npu.install(monkeypatch)
     monkeypatch.setattr("ftrun.elastic.backends._socket_fds", lambda: set())
-    monkeypatch.setattr("torch.device", lambda kind: types.SimpleNamespace(type=kind))
-    backend = HcclBackend(dist=types.SimpleNamespace(ProcessGroup=ProcessGroup), local_rank=2)
-    backend.connect("store", 1, 8, timeout=45)
-    assert made == [("default", "CUSTOM"), ("hccl", 1, 8, 45.0), ("register", "npu", "CUSTOM")]
+    return npu
+
+
+def hccl_backend(local_rank: int) -> HcclBackend:
+    return HcclBackend(dist=types.SimpleNamespace(ProcessGroup=ProcessGroup), local_rank=local_rank)
+
+
+def test_hccl_release_stops_and_restarts_the_device_once_for_every_group(torch_npu):
+    backend = hccl_backend(3)
+    groups = [backend.connect("store", 0, 2, 30, (0, 1), name) for name in ("0_0", "0_1")]
+    backend.release(groups)
+    assert torch_npu.calls == [("stop_device", 3), ("check_uce_in_memory", 3), ("restart_device", 3)]
+
+
+def test_hccl_backend_builds_its_group_through_a_stand_in_torch_npu_on_the_npu_device(torch_npu):
+    backend = hccl_backend(2)
+    group = backend.connect("store", 1, 2, 45, (4, 6), "3_dp")
+    hccl = group._get_backend(Device("npu"))
+    assert (hccl.rank, hccl.size, hccl.options._timeout.total_seconds()) == (1, 2, 45.0)
+    assert (hccl.options.global_ranks_in_group, hccl.group_name) == ([4, 6], "group_name_3_dp")
+    assert group.default_backend == "CUSTOM" and group._device_types == [Device("npu")]
     assert backend.devices() == ("npu", "cpu")
 
 
-def test_hccl_interrupt_stops_the_device(fake_torch_npu):
-    HcclBackend(dist=types.SimpleNamespace(), local_rank=1).interrupt()
-    assert fake_torch_npu == [("stop_device", 1)]
+def test_hccl_interrupt_stops_the_device(torch_npu):
+    hccl_backend(1).interrupt()
+    assert torch_npu.calls == [("stop_device", 1)]
 
 
 def test_backend_names():

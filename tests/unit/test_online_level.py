@@ -20,6 +20,7 @@ from ftrun.elastic.backends import CommBackend, HcclBackend, Memory, NcclBackend
 from ftrun.elastic.groups import GroupError, GroupSet, _Guarded, first_line
 from ftrun.events import EventLog, read_events
 from ftrun.messages import CommandKind, Report, ReportKind, WorkerFailure
+from tests.npu_stand_in import TorchNpu
 
 
 def ready(**fields) -> JobView:
@@ -114,25 +115,31 @@ def test_the_narrator_says_the_level_once_and_its_step_down(tmp_path):
 @pytest.mark.parametrize("answer, memory", [(0, Memory.INTACT), (1, Memory.UNKNOWN), (2, Memory.INTACT),
                                             (3, Memory.STATE_LOST), (7, Memory.UNKNOWN)])
 def test_hccl_release_checks_the_memory_for_a_uce_between_stop_and_restart(monkeypatch, answer, memory):
-    calls = []
-    npu = types.SimpleNamespace(
-        stop_device=lambda device: calls.append(("stop_device", device)),
-        check_uce_in_memory=lambda device: calls.append(("check_uce_in_memory", device)) or answer,
-        restart_device=lambda device, rebuild_all_resources: calls.append(("restart_device", device)),
-    )
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    npu = TorchNpu()
+    npu.install(monkeypatch)
+    npu.uce = answer
     backend = HcclBackend(dist=types.SimpleNamespace(), local_rank=3)
-    backend.release([object()])
-    assert calls == [("stop_device", 3), ("check_uce_in_memory", 3), ("restart_device", 3)]
+    backend.release([])
+    assert npu.calls == [("stop_device", 3), ("check_uce_in_memory", 3), ("restart_device", 3)]
     assert backend.memory is memory
 
 
 def test_a_torch_npu_without_the_uce_check_leaves_the_memory_intact(monkeypatch):
-    npu = types.SimpleNamespace(stop_device=lambda device: None, restart_device=lambda device, rebuild_all_resources: None)
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    npu = TorchNpu()
+    npu.install(monkeypatch)
+    del npu.npu.check_uce_in_memory
     backend = HcclBackend(dist=types.SimpleNamespace(), local_rank=0)
     backend.release([])
     assert backend.memory is Memory.INTACT
+
+
+def test_without_the_memory_cache_the_uce_check_refuses_and_the_state_comes_from_a_replica(monkeypatch):
+    npu = TorchNpu()
+    npu.install(monkeypatch)
+    monkeypatch.setenv("PYTORCH_NO_NPU_MEMORY_CACHING", "1")
+    backend = HcclBackend(dist=types.SimpleNamespace(), local_rank=0)
+    backend.release([])
+    assert backend.memory is Memory.STATE_LOST
 
 
 def test_a_collective_failure_reads_back_and_a_stranger_text_is_none():
@@ -250,13 +257,8 @@ def test_when_hccl_s_own_operator_retry_fails_the_online_level_takes_over_on_the
     # HCCL retries a failed operator itself (HCCL_OP_RETRY_ENABLE); when that fails too, the rank's collective
     # raises, its process alive: the failure is told at once, and the release stops, checks and restarts the
     # device in place (the stand-in torch_npu records it)
-    calls = []
-    npu = types.SimpleNamespace(
-        stop_device=lambda device: calls.append("stop_device"),
-        check_uce_in_memory=lambda device: calls.append("check_uce_in_memory") or 0,
-        restart_device=lambda device, rebuild_all_resources: calls.append("restart_device"),
-    )
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    npu = TorchNpu()
+    npu.install(monkeypatch)
     groups = GroupSet(HcclBackend(dist=types.SimpleNamespace(), local_rank=0), dist.HashStore(),
                       lambda generation: f"g{generation}", timeout=5)
     groups.generation, groups.in_step = 0, True
@@ -273,7 +275,7 @@ def test_when_hccl_s_own_operator_retry_fails_the_online_level_takes_over_on_the
     assert _Guarded(RetryFailed(), groups, "allreduce", 0, 2, ([torch.ones(2)],)).wait() is True
     assert [first_line(error) for error in told] == ["HCCL OP RETRY FAILED, error code is 507904"]
     groups.release()
-    assert calls == ["stop_device", "check_uce_in_memory", "restart_device"]
+    assert [name for name, _ in npu.calls] == ["stop_device", "check_uce_in_memory", "restart_device"]
     assert groups.backend.memory is Memory.INTACT  # its own state stays: the step is redone from the rollback
 
 
