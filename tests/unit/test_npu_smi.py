@@ -66,6 +66,21 @@ def test_info_table_tolerates_spacing_case_tabs_and_unknown_lines():
     ]
 
 
+def test_info_table_300i_device_column_is_not_a_phy_id():
+    # Atlas 300I/310P boards head the chip row "Chip  Device": that number is not the board's Phy-ID
+    rows = parse_info_table(fixture("info_300i_duo.txt"))
+    assert [(r.npu, r.chip, r.health, r.phy_id) for r in rows] == [
+        (8, 0, Health.OK, None), (8, 1, Health.ALARM, None), (9, 0, Health.OK, None), (9, 1, Health.OK, None)]
+
+
+def test_info_table_950_reads_the_npu_id_column_and_empty_chip_rows():
+    # npu-smi 25.6 on Ascend 950 (one third-party sample): "NPU ID" is a column of its own and the chip row
+    # leaves the first two cells empty, one chip per NPU
+    rows = parse_info_table(fixture("info_950.txt"))
+    assert rows == [ChipRow(0, 0, "Ascend950DT", Health.OK, "NA"), ChipRow(1, 0, "Ascend950DT", Health.CRITICAL, "NA"),
+                    ChipRow(2, 0, "Ascend950DT", Health.OK, "NA")]
+
+
 @pytest.mark.parametrize("name, expected", [
     ("health_ok.txt", ChipHealth(Health.OK)),
     ("health_alarm_codes.txt",
@@ -82,6 +97,14 @@ def test_parse_npu_health_without_chip_reads_every_chip():
     assert parse_npu_health(fixture("health_npu.txt")) == [
         ChipHealth(Health.OK, (), "", chip=0),
         ChipHealth(Health.WARNING, ("80CB8002",), "retry the request; link flapped once", chip=1),
+    ]
+
+
+def test_parse_npu_health_mcu_block_leaves_the_last_chip_alone():
+    # the MCU block (no "Chip ID") comes after the chips: its "Health : OK" must not become chip 1's
+    assert parse_npu_health(fixture("health_npu_mcu.txt")) == [
+        ChipHealth(Health.OK, (), "", chip=0),
+        ChipHealth(Health.ALARM, ("80E01801",), "on-chip memory uncorrectable error", chip=1),
     ]
 
 
@@ -107,6 +130,9 @@ def test_parse_list_of_a_node_without_npus_is_empty():
     ("mapping_a2.txt", {(n, 0): LogicChip(n, "Ascend 910B2") for n in range(4)}),
     ("mapping_a3_mcu.txt", {(4, 0): LogicChip(0, "Ascend910"), (4, 1): LogicChip(1, "Ascend910"),
                             (6, 0): LogicChip(2, "Ascend910"), (6, 1): LogicChip(3, "Ascend910")}),
+    # newer A3 releases add a "Chip Phy-ID" column before the name
+    ("mapping_a3_phy_id.txt", {(0, 0): LogicChip(0, "Ascend910"), (0, 1): LogicChip(1, "Ascend910"),
+                               (1, 0): LogicChip(2, "Ascend910"), (1, 1): LogicChip(3, "Ascend910")}),
 ])
 def test_parse_mapping_skips_mcu_rows(name, expected):
     assert parse_mapping(fixture(name)) == expected
