@@ -49,7 +49,7 @@ def test_unknown_code_falls_back_to_the_health_word():
     w = watch()
     w.observe([status(2)], now=0)
     [event] = w.observe([status(2, Health.CRITICAL, "DEADBEEF")], now=1)
-    assert event.level is FaultLevel.SEPARATE
+    assert event.level is FaultLevel.RESTART_NPU  # a reset first: the reset isolates it if it does not help
 
 
 def test_same_device_needing_restart_npu_twice_in_a_day_is_isolated():
@@ -86,7 +86,7 @@ def test_separate_npu_isolates_the_device_and_names_its_ranks(fake_npu):
     node.assign(2)
     w = watch()
     w.observe(node.backend.poll(), now=0)
-    [event] = w.observe([status(1, Health.ALARM, "DEADBEEF")], now=1)
+    [event] = w.observe([status(1, Health.UNKNOWN)], now=1)
     assert node.apply(event) == [1]
     assert node.placed(node.device_for_respawn(1)) == (DeviceAssignment(2, 1), ("ASCEND_RT_VISIBLE_DEVICES", "0,2"))
 
@@ -121,6 +121,8 @@ def test_probe_reports_levels_actions_and_the_unusable_devices(fake_npu):
     assert report.rows[2].action == "stop its ranks, reset the chip, respawn them"
     assert report.problem == "device 2 Critical: code 8C03A000 (RestartNPU)"
     assert report.as_dict()["usable"] is False
+    assert [r.rule for r in report.rows] == ["health fallback"] + ["ftrun/detection/fault_levels.yaml"] * 2
+    assert report.as_dict()["devices"][1]["rule"] == "ftrun/detection/fault_levels.yaml"
 
 
 def test_probe_of_an_unreadable_tool_is_a_problem(fake_npu):
