@@ -15,6 +15,8 @@ from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
 from ftrun.devices.topology import parse_affinity_matrix
 
 log = logging.getLogger(__name__)
+#: what npu-smi prints, in lower case, on a board that cannot reset a chip (npusmi_074)
+RESET_REFUSAL = "does not support setting reset"
 
 
 class NpuBackend:
@@ -92,15 +94,30 @@ class NpuBackend:
         health = detail.health if detail.health is not Health.UNKNOWN else row.health
         return DeviceReading(device, health, detail.codes, detail.info)
 
-    def reset(self, index: int) -> None:
-        """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError."""
+    def _key_of(self, index: int) -> tuple[int, int]:
+        """(npu id, chip id) of logic id ``index``."""
         if self._chips is None:
             self.discover()
         key = next((key for key, device in self._chips.items() if device.index == index), None)
         if key is None:
             raise DeviceToolError(f"no NPU chip with logic id {index}")
-        NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(
-            "set", "-t", "reset", "-i", str(key[0]), "-c", str(key[1]), "-m", "1")
+        return key
+
+    def reset(self, index: int) -> None:
+        """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError, also when
+        npu-smi says the board does not support it: that refusal's exit code is not documented."""
+        npu, chip = self._key_of(index)
+        args = ("set", "-t", "reset", "-i", str(npu), "-c", str(chip), "-m", "1")
+        output = NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(*args)
+        refusal = next((line.strip() for line in output.splitlines() if RESET_REFUSAL in line.lower()), None)
+        if refusal is not None:
+            raise DeviceToolError(f"npu-smi {' '.join(args)}: {refusal}")
+
+    def reset_group(self, index: int) -> list[int]:
+        """The logic ids reset together with ``index``: every chip of its NPU (an A3 NPU's two dies, a 300I
+        Duo's two chips), as MindCluster resets a faulty chip with the chips associated with it."""
+        npu, _ = self._key_of(index)
+        return sorted(device.index for (other, _), device in self._chips.items() if other == npu)
 
     def cpu_affinity(self) -> dict[int, frozenset[int]]:
         """Logic id -> the CPUs near it, from ``npu-smi info -t topo`` (each chip of an NPU gets the
