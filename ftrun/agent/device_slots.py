@@ -167,7 +167,8 @@ class NodeDevices:
 
     def records(self, ips: dict[int, str]) -> tuple[RankTableDevice, ...]:
         """The usable devices as the rank tables name them: physical ids and RoCE addresses where
-        the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips)."""
+        the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips),
+        and on an A3 SuperPoD their super device and super pod ids."""
         if self.allocator is None:
             return ()
         records = []
@@ -178,8 +179,20 @@ class NodeDevices:
                 ip = self.backend.device_ip(index) if hasattr(self.backend, "device_ip") else ""
             except DeviceToolError as e:
                 log.warning("device %d: %s", index, e)
-            records.append(RankTableDevice(index, physical, ip or ips.get(physical, "")))
+            super_device_id, super_pod_id = self._super_pod_ids(index)
+            records.append(RankTableDevice(index, physical, ip or ips.get(physical, ""), super_device_id, super_pod_id))
         return tuple(records)
+
+    def _super_pod_ids(self, index: int) -> tuple[int, int]:
+        """The device's SDID and super pod id; (-1, -1) off a SuperPoD, where the query is refused."""
+        super_pod_ids = getattr(self.backend, "super_pod_ids", None)
+        if super_pod_ids is None:
+            return -1, -1
+        try:
+            return super_pod_ids(index)
+        except DeviceToolError as e:
+            log.debug("device %d: no SuperPoD ids: %s", index, e)
+            return -1, -1
 
     def states(self) -> tuple[DeviceState, ...]:
         """Each device's health as the status view shows it."""

@@ -8,7 +8,6 @@ differs from the NPU/chip numbers the table prints; hence the mapping, discovere
 from __future__ import annotations
 
 import logging
-import shutil
 
 from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
@@ -137,8 +136,15 @@ class NpuBackend:
             raise DeviceToolError(f"no NPU chip with logic id {index} in npu-smi info") from None
 
     def device_ip(self, index: int) -> str:
-        """The chip's RoCE IP from hccn_tool, for the HCCL rank table; "" when hccn_tool is not installed."""
-        if not shutil.which(self.options.hccn_tool):
+        """The chip's RoCE IP from hccn_tool (on PATH or in the driver's tools folder), for the HCCL rank
+        table; "" when hccn_tool is not installed."""
+        if not npu_smi.find_hccn_tool(self.options.hccn_tool):
             return ""  # checked first: without the tool there is no reason to read npu-smi
         return npu_smi.hccn_device_ip(self.physical_id(index), self.options.hccn_tool, self.options.timeout)
+
+    def super_pod_ids(self, index: int) -> tuple[int, int]:
+        """The chip's super device id (SDID) and super pod id, on an A3 SuperPoD (``npu-smi info -t spod-info``).
+        Raises DeviceToolError elsewhere: other boards do not support the query."""
+        npu, chip = self._key_of(index)
+        return npu_smi.parse_spod_info(self._smi.run("info", "-t", "spod-info", "-i", str(npu), "-c", str(chip)))
 

@@ -23,7 +23,10 @@ INFO = "npu-smi info"
 HEALTH = "npu-smi info -t health"
 LIST = "npu-smi info -l"
 MAPPING = "npu-smi info -m"
+SPOD_INFO = "npu-smi info -t spod-info"
 HCCN_IP = "hccn_tool -ip -g"
+#: where the Ascend driver installs hccn_tool; the vendor's docs run it from there, and it is usually not on PATH
+DRIVER_HCCN_TOOL = "/usr/local/Ascend/driver/tools/hccn_tool"
 
 _CODE = re.compile(r"(?:0x)?([0-9a-f]{8})", re.IGNORECASE)
 # the wording differs between releases: "Invalid card id.", "Invalid chip id", "Error parameter of -i"
@@ -250,6 +253,21 @@ def parse_mapping(text: str) -> dict[tuple[int, int], LogicChip]:
     return chips
 
 
+def parse_spod_info(text: str) -> tuple[int, int]:
+    """``npu-smi info -t spod-info -i N -c C`` on an A3 SuperPoD: the chip's super device id (SDID) and its
+    super pod id. The labels are assumed from DCMI's ``dcmi_spod_info`` (sdid, super_pod_id); no sample of
+    the command's output was at hand."""
+    found: dict[str, int | None] = {}
+    for line in _lines(text, SPOD_INFO):
+        pair = _label_value(line)
+        if pair is not None and pair[0] in ("sdid", "super pod id"):
+            found[pair[0]] = _int(pair[1])
+    sdid, pod = found.get("sdid"), found.get("super pod id")
+    if sdid is None or pod is None:
+        raise DeviceToolError(f"{SPOD_INFO} printed no SDID and Super Pod ID")
+    return sdid, pod
+
+
 def parse_hccn_ip(text: str) -> str:
     """The device IP from ``hccn_tool -i N -ip -g`` (``ipaddr:A.B.C.D``)."""
     for line in _lines(text, HCCN_IP):
@@ -294,8 +312,19 @@ class NpuSmi:
         return result.stdout
 
 
+def find_hccn_tool(tool: str = "hccn_tool") -> str:
+    """The hccn_tool to run: ``tool`` on PATH, else the driver's copy (DRIVER_HCCN_TOOL); "" when neither is there."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    if os.sep not in tool and os.path.isfile(DRIVER_HCCN_TOOL) and os.access(DRIVER_HCCN_TOOL, os.X_OK):
+        return DRIVER_HCCN_TOOL
+    return ""
+
+
 def hccn_device_ip(device: int, tool: str = "hccn_tool", timeout: float = 10.0) -> str:
     """The device IP hccn_tool reports for physical device ``device``; "" when hccn_tool is not installed."""
-    if not shutil.which(tool):
+    path = find_hccn_tool(tool)
+    if not path:
         return ""
-    return parse_hccn_ip(NpuSmi(tool, timeout).run("-i", str(device), "-ip", "-g"))
+    return parse_hccn_ip(NpuSmi(path, timeout).run("-i", str(device), "-ip", "-g"))

@@ -168,6 +168,19 @@ def test_reset_of_an_a3_die_resets_the_other_die_with_it_and_stops_its_rank(fake
     assert not node.resetting
 
 
+def test_records_of_an_a3_superpod_carry_the_super_device_and_pod_ids(fake_npu):
+    npus = [{"id": 0, "name": "Ascend910", "chips": [
+        {"id": c, "logic_id": c, "health": "OK", "codes": [], "info": [], "sdid": (7 << 22) + (c << 16) + c}
+        for c in range(2)]}]
+    node = node_devices(fake_npu("A3", npus, super_pod_id=2), [0, 1])
+    assert [(r.super_device_id, r.super_pod_id) for r in node.records({})] == [(7 << 22, 2), ((7 << 22) + 65537, 2)]
+
+
+def test_records_off_a_superpod_have_no_super_ids(fake_npu):
+    node = node_devices(fake_npu("A2", npu_state(1)), [0])
+    assert [(r.super_device_id, r.super_pod_id) for r in node.records({})] == [(-1, -1)]
+
+
 def test_probe_reports_levels_actions_and_the_unusable_devices(fake_npu):
     npus = npu_state(3)
     npus[1]["chips"][0].update(health="Alarm", codes=["80E01801"])

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu import NpuBackend
 from ftrun.devices.npu_smi import (
     ChipHealth,
@@ -27,6 +27,7 @@ from ftrun.devices.npu_smi import (
     parse_list,
     parse_mapping,
     parse_npu_health,
+    parse_spod_info,
 )
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -136,6 +137,15 @@ def test_parse_list_of_a_node_without_npus_is_empty():
 ])
 def test_parse_mapping_skips_mcu_rows(name, expected):
     assert parse_mapping(fixture(name)) == expected
+
+
+def test_parse_spod_info_reads_the_super_device_and_pod_ids():
+    assert parse_spod_info(fixture("spod_info_a3.txt")) == (29425665, 2)
+
+
+def test_parse_spod_info_of_a_board_outside_a_superpod_is_an_error():
+    with pytest.raises(DeviceToolError, match="printed no SDID"):
+        parse_spod_info("This device does not support querying spod-info.\n")
 
 
 def test_parse_hccn_ip():
@@ -265,7 +275,18 @@ def test_runner_replaces_bytes_that_are_not_utf8(tmp_path):
 
 def test_hccn_device_ip_is_empty_without_hccn_tool(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(npu_smi, "DRIVER_HCCN_TOOL", str(tmp_path / "driver" / "tools" / "hccn_tool"))
     assert hccn_device_ip(0) == ""
+
+
+def test_hccn_device_ip_finds_hccn_tool_where_the_driver_installs_it(tmp_path, monkeypatch):
+    # the Ascend docs run /usr/local/Ascend/driver/tools/hccn_tool, which is usually not on PATH
+    tools = tmp_path / "driver" / "tools"
+    tools.mkdir(parents=True)
+    script(tools, 'echo "ipaddr:192.168.10$2.11"', name="hccn_tool")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(npu_smi, "DRIVER_HCCN_TOOL", str(tools / "hccn_tool"))
+    assert hccn_device_ip(3) == "192.168.103.11"
 
 
 def test_hccn_device_ip_asks_for_the_device(tmp_path, monkeypatch):
