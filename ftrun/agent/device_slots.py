@@ -278,20 +278,27 @@ class NodeDevices:
         return tuple(sorted({device} | {d for d in group if d in self.allocator.devices and d not in busy}))
 
     def _reset(self, due: DueReset) -> None:
-        """In its own thread: reset the chips, wait the settle time, then wait until they read healthy (or
-        give up and isolate them)."""
+        """In its own thread: reset the faulty chip, then the chips taken along; wait --reset-wait, then
+        until they read healthy (or give up and isolate them)."""
         deadline = time.monotonic() + self.reset_timeout
         names = ",".join(map(str, due.together))
         log.warning("resetting device%s %s", "s" if len(due.together) > 1 else "", names)
         try:
-            for device in due.together:
-                self.backend.reset(device)
+            self.backend.reset(due.device)
         except DeviceToolError as e:
+            # the chips taken along were not touched: they go back to work as they were
             for device in due.together:
-                self._resets.put(ResetDone(device, f"the reset failed: {e}"))
+                self._resets.put(ResetDone(device, f"the reset failed: {e}" if device == due.device else ""))
             return
-        time.sleep(max(0.0, min(self.reset_wait, deadline - time.monotonic())))
         problems = {device: f"not healthy {self.reset_timeout:g}s after the reset" for device in due.together}
+        for device in due.together:
+            if device != due.device:
+                try:
+                    self.backend.reset(device)
+                except DeviceToolError as e:
+                    del problems[device]
+                    self._resets.put(ResetDone(device, f"the reset failed: {e}"))
+        time.sleep(max(0.0, min(self.reset_wait, deadline - time.monotonic())))
         while problems and time.monotonic() < deadline:
             try:
                 healthy = {r.device.index for r in self.backend.poll() if r.health is Health.OK}

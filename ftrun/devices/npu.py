@@ -146,5 +146,8 @@ class NpuBackend:
         """The chip's super device id (SDID) and super pod id, on an A3 SuperPoD (``npu-smi info -t spod-info``).
         Raises DeviceToolError elsewhere: other boards do not support the query."""
         npu, chip = self._key_of(index)
+        if len(self.reset_group(index)) < 2:
+            # a SuperPoD's NPUs have two dies: a board with one chip per NPU need not be asked
+            raise DeviceToolError(f"npu {npu} has one chip: not an A3 SuperPoD board")
         return npu_smi.parse_spod_info(self._smi.run("info", "-t", "spod-info", "-i", str(npu), "-c", str(chip)))
 

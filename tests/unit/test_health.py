@@ -168,6 +168,18 @@ def test_reset_of_an_a3_die_resets_the_other_die_with_it_and_stops_its_rank(fake
     assert not node.resetting
 
 
+def test_a3_die_whose_reset_is_refused_is_isolated_and_the_other_die_goes_back_to_work(fake_npu):
+    npus = [{"id": 0, "name": "Ascend910", "chips": [
+        {"id": c, "logic_id": c, "health": "OK", "codes": [], "info": []} for c in range(2)]}]
+    npus[0]["chips"][1].update(health="Alarm", codes=["8C03A000"], reset="unsupported")
+    node = node_devices(fake_npu("A3", npus), [0, 1])
+    node.assign(2)
+    node.on_worker_error(1, FaultLevel.RESTART_NPU, "chip needs a reset")
+    wait_for_resets(node, running=[])
+    assert [s.health for s in node.states()] == ["ok", "isolated"]
+    assert chips_of(fake_npu.state_file)[0].get("resets") is None  # never reset: nothing made it necessary
+
+
 def test_records_of_an_a3_superpod_carry_the_super_device_and_pod_ids(fake_npu):
     npus = [{"id": 0, "name": "Ascend910", "chips": [
         {"id": c, "logic_id": c, "health": "OK", "codes": [], "info": [], "sdid": (7 << 22) + (c << 16) + c}
