@@ -150,4 +150,3 @@ class NpuBackend:
             # a SuperPoD's NPUs have two dies: a board with one chip per NPU need not be asked
             raise DeviceToolError(f"npu {npu} has one chip: not an A3 SuperPoD board")
         return npu_smi.parse_spod_info(self._smi.run("info", "-t", "spod-info", "-i", str(npu), "-c", str(chip)))
-

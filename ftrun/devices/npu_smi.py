@@ -135,16 +135,16 @@ def parse_info_table(text: str) -> list[ChipRow]:
             cells = [f"{cells[0]} {cells[1]}".strip(), *cells[2:]]
         words = cells[0].split()
         first = _int(words[0]) if words else None
-        if first is None and not (npu_id_column and not words and pending is not None):
+        blank_chip_row = npu_id_column and not words and pending is not None  # the 950's: chip 0, no ids
+        if first is None and not blank_chip_row:
             continue  # the title, the column headers
         # rows alternate NPU row, chip row; the health word tells them apart where a chip row is missing
-        if pending is None or cells[1].lower() in _HEALTH_WORDS:
-            if first is not None:
-                pending = (first, " ".join(words[1:]), Health.parse(cells[1]))
-        else:
+        if first is not None and (pending is None or cells[1].lower() in _HEALTH_WORDS):
+            pending = (first, " ".join(words[1:]), Health.parse(cells[1]))
+        elif pending is not None:
             npu, name, health = pending
             phy_id = _int(words[1]) if len(words) > 1 and second_is_phy_id else None
-            rows.append(ChipRow(npu, first if first is not None else 0, name, health, cells[1], phy_id))
+            rows.append(ChipRow(npu, 0 if first is None else first, name, health, cells[1], phy_id))
             pending = None
     if not rows:
         raise DeviceToolError(f"{INFO} printed no NPU rows")
@@ -317,7 +317,8 @@ def find_hccn_tool(tool: str = "hccn_tool") -> str:
     found = shutil.which(tool)
     if found:
         return found
-    if os.sep not in tool and os.path.isfile(DRIVER_HCCN_TOOL) and os.access(DRIVER_HCCN_TOOL, os.X_OK):
+    driver_copy = tool == os.path.basename(DRIVER_HCCN_TOOL)  # a name or path of the user's own is theirs alone
+    if driver_copy and os.path.isfile(DRIVER_HCCN_TOOL) and os.access(DRIVER_HCCN_TOOL, os.X_OK):
         return DRIVER_HCCN_TOOL
     return ""
 
