@@ -278,27 +278,38 @@ class NodeDevices:
         return tuple(sorted({device} | {d for d in group if d in self.allocator.devices and d not in busy}))
 
     def _reset(self, due: DueReset) -> None:
-        """In its own thread: reset the faulty chip, then the chips taken along; wait --reset-wait, then
-        until they read healthy (or give up and isolate them)."""
+        """In its own thread: reset the chips, wait --reset-wait, then until they read healthy (or give up
+        and isolate them); each device's outcome goes back through the queue."""
         deadline = time.monotonic() + self.reset_timeout
         names = ",".join(map(str, due.together))
         log.warning("resetting device%s %s", "s" if len(due.together) > 1 else "", names)
+        problems = self._reset_chips(due)
+        reset = [device for device in due.together if device not in problems]
+        if due.device not in problems:
+            time.sleep(max(0.0, min(self.reset_wait, deadline - time.monotonic())))
+            problems.update(self._await_health(reset, deadline))
+        for device in due.together:
+            self._resets.put(ResetDone(device, problems.get(device, "")))
+
+    def _reset_chips(self, due: DueReset) -> dict[int, str]:
+        """Reset the faulty chip, then those taken along; the resets that failed, by device. When the
+        faulty chip's fails, the others are left untouched (and go back to work as they were)."""
         try:
             self.backend.reset(due.device)
         except DeviceToolError as e:
-            # the chips taken along were not touched: they go back to work as they were
-            for device in due.together:
-                self._resets.put(ResetDone(device, f"the reset failed: {e}" if device == due.device else ""))
-            return
-        problems = {device: f"not healthy {self.reset_timeout:g}s after the reset" for device in due.together}
+            return {due.device: f"the reset failed: {e}"}
+        failed = {}
         for device in due.together:
             if device != due.device:
                 try:
                     self.backend.reset(device)
                 except DeviceToolError as e:
-                    del problems[device]
-                    self._resets.put(ResetDone(device, f"the reset failed: {e}"))
-        time.sleep(max(0.0, min(self.reset_wait, deadline - time.monotonic())))
+                    failed[device] = f"the reset failed: {e}"
+        return failed
+
+    def _await_health(self, devices: list[int], deadline: float) -> dict[int, str]:
+        """Poll until every one of ``devices`` reads healthy or ``deadline`` passes; those that do not, each with why."""
+        problems = {device: f"not healthy {self.reset_timeout:g}s after the reset" for device in devices}
         while problems and time.monotonic() < deadline:
             try:
                 healthy = {r.device.index for r in self.backend.poll() if r.health is Health.OK}
@@ -306,11 +317,9 @@ class NodeDevices:
                 healthy, problems = set(), dict.fromkeys(problems, f"health unreadable after the reset: {e}")
             for device in healthy & set(problems):
                 del problems[device]
-                self._resets.put(ResetDone(device, ""))
             if problems:
                 time.sleep(RESET_CHECK_INTERVAL)
-        for device, problem in problems.items():
-            self._resets.put(ResetDone(device, problem))
+        return problems
 
     def _end_reset(self, done: ResetDone) -> None:
         self.allocator.end_reset(done.device)
