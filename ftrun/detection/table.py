@@ -177,7 +177,7 @@ class VendorList:
     codes: Mapping[str, FaultLevel]
 
 
-#: the vendor lists shipped beside this module, in lookup order (data files: ``source``, ``version``, ``codes``)
+#: the vendor lists shipped beside this module, in lookup order (data files: ``name``, ``version``, ``codes``)
 VENDOR_LISTS = (("npu", "mindcluster_fault_codes.yaml"),)
 
 
@@ -327,7 +327,7 @@ def _load_vendor_list(source: str, name: str) -> VendorList:
         if section.form and not re.fullmatch(section.form, spelled):
             raise ValueError(f"ftrun/detection/{name}: code '{code}' {section.misformed}")
         codes[spelled] = FaultLevel.parse(level)
-    return VendorList(source, f"{data['source']} {data['version']}", MappingProxyType(codes))
+    return VendorList(source, f"{data['name']} {data['version']}", MappingProxyType(codes))
 
 
 def _check(data: dict, where: str) -> dict[str, dict]:
