@@ -88,7 +88,8 @@ class NpuBackend:
         return readings
 
     def _detailed_reading(self, device: Device, row: ChipRow) -> DeviceReading:
-        output = self._smi.run("info", "-t", "health", "-i", str(row.npu), "-c", str(row.chip))
+        chip = ("-c", str(row.chip)) if row.has_chip_id else ()
+        output = self._smi.run("info", "-t", "health", "-i", str(row.npu), *chip)
         detail = npu_smi.parse_health(output)
         health = detail.health if detail.health is not Health.UNKNOWN else row.health
         return DeviceReading(device, health, detail.codes, detail.info)

@@ -46,6 +46,8 @@ class ChipRow:
     bus_id: str
     #: the board-wide physical id (A3 boards print it; A2 boards do not)
     phy_id: int | None = None
+    #: whether the table printed a chip id: Ascend 950's does not, and its npu-smi takes no -c
+    has_chip_id: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def parse_info_table(text: str) -> list[ChipRow]:
         elif pending is not None:
             npu, name, health = pending
             phy_id = _int(words[1]) if len(words) > 1 and second_is_phy_id else None
-            rows.append(ChipRow(npu, 0 if first is None else first, name, health, cells[1], phy_id))
+            rows.append(ChipRow(npu, 0 if first is None else first, name, health, cells[1], phy_id, first is not None))
             pending = None
     if not rows:
         raise DeviceToolError(f"{INFO} printed no NPU rows")

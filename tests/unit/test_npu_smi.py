@@ -78,8 +78,9 @@ def test_info_table_950_reads_the_npu_id_column_and_empty_chip_rows():
     # npu-smi 25.6 on Ascend 950 (one third-party sample): "NPU ID" is a column of its own and the chip row
     # leaves the first two cells empty, one chip per NPU
     rows = parse_info_table(fixture("info_950.txt"))
-    assert rows == [ChipRow(0, 0, "Ascend950DT", Health.OK, "NA"), ChipRow(1, 0, "Ascend950DT", Health.CRITICAL, "NA"),
-                    ChipRow(2, 0, "Ascend950DT", Health.OK, "NA")]
+    assert rows == [ChipRow(0, 0, "Ascend950DT", Health.OK, "NA", has_chip_id=False),
+                    ChipRow(1, 0, "Ascend950DT", Health.CRITICAL, "NA", has_chip_id=False),
+                    ChipRow(2, 0, "Ascend950DT", Health.OK, "NA", has_chip_id=False)]
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -340,6 +341,16 @@ def test_backend_a3_counts_chips_by_logic_id(fake_npu):
         (2, Health.OK, (), ""), (3, Health.OK, (), "")]
     assert [backend.physical_id(i) for i in range(4)] == [2, 3, 0, 1]
     assert backend.device_ip(0) == ""  # no hccn_tool here
+
+
+def test_backend_950_reads_the_table_and_asks_health_without_a_chip(fake_npu):
+    # npu-smi 25.6 on Ascend 950: "NPU ID" column, blank chip rows, and no -c for info -t health
+    npus = [{"id": n, "name": "Ascend950DT", "chips": [chip(0, n)]} for n in range(2)]
+    npus[1]["chips"] = [chip(0, 1, "Critical", ["8C03A000"], ["reset the chip"])]
+    backend = fake_npu("950", npus)
+    backend.discover()
+    assert [(s.device.index, s.health, s.codes, s.info) for s in backend.poll()] == [
+        (0, Health.OK, (), ""), (1, Health.CRITICAL, ("8C03A000",), "reset the chip")]
 
 
 def test_backend_poll_marks_a_chip_missing_from_the_table_unknown(fake_npu):
