@@ -120,6 +120,8 @@ class LaunchConfig:
     npu_smi: str = DeviceOptions.npu_smi
     #: seconds one device-tool call (npu-smi, nvidia-smi) may take
     device_timeout: float = DeviceOptions.timeout
+    #: seconds to wait after a chip reset before reading device health again
+    reset_wait: float = DeviceOptions.reset_wait
     health_interval: float = 5.0
     #: a user file merged over ftrun's fault-level table, or ""
     fault_levels: str = ""
@@ -800,6 +802,7 @@ def device_options(raw: Mapping[str, Any]) -> dict[str, Any]:
         device=choice(raw.get("device") or DEFAULTS.device, DEVICE_KINDS, "--device"),
         npu_smi=str(raw.get("npu_smi") or DEFAULTS.npu_smi),
         device_timeout=positive_seconds(raw.get("device_timeout", DEFAULTS.device_timeout), "--device-timeout"),
+        reset_wait=positive_seconds(raw.get("reset_wait", DEFAULTS.reset_wait), "--reset-wait", True),
         health_interval=positive_seconds(raw.get("health_interval", DEFAULTS.health_interval), "--health-interval"),
         fault_levels=_existing_file(raw.get("fault_levels") or "", "--fault-levels"),
         hang_timeout=positive_seconds(raw.get("hang_timeout", DEFAULTS.hang_timeout), "--hang-timeout", True),

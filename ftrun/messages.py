@@ -117,6 +117,9 @@ class RankTableDevice:
     physical: int = -1
     #: the chip's RoCE address (hccn_tool, or --device-ips), or ""
     ip: str = ""
+    #: on an A3 SuperPoD, the chip's super device id (SDID) and its super pod's id; -1 elsewhere
+    super_device_id: int = -1
+    super_pod_id: int = -1
 
 
 @dataclass(frozen=True)

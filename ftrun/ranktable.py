@@ -1,8 +1,10 @@
 """The rank tables each agent writes for its workers at every generation.
 
 * ftrun's own (``FTRUN_RANKTABLE``), for any backend: every rank's node, host, local rank and device.
-* On Ascend, the HCCL rank table v1.0 (``RANK_TABLE_FILE``): one server per node, one device per
-  rank, every value a string, ``status`` "completed".
+* On Ascend, the HCCL rank table (``RANK_TABLE_FILE``): one server per node, one device per rank,
+  every value a string, ``status`` "completed". Version 1.0, or 1.2 on an A3 SuperPoD (every device
+  with a super device id, and a ``super_pod_list``). None when a rank has no device IP: torch_npu does
+  not fall back from a table it cannot use, while without one HCCL negotiates through the store.
 
 Both come from the controller's layout (which agent holds which node, after any takeover). A node's
 own ranks carry the devices its agent gave them; the other nodes' ranks carry the devices those
@@ -36,23 +38,40 @@ def ftrun_table(run_id: str, generation: int, nodes: tuple[NodeSlot, ...], own_n
                 "device": device.index if device else None,
                 "physical_device": device.physical if device and device.physical >= 0 else None,
                 "device_ip": device.ip if device else "",
+                "super_device_id": device.super_device_id if device and device.super_device_id >= 0 else None,
+                "super_pod_id": device.super_pod_id if device and device.super_pod_id >= 0 else None,
             })
     return {"version": "1", "run_id": run_id, "generation": generation, "world_size": len(ranks),
             "node_count": len(nodes), "ranks": ranks}
 
 
 def hccl_table(table: dict) -> dict:
-    """The HCCL rank table v1.0 for ftrun's own table (every rank needs a physical device)."""
+    """The HCCL rank table for ftrun's own table: v1.2 when every rank's chip has SuperPoD ids, else v1.0.
+    Raises ValueError when a rank has no physical device or no device IP."""
+    ranks = table["ranks"]
+    superpod = bool(ranks) and all(r["super_device_id"] is not None and r["super_pod_id"] is not None for r in ranks)
     servers: dict[int, dict] = {}
-    for rank in table["ranks"]:
+    pods: dict[int, list[str]] = {}
+    for rank in ranks:
         if rank["physical_device"] is None:
             raise ValueError(f"rank {rank['rank']} on {rank['host']} has no NPU")
-        server = servers.setdefault(rank["node_rank"], {
-            "server_id": rank["host_ip"] or rank["host"], "host_ip": rank["host_ip"] or rank["host"], "device": []})
-        server["device"].append({"device_id": str(rank["physical_device"]), "device_ip": rank["device_ip"],
-                                 "rank_id": str(rank["rank"])})
-    return {"version": "1.0", "server_count": str(len(servers)), "status": "completed",
+        if not rank["device_ip"]:
+            raise ValueError(f"rank {rank['rank']} on {rank['host']} has no device IP (hccn_tool found neither on "
+                             "PATH nor in the driver's tools folder, and no --device-ips entry)")
+        server_id = rank["host_ip"] or rank["host"]
+        server = servers.setdefault(rank["node_rank"], {"server_id": server_id, "host_ip": server_id, "device": []})
+        device = {"device_id": str(rank["physical_device"])}
+        if superpod:
+            device["super_device_id"] = str(rank["super_device_id"])
+            if server_id not in pods.setdefault(rank["super_pod_id"], []):
+                pods[rank["super_pod_id"]].append(server_id)
+        server["device"].append({**device, "device_ip": rank["device_ip"], "rank_id": str(rank["rank"])})
+    hccl = {"version": "1.2" if superpod else "1.0", "server_count": str(len(servers)), "status": "completed",
             "server_list": [servers[node] for node in sorted(servers)]}
+    if superpod:
+        hccl["super_pod_list"] = [{"super_pod_id": str(pod), "server_list": [{"server_id": s} for s in pods[pod]]}
+                                  for pod in sorted(pods)]
+    return hccl
 
 
 def load_device_ips(path: str) -> dict[str, dict[int, str]]:

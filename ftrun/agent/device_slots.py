@@ -42,18 +42,30 @@ class ResetDone:
     problem: str
 
 
+@dataclass(frozen=True)
+class DueReset:
+    """A reset waiting for its devices to be free of ranks."""
+
+    #: the faulty device
+    device: int
+    #: every device reset with it (itself included): the other die of an A3 NPU
+    together: tuple[int, ...]
+
+
 class NodeDevices:
     def __init__(self, backend: DeviceBackend, table: FaultTable, devices: list[int], health_interval: float,
-                 reset_timeout: float = DeviceOptions.reset_timeout):
+                 reset_timeout: float = DeviceOptions.reset_timeout,
+                 reset_wait: float = DeviceOptions.reset_wait):
         self.backend = backend
         self.table = table
         self.escalation = Escalation.from_table(table)
         self.reset_timeout = reset_timeout
+        self.reset_wait = reset_wait
         self.allocator = DeviceAllocator(devices) if devices and backend.visibility_var else None
         self.health_interval = health_interval
         self._resets: queue.SimpleQueue[ResetDone] = queue.SimpleQueue()
-        #: devices to reset as soon as none of the node's running ranks is on them
-        self._due: set[int] = set()
+        #: resets to start as soon as none of the node's running ranks is on their devices
+        self._due: list[DueReset] = []
         #: --numa-binding's mode ("" = off), the devices' CPU affinities and the host's CPUs
         self.numa_mode = ""
         self._affinity: dict[int, frozenset[int]] = {}
@@ -61,7 +73,7 @@ class NodeDevices:
 
     @classmethod
     def open(cls, config: LaunchConfig, table: FaultTable) -> "NodeDevices":
-        options = DeviceOptions(npu_smi=config.npu_smi, timeout=config.device_timeout)
+        options = DeviceOptions(npu_smi=config.npu_smi, timeout=config.device_timeout, reset_wait=config.reset_wait)
         backend = make_device_backend(config.device, options)
         devices: list[int] = []
         try:
@@ -85,7 +97,7 @@ class NodeDevices:
         if devices:
             log.info("%s devices %s; health polled every %gs", backend.kind, ",".join(map(str, devices)),
                      config.health_interval)
-        node = cls(backend, table, devices, config.health_interval, options.reset_timeout)
+        node = cls(backend, table, devices, config.health_interval, options.reset_timeout, options.reset_wait)
         if config.numa_binding:
             node.read_affinity(config.numa_binding)
         return node
@@ -128,9 +140,9 @@ class NodeDevices:
             self._end_reset(done)
         if self._due:
             busy = {self.allocator.assigned.get(rank) for rank in running}
-            for device in sorted(self._due - busy):
-                self._due.discard(device)
-                threading.Thread(target=self._reset, args=(device,), name=f"ftrun-reset-{device}", daemon=True).start()
+            for due in [due for due in self._due if busy.isdisjoint(due.together)]:
+                self._due.remove(due)
+                threading.Thread(target=self._reset, args=(due,), name=f"ftrun-reset-{due.device}", daemon=True).start()
 
     # -- placing ranks -------------------------------------------------------------------------------
 
@@ -155,7 +167,8 @@ class NodeDevices:
 
     def records(self, ips: dict[int, str]) -> tuple[RankTableDevice, ...]:
         """The usable devices as the rank tables name them: physical ids and RoCE addresses where
-        the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips)."""
+        the backend knows them (hccn_tool), else from ``ips`` (physical id -> address, --device-ips),
+        and on an A3 SuperPoD their super device and super pod ids."""
         if self.allocator is None:
             return ()
         records = []
@@ -166,8 +179,20 @@ class NodeDevices:
                 ip = self.backend.device_ip(index) if hasattr(self.backend, "device_ip") else ""
             except DeviceToolError as e:
                 log.warning("device %d: %s", index, e)
-            records.append(RankTableDevice(index, physical, ip or ips.get(physical, "")))
+            super_device_id, super_pod_id = self._super_pod_ids(index)
+            records.append(RankTableDevice(index, physical, ip or ips.get(physical, ""), super_device_id, super_pod_id))
         return tuple(records)
+
+    def _super_pod_ids(self, index: int) -> tuple[int, int]:
+        """The device's SDID and super pod id; (-1, -1) off a SuperPoD, where the query is refused."""
+        super_pod_ids = getattr(self.backend, "super_pod_ids", None)
+        if super_pod_ids is None:
+            return -1, -1
+        try:
+            return super_pod_ids(index)
+        except DeviceToolError as e:
+            log.debug("device %d: no SuperPoD ids: %s", index, e)
+            return -1, -1
 
     def states(self) -> tuple[DeviceState, ...]:
         """Each device's health as the status view shows it."""
@@ -200,57 +225,101 @@ class NodeDevices:
     # -- faults --------------------------------------------------------------------------------------
 
     def apply(self, event: HealthEvent) -> list[int]:
-        """Take a health change into account; the local ranks that must be stopped and replaced."""
+        """Take a health change into account; the local ranks that must be stopped and replaced (those on
+        the devices a reset takes with it too)."""
         if self.allocator is None:
             return []
         log_at = logging.INFO if event.level in (None, FaultLevel.NOT_HANDLE, FaultLevel.SUB_HEALTH) else logging.WARNING
         log.log(log_at, "%s: %s", event.describe(), ACTIONS[event.level])
-        self._mark(event.device, event.level, event.reason)
+        stopped = self._mark(event.device, event.level, event.reason)
         if event.level not in REPAIR_LEVELS:
             return []
-        return self.allocator.ranks_on(event.device)
+        return sorted({rank for device in stopped for rank in self.allocator.ranks_on(device)})
 
-    def on_worker_error(self, local_rank: int, level: FaultLevel, reason: str) -> None:
+    def on_worker_error(self, local_rank: int, level: FaultLevel, reason: str) -> list[int]:
         """A rank died of a device error in its own output (UCE ERROR, an ECC error): its device
-        counts as faulty at that level, as if the health poll had said so."""
+        counts as faulty at that level, as if the health poll had said so. Returns the other local
+        ranks that must be stopped: those on the devices a reset of this one takes with it."""
         device = self.allocator.assigned.get(local_rank) if self.allocator is not None else None
         if device is None:
-            return
+            return []
         escalated = self.escalation.record(device, level, time.time())
         if escalated is not level:
             reason = f"{reason}; repaired too often, escalated from {level.value}"
         log.warning("device %d (local rank %d's): %s: %s", device, local_rank, reason, ACTIONS[escalated])
-        self._mark(device, escalated, reason)
+        stopped = self._mark(device, escalated, reason)
+        return sorted({rank for other in stopped for rank in self.allocator.ranks_on(other)} - {local_rank})
 
-    def _mark(self, device: int, level: FaultLevel | None, reason: str) -> None:
+    def _mark(self, device: int, level: FaultLevel | None, reason: str) -> tuple[int, ...]:
+        """Record ``device``'s fault; the devices whose ranks must stop for it (itself, and for a reset
+        every device reset with it)."""
         if level is FaultLevel.SEPARATE:
             self.allocator.isolate(device, reason)
         elif level is FaultLevel.PRE_SEPARATE:
             self.allocator.preseparate(device, reason)
         elif level in RESET_LEVELS and device not in self.allocator.resetting and device not in self.allocator.isolated:
-            self.allocator.begin_reset(device, reason)
-            self._due.add(device)  # reset once its ranks are gone
+            together = self._reset_together(device)
+            for other in together:
+                self.allocator.begin_reset(other, reason if other == device else f"reset with device {device}: {reason}")
+            self._due.append(DueReset(device, together))  # reset once their ranks are gone
+            return together
+        return (device,)
 
-    def _reset(self, device: int) -> None:
-        """In its own thread: reset the chip, then wait until it reads healthy (or give up and isolate it)."""
-        deadline = time.monotonic() + self.reset_timeout
-        log.warning("resetting device %d", device)
+    def _reset_together(self, device: int) -> tuple[int, ...]:
+        """``device`` and the node's other usable devices that a reset of it takes along (the backend's
+        ``reset_group``: the other die of an A3 NPU); a device already being reset has its own reset."""
+        reset_group = getattr(self.backend, "reset_group", None)
         try:
-            self.backend.reset(device)
+            group = reset_group(device) if reset_group is not None else [device]
         except DeviceToolError as e:
-            self._resets.put(ResetDone(device, f"the reset failed: {e}"))
-            return
-        problem = f"not healthy {self.reset_timeout:g}s after the reset"
-        while time.monotonic() < deadline:
+            log.warning("device %d: %s; resetting it alone", device, e)
+            group = [device]
+        busy = set(self.allocator.isolated) | set(self.allocator.resetting)
+        return tuple(sorted({device} | {d for d in group if d in self.allocator.devices and d not in busy}))
+
+    def _reset(self, due: DueReset) -> None:
+        """In its own thread: reset the chips, wait --reset-wait, then until they read healthy (or give up
+        and isolate them); each device's outcome goes back through the queue."""
+        deadline = time.monotonic() + self.reset_timeout
+        names = ",".join(map(str, due.together))
+        log.warning("resetting device%s %s", "s" if len(due.together) > 1 else "", names)
+        problems = self._reset_chips(due)
+        reset = [device for device in due.together if device not in problems]
+        if due.device not in problems:
+            time.sleep(max(0.0, min(self.reset_wait, deadline - time.monotonic())))
+            problems.update(self._await_health(reset, deadline))
+        for device in due.together:
+            self._resets.put(ResetDone(device, problems.get(device, "")))
+
+    def _reset_chips(self, due: DueReset) -> dict[int, str]:
+        """Reset the faulty chip, then those taken along; the resets that failed, by device. When the
+        faulty chip's fails, the others are left untouched (and go back to work as they were)."""
+        try:
+            self.backend.reset(due.device)
+        except DeviceToolError as e:
+            return {due.device: f"the reset failed: {e}"}
+        failed = {}
+        for device in due.together:
+            if device != due.device:
+                try:
+                    self.backend.reset(device)
+                except DeviceToolError as e:
+                    failed[device] = f"the reset failed: {e}"
+        return failed
+
+    def _await_health(self, devices: list[int], deadline: float) -> dict[int, str]:
+        """Poll until every one of ``devices`` reads healthy or ``deadline`` passes; those that do not, each with why."""
+        problems = {device: f"not healthy {self.reset_timeout:g}s after the reset" for device in devices}
+        while problems and time.monotonic() < deadline:
             try:
-                reading = next((r for r in self.backend.poll() if r.device.index == device), None)
+                healthy = {r.device.index for r in self.backend.poll() if r.health is Health.OK}
             except DeviceToolError as e:
-                reading, problem = None, f"health unreadable after the reset: {e}"
-            if reading is not None and reading.health is Health.OK:
-                problem = ""
-                break
-            time.sleep(RESET_CHECK_INTERVAL)
-        self._resets.put(ResetDone(device, problem))
+                healthy, problems = set(), dict.fromkeys(problems, f"health unreadable after the reset: {e}")
+            for device in healthy & set(problems):
+                del problems[device]
+            if problems:
+                time.sleep(RESET_CHECK_INTERVAL)
+        return problems
 
     def _end_reset(self, done: ResetDone) -> None:
         self.allocator.end_reset(done.device)

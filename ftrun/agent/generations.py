@@ -34,6 +34,8 @@ class GenerationEnvs:
         self.snapshots = snapshots
         #: --framework mindspore: the node's relay folder
         self.relay_dir = relay_dir
+        #: why the last generation had no HCCL rank table ("" when it had one), said once until it changes
+        self._no_hccl_table = ""
 
     def rank_tables(self, generation: int) -> tuple[str, str]:
         """Write this generation's rank tables (from the controller's layout); their paths: ftrun's
@@ -44,8 +46,12 @@ class GenerationEnvs:
         if self.devices.backend.kind == "npu" and self.devices.allocator is not None:
             try:
                 hccl_path = write_table(self.folder, HCCL_TABLE, hccl_table(table))
+                self._no_hccl_table = ""
             except ValueError as e:
-                log.warning("no HCCL rank table for generation %d: %s", generation, e)
+                if str(e) != self._no_hccl_table:
+                    log.warning("no RANK_TABLE_FILE from generation %d on: %s; HCCL negotiates through the store "
+                                "instead", generation, e)
+                self._no_hccl_table = str(e)
         return ftrun_path, hccl_path
 
     def for_command(self, command: Command, replacement: bool = False) -> GenerationEnv:

@@ -142,7 +142,10 @@ class Supervision:
             who = f"rank {failure.rank}" if failure.rank >= 0 else "the MindSpore scheduler"
             log.warning("%s failed: %s", who, failure.describe().split(": ", 1)[1])
             if failure.level and not worker.cause and failure.rank >= 0:  # a device error in a rank's own output
-                self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level), failure.detail)
+                also = self.devices.on_worker_error(worker.placement.local_rank, FaultLevel(failure.level),
+                                                    failure.detail)
+                for local_rank in also:  # on a chip reset with the faulty one
+                    self.group.fail(local_rank, "device", failure.detail)
         self.failures_told.append((group.generation, failures))  # said again to the next controller
         self._protocol().report(ReportKind.WORKER_FAILED, group.generation, failures=failures)
 

@@ -212,6 +212,9 @@ def launch_options(fn):
         option("npu-smi", group=DEVICES, default=DEFAULTS.npu_smi, show_default=True, help="The npu-smi program to run."),
         option("device-timeout", group=DEVICES, type=float, default=DEFAULTS.device_timeout, show_default=True,
                help="Seconds a device tool (npu-smi, nvidia-smi) may take before it is killed."),
+        option("reset-wait", group=DEVICES, type=float, default=DEFAULTS.reset_wait, show_default=True,
+               help="Seconds to wait after a device reset before reading its health again (npu-smi asks for "
+                    "at least 20)."),
         option("health-interval", group=DEVICES, type=float, default=DEFAULTS.health_interval, show_default=True,
                help="Seconds between device health polls (in a thread of their own)."),
         option("fault-levels", group=DEVICES, default="",

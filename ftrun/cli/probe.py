@@ -12,7 +12,8 @@ from ftrun.cli.launch import DEVICES, option
 from ftrun.config import DEFAULTS
 from ftrun.errors import ExitCode
 
-HELP = """Show this node's devices: health, error codes, fault level and the action ftrun would take.
+HELP = """Show this node's devices: health, error codes, fault level, the rule that gave it (a fault
+table file, MindCluster's code list, or the health fallback) and the action ftrun would take.
 
 \b
   ftrun probe
@@ -54,7 +55,7 @@ def show(report) -> None:
         out.print(f"{report.kind}: no accelerator to check", markup=False)
         return
     table = Table(title=f"{report.kind} devices", title_justify="left")
-    for column in ("device", "name", "where", "health", "error codes", "level", "ftrun would"):
+    for column in ("device", "name", "where", "health", "error codes", "level", "by", "ftrun would"):
         table.add_column(column)
     for row in report.rows:
         reading = row.reading
@@ -63,7 +64,8 @@ def show(report) -> None:
             style = "yellow"
         table.add_row(
             str(reading.device.index), reading.device.name, reading.device.physical, reading.health.value,
-            " ".join(reading.codes) or "-", row.level.value if row.level else "-", row.action, style=style,
+            " ".join(reading.codes) or "-", row.level.value if row.level else "-", row.rule if row.level else "-",
+            row.action, style=style,
         )
     out.print(table)
     for row in report.rows:

@@ -16,6 +16,8 @@ class ProbeRow:
     reading: DeviceReading
     level: FaultLevel | None
     reason: str
+    #: what gave the level: the table file that lists the code, a vendor's list, or the health fallback
+    rule: str = ""
 
     @property
     def usable(self) -> bool:
@@ -30,7 +32,8 @@ class ProbeRow:
         return {
             "index": device.index, "name": device.name, "physical": device.physical,
             "health": self.reading.health.value, "codes": list(self.reading.codes), "info": self.reading.info,
-            "level": self.level.value if self.level else None, "reason": self.reason, "action": self.action,
+            "level": self.level.value if self.level else None, "reason": self.reason, "rule": self.rule,
+            "action": self.action,
             "usable": self.usable,
         }
 
@@ -64,5 +67,5 @@ def probe(backend: DeviceBackend, table: FaultTable) -> ProbeReport:
     rows = []
     for reading in readings:
         verdict = table.classify_device(reading)
-        rows.append(ProbeRow(reading, verdict.level, verdict.reason or "healthy"))
+        rows.append(ProbeRow(reading, verdict.level, verdict.reason or "healthy", verdict.rule))
     return ProbeReport(backend.kind, tuple(rows))

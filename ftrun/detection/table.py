@@ -3,7 +3,10 @@
 The table is data: ``fault_levels.yaml`` beside this module, plus an optional
 site file (``--fault-levels``) merged on top by :func:`load_fault_table`. Each
 source that reports codes has a section of its own (:data:`CODE_SECTIONS`), so a
-new source is a row there and a section in the file, not a branch here.
+new source is a row there and a section in the file, not a branch here. Below
+ftrun's rows come the vendors' own lists (:data:`VENDOR_LISTS`, shipped as data
+files that name their source and version): a code ftrun does not list takes the
+vendor's level before the health word is consulted.
 :class:`FaultTable` decides a level for a device's reading or a worker's last
 output; :class:`Escalation` isolates a device that keeps needing repairs.
 Nothing here reads a clock or runs a process.
@@ -30,6 +33,8 @@ from ftrun.errors import UsageError
 SECTIONS = ("codes", "health", "cuda", "errors", "escalation")
 ESCALATION_KEYS = ("window_hours", "repairs", "levels")
 PACKAGED_NAME = "fault_levels.yaml"
+#: what decided a level when no table lists the device's codes (or it printed none)
+HEALTH_FALLBACK = "health fallback"
 
 
 class FaultLevel(enum.Enum):
@@ -112,6 +117,9 @@ class Verdict:
     level: FaultLevel | None
     #: the code, health or message that decided it ("code 80E01801", "health Alarm", "UCE ERROR")
     reason: str
+    #: for a device, the rule that gave the level: the table file that lists the code, the vendor list
+    #: ("MindCluster faultCode.json v26.1.0"), or HEALTH_FALLBACK
+    rule: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,22 @@ CODE_SECTIONS = (
 
 
 @dataclass(frozen=True)
+class VendorList:
+    """A vendor's own list of codes and levels, consulted for the codes ftrun's table does not list."""
+
+    #: the source whose codes it lists (a CODE_SECTIONS source)
+    source: str
+    #: the list's name and version, as a verdict cites it
+    name: str
+    #: codes as the source's section spells them -> level
+    codes: Mapping[str, FaultLevel]
+
+
+#: the vendor lists shipped beside this module, in lookup order (data files: ``name``, ``version``, ``codes``)
+VENDOR_LISTS = (("npu", "mindcluster_fault_codes.yaml"),)
+
+
+@dataclass(frozen=True)
 class FaultTable:
     """Codes, health words and error messages mapped to fault levels; build it with :func:`load_fault_table`."""
 
@@ -172,13 +196,27 @@ class FaultTable:
     escalation: EscalationRule = field(default_factory=EscalationRule)
     #: the files it was read from, packaged one first
     files: tuple[str, ...] = ()
+    #: source -> code -> the file whose row gave it its level (the packaged table or the site's)
+    code_files: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: the vendors' lists, consulted after ftrun's rows
+    vendor_lists: tuple[VendorList, ...] = ()
 
     def level_of_code(self, code: str) -> FaultLevel | None:
-        """The level the first source's section that lists ``code`` gives it, or None when none does."""
+        """The level ftrun's rows, else a vendor's list, give ``code``; None when none lists it."""
+        found = self.lookup_code(code)
+        return found[0] if found else None
+
+    def lookup_code(self, code: str) -> tuple[FaultLevel, str] | None:
+        """``code``'s level and the rule that gives it (a table file, a vendor list), or None."""
         for section in CODE_SECTIONS:
-            found = self.codes.get(section.source, {}).get(section.spell(code))
+            spelled = section.spell(code)
+            found = self.codes.get(section.source, {}).get(spelled)
             if found is not None:
-                return found
+                return found, self.code_files.get(section.source, {}).get(spelled, "")
+        for vendor in self.vendor_lists:
+            spelled = next(s.spell(code) for s in CODE_SECTIONS if s.source == vendor.source)
+            if spelled in vendor.codes:
+                return vendor.codes[spelled], vendor.name
         return None
 
     def level_of_health(self, health: Health) -> FaultLevel | None:
@@ -188,19 +226,25 @@ class FaultTable:
         return None if health is Health.OK else FaultLevel.SEPARATE
 
     def classify_device(self, reading: DeviceReading) -> Verdict:
-        """The level a device's reading calls for: the most severe of its codes, else its health."""
+        """The level a device's reading calls for: the most severe of its codes, else its health.
+
+        A code that no table lists is judged by the health word (``health:``); the packaged table maps
+        Alarm and Critical to RestartNPU there, so such a chip is reset first and isolated only when
+        the reset does not bring it back.
+        """
         by_health = self.level_of_health(reading.health)
         found: list[Verdict] = []
         for code in reading.codes:
-            level = self.level_of_code(code)
-            if level is not None:
-                found.append(Verdict(level, f"code {code}"))
+            listed = self.lookup_code(code)
+            if listed is not None:
+                found.append(Verdict(listed[0], f"code {code}", listed[1]))
             else:
                 # a code nobody listed still deserves a log line on an otherwise healthy device
                 found.append(Verdict(by_health or FaultLevel.NOT_HANDLE,
-                                     f"code {code} (not in the fault table; health {reading.health.value})"))
+                                     f"code {code} (in no fault table; health {reading.health.value})",
+                                     HEALTH_FALLBACK))
         if not found:
-            return Verdict(by_health, f"health {reading.health.value}")
+            return Verdict(by_health, f"health {reading.health.value}", HEALTH_FALLBACK)
         return max(found, key=lambda v: v.level.severity)  # max keeps the first of equals
 
     def classify_text(self, lines: Iterable[str]) -> Verdict | None:
@@ -247,10 +291,13 @@ def load_fault_table(override_path: str | None = None) -> FaultTable:
     merged = _check(parse_yaml_mapping(resource.read_text(encoding="utf-8"), _TableLoader, f"fault table {packaged}",
                                        shape), packaged)
     files = [packaged]
+    code_files = {s.source: dict.fromkeys(merged[s.section], packaged) for s in CODE_SECTIONS}
     if override_path:
         override = _check(read_yaml_mapping(override_path, _TableLoader, "fault table", shape), override_path)
         for section in SECTIONS:
             merged[section].update(override[section])
+        for s in CODE_SECTIONS:
+            code_files[s.source].update(dict.fromkeys(override[s.section], override_path))
         files.append(override_path)
     rule = merged["escalation"]
     return FaultTable(
@@ -263,7 +310,24 @@ def load_fault_table(override_path: str | None = None) -> FaultTable:
             levels=rule.get("levels", EscalationRule().levels),
         ),
         files=tuple(files),
+        code_files=MappingProxyType({source: MappingProxyType(found) for source, found in code_files.items()}),
+        vendor_lists=tuple(_load_vendor_list(source, name) for source, name in VENDOR_LISTS),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _load_vendor_list(source: str, name: str) -> VendorList:
+    """A packaged vendor list; a malformed one is ftrun's bug, so it fails loudly."""
+    section = next(s for s in CODE_SECTIONS if s.source == source)
+    text = importlib.resources.files("ftrun.detection").joinpath(name).read_text(encoding="utf-8")
+    data = yaml.load(text, Loader=_TableLoader)
+    codes = {}
+    for code, level in data["codes"].items():
+        spelled = section.spell(code)
+        if section.form and not re.fullmatch(section.form, spelled):
+            raise ValueError(f"ftrun/detection/{name}: code '{code}' {section.misformed}")
+        codes[spelled] = FaultLevel.parse(level)
+    return VendorList(source, f"{data['name']} {data['version']}", MappingProxyType(codes))
 
 
 def _check(data: dict, where: str) -> dict[str, dict]:

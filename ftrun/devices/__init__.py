@@ -112,8 +112,11 @@ class DeviceOptions:
     nvidia_smi: str = "nvidia-smi"
     #: seconds one tool call may take before it is killed
     timeout: float = 10.0
-    #: seconds a device reset may take (a chip reset is slow: Ascend asks to wait 20 s after one)
+    #: seconds a device reset may take, from the reset command to the device reading healthy again
     reset_timeout: float = 120.0
+    #: seconds to wait after a reset before reading any device's health (npusmi_074: at least 20 s;
+    #: a read at once may still see the chip's state from before the reset)
+    reset_wait: float = 20.0
 
 
 def detect_kind(options: DeviceOptions, env=os.environ) -> str:

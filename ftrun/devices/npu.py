@@ -8,13 +8,14 @@ differs from the NPU/chip numbers the table prints; hence the mapping, discovere
 from __future__ import annotations
 
 import logging
-import shutil
 
 from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu_smi import ChipRow, NpuSmi, ToolUnavailable
 from ftrun.devices.topology import parse_affinity_matrix
 
 log = logging.getLogger(__name__)
+#: what npu-smi prints, in lower case, on a board that cannot reset a chip (npusmi_074)
+RESET_REFUSAL = "does not support setting reset"
 
 
 class NpuBackend:
@@ -87,20 +88,36 @@ class NpuBackend:
         return readings
 
     def _detailed_reading(self, device: Device, row: ChipRow) -> DeviceReading:
-        output = self._smi.run("info", "-t", "health", "-i", str(row.npu), "-c", str(row.chip))
+        chip = ("-c", str(row.chip)) if row.has_chip_id else ()
+        output = self._smi.run("info", "-t", "health", "-i", str(row.npu), *chip)
         detail = npu_smi.parse_health(output)
         health = detail.health if detail.health is not Health.UNKNOWN else row.health
         return DeviceReading(device, health, detail.codes, detail.info)
 
-    def reset(self, index: int) -> None:
-        """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError."""
+    def _key_of(self, index: int) -> tuple[int, int]:
+        """(npu id, chip id) of logic id ``index``."""
         if self._chips is None:
             self.discover()
         key = next((key for key, device in self._chips.items() if device.index == index), None)
         if key is None:
             raise DeviceToolError(f"no NPU chip with logic id {index}")
-        NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(
-            "set", "-t", "reset", "-i", str(key[0]), "-c", str(key[1]), "-m", "1")
+        return key
+
+    def reset(self, index: int) -> None:
+        """Reset one chip in band (``npu-smi set -t reset -i N -c C -m 1``). Raises DeviceToolError, also when
+        npu-smi says the board does not support it: that refusal's exit code is not documented."""
+        npu, chip = self._key_of(index)
+        args = ("set", "-t", "reset", "-i", str(npu), "-c", str(chip), "-m", "1")
+        output = NpuSmi(self.options.npu_smi, self.options.reset_timeout).run(*args)
+        refusal = next((line.strip() for line in output.splitlines() if RESET_REFUSAL in line.lower()), None)
+        if refusal is not None:
+            raise DeviceToolError(f"npu-smi {' '.join(args)}: {refusal}")
+
+    def reset_group(self, index: int) -> list[int]:
+        """The logic ids reset together with ``index``: every chip of its NPU (an A3 NPU's two dies, a 300I
+        Duo's two chips), as MindCluster resets a faulty chip with the chips associated with it."""
+        npu, _ = self._key_of(index)
+        return sorted(device.index for (other, _), device in self._chips.items() if other == npu)
 
     def cpu_affinity(self) -> dict[int, frozenset[int]]:
         """Logic id -> the CPUs near it, from ``npu-smi info -t topo`` (each chip of an NPU gets the
@@ -120,8 +137,17 @@ class NpuBackend:
             raise DeviceToolError(f"no NPU chip with logic id {index} in npu-smi info") from None
 
     def device_ip(self, index: int) -> str:
-        """The chip's RoCE IP from hccn_tool, for the HCCL rank table; "" when hccn_tool is not installed."""
-        if not shutil.which(self.options.hccn_tool):
+        """The chip's RoCE IP from hccn_tool (on PATH or in the driver's tools folder), for the HCCL rank
+        table; "" when hccn_tool is not installed."""
+        if not npu_smi.find_hccn_tool(self.options.hccn_tool):
             return ""  # checked first: without the tool there is no reason to read npu-smi
         return npu_smi.hccn_device_ip(self.physical_id(index), self.options.hccn_tool, self.options.timeout)
 
+    def super_pod_ids(self, index: int) -> tuple[int, int]:
+        """The chip's super device id (SDID) and super pod id, on an A3 SuperPoD (``npu-smi info -t spod-info``).
+        Raises DeviceToolError elsewhere: other boards do not support the query."""
+        npu, chip = self._key_of(index)
+        if len(self.reset_group(index)) < 2:
+            # a SuperPoD's NPUs have two dies: a board with one chip per NPU need not be asked
+            raise DeviceToolError(f"npu {npu} has one chip: not an A3 SuperPoD board")
+        return npu_smi.parse_spod_info(self._smi.run("info", "-t", "spod-info", "-i", str(npu), "-c", str(chip)))

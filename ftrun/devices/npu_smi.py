@@ -23,7 +23,10 @@ INFO = "npu-smi info"
 HEALTH = "npu-smi info -t health"
 LIST = "npu-smi info -l"
 MAPPING = "npu-smi info -m"
+SPOD_INFO = "npu-smi info -t spod-info"
 HCCN_IP = "hccn_tool -ip -g"
+#: where the Ascend driver installs hccn_tool; the vendor's docs run it from there, and it is usually not on PATH
+DRIVER_HCCN_TOOL = "/usr/local/Ascend/driver/tools/hccn_tool"
 
 _CODE = re.compile(r"(?:0x)?([0-9a-f]{8})", re.IGNORECASE)
 # the wording differs between releases: "Invalid card id.", "Invalid chip id", "Error parameter of -i"
@@ -43,6 +46,8 @@ class ChipRow:
     bus_id: str
     #: the board-wide physical id (A3 boards print it; A2 boards do not)
     phy_id: int | None = None
+    #: whether the table printed a chip id: Ascend 950's does not, and its npu-smi takes no -c
+    has_chip_id: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,17 @@ def _label_value(line: str) -> tuple[str, str] | None:
 
 
 def parse_info_table(text: str) -> list[ChipRow]:
-    """The chips of ``npu-smi info``, in table order; the process section is ignored."""
+    """The chips of ``npu-smi info``, in table order; the process section is ignored.
+
+    Three layouts are known. A2 and A3 put the NPU id and name in one cell (A3 adds a Phy-ID after the chip
+    id). Atlas 300I/310P head that second number "Device", which is not a physical id. npu-smi 25.6 on
+    Ascend 950 gives "NPU ID" a column of its own and leaves the chip row's first cells empty (one chip
+    per NPU; the layout is known from one third-party sample only).
+    """
     rows: list[ChipRow] = []
     pending: tuple[int, str, Health] | None = None  # the NPU row waiting for its chip row
+    second_is_phy_id = True
+    npu_id_column = False
     for line in _lines(text, INFO):
         lowered = line.lower()
         if "process id" in lowered or "no running processes found" in lowered:
@@ -114,17 +127,26 @@ def parse_info_table(text: str) -> list[ChipRow]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 2:
             continue
+        header = cells[0].lower().split()
+        if header[:1] == ["chip"]:
+            second_is_phy_id = "device" not in header
+        elif header == ["npu", "id"]:
+            npu_id_column = True
+        if npu_id_column and len(cells) > 2:
+            # fold the 950's NPU ID and Name columns into the one cell the other layouts print
+            cells = [f"{cells[0]} {cells[1]}".strip(), *cells[2:]]
         words = cells[0].split()
         first = _int(words[0]) if words else None
-        if first is None:
+        blank_chip_row = npu_id_column and not words and pending is not None  # the 950's: chip 0, no ids
+        if first is None and not blank_chip_row:
             continue  # the title, the column headers
         # rows alternate NPU row, chip row; the health word tells them apart where a chip row is missing
-        if pending is None or cells[1].lower() in _HEALTH_WORDS:
+        if first is not None and (pending is None or cells[1].lower() in _HEALTH_WORDS):
             pending = (first, " ".join(words[1:]), Health.parse(cells[1]))
-        else:
+        elif pending is not None:
             npu, name, health = pending
-            phy_id = _int(words[1]) if len(words) > 1 else None
-            rows.append(ChipRow(npu, first, name, health, cells[1], phy_id))
+            phy_id = _int(words[1]) if len(words) > 1 and second_is_phy_id else None
+            rows.append(ChipRow(npu, 0 if first is None else first, name, health, cells[1], phy_id, first is not None))
             pending = None
     if not rows:
         raise DeviceToolError(f"{INFO} printed no NPU rows")
@@ -132,7 +154,11 @@ def parse_info_table(text: str) -> list[ChipRow]:
 
 
 def _health_blocks(text: str, command: str) -> tuple[list[dict[str, Any]], bool]:
-    """Label/value pairs grouped per chip; whether the output named its chips (``Chip ID``)."""
+    """Label/value pairs grouped per chip; whether the output named its chips (``Chip ID``).
+
+    A health word in a block that has one already starts a new block: the MCU block that follows the
+    chips of ``-t health -i N`` has no ``Chip ID`` and must not overwrite the last chip's health.
+    """
     blocks: list[dict[str, Any]] = [{}]
     named = False
     last_label = ""
@@ -152,6 +178,8 @@ def _health_blocks(text: str, command: str) -> tuple[list[dict[str, Any]], bool]
             named = True
             blocks.append({"chip": _int(value)})
         elif label in ("health status", "health"):
+            if "health" in blocks[-1]:
+                blocks.append({})
             blocks[-1]["health"] = Health.parse(value)
         elif label == "error code":
             blocks[-1]["codes"] = tuple(m.group(1).upper() for w in value.split() if (m := _CODE.fullmatch(w)))
@@ -177,9 +205,10 @@ def parse_health(text: str) -> ChipHealth:
 def parse_npu_health(text: str) -> list[ChipHealth]:
     """Every chip's health from ``npu-smi info -t health -i N`` (no ``-c``), each with its chip id."""
     blocks, named = _health_blocks(text, HEALTH)
-    if not named or not blocks:
+    chips = [b for b in blocks if b.get("chip") is not None]  # the MCU block names no chip
+    if not named or not chips:
         raise DeviceToolError(f"{HEALTH} printed no chip health")
-    return [_chip_health(b) for b in blocks]
+    return [_chip_health(b) for b in chips]
 
 
 def parse_list(text: str) -> list[ListedNpu]:
@@ -208,11 +237,14 @@ def parse_mapping(text: str) -> dict[tuple[int, int], LogicChip]:
     """``npu-smi info -m``: (npu id, chip id) -> logic id and name, compute chips only."""
     chips: dict[tuple[int, int], LogicChip] = {}
     saw_mcu = False
+    name_column = 3  # newer A3 releases print a "Chip Phy-ID" column before the name
     for line in _lines(text, MAPPING):
         words = line.split()
-        if len(words) < 4 or _int(words[0]) is None or _int(words[1]) is None:
+        if "logic" in line.lower():
+            name_column = 4 if "phy-id" in line.lower() else 3
+        if len(words) <= name_column or _int(words[0]) is None or _int(words[1]) is None:
             continue  # the header, blank lines, anything else
-        name = " ".join(words[3:])
+        name = " ".join(words[name_column:])
         logic_id = _int(words[2])
         if logic_id is None or name.lower() == "mcu":
             saw_mcu = True  # the board's management chip: no logic id, runs no work
@@ -221,6 +253,21 @@ def parse_mapping(text: str) -> dict[tuple[int, int], LogicChip]:
     if not chips:
         raise DeviceToolError(f"{MAPPING} printed no compute chips" + (" (only Mcu rows)" if saw_mcu else ""))
     return chips
+
+
+def parse_spod_info(text: str) -> tuple[int, int]:
+    """``npu-smi info -t spod-info -i N -c C`` on an A3 SuperPoD: the chip's super device id (SDID) and its
+    super pod id. The labels are assumed from DCMI's ``dcmi_spod_info`` (sdid, super_pod_id); no sample of
+    the command's output was at hand."""
+    found: dict[str, int | None] = {}
+    for line in _lines(text, SPOD_INFO):
+        pair = _label_value(line)
+        if pair is not None and pair[0] in ("sdid", "super pod id"):
+            found[pair[0]] = _int(pair[1])
+    sdid, pod = found.get("sdid"), found.get("super pod id")
+    if sdid is None or pod is None:
+        raise DeviceToolError(f"{SPOD_INFO} printed no SDID and Super Pod ID")
+    return sdid, pod
 
 
 def parse_hccn_ip(text: str) -> str:
@@ -267,8 +314,20 @@ class NpuSmi:
         return result.stdout
 
 
+def find_hccn_tool(tool: str = "hccn_tool") -> str:
+    """The hccn_tool to run: ``tool`` on PATH, else the driver's copy (DRIVER_HCCN_TOOL); "" when neither is there."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    driver_copy = tool == os.path.basename(DRIVER_HCCN_TOOL)  # a name or path of the user's own is theirs alone
+    if driver_copy and os.path.isfile(DRIVER_HCCN_TOOL) and os.access(DRIVER_HCCN_TOOL, os.X_OK):
+        return DRIVER_HCCN_TOOL
+    return ""
+
+
 def hccn_device_ip(device: int, tool: str = "hccn_tool", timeout: float = 10.0) -> str:
     """The device IP hccn_tool reports for physical device ``device``; "" when hccn_tool is not installed."""
-    if not shutil.which(tool):
+    path = find_hccn_tool(tool)
+    if not path:
         return ""
-    return parse_hccn_ip(NpuSmi(tool, timeout).run("-i", str(device), "-ip", "-g"))
+    return parse_hccn_ip(NpuSmi(path, timeout).run("-i", str(device), "-ip", "-g"))

@@ -28,8 +28,11 @@ from ftrun.orphans import die_with_parent
 if TYPE_CHECKING:  # an outcome carries the c10d head's controller; the etcd head never loads one
     from ftrun.controller.controller import Controller
 
-#: environment variables every remote agent gets from the head, besides --env
-FORWARDED_ENV = ("NCCL_*", "HCCL_*", "ASCEND_*", "GLOO_*", "PYTHONPATH", "FTRUN_LOG_LEVEL")
+#: environment variables every remote agent gets from the head, besides --env. torch_npu names its HCCL
+#: knobs TORCH_HCCL_*, MindSpore's process-level recovery reads MS_ENABLE_TFT, and torch_npu's UCE check
+#: refuses to run with PYTORCH_NO_NPU_MEMORY_CACHING=1, so each node must see the value set here.
+FORWARDED_ENV = ("NCCL_*", "HCCL_*", "TORCH_HCCL_*", "ASCEND_*", "GLOO_*", "MS_ENABLE_TFT",
+                 "PYTORCH_NO_NPU_MEMORY_CACHING", "PYTHONPATH", "FTRUN_LOG_LEVEL")
 SSH_CONNECT_TIMEOUT = 10
 #: after the job ended, how long the ssh sessions get to finish before they are ended
 SESSION_GRACE = 15.0

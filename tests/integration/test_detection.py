@@ -59,8 +59,10 @@ def wait_for_step(launcher: Launcher, rank: int, step: int) -> None:
 
 
 def run_elastic(launcher: Launcher, env: dict, nnodes: int = 1, flags: tuple[str, ...] = ()) -> list:
-    # each repair here replaces one rank of the node: one warm standby serves it
-    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", *flags]
+    # each repair here replaces one rank of the node: one warm standby serves it; the stand-in npu-smi's
+    # reset is done at once, so the 20 s a real chip asks for after one would only slow the tests
+    common = ["--recovery", "process", "--max-restarts", "3", "--health-interval", "0.2", "--reset-wait", "0.2",
+              *flags]
     return launcher.start_job(nnodes, 2, [ELASTIC], flags=common, env=env)
 
 
@@ -233,6 +235,12 @@ def test_probe_shows_each_device_and_exits_4_on_an_unusable_one(ftrun_cli, tmp_p
     report = json.loads(out)
     assert [d["usable"] for d in report["devices"]] == [True, False]
     assert report["devices"][1]["codes"] == ["8C03A000"] and report["devices"][1]["level"] == "RestartNPU"
+    assert report["devices"][1]["rule"] == "ftrun/detection/fault_levels.yaml"
+    state.set_chip(1, "Alarm", ["80C98008"], ["aicore error"])  # a code only MindCluster's list names
+    code, out, err = ftrun_cli("probe", "--device", "npu", "--json", env=env)
+    assert code == 0, err
+    device = json.loads(out)["devices"][1]
+    assert (device["level"], device["rule"]) == ("RestartRequest", "MindCluster faultCode.json v26.1.0")
     code, out, err = ftrun_cli("probe", "--device", "npu", "--npu-smi", str(tmp_path / "absent"), env=env)
     assert code == 4 and "absent" in out and "Traceback" not in out + err
 

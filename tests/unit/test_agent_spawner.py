@@ -24,7 +24,8 @@ def npus(count: int) -> list[dict]:
 def node(tmp_path, fake_npu):
     """A node of two ranks on two stand-in NPUs, and its spawner."""
     n = make_node(tmp_path, "sleep,sleep")
-    devices = NodeDevices(fake_npu("A2", npus(2)), load_fault_table(None), [0, 1], health_interval=60, reset_timeout=10)
+    devices = NodeDevices(fake_npu("A2", npus(2)), load_fault_table(None), [0, 1], health_interval=60, reset_timeout=10,
+                          reset_wait=0)
     envs = GenerationEnvs(n.config.run_id, n.seat, devices, str(n.folder), lambda: n.store.endpoint)
     n.spawner = Spawner(n.group, n.seat, devices, envs, lambda: n.protocol, n.supervision.started)
     n.devices = devices

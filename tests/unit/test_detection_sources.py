@@ -89,7 +89,7 @@ def test_an_event_is_frozen():
     ([[reading(0)], [reading(0, Health.ALARM, "80E01801")]], [[], [("npu", 0, L.RESTART_BUSINESS, "code 80E01801")]]),
     # an unreadable tool says nothing, and the devices' health is judged again once it answers
     ([DeviceToolError("npu-smi not found on PATH"), [reading(0, Health.CRITICAL)]],
-     [[], [("npu", 0, L.SEPARATE, "health Critical")]]),
+     [[], [("npu", 0, L.RESTART_NPU, "health Critical")]]),  # a reset first: no table names its fault
     # back to healthy is news too
     ([[reading(0, Health.ALARM, "80E01801")], [reading(0)], [reading(0)]],
      [[("npu", 0, L.RESTART_BUSINESS, "code 80E01801")], [("npu", 0, None, "health OK")], []]),

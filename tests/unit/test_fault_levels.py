@@ -70,16 +70,53 @@ PACKAGED_CUDA = {
 def test_packaged_table_is_exactly_the_documented_one():
     assert dict(TABLE.codes["npu"]) == PACKAGED_CODES
     assert dict(TABLE.codes["cuda"]) == PACKAGED_CUDA
-    assert dict(TABLE.health) == {Health.OK: None, Health.WARNING: L.NOT_HANDLE, Health.ALARM: L.SEPARATE,
-                                  Health.CRITICAL: L.SEPARATE, Health.UNKNOWN: L.SEPARATE}
+    assert dict(TABLE.health) == {Health.OK: None, Health.WARNING: L.NOT_HANDLE, Health.ALARM: L.RESTART_NPU,
+                                  Health.CRITICAL: L.RESTART_NPU, Health.UNKNOWN: L.SEPARATE}
     assert TABLE.escalation == EscalationRule(24.0, 2, frozenset({L.RESTART_NPU, L.RESTART_BUSINESS}))
     assert TABLE.files == ("ftrun/detection/fault_levels.yaml",)
 
 
+MINDCLUSTER = "MindCluster faultCode.json v26.1.0"
+
+
+def test_vendor_list_is_mindclusters_default_fault_codes_with_source_and_version():
+    [vendor] = TABLE.vendor_lists
+    assert (vendor.source, vendor.name) == ("npu", MINDCLUSTER)
+    assert len(vendor.codes) == 797  # 802 listed; 9-digit entries left out, A2301001 listed twice
+    assert vendor.codes["A2301001"] is L.SEPARATE  # listed under RestartBusiness and SeparateNPU: the worse wins
+    assert all(code not in vendor.codes for code in ("200001002", "020001002"))
+
+
+@pytest.mark.parametrize("code, level", [
+    ("80C98008", L.RESTART_REQUEST),  # AICore error
+    ("80CB8009", L.RESTART_REQUEST),
+    ("81078603", L.NOT_HANDLE),  # link down
+    ("8C204E00", L.RESTART_BUSINESS),
+])
+def test_code_ftrun_does_not_list_takes_mindclusters_level_not_the_alarm(code, level):
+    # ASCEND.md mismatch 6: such an Alarm isolated the chip through the health fallback
+    assert TABLE.classify_device(status(Health.ALARM, code)) == Verdict(level, f"code {code}", MINDCLUSTER)
+
+
+def test_ftrun_and_site_rows_take_precedence_over_the_vendor_list(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text('codes:\n  "80C98008": SeparateNPU\n')
+    site = load_fault_table(str(path))
+    assert site.classify_device(status(Health.ALARM, "80C98008")) == Verdict(L.SEPARATE, "code 80C98008", str(path))
+    assert TABLE.classify_device(status(Health.ALARM, "80E01801")).rule == "ftrun/detection/fault_levels.yaml"
+
+
+@pytest.mark.parametrize("health", [Health.ALARM, Health.CRITICAL])
+def test_code_in_no_table_resets_the_chip_before_isolating_it(health):
+    verdict = TABLE.classify_device(status(health, "12345678"))
+    assert verdict.level is L.RESTART_NPU and verdict.rule == "health fallback"
+
+
 @pytest.mark.parametrize("code, level", sorted({**PACKAGED_CODES, **PACKAGED_CUDA}.items()))
 def test_every_packaged_code_decides_an_alarmed_device(code, level):
-    # the code, not the Alarm (SeparateNPU), decides
-    assert TABLE.classify_device(status(Health.ALARM, code)) == Verdict(level, f"code {code}")
+    # the code, not the Alarm (RestartNPU), decides
+    assert TABLE.classify_device(status(Health.ALARM, code)) == Verdict(
+        level, f"code {code}", "ftrun/detection/fault_levels.yaml")
 
 
 def test_codes_are_matched_in_any_case():
@@ -88,29 +125,29 @@ def test_codes_are_matched_in_any_case():
 
 
 @pytest.mark.parametrize("health, level", [
-    (Health.OK, None), (Health.WARNING, L.NOT_HANDLE), (Health.ALARM, L.SEPARATE),
-    (Health.CRITICAL, L.SEPARATE), (Health.UNKNOWN, L.SEPARATE),
+    (Health.OK, None), (Health.WARNING, L.NOT_HANDLE), (Health.ALARM, L.RESTART_NPU),
+    (Health.CRITICAL, L.RESTART_NPU), (Health.UNKNOWN, L.SEPARATE),
 ])
 def test_health_decides_a_device_without_codes(health, level):
-    assert TABLE.classify_device(status(health)) == Verdict(level, f"health {health.value}")
+    assert TABLE.classify_device(status(health)) == Verdict(level, f"health {health.value}", "health fallback")
 
 
 @pytest.mark.parametrize("health, level", [
-    (Health.WARNING, L.NOT_HANDLE), (Health.ALARM, L.SEPARATE), (Health.OK, L.NOT_HANDLE),
+    (Health.WARNING, L.NOT_HANDLE), (Health.ALARM, L.RESTART_NPU), (Health.OK, L.NOT_HANDLE),
 ])
 def test_unknown_code_falls_back_to_health(health, level):
     verdict = TABLE.classify_device(status(health, "12345678"))
-    assert verdict == Verdict(level, f"code 12345678 (not in the fault table; health {health.value})")
+    assert verdict == Verdict(level, f"code 12345678 (in no fault table; health {health.value})", "health fallback")
 
 
 def test_most_severe_code_wins():
     verdict = TABLE.classify_device(status(Health.ALARM, "A4025021", "8C03A000", "80E01801"))
-    assert verdict == Verdict(L.RESTART_NPU, "code 8C03A000")
+    assert verdict == Verdict(L.RESTART_NPU, "code 8C03A000", "ftrun/detection/fault_levels.yaml")
 
 
 def test_unknown_code_beside_known_ones_counts_by_health():
     verdict = TABLE.classify_device(status(Health.ALARM, "80E01801", "12345678"))
-    assert verdict.level is L.SEPARATE and verdict.reason.startswith("code 12345678")
+    assert verdict.level is L.RESTART_NPU and verdict.reason.startswith("code 12345678")
 
 
 def test_reference_example_uce_with_a_notice_is_restart_business():
@@ -190,7 +227,7 @@ escalation:
     assert table.codes["npu"]["A4025021"] is L.SEPARATE
     assert table.codes["npu"]["00000001"] is L.RESTART_REQUEST
     assert table.codes["npu"]["80E01801"] is L.RESTART_BUSINESS  # untouched entries stay
-    assert table.health[Health.WARNING] is L.SUB_HEALTH and table.health[Health.ALARM] is L.SEPARATE
+    assert table.health[Health.WARNING] is L.SUB_HEALTH and table.health[Health.ALARM] is L.RESTART_NPU
     assert table.codes["cuda"]["xid-79"] is L.RESTART_NPU and table.codes["cuda"]["xid-31"] is L.RESTART_REQUEST
     assert dict(table.errors)["UCE ERROR"] is L.RESTART_NPU
     assert table.classify_text(["oh no: MY SITE'S ERROR"]) == Verdict(L.PRE_SEPARATE, "my site's error")

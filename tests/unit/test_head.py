@@ -72,6 +72,16 @@ def test_forwarded_env_takes_the_default_families_and_nothing_else():
         "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/src", "FTRUN_LOG_LEVEL": "DEBUG"}
 
 
+def test_forwarded_env_takes_torch_npu_and_mindspore_knobs():
+    # torch_npu reads TORCH_HCCL_* (fnmatch "HCCL_*" does not match it), MindSpore reads MS_ENABLE_TFT, and
+    # torch_npu's UCE check needs PYTORCH_NO_NPU_MEMORY_CACHING as the user set it (ASCEND.md, mismatch 9)
+    environ = {"TORCH_HCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_HCCL_BLOCKING_WAIT": "1",
+               "MS_ENABLE_TFT": "{UCE:1,ARF:1}", "PYTORCH_NO_NPU_MEMORY_CACHING": "1", "MS_OTHER": "no"}
+    assert dict(forwarded_env(environ, [])) == {
+        "TORCH_HCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_HCCL_BLOCKING_WAIT": "1",
+        "MS_ENABLE_TFT": "{UCE:1,ARF:1}", "PYTORCH_NO_NPU_MEMORY_CACHING": "1"}
+
+
 def test_forwarded_env_adds_named_and_set_variables():
     env = dict(forwarded_env({"WANDB_API_KEY": "k", "NCCL_DEBUG": "INFO"},
                              ["WANDB_API_KEY", "OMP_NUM_THREADS=8", "URL=a=b", "EMPTY=", "NCCL_DEBUG=WARN"]))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health
+from ftrun.devices import Device, DeviceOptions, DeviceReading, DeviceToolError, Health, npu_smi
 from ftrun.devices.npu import NpuBackend
 from ftrun.devices.npu_smi import (
     ChipHealth,
@@ -27,6 +27,7 @@ from ftrun.devices.npu_smi import (
     parse_list,
     parse_mapping,
     parse_npu_health,
+    parse_spod_info,
 )
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -66,6 +67,22 @@ def test_info_table_tolerates_spacing_case_tabs_and_unknown_lines():
     ]
 
 
+def test_info_table_300i_device_column_is_not_a_phy_id():
+    # Atlas 300I/310P boards head the chip row "Chip  Device": that number is not the board's Phy-ID
+    rows = parse_info_table(fixture("info_300i_duo.txt"))
+    assert [(r.npu, r.chip, r.health, r.phy_id) for r in rows] == [
+        (8, 0, Health.OK, None), (8, 1, Health.ALARM, None), (9, 0, Health.OK, None), (9, 1, Health.OK, None)]
+
+
+def test_info_table_950_reads_the_npu_id_column_and_empty_chip_rows():
+    # npu-smi 25.6 on Ascend 950 (one third-party sample): "NPU ID" is a column of its own and the chip row
+    # leaves the first two cells empty, one chip per NPU
+    rows = parse_info_table(fixture("info_950.txt"))
+    assert rows == [ChipRow(0, 0, "Ascend950DT", Health.OK, "NA", has_chip_id=False),
+                    ChipRow(1, 0, "Ascend950DT", Health.CRITICAL, "NA", has_chip_id=False),
+                    ChipRow(2, 0, "Ascend950DT", Health.OK, "NA", has_chip_id=False)]
+
+
 @pytest.mark.parametrize("name, expected", [
     ("health_ok.txt", ChipHealth(Health.OK)),
     ("health_alarm_codes.txt",
@@ -82,6 +99,14 @@ def test_parse_npu_health_without_chip_reads_every_chip():
     assert parse_npu_health(fixture("health_npu.txt")) == [
         ChipHealth(Health.OK, (), "", chip=0),
         ChipHealth(Health.WARNING, ("80CB8002",), "retry the request; link flapped once", chip=1),
+    ]
+
+
+def test_parse_npu_health_mcu_block_leaves_the_last_chip_alone():
+    # the MCU block (no "Chip ID") comes after the chips: its "Health : OK" must not become chip 1's
+    assert parse_npu_health(fixture("health_npu_mcu.txt")) == [
+        ChipHealth(Health.OK, (), "", chip=0),
+        ChipHealth(Health.ALARM, ("80E01801",), "on-chip memory uncorrectable error", chip=1),
     ]
 
 
@@ -107,9 +132,21 @@ def test_parse_list_of_a_node_without_npus_is_empty():
     ("mapping_a2.txt", {(n, 0): LogicChip(n, "Ascend 910B2") for n in range(4)}),
     ("mapping_a3_mcu.txt", {(4, 0): LogicChip(0, "Ascend910"), (4, 1): LogicChip(1, "Ascend910"),
                             (6, 0): LogicChip(2, "Ascend910"), (6, 1): LogicChip(3, "Ascend910")}),
+    # newer A3 releases add a "Chip Phy-ID" column before the name
+    ("mapping_a3_phy_id.txt", {(0, 0): LogicChip(0, "Ascend910"), (0, 1): LogicChip(1, "Ascend910"),
+                               (1, 0): LogicChip(2, "Ascend910"), (1, 1): LogicChip(3, "Ascend910")}),
 ])
 def test_parse_mapping_skips_mcu_rows(name, expected):
     assert parse_mapping(fixture(name)) == expected
+
+
+def test_parse_spod_info_reads_the_super_device_and_pod_ids():
+    assert parse_spod_info(fixture("spod_info_a3.txt")) == (29425665, 2)
+
+
+def test_parse_spod_info_of_a_board_outside_a_superpod_is_an_error():
+    with pytest.raises(DeviceToolError, match="printed no SDID"):
+        parse_spod_info("This device does not support querying spod-info.\n")
 
 
 def test_parse_hccn_ip():
@@ -239,7 +276,18 @@ def test_runner_replaces_bytes_that_are_not_utf8(tmp_path):
 
 def test_hccn_device_ip_is_empty_without_hccn_tool(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(npu_smi, "DRIVER_HCCN_TOOL", str(tmp_path / "driver" / "tools" / "hccn_tool"))
     assert hccn_device_ip(0) == ""
+
+
+def test_hccn_device_ip_finds_hccn_tool_where_the_driver_installs_it(tmp_path, monkeypatch):
+    # the Ascend docs run /usr/local/Ascend/driver/tools/hccn_tool, which is usually not on PATH
+    tools = tmp_path / "driver" / "tools"
+    tools.mkdir(parents=True)
+    script(tools, 'echo "ipaddr:192.168.10$2.11"', name="hccn_tool")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(npu_smi, "DRIVER_HCCN_TOOL", str(tools / "hccn_tool"))
+    assert hccn_device_ip(3) == "192.168.103.11"
 
 
 def test_hccn_device_ip_asks_for_the_device(tmp_path, monkeypatch):
@@ -293,6 +341,16 @@ def test_backend_a3_counts_chips_by_logic_id(fake_npu):
         (2, Health.OK, (), ""), (3, Health.OK, (), "")]
     assert [backend.physical_id(i) for i in range(4)] == [2, 3, 0, 1]
     assert backend.device_ip(0) == ""  # no hccn_tool here
+
+
+def test_backend_950_reads_the_table_and_asks_health_without_a_chip(fake_npu):
+    # npu-smi 25.6 on Ascend 950: "NPU ID" column, blank chip rows, and no -c for info -t health
+    npus = [{"id": n, "name": "Ascend950DT", "chips": [chip(0, n)]} for n in range(2)]
+    npus[1]["chips"] = [chip(0, 1, "Critical", ["8C03A000"], ["reset the chip"])]
+    backend = fake_npu("950", npus)
+    backend.discover()
+    assert [(s.device.index, s.health, s.codes, s.info) for s in backend.poll()] == [
+        (0, Health.OK, (), ""), (1, Health.CRITICAL, ("8C03A000",), "reset the chip")]
 
 
 def test_backend_poll_marks_a_chip_missing_from_the_table_unknown(fake_npu):

@@ -75,6 +75,29 @@ def test_hccl_table_needs_a_device_for_every_rank():
         hccl_table(ftrun_table("job", 0, (cpu_node,), own_node=0, own_devices={}))
 
 
+def test_hccl_table_is_not_made_with_an_empty_device_ip():
+    # torch_npu has no fallback from a rank table it cannot use: better none, and HCCL's store negotiation
+    node = NodeSlot(0, "a:1", "n0", 2, 0, "10.0.0.1", devices("192.168.100.1", ""))
+    with pytest.raises(ValueError, match="rank 1 on n0 has no device IP"):
+        hccl_table(ftrun_table("job", 0, (node,), own_node=0, own_devices={0: 0, 1: 1}))
+
+
+def superpod_devices(node: int, pod: int) -> tuple[RankTableDevice, ...]:
+    return tuple(RankTableDevice(i, i, f"192.168.10{i}.{node}", super_device_id=100 * node + i, super_pod_id=pod)
+                 for i in range(2))
+
+
+def test_hccl_table_of_a_superpod_is_version_1_2_with_super_ids():
+    nodes = (NodeSlot(0, "a:1", "n0", 2, 0, "10.0.0.1", superpod_devices(0, 7)),
+             NodeSlot(1, "b:1", "n1", 2, 2, "10.0.0.2", superpod_devices(1, 7)))
+    table = hccl_table(ftrun_table("job", 0, nodes, own_node=0, own_devices={0: 0, 1: 1}))
+    assert table["version"] == "1.2"
+    assert table["server_list"][1]["device"][0] == {
+        "device_id": "0", "super_device_id": "100", "device_ip": "192.168.100.1", "rank_id": "2"}
+    assert table["super_pod_list"] == [
+        {"super_pod_id": "7", "server_list": [{"server_id": "10.0.0.1"}, {"server_id": "10.0.0.2"}]}]
+
+
 def test_tables_are_written_atomically_and_owner_only(tmp_path):
     path = write_table(str(tmp_path), "ranktable.json", {"a": 1})
     write_table(str(tmp_path), "ranktable.json", {"a": 2})  # a new generation replaces it whole
