@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from typing import Mapping, NamedTuple
 
 import click
 from rich.table import Table
@@ -13,7 +15,8 @@ from ftrun.config import DEFAULTS
 from ftrun.errors import ExitCode
 
 HELP = """Show this node's devices: health, error codes, fault level, the rule that gave it (a fault
-table file, MindCluster's code list, or the health fallback) and the action ftrun would take.
+table file, MindCluster's code list, or the health fallback) and the action ftrun would take. On Ascend, also
+the variables ftrun sets in the workers for process-level recovery, as this environment would have them.
 
 \b
   ftrun probe
@@ -40,11 +43,55 @@ def probe_command(**params) -> int:
     table = load_fault_table(options["fault_levels"] or None)
     backend = make_device_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
     report = probe(backend, table)
+    settings = recovery_settings(os.environ) if report.kind == "npu" else []
     if params["as_json"]:
-        out.print_json(json.dumps(report.as_dict()))
+        out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings]}))
     else:
         show(report)
+        show_settings(settings)
     return ExitCode.DEVICE if report.problem else ExitCode.OK
+
+
+class Setting(NamedTuple):
+    """A variable ftrun sets in an Ascend node's workers under ``--recovery process``, and why."""
+
+    name: str
+    value: str
+    #: "ftrun", or "yours" where the environment's own value is kept
+    set_by: str
+    why: str
+
+
+def recovery_settings(env: Mapping[str, str]) -> list[Setting]:
+    """What the workers of this node would get for process-level recovery on Ascend (``workers.py``,
+    ``mindspore.py``), with the user's own values where they win."""
+    from ftrun import mindspore
+    from ftrun.agent.workers import torch_npu_recovery_variables
+
+    torch_npu = torch_npu_recovery_variables(env)
+    handling = torch_npu.get("TORCH_HCCL_ASYNC_ERROR_HANDLING") or env.get("TORCH_HCCL_ASYNC_ERROR_HANDLING") \
+        or env.get("HCCL_ASYNC_ERROR_HANDLING", "")
+    tft = mindspore.recovery_variables(dict(env))["MS_ENABLE_TFT"]
+    return [
+        Setting("TORCH_HCCL_ASYNC_ERROR_HANDLING", handling, "ftrun" if torch_npu else "yours",
+                "torch workers: a peer's communicator error reaches the rank's collective and the repair, instead of "
+                "torch_npu's watchdog ending a healthy rank"),
+        Setting("MS_ENABLE_TFT", tft, "yours" if "MS_ENABLE_TFT" in env else "ftrun",
+                "MindSpore workers: its UCE and HCCL-error tagging, and a stopped step that fails (ARF, which also "
+                "turns its HCCL watchdog off), which the repair's hooks need"),
+        Setting("MS_ENABLE_RECOVERY", "1", "ftrun", "MindSpore workers: a replacement rejoins the running scheduler"),
+    ]
+
+
+def show_settings(settings: list[Setting]) -> None:
+    if not settings:
+        return
+    table = Table(title="set in the workers under --recovery process", title_justify="left")
+    for column in ("variable", "value", "set by", "why"):
+        table.add_column(column)
+    for setting in settings:
+        table.add_row(*setting)
+    out.print(table)
 
 
 def show(report) -> None:

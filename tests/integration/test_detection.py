@@ -229,6 +229,7 @@ def test_probe_shows_each_device_and_exits_4_on_an_unusable_one(ftrun_cli, tmp_p
     code, out, err = ftrun_cli("probe", "--device", "npu", env=env)
     assert code == 0, err
     assert "910B2" in out and "npu 1 chip 0" in out
+    assert "set in the workers under --recovery process" in out and "TORCH_HCCL_ASYNC_ERROR_HANDLING" in out
     state.set_chip(1, "Critical", ["8C03A000"], ["chip reset required"])
     code, out, err = ftrun_cli("doctor", "--json", env=env)
     assert code == 4, err
@@ -241,6 +242,10 @@ def test_probe_shows_each_device_and_exits_4_on_an_unusable_one(ftrun_cli, tmp_p
     assert code == 0, err
     device = json.loads(out)["devices"][1]
     assert (device["level"], device["rule"]) == ("RestartRequest", "MindCluster faultCode.json v26.1.0")
+    code, out, err = ftrun_cli("probe", "--device", "npu", "--json", env={**env, "MS_ENABLE_TFT": "{UCE:1}"})
+    settings = {s["name"]: (s["value"], s["set_by"]) for s in json.loads(out)["recovery_env"]}
+    assert settings["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == ("0", "ftrun")
+    assert settings["MS_ENABLE_TFT"] == ("{UCE:1}", "yours")  # the user's own value is kept
     code, out, err = ftrun_cli("probe", "--device", "npu", "--npu-smi", str(tmp_path / "absent"), env=env)
     assert code == 4 and "absent" in out and "Traceback" not in out + err
 
