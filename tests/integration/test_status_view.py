@@ -102,7 +102,11 @@ def watched(tmp_path_factory) -> WatchedRun:
     runner = Launcher(tmp, unique_mark("statusview"))
     run = WatchedRun(tmp)
     port = free_port()
-    env = runner.env(STEPS=str(STEPS), STEP_SLEEP="0.15", FAULT="3:25:sigkill", COLUMNS=str(COLUMNS))
+    # the job holds after step 2 until the watcher printed its first look (it imports torch: on a loaded machine
+    # it once came after the fault at step 25, and saw generation 1 first)
+    hold = runner.out_dir / "hold-steps"
+    hold.touch()
+    env = runner.env(STEPS=str(STEPS), STEP_SLEEP="0.15", FAULT="3:25:sigkill", COLUMNS=str(COLUMNS), HOLD_AFTER="2")
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id",
               "statusview", "--recovery", "process", "--max-restarts", "3", "--warm-standby", "0",
               "--monitor-interval", "0.05", "--log-dir", str(tmp / "logs")]
@@ -120,6 +124,8 @@ def watched(tmp_path_factory) -> WatchedRun:
                 # the workers are starting: one look, and a watcher that follows the job to its end
                 once = status(port)
                 watcher = status(port, "--watch", "--json", "--interval", "0.2", into=tmp / "watch")
+            if watcher is not None and hold.exists() and read_text(tmp / "watch.out").strip():
+                hold.unlink()
             time.sleep(0.1)
         assert terminal.finished(), "node 0 did not finish in time"
         run.codes = [terminal.code(), other.proc.wait(timeout=30)]
