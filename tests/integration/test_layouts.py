@@ -105,7 +105,7 @@ def assert_repaired(launcher: Launcher, reference: dict[int, str], generations: 
 def test_a_lost_rank_gets_its_state_from_its_replica_set(launcher, fault_free, layout):
     assert run(launcher, layout, FAULT="1:5:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free(layout))
-    if layout == "ddp":  # torch's own DDP: its buckets were pinned on every rank, the replacement's too
+    if layout == "ddp":  # torch's own DDP: its layout is DDP's, and the replacement's comes with the state
         assert "DDP expects same model" not in launcher.output()
 
 

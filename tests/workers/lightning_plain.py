@@ -46,7 +46,7 @@ def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+    data = torch.utils.data.TensorDataset(torch.randn(192, 16), torch.randint(0, 4, (192,)))
     model = Model()
     saving = lightning.pytorch.callbacks.ModelCheckpoint(
         dirpath=os.path.join(out_dir, "checkpoints"), every_n_train_steps=int(os.environ.get("SAVE_STEPS", "10")),
