@@ -10,6 +10,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ftrun.elastic.groups import DoneWork
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.shards import local_tensor as _local
 
@@ -203,14 +204,15 @@ def _lay_out(params: list[torch.Tensor], cap: int, first_cap: int) -> list[list[
     return buckets
 
 
-#: every torch DistributedDataParallel made in this process since :func:`track_torch_ddp`, held weakly
-_made: weakref.WeakSet = weakref.WeakSet()
+#: every torch DistributedDataParallel made in this process since :func:`track_torch_ddp`, in the order made (the
+#: same on every rank, which names their bucket layouts alike), held weakly
+_made: list[weakref.ref] = []
 
 
 def track_torch_ddp() -> None:
     """Remember every torch ``DistributedDataParallel`` made from now on (once per process), so that the
-    first ``steps()`` pins the buckets of one whose inner module was registered, not the wrapper,
-    without searching the whole heap for it (a tenth of a second in a replacement's startup)."""
+    first ``steps()`` registers the bucket layout of each (one whose inner module was registered, not the
+    wrapper, too) without searching the whole heap for it (a tenth of a second in a replacement's startup)."""
     ddp_class = torch.nn.parallel.DistributedDataParallel
     original = ddp_class.__init__
     if getattr(original, "_ftrun_tracks", False):
@@ -219,30 +221,123 @@ def track_torch_ddp() -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _made.add(self)
+        _made.append(weakref.ref(self))
 
     __init__._ftrun_tracks = True  # type: ignore[attr-defined]
     ddp_class.__init__ = __init__  # type: ignore[method-assign]
 
 
 def torch_ddps() -> list[torch.nn.parallel.DistributedDataParallel]:
-    """The torch DDPs made since :func:`track_torch_ddp` that are still alive."""
-    return list(_made)
+    """The torch DDPs made since :func:`track_torch_ddp` that are still alive, in the order made."""
+    return [made for made in (ref() for ref in _made) if made is not None]
 
 
 def pin_buckets(module: torch.nn.Module) -> bool:
-    """Fix the bucket layout of a torch ``DistributedDataParallel`` now, as torch's own ``Join`` does.
+    """Fix the bucket layout of a torch ``DistributedDataParallel`` now, in parameter order, as torch's own
+    ``Join`` does (the Trainer's integration does, for the DDP it makes after the job's steps started).
 
     DDP lays its gradient buckets out anew after its first iteration, from the order in which rank
     0 saw gradients, and broadcasts that layout from rank 0 once. A replacement rank would do that
-    alone, in the middle of the healthy ranks' training, and wait for ever. Pinned at
-    ``job.register()``, or at the first ``steps()`` for a DDP whose inner module was registered, on
-    every rank (the replacement too: its layout comes from the same model, in parameter order), no
-    rank ever rebuilds. True when ``module`` is a DDP (pinning it again does nothing).
+    alone, in the middle of the healthy ranks' training, and wait for ever. Pinned on every rank (the
+    replacement too: its layout comes from the same model, in parameter order), no rank ever rebuilds.
+    True when ``module`` is a DDP (pinning it again does nothing).
     """
     if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return False
     reducer = module.reducer
     reducer._push_all_rebuilt_params()
-    reducer._rebuild_buckets()
+    if reducer._rebuild_buckets():
+        module._has_rebuilt_buckets = True  # as DDP's own says it, once laid out
     return True
+
+
+class BucketLayout:
+    """A torch DDP's gradient bucket layout, as registered state: a replacement rank lays its buckets out as
+    its peers did, without them.
+
+    DDP lays its buckets out anew once, as the forward after its first iteration begins: in the order rank
+    0's gradients became ready in it, broadcast from rank 0 (two broadcasts: the parameters' indices bucket
+    after bucket, then each bucket's size). That layout is left to DDP, so that a fault-free run sums its
+    gradients as it does under torchrun: with more than two ranks, gloo's ring all-reduce sums each part of
+    a bucket starting from another rank, and another layout changes the last bits of the result. Only what
+    rank 0 broadcast is kept, on the way (each forward begins with :meth:`settle`, which does DDP's layout
+    for it, then nothing once done); a replacement, whose DDP is new while its peers train, is given that
+    with the state and lays its buckets out by it, its broadcasts answered with what its peers received. A
+    repair before that (in the first step) has every rank start the layout afresh (:meth:`settle_after_repair`).
+    """
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel):
+        self.ddp = ddp
+        #: what rank 0 broadcast as DDP laid its buckets out (empty before it did)
+        self.broadcasts: list[torch.Tensor] = []
+        #: DDP keeps its first layout for good where it looks for unused parameters in a graph not static
+        self._kept = ddp.find_unused_parameters and not ddp.static_graph
+        original = ddp._pre_forward
+
+        def pre_forward(*args, **kwargs):
+            if torch.is_grad_enabled():  # as DDP's own
+                self.settle()
+            return original(*args, **kwargs)
+
+        ddp._pre_forward = pre_forward  # type: ignore[method-assign]
+
+    def settle(self) -> None:
+        """What DDP does as a forward begins: its layout, where its first iteration is over and it has not
+        laid its buckets out yet."""
+        if not (self._kept or self.ddp._has_rebuilt_buckets):
+            self._rebuild(_LayoutBroadcasts(self.ddp.process_group))
+
+    def settle_after_repair(self) -> None:
+        """At the end of a repair before DDP laid its buckets out (in the first step): what the healthy ranks'
+        backward of the lost step noted of its gradients' order is dropped (a replacement has none), so that
+        every rank runs the step again in DDP's first layout and lays its buckets out after it, together."""
+        if not self.ddp._has_rebuilt_buckets:
+            self.ddp.reducer._reset_state()
+
+    def state_dict(self) -> dict:
+        return {"broadcasts": list(self.broadcasts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["broadcasts"] and not self.ddp._has_rebuilt_buckets:
+            self._rebuild(_LayoutBroadcasts(self.ddp.process_group, answers=state["broadcasts"]),
+                          in_parameter_order=True)
+
+    def _rebuild(self, through: "_LayoutBroadcasts", in_parameter_order: bool = False) -> None:
+        """``_rebuild_buckets`` (it does nothing before an iteration gave it an order, unless
+        ``in_parameter_order`` gives it one that has none), its broadcasts through ``through``."""
+        reducer = self.ddp.reducer
+        reducer._update_process_group(through)
+        try:
+            if in_parameter_order:
+                reducer._push_all_rebuilt_params()  # nothing where an iteration gave the order
+            rebuilt = reducer._rebuild_buckets()
+        finally:
+            reducer._update_process_group(self.ddp.process_group)
+        if rebuilt:
+            self.broadcasts = through.received
+            self.ddp._has_rebuilt_buckets = True  # as DDP's own says it, once laid out
+
+
+class _LayoutBroadcasts(dist.ProcessGroup):
+    """The group a DDP's reducer lays its buckets out through: each broadcast goes to the DDP's own group and
+    what it brings is kept; with ``answers``, each is answered with the next of them instead."""
+
+    def __init__(self, group: dist.ProcessGroup, answers: list[torch.Tensor] | None = None):
+        super().__init__(group.rank(), group.size())  # type: ignore[call-arg]
+        self.group = group
+        self.answers = list(answers) if answers is not None else None
+        #: what each broadcast brought, in order
+        self.received: list[torch.Tensor] = []
+
+    def getBackendName(self) -> str:
+        return "ftrun-layout"
+
+    def broadcast(self, tensors, opts=None):
+        if self.answers is None:
+            work = self.group.broadcast(tensors, opts) if opts is not None else self.group.broadcast(tensors)
+            work.wait()
+        else:
+            tensors[0].copy_(self.answers.pop(0))
+            work = DoneWork(tensors)
+        self.received.append(tensors[0].detach().cpu().clone())
+        return work

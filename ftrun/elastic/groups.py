@@ -300,7 +300,7 @@ def init_default_group(groups: GroupSet, rank: int, world_size: int, timeout: fl
                             timeout=datetime.timedelta(seconds=timeout))
 
 
-class _Done(dist._Work):
+class DoneWork(dist._Work):
     """A collective answered without communication."""
 
     def __init__(self, result):
@@ -515,7 +515,7 @@ def answer_locally(op: str, rank: int, size: int, args: tuple) -> dist._Work:
         for output, tensor in zip(args[0], args[1]):
             output.view(-1).copy_(tensor.reshape(size, -1)[rank])
     # reductions, broadcasts, all-to-all, scatter/gather, send/recv, barriers: as they are
-    return _Done(_outputs(op, args))
+    return DoneWork(_outputs(op, args))
 
 
 def _repeat(output: torch.Tensor, tensor: torch.Tensor, size: int) -> None:

@@ -24,7 +24,7 @@ from ftrun.auth import Signer
 from ftrun.contract import WorkerEnv
 from ftrun.elastic.arrays import TorchSnapshotWriter, snapshot_signer
 from ftrun.elastic.backends import CommBackend, make_comm_backend
-from ftrun.elastic.ddp import ElasticDDP, pin_buckets, torch_ddps, track_torch_ddp
+from ftrun.elastic.ddp import BucketLayout, ElasticDDP, torch_ddps, track_torch_ddp
 from ftrun.elastic.groups import GroupSet, install
 from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.link import ControlLink, NullLink
@@ -98,6 +98,8 @@ class ElasticJob:
         #: a mesh of torch's whose replica dimensions the first step shows (meshes.py); None once settled
         self._part_mesh: PartMesh | None = None
         self._started = False
+        #: the bucket layouts of torch's DDPs (registered state), from the first steps() on
+        self._layouts: list[BucketLayout] = []
         #: the step the steps began at (start_steps()); None before
         self._began: int | None = None
         #: the first step past _began was told to the link
@@ -193,8 +195,6 @@ class ElasticJob:
         """
         for name, obj in objects.items():
             self.state.register(name, obj)
-            if self.link.repairs and pin_buckets(obj):
-                log.info("%s: torch DDP's bucket layout pinned (a replacement rank lays its buckets out the same)", name)
 
     def after_repair(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` on every rank at the end of each process-level repair, once the state is
@@ -325,6 +325,10 @@ class ElasticJob:
         self.state.restore_buffers()  # the forward of the lost step moved running statistics
         return StepDecision(target)
 
+    def _settle_layouts_after_repair(self) -> None:
+        for buckets in self._layouts:
+            buckets.settle_after_repair()
+
     def _go_on(self, decision: StepDecision) -> StepOutcome:
         """Do what the step's end calls for: the repair, the first commit's news, the mesh the first step shows."""
         if decision.lost is not None:
@@ -357,8 +361,11 @@ class ElasticJob:
         if not self.link.repairs or self._started:
             return
         self._started = True
-        for made in torch_ddps():  # a torch DDP whose inner module was registered, not the wrapper
-            pin_buckets(made)
+        # every torch DDP's bucket layout (one whose inner module was registered, not the wrapper, too)
+        self._layouts = [BucketLayout(made) for made in torch_ddps()]
+        for index, buckets in enumerate(self._layouts):
+            self.state.register(f"torch_ddp{index}_buckets", buckets)
+        self._after_repair.insert(0, self._settle_layouts_after_repair)
         if self.env.rank == 0:
             self.link.tell_total_steps(total)
         self.groups.local = False

@@ -105,8 +105,16 @@ def assert_repaired(launcher: Launcher, reference: dict[int, str], generations: 
 def test_a_lost_rank_gets_its_state_from_its_replica_set(launcher, fault_free, layout):
     assert run(launcher, layout, FAULT="1:5:sigkill") == [0, 0], launcher.output()
     assert_repaired(launcher, fault_free(layout))
-    if layout == "ddp":  # torch's own DDP: its buckets were pinned on every rank, the replacement's too
+    if layout == "ddp":  # torch's own DDP: its layout is DDP's, and the replacement's comes with the state
         assert "DDP expects same model" not in launcher.output()
+
+
+def test_a_torch_ddp_rank_lost_in_the_first_step_ends_as_the_fault_free_run(launcher, fault_free):
+    # before DDP laid its buckets out: the healthy ranks' backward of the lost step noted its gradients' order, the
+    # replacement has none; every rank forgets it, runs the step again in DDP's first layout, and lays its buckets
+    # out after it as the fault-free run did (issue 52 item 3)
+    assert run(launcher, "ddp", FAULT="1:0:sigkill") == [0, 0], launcher.output()
+    assert_repaired(launcher, fault_free("ddp"))
 
 
 @pytest.mark.parametrize("layout, declared", [("hsdp", "hsdp"), ("tp-dp", "tp")])

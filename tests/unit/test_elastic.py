@@ -313,6 +313,39 @@ def test_elastic_ddp_averages_gradients_like_plain_backward(one_rank_group):
         wrapped.module[1](batch.new_ones(3, 8)).sum().backward()
 
 
+def test_a_replacement_s_torch_ddp_lays_its_buckets_out_as_its_peers_did(one_rank_group):
+    # issue 52 item 3: ftrun leaves DDP's own layout (the order the first iteration's gradients came in), and a
+    # replacement's new DDP takes it from its peers' state, not in parameter order
+    import torch
+
+    from ftrun.elastic.ddp import BucketLayout
+
+    def made():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        orders: list[list[int]] = []
+
+        def record(state, bucket):  # each bucket's parameters, in its order
+            orders.append([index[id(p)] for p in bucket.parameters()])
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        ddp.register_comm_hook(None, record)
+        return ddp, BucketLayout(ddp), orders
+
+    peer, peer_layout, peer_orders = made()
+    for _ in range(3):
+        peer(torch.randn(3, 4)).sum().backward()
+    assert peer_orders[0] == list(range(6)) != peer_orders[-1]  # DDP's first layout, then its own
+    replacement, layout, orders = made()
+    layout.load_state_dict(peer_layout.state_dict())
+    replacement(torch.randn(3, 4)).sum().backward()
+    assert orders == [peer_orders[-1]]
+
+
 def test_interrupted_step_puts_running_statistics_back():
     import torch
 
