@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ftrun.auth import Signer
 from ftrun.contract import Endpoint, parse_endpoint
 from ftrun.controller.journal import Journal, read_journal
-from ftrun.controller.leadership import Leadership, StoreRecord, current_store_record
+from ftrun.controller.leadership import Leadership, LeadershipLost, StoreRecord, current_store_record
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.etcd import CALL_DEADLINE, EtcdClient, EtcdError, EtcdUnavailable
 from ftrun.keys import EtcdKeys
@@ -115,14 +115,13 @@ class EtcdControlPlane:
 
     def _look(self, joined: bool, failed: str) -> Found | None:
         if self.leadership.try_lead():
-            journal = self._journal()
-            if not joined:
-                journal = None  # a fresh launch: whatever an earlier run of this id left is not this job's
-                self.client.delete_prefix(self.keys.journal)
-            elif journal is not None and journal.over:
-                self.leadership.resign()
-                return _ended(journal)
-            return Found(self._host(), True, journal)
+            try:
+                return self._lead(joined)
+            except LeadershipLost:
+                # the lease lapsed as the office was taken (this agent's process was stopped in between, or
+                # starved): another agent leads, or will; look again
+                log.warning("the lead was lost as it was taken; looking for the controller again")
+                return None
         record = current_store_record(self.client, self.keys)
         again = record is not None and record.endpoint == failed
         if record is None or again:
@@ -155,14 +154,31 @@ class EtcdControlPlane:
         return Found(ControlStore(raw, endpoint, is_host=False, signer=self.signer,
                                   call_timeout=max(self.config.node_timeout, MIN_CALL_TIMEOUT)), False, None)
 
+    def _lead(self, joined: bool) -> Found:
+        """This agent took the office: its journal read, its store hosted (LeadershipLost where the lease
+        lapsed meanwhile)."""
+        journal = self._journal()
+        if not joined:
+            journal = None  # a fresh launch: whatever an earlier run of this id left is not this job's
+            self.client.delete_prefix(self.keys.journal)
+        elif journal is not None and journal.over:
+            self.leadership.resign()
+            return _ended(journal)
+        return Found(self._host(), True, journal)
+
     def _host(self) -> ControlStore:
-        """Host a fresh control store on a free port, and say where in etcd (as the leader)."""
+        """Host a fresh control store on a free port, and say where in etcd (as the leader); the store goes
+        again where the lead was lost before it was said."""
         config = self.config
         address = bind_address(self.host, config.store_bind, True)
         server = _store_server(self.host, address, 0, config.worker_port_range)
         endpoint = Endpoint(self.host, server.port)
         record = StoreRecord(str(endpoint), self.agent_id, self.host, self.leadership.term)
-        self.leadership.publish(self.keys.store_record, record)
+        try:
+            self.leadership.publish(self.keys.store_record, record)
+        except LeadershipLost:
+            del server  # its only reference: the store closes with it
+            raise
         self.leadership.store_record = record
         log.info("hosting the control store at %s and the controller", endpoint)
         return ControlStore(server, endpoint, is_host=True, signer=self.signer)

@@ -152,6 +152,27 @@ def test_an_agent_that_gave_up_the_store_of_a_controller_still_in_office_follows
         office.resign()
 
 
+def test_an_agent_whose_lead_is_refused_as_it_takes_it_looks_again_instead_of_failing(etcd, monkeypatch):
+    # woken from a stop, an agent took the office and its lease lapsed before it said where its store is: the
+    # write is refused (LeadershipLost), and the agent looks again (it once ended with a traceback)
+    plane = EtcdControlPlane(launch_config(etcd.endpoints, node_timeout=3), "agent-a", "127.0.0.1", Signer())
+    publish, refused = plane.leadership.publish, []
+
+    def refused_once(key, message):
+        if not refused:
+            refused.append(key)
+            raise LeadershipLost("this agent no longer leads the job")
+        return publish(key, message)
+
+    monkeypatch.setattr(plane.leadership, "publish", refused_once)
+    try:
+        found = plane.find(30, joined=False)
+        assert refused == [plane.keys.store_record] and found.leads and found.store is not None
+        assert current_store_record(plane.client, plane.keys).endpoint == str(found.store.endpoint)
+    finally:
+        plane.leave()
+
+
 def test_the_store_record_is_current_only_while_the_controller_that_wrote_it_leads(etcd):
     keys, client = EtcdKeys("record"), EtcdClient(options(etcd))
     office = Leadership(client, keys, "agent-a", ttl=5)
