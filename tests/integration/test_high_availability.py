@@ -274,7 +274,8 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
     assert starts(launcher) == {0: 1, 1: 1, 2: 1, 3: 1}  # no rank was restarted meanwhile
     # --save-on-failure: both snapshots each rank held as the job stopped (--snapshot-every 2; a checkpoint is
     # written every 100th step only), on disk. The ranks stop a moment apart, one of them a snapshot behind
-    # the others at times (172 and 174 against 174 and 176): the newest step every rank holds is whole
+    # the others at times (172 and 174 against 174 and 176), and a rank's progress file may lag its newest
+    # snapshot by a step (stopped in between): the newest step every rank holds is whole
     last = step_reached(launcher.out_dir, 1)
     held = {rank: sorted(int(p.parent.name[len("step-"):]) for p in checkpoints.glob(f"step-*/rank-{rank:05d}.pt"))
             for rank in range(4)}
@@ -282,5 +283,5 @@ def test_a_lost_quorum_holds_decisions_back_and_past_the_store_timeout_stops_the
         assert steps[-2:] == [steps[-1] - 2, steps[-1]] and last - 3 <= steps[-1] <= last + 2, (rank, held, last)
     saved = {int(p.name[len("step-"):]): p for p in checkpoints.glob("step-*") if (p / "manifest.json").exists()}
     newest = max(saved)
-    assert newest == min(steps[-1] for steps in held.values()) and last - 5 <= newest <= last, (sorted(saved), held, last)
+    assert newest == min(steps[-1] for steps in held.values()) and last - 5 <= newest <= last + 2, (sorted(saved), held, last)
     assert all((saved[newest] / f"rank-{rank:05d}.pt").exists() for rank in range(4))
