@@ -29,42 +29,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # device_checks.py
 SCRIPT = ROOT / "scripts" / "gpu" / "cuda_train.py"
 PY = sys.executable
+
+from device_checks import Checks, print_table, run, tail  # noqa: E402
+
 #: the snapshot part's device: cuda, or cpu for the check's own dry run (TRAIN_DEVICE=cpu)
 DEVICE_TYPE = os.environ.get("TRAIN_DEVICE", "cuda").split(":")[0]
 PARTS = ("probe", "placement", "repair", "nccl", "snapshot", "overhead", "online")
-
-
-class Checks:
-    """The table's rows: part, what was checked, whether it held, the figure."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def add(self, part: str, what: str, ok: bool | None, figure: str = "") -> bool:
-        self.rows.append({"part": part, "check": what, "ok": ok, "figure": figure})
-        mark = {True: "ok", False: "FAILED", None: "info"}[ok]
-        print(f"[{part}] {mark}: {what} {figure}", file=sys.stderr, flush=True)
-        return bool(ok)
-
-    @property
-    def failed(self) -> bool:
-        return any(row["ok"] is False for row in self.rows)
-
-
-def run(args: list[str], log: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A command with its output in ``log``; a timeout is a failed run (exit code 124), never a hang."""
-    with open(log, "w") as out:
-        try:
-            return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                  env={**os.environ, **(env or {})}, text=True)
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(args, 124)
-
-
-def tail(log: Path, lines: int = 6) -> str:
-    return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
 
 
 def ftrun(*args: str) -> list[str]:
@@ -305,17 +278,9 @@ def online(checks: Checks, out: Path, steps: int, fault_step: int) -> None:
     checks.add("online", "model and Adam state equal the fault-free run's bit for bit", same, "identical" if same else "differ")
 
 
-def print_table(checks: Checks, versions: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"ftrun on a GPU: {versions.get('gpu', '?')}, driver {versions.get('driver', '?')}, "
-                        f"torch {versions.get('torch', '?')} (CUDA {versions.get('cuda', '?')})")
-    for header in ("part", "check", "result", "figure"):
-        table.add_column(header)
-    for row in checks.rows:
-        table.add_row(row["part"], row["check"], {True: "ok", False: "FAILED", None: ""}[row["ok"]], row["figure"])
-    Console(width=200).print(table)
+def title(versions: dict) -> str:
+    return (f"ftrun on a GPU: {versions.get('gpu', '?')}, driver {versions.get('driver', '?')}, "
+            f"torch {versions.get('torch', '?')} (CUDA {versions.get('cuda', '?')})")
 
 
 def versions() -> dict:
@@ -364,7 +329,7 @@ def main() -> int:
             checks.add(part, "ran to the end", False, f"{type(e).__name__}: {e}")
         print(f"[{part}] {time.time() - began:.0f} s", file=sys.stderr, flush=True)
     (args.out / "results.json").write_text(json.dumps({"versions": found, "rows": checks.rows}, indent=2))
-    print_table(checks, found)
+    print_table(checks, title(found))
     return 1 if checks.failed else 0
 
 

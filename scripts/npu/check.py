@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -29,26 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # device_checks.py
 SCRIPT = ROOT / "scripts" / "npu" / "npu_train.py"
 PY = sys.executable
+
+from device_checks import Checks, print_table, run, tail  # noqa: E402
+
 PARTS = ("device", "hccl", "process")
-
-
-class Checks:
-    """The table's rows: part, what was checked, whether it held (None: a figure only), the figure."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def add(self, part: str, what: str, ok: bool | None, figure: str = "") -> bool:
-        self.rows.append({"part": part, "check": what, "ok": ok, "figure": figure})
-        mark = {True: "ok", False: "FAILED", None: "info"}[ok]
-        print(f"[{part}] {mark}: {what} {figure}", file=sys.stderr, flush=True)
-        return bool(ok)
-
-    @property
-    def failed(self) -> bool:
-        return any(row["ok"] is False for row in self.rows)
 
 
 def timed(call: Callable[[], object]) -> tuple[object, float]:
@@ -148,20 +134,6 @@ def hccl_worker(rank: int, world: int, port: int, cycles: int, out: Path) -> Non
     (out / f"hccl-rank{rank}.json").write_text(json.dumps(rows))
 
 
-def run(args: list[str], log: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A command with its output in ``log``; a timeout is a failed run (exit code 124), never a hang."""
-    with open(log, "w") as out:
-        try:
-            return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                  env={**os.environ, **(env or {})}, text=True)
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(args, 124)
-
-
-def tail(log: Path, lines: int = 6) -> str:
-    return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
-
-
 def device(checks: Checks) -> None:
     import torch
     import torch_npu
@@ -255,17 +227,9 @@ def versions() -> dict:
             "chip": torch.npu.get_device_name(0)}
 
 
-def print_table(checks: Checks, found: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"ftrun on Ascend: {found.get('chip', '?')}, torch {found.get('torch', '?')}, "
-                        f"torch_npu {found.get('torch_npu', '?')}")
-    for header in ("part", "check", "result", "figure"):
-        table.add_column(header)
-    for row in checks.rows:
-        table.add_row(row["part"], row["check"], {True: "ok", False: "FAILED", None: ""}[row["ok"]], row["figure"])
-    Console(width=200).print(table)
+def title(found: dict) -> str:
+    return (f"ftrun on Ascend: {found.get('chip', '?')}, torch {found.get('torch', '?')}, "
+            f"torch_npu {found.get('torch_npu', '?')}")
 
 
 def main() -> int:
@@ -299,7 +263,7 @@ def main() -> int:
             checks.add(part, "ran to the end", False, f"{type(e).__name__}: {e}")
         print(f"[{part}] {time.time() - began:.0f} s", file=sys.stderr, flush=True)
     (args.out / "results.json").write_text(json.dumps({"versions": found, "rows": checks.rows}, indent=2))
-    print_table(checks, found)
+    print_table(checks, title(found))
     return 1 if checks.failed else 0
 
 
