@@ -56,6 +56,8 @@ KINDS = (
     "checkpoint",  # every rank's snapshot of a step is on disk, with its manifest
     "job_finished",  # exit code, reason, duration, final step, budget used
     "operator",  # a person's action from ftrun top (restart drill, drain, stop): who asked, and the answer
+    "link",  # a node's data link went dark or came back, or the job waits for it (ftrun.controller.links)
+    "stall",  # every rank lives and beats but no step was committed past the job's own bound; and its end
 )
 REQUIRED = ("t", "elapsed", "source", "kind", "generation", "node", "rank", "host", "detail")
 EVENTS_FILE = "events.jsonl"

@@ -62,9 +62,11 @@ def job_line(s: dict, width: int = 120) -> Text:
     line = Text("ftrun ", style="bold")
     line.append(f"run {s['run_id']} · generation {s['generation']} · ")
     label = phase.replace("_", " ").upper()
+    if phase == "running" and s.get("stall"):  # never "running" while nothing moves
+        label = f"STALLED {s['stall']['for']:.0f}s: {s['stall']['reason']}"
     if phase in PHASE_TRACK:
         label = f"{s['level'].upper()}-LEVEL REPAIR: {phase.replace('_', ' ')} ({s['phase_for']:.1f}s)"
-    line.append(label, style=PHASE_STYLE.get(phase, "bold yellow"))
+    line.append(label, style="bold red" if s.get("stall") and phase == "running" else PHASE_STYLE.get(phase, "bold yellow"))
     if s.get("exit_code") is not None:
         style = "bold green" if s["exit_code"] == 0 else "bold red"
         line.append(f" · exit code {s['exit_code']}", style=style)
@@ -172,7 +174,10 @@ def plain_line(s: dict) -> str:
     step += _saved(s).replace(" · ", ", ")
     if s.get("controller"):
         step += f", controller on {s['controller']['host']}"
-    return (f"generation {s['generation']}, {s['phase'].replace('_', ' ')}{step}, {alive}/{s['world_size']} ranks "
+    phase = s["phase"].replace("_", " ")
+    if s["phase"] == "running" and s.get("stall"):
+        phase = f"stalled for {s['stall']['for']:.0f}s ({s['stall']['reason']})"
+    return (f"generation {s['generation']}, {phase}{step}, {alive}/{s['world_size']} ranks "
             f"alive, {spares} spare{'s' if spares != 1 else ''}, budget {s['max_restarts'] - s['restarts_used']}/"
             f"{s['max_restarts']} left, up {_clock(s['elapsed'])}")
 

@@ -334,6 +334,8 @@ class ReportKind(str, enum.Enum):
     EXITED = "exited"  # acknowledges an EXIT: the agent is leaving
     CLEARED = "cleared"  # acknowledges a REPLACE: the failed ranks' processes are dead and reaped
     NODE_UNUSABLE = "node_unusable"  # no usable device is left on the node for its ranks: a node-level fault
+    LINK_DOWN = "link_down"  # the node's data link went dark (its OS's link state); detail: which and why
+    LINK_UP = "link_up"  # that link carries packets again
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,8 @@ class WorkerFailure:
     timestamp: float = 0.0
     generation: int = 0
     #: what kind of fault it was: exit, signal, oom, exception, device, hang, setting (ftrun.detection.exits),
-    #: or collective (a collective failed while the process lived: ``ftrun.contract.CollectiveFailure``)
+    #: collective (a collective failed while the process lived: ``ftrun.contract.CollectiveFailure``), or link
+    #: (the node's data link dark and back: ``ftrun.controller.links``)
     cause: str = ""
     #: the classification's one line of evidence ("no heartbeat for 3.2s", "UCE ERROR in its output")
     detail: str = ""
@@ -365,6 +368,8 @@ class WorkerFailure:
     def describe(self) -> str:
         if self.cause == "collective":  # the process lived (the online level): no pid or exit code to give
             return f"rank {self.rank} on node {self.node_rank} ({self.host}): a collective failed ({self.detail})"
+        if self.cause == "link":  # a data link dark and back (ftrun.controller.links): every process lived
+            return f"node {self.node_rank} ({self.host}): {self.detail}"
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exit_code}"
         who = f"rank {self.rank} (local rank {self.local_rank})" if self.rank >= 0 else "the MindSpore scheduler"
         text = f"{who} on node {self.node_rank} ({self.host}), pid {self.pid}: {how}"

@@ -44,6 +44,7 @@ from ftrun.config import LaunchConfig
 from ftrun.contract import RelayFolder
 from ftrun.controller.controller import Controller
 from ftrun.detection.hang import HangWatch
+from ftrun.detection.links import interface_watch
 from ftrun.detection.oom import OomWatch
 from ftrun.detection.probe import probe
 from ftrun.detection.sources import NodeHealth
@@ -148,7 +149,8 @@ class Agent:
             raise
         self.seat = seat = Seat(self.agent_id, self.host, slot)
         hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
-        health = NodeHealth([hangs, *self.devices.sources()])
+        links = interface_watch(os.environ)  # the collectives' interface (GLOO_SOCKET_IFNAME, ...)
+        health = NodeHealth([hangs, *self.devices.sources(), *([links] if links else [])])
         self.supervision = Supervision(group, seat, self.devices, lambda: connection.protocol,
                                        lambda: connection.top_feed, health, hangs, self.interrupts, table, OomWatch(),
                                        watch_output=bool(config.hang_timeout))

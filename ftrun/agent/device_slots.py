@@ -23,6 +23,7 @@ from ftrun.agent.placement import DeviceAllocator, RankDevice
 from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment
 from ftrun.detection.device_tool import DeviceToolSource
+from ftrun.detection.links import hccn_watch
 from ftrun.detection.sources import Background, HealthEvent, HealthSource
 from ftrun.detection.table import ACTIONS, REPAIR_LEVELS, Escalation, FaultLevel, FaultTable
 from ftrun.devices import DeviceBackend, DeviceOptions, DeviceToolError, Health, make_device_backend
@@ -127,7 +128,19 @@ class NodeDevices:
         --health-interval, when the node has devices to watch."""
         if self.allocator is None:
             return []
-        return [Background(DeviceToolSource(self.backend, self.table, self.escalation), self.health_interval)]
+        sources: list[HealthSource] = [
+            Background(DeviceToolSource(self.backend, self.table, self.escalation), self.health_interval)]
+        physical_id = getattr(self.backend, "physical_id", None)  # Ascend: each chip's RoCE port, by hccn_tool
+        options = getattr(self.backend, "options", None)
+        if physical_id is not None and options is not None:
+            try:
+                ports = hccn_watch([physical_id(d) for d in self.allocator.devices], options.hccn_tool, options.timeout)
+            except DeviceToolError as e:
+                log.warning("the chips' RoCE ports are not watched: %s", e)
+                ports = None
+            if ports is not None:
+                sources.append(Background(ports, self.health_interval))
+        return sources
 
     def tick(self, running: Iterable[int]) -> None:
         """Finished resets are taken into account, and due resets start on devices that no running local

@@ -1,7 +1,7 @@
 """What the agent sees of its node and tells the controller: its keepalive and status, what the node's
 health sources find (a rank that stopped showing signs of life is dumped, killed and reported; the ranks
-on a sick device are stopped), ranks that ended (the failed ones reported, success once a generation), an
-operator's interrupt.
+on a sick device are stopped; a data link gone dark, or back, is reported), ranks that ended (the failed
+ones reported, success once a generation), an operator's interrupt.
 
 The agent decides nothing about recovery: what it reports, the controller decides on (``ftrun.controller.policy``).
 """
@@ -216,12 +216,20 @@ class Supervision:
         """Act on what the health sources found: the ranks on a device that needs them gone are stopped
         (and reported when they end); a rank found hung (``signs``: what it was judged by) is dumped and killed."""
         for event in events:
-            if event.device is not None:
+            if event.link:
+                self.report_link(event)
+            elif event.device is not None:
                 for local_rank in self.devices.apply(event):
                     self.group.fail(local_rank, "device", event.reason)
             elif event.rank is not None:
                 beats = next((s.beats for s in signs if s.rank == event.rank), 0)
                 self._stop_hung(event, uses_library=beats > 0)
+
+    def report_link(self, event: HealthEvent) -> None:
+        """A data link of the node went dark or came back: the controller decides (``ftrun.controller.links``)."""
+        (log.info if event.link_up else log.error)("%s", event.reason)
+        kind = ReportKind.LINK_UP if event.link_up else ReportKind.LINK_DOWN
+        self._protocol().report(kind, self.group.generation, detail=event.reason)
 
     def _stop_hung(self, event: HealthEvent, uses_library: bool) -> None:
         worker = next((w for w in self.group.running if w.placement.rank == event.rank), None)

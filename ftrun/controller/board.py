@@ -60,6 +60,8 @@ class StatusBoard:
     def __init__(self, store: ControlStore, keys: JobKeys, events: EventLog, run_id: str):
         #: --rdzv-backend etcd: where the controller is ({"host", "moves"}); None with a store that never moves
         self.controller: dict | None = None
+        #: the job stands still, or a data link is dark (``links.LinkObserver.status``); None while it moves
+        self.stall: dict | None = None
         self.store = store
         self.keys = keys
         self.events = events
@@ -115,6 +117,7 @@ class StatusBoard:
             "ranks": ranks,
             "events": self.events.last(_SHOWN_KINDS, EVENTS_SHOWN),
             "controller": self.controller,
+            "stall": self.stall,
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot
@@ -144,7 +147,7 @@ class StatusBoard:
     def _node_row(self, view: JobView, slot: NodeSlot, role: str, status: NodeStatus | None) -> dict:
         states = status.ranks if status else ()
         return {"node": slot.node_rank, "host": slot.host, "agent": slot.agent_id, "role": role,
-               "state": _node_state(view, slot.node_rank) if role == "active" else "standing by",
+               "state": (_node_state(view, slot.node_rank, self.stall) if role == "active" else "standing by"),
                "ranks_total": slot.nproc if role == "active" else 0,
                "ranks_alive": sum(1 for r in states if r.alive),
                "standbys": status.standbys if status else 0,
@@ -173,7 +176,11 @@ _SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed"
                 "generation_started", "job_finished")
 
 
-def _node_state(view: JobView, node: int) -> str:
+def _node_state(view: JobView, node: int, stall: dict | None = None) -> str:
+    if view.phase is Phase.RUNNING and stall is not None and str(node) in stall["dark"]:
+        return "link dark"
+    if view.phase is Phase.RUNNING and stall is not None and stall.get("bound") is not None:
+        return "stalled"
     if view.phase is Phase.RUNNING:
         return "finished" if node in view.succeeded else "running"
     if view.phase in REPAIR_PHASES and view.level.value == "process":

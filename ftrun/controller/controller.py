@@ -25,6 +25,7 @@ from ftrun.controller.executor import Executor
 from ftrun.controller.inbox import ControllerMoved, Event, HostGone, Inbox, NodeLost, Reported, StopAsked
 from ftrun.controller.journal import Journal
 from ftrun.controller.leadership import Leadership, LeadershipLost
+from ftrun.controller.links import LinkObserver, LinkRules
 from ftrun.controller.lookup import RosterLookup
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.observers import Collectives, Library, Nodes, Operator, Repair, Reports
@@ -125,6 +126,8 @@ class Controller:
         self.repair = Repair(store, keys, policy.repair_timeout, lambda: self.narrator.repair_decided_at)
         self.nodes = Nodes(self.roster, policy.node_timeout, rendezvous_policy.max_nodes)
         self.operator = Operator(store, keys)
+        #: a data link gone dark, and a job that stands still (``links.py``)
+        self.links = LinkObserver(self.narrator.events, LinkRules(repair_timeout=policy.repair_timeout))
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -296,12 +299,14 @@ class Controller:
         self.take(self.nodes.idle_spare(self.view))
         self.take(self.library.observe(self.view))
         self.executor.status_due(now)
+        self._watch_links(now)
         self.take(self.operator.observe())
 
     def tick(self, now: float) -> None:
         """One turn: each observer's events are decided before the next one looks, so that it sees where
         they moved the job; then what the hosting process sent."""
-        reports = self.reports.observe(self.view)
+        reports = self.links.take_reports(self.reports.observe(self.view), self.view, self.roster.nodes,
+                                          self._spare_idle(), now)
         if reports:  # a rank that failed within a keepalive of joining: its level is chosen on what joined by now
             self.take(self.library.observe(self.view))
         self.take(reports)
@@ -311,6 +316,16 @@ class Controller:
         if self.narrator.restarting is not None:
             self.narrator.check_restarted(self.view, time.time())
         self.take([])
+
+    def _watch_links(self, now: float) -> None:
+        """The dark links' ladder, and the stall watch over the board's newest step; both shown in the status."""
+        self.take(self.links.observe(self.view, self.roster.nodes, self._spare_idle(), now))
+        self.links.watch_steps(self.view, self.board.snapshot, now)
+        self.board.stall = self.links.status(now)
+
+    def _spare_idle(self) -> bool:
+        nproc = max((slot.nproc for slot in self.roster.nodes.values()), default=1)
+        return self.roster.spare_for(nproc) is not None
 
     # -- deciding -----------------------------------------------------------------------------------
 

@@ -130,6 +130,27 @@ class SpareIdle:
 
 
 @dataclass(frozen=True)
+class LinkBack:
+    """A node's data link is back after it went dark while every process lived (``ftrun.controller.links``):
+    the collectives that waited across it are to be given up and the groups re-formed (the online level).
+    ``rank``: the node's first rank, whom the repair's record names."""
+
+    node_rank: int
+    host: str
+    rank: int
+    detail: str
+    #: when the controller heard it was back (wall clock): the repair is timed from it
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    """A data link stayed dark past --repair-timeout with no spare for its node: a job-level restart."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
 class ReplacementsStarted:
     """The repair's REPLACE commands went out: its replacements start from now."""
 
@@ -141,7 +162,7 @@ class ControllerMoved:
 
 Event = Union[Reported, StopsAcknowledged, CollectiveFailed, MilestoneReached, RepairFailed, NodeLost, HostGone,
               LibraryRanks, ProcessLevelRefused, OperatorAsked, StopAsked, SpareIdle, ReplacementsStarted,
-              ControllerMoved]
+              ControllerMoved, LinkBack, LinkLost]
 
 
 class Inbox:

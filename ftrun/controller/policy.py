@@ -450,6 +450,34 @@ def _heard_from_every_node_since(then: tuple[Heard, ...], now: tuple[Heard, ...]
     return all(counts.get(heard.node_rank, 0) > heard.keepalives for heard in then)
 
 
+def on_link_back(view: JobView, node_rank: int, host: str, rank: int, detail: str, at: float = 0.0) -> Decision:
+    """A node's data link came back after it went dark while every process lived (``controller/links.py``):
+    the collectives that waited across it may wait on for TCP's backoff (16 s and more after 90 s dark),
+    so the job is repaired online at once, as for a failed collective: every rank gives its collective up
+    and re-forms its groups on fresh connections; no process is replaced. Only where process level is
+    ready: other scripts' collectives go on by themselves once TCP retransmits."""
+    if view.phase is not Phase.RUNNING or not view.process_level_ready:
+        return view, []
+    failure = CollectiveFailure(rank, view.generation, detail, at)
+    decided, commands = on_collective_failed(view, failure, node_rank, host)
+    if decided.level is Level.ONLINE and decided.phase is Phase.STOPPING:
+        record = dataclasses.replace(decided.failures[-1], cause="link")
+        decided = dataclasses.replace(decided, reason=detail, failures=decided.failures[:-1] + (record,))
+        commands = [_replace_command(decided, frozenset())]
+    return decided, commands
+
+
+def on_link_lost(view: JobView, detail: str) -> Decision:
+    """A data link stayed dark past --repair-timeout and no spare can take its node: a job-level restart,
+    one unit of budget (none left: the job ends)."""
+    if view.phase is not Phase.RUNNING:
+        return view, []
+    if view.budget_left <= 0:
+        return _exit(view, ExitCode.JOB_FAILED, f"{detail}; retry budget spent")
+    view = view.move(Phase.STOPPING, level=Level.JOB, acknowledged=frozenset(), reason=detail)
+    return view, [Command(CommandKind.STOP, view.generation, reason=detail)]
+
+
 def on_replacements_started(view: JobView) -> Decision:
     """The repair's REPLACE commands went out: its replacements start now."""
     if view.level not in IN_PLACE or view.phase not in REPAIR_PHASES:
@@ -600,6 +628,10 @@ def decide(view: JobView, event: inbox.Event) -> Decision:
             return on_replacements_started(view)
         case inbox.ControllerMoved():
             return on_controller_moved(view)
+        case inbox.LinkBack(node_rank, host, rank, detail, at):
+            return on_link_back(view, node_rank, host, rank, detail, at)
+        case inbox.LinkLost(detail):
+            return on_link_lost(view, detail)
     raise ValueError(f"no decision for {event!r}")
 
 

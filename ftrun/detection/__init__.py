@@ -2,7 +2,8 @@
 
 * ``sources.py``: the seam every detector fits (``HealthSource``, its frozen ``HealthEvent``), the node's
   sources polled as one (``NodeHealth``), a slow source polled in a thread of its own (``Background``);
-* ``device_tool.py``, ``hang.py``: the sources so far, a device tool's readings and the ranks' signs of life;
+* ``device_tool.py``, ``hang.py``, ``links.py``: the sources, a device tool's readings, the ranks' signs of
+  life, and the data link's state from the OS (``hccn_tool`` on Ascend);
 * ``table.py`` and ``fault_levels.yaml``: the fault levels and the table that assigns them, a section per
   source that reports codes;
 * ``exits.py``, ``oom.py``: why a worker ended, and the OOM killer's evidence;

@@ -1,7 +1,7 @@
 """The seam every detector fits: a health source, the events it returns, and the node's sources as one.
 
 A :class:`HealthSource` is anything that can tell the agent that one of its node's devices or ranks is
-unhealthy (a device tool, the hang watch; next, the OS's link state, a stall watch). Each poll returns
+unhealthy (a device tool, the hang watch, the OS's link state). Each poll returns
 frozen :class:`HealthEvent` s, only for what changed; a source never raises for a tool it cannot read
 (it logs that once and goes on saying nothing). The agent holds its node's sources as one
 :class:`NodeHealth` and polls it; a source that may be slow (it runs a tool) is wrapped in a
@@ -42,9 +42,14 @@ class HealthEvent:
     rank: int | None = None
     #: what the device tool read, for a device's event
     reading: DeviceReading | None = None
+    #: a data link's event (``links.py``): the link, and whether it is up again ("" for any other event)
+    link: str = ""
+    link_up: bool = False
 
     def describe(self) -> str:
         level = self.level.value if self.level else "healthy"
+        if self.link:
+            return self.reason
         if self.device is None:
             return f"rank {self.rank}: {self.reason}"
         where = self.reading.device.physical or self.reading.device.name if self.reading else ""

@@ -1,0 +1,310 @@
+"""A data link gone dark, and a job that stands still: what the controller sees and does.
+
+Two watches, each a pure decision over a frozen state with the clock passed in, and one observer that
+feeds them from the store and turns what they decide into the controller's events:
+
+* the ladder (:func:`on_link_report`, :func:`on_link_tick`): a node's agent reports its data link dark or
+  back (``ftrun.detection.links``, within LINK_POLL of the kernel's word). Back within the online window:
+  the job is repaired online, no process started, the moment it is back (every rank's stuck connection
+  is given up and the groups re-form on fresh ones, instead of waiting out TCP's retransmission backoff).
+  Dark for longer than the window with an idle spare: the node's ranks move to the spare at process
+  level, the others keep their processes. No spare: the job waits for the link, and says so; it restarts
+  at job level once ``--repair-timeout`` passed. A link that goes dark ``flaps`` times within
+  ``flap_window`` moves its node to a spare (where there is one) the next time.
+* the stall (:class:`StallWatch`): every rank alive and beating, and no step committed for longer than the
+  job's own steps allow: ``factor`` times a high percentile of its recent step times, never under the
+  longest step it has had (a checkpoint or snapshot save among them) times ``factor / 2``, and never
+  under ``floor``. Said in one line, shown in the status (``stalled``), cleared when a step is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Union
+
+from ftrun.controller.inbox import Event, LinkBack, LinkLost, NodeLost, Reported
+from ftrun.controller.states import JobView, Phase
+from ftrun.events import EventLog
+from ftrun.messages import NodeSlot, ReportKind
+
+log = logging.getLogger(__name__)
+
+#: how long a dark data link may stay dark, with a spare idle, before its node's ranks move there (s)
+ONLINE_WINDOW = 2.0
+#: a node whose data link went dark this many times within FLAP_WINDOW seconds moves to a spare
+FLAPS, FLAP_WINDOW = 3, 300.0
+#: the stall bound: STALL_FACTOR x the STALL_PERCENTILE of the last STALL_SAMPLES step times, at least
+#: STALL_FLOOR seconds (a job's first steps, or one that takes a second a step, has no narrower bound)
+STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
+#: a rank whose heartbeat is older than this is not "beating" (its agent's hang check takes it first)
+BEATING = 3.0
+
+
+@dataclass(frozen=True)
+class LinkRules:
+    online_window: float = ONLINE_WINDOW
+    flaps: int = FLAPS
+    flap_window: float = FLAP_WINDOW
+    #: --repair-timeout: with no spare, how long the job waits for a dark link before a job-level restart
+    repair_timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class DarkLink:
+    node_rank: int
+    #: the agent's words ("data link eth1 dark (operstate down, no carrier)")
+    detail: str
+    #: when the controller heard of it (its monotonic clock)
+    since: float
+
+
+@dataclass(frozen=True)
+class Links:
+    """The ladder's state: the dark links, each node's recent downs, and what was said or done."""
+
+    dark: tuple[DarkLink, ...] = ()
+    #: (node, when) of every down within the flap window
+    downs: tuple[tuple[int, float], ...] = ()
+    #: nodes whose ranks were sent to a spare (their agent leaves): nothing more is done for them
+    moved: frozenset[int] = frozenset()
+    #: nodes for which "no spare: waiting" was said
+    waiting: frozenset[int] = frozenset()
+    #: the job-level restart was asked for (once)
+    restarted: bool = False
+
+    def dark_link(self, node_rank: int) -> DarkLink | None:
+        return next((d for d in self.dark if d.node_rank == node_rank), None)
+
+    def flaps(self, node_rank: int) -> int:
+        return sum(1 for node, _ in self.downs if node == node_rank)
+
+
+@dataclass(frozen=True)
+class MoveToSpare:
+    node_rank: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class RepairOnline:
+    node_rank: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class RestartJob:
+    detail: str
+
+
+@dataclass(frozen=True)
+class Say:
+    """A line for the log and the event log (``kind``: link or stall), about ``node_rank`` (-1: the job)."""
+
+    line: str
+    node_rank: int = -1
+    kind: str = "link"
+
+
+Action = Union[MoveToSpare, RepairOnline, RestartJob, Say]
+
+
+def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: float, rules: LinkRules,
+                   spare: bool) -> tuple[Links, list[Action]]:
+    """A node's data link went dark (``up`` False) or came back."""
+    dark = links.dark_link(node_rank)
+    if node_rank in links.moved:
+        return links, []
+    if not up:
+        if dark is not None:
+            return links, []
+        downs = tuple(d for d in links.downs if now - d[1] <= rules.flap_window) + ((node_rank, now),)
+        links = dataclasses.replace(links, dark=links.dark + (DarkLink(node_rank, detail, now),), downs=downs)
+        said = Say(f"node {node_rank}: {detail}; its collectives stand still until it is back", node_rank)
+        count = links.flaps(node_rank)
+        if count >= rules.flaps and spare:
+            flapped = f"{detail}, the {count}th time in {rules.flap_window:g}s (a flapping link)"
+            return dataclasses.replace(links, moved=links.moved | {node_rank}), [said, MoveToSpare(node_rank, flapped)]
+        return links, [said]
+    if dark is None:
+        return links, []
+    links = dataclasses.replace(links, dark=tuple(d for d in links.dark if d is not dark),
+                                waiting=links.waiting - {node_rank})
+    back = f"node {node_rank}: {detail} after {now - dark.since:.1f}s dark"
+    return links, [Say(back, node_rank), RepairOnline(node_rank, back)]
+
+
+def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, running: bool) -> tuple[Links, list[Action]]:
+    """A dark link, a moment later: moved to a spare past the online window, or waited for, said so, and
+    after --repair-timeout a job-level restart. Nothing while a repair or an exit is under way."""
+    if not running:
+        return links, []
+    actions: list[Action] = []
+    for dark in links.dark:
+        node, dark_for = dark.node_rank, now - dark.since
+        if node in links.moved:
+            continue
+        if spare and dark_for >= rules.online_window:
+            links = dataclasses.replace(links, moved=links.moved | {node})
+            actions.append(MoveToSpare(node, f"{dark.detail} for {dark_for:.1f}s (past the online window, "
+                                             f"{rules.online_window:g}s)"))
+        elif not spare and node not in links.waiting:
+            links = dataclasses.replace(links, waiting=links.waiting | {node})
+            actions.append(Say(f"no spare node to move node {node}'s ranks to: waiting for its data link to "
+                               f"come back (a job-level restart after --repair-timeout {rules.repair_timeout:g}s)",
+                               node))
+        elif not spare and dark_for >= rules.repair_timeout and not links.restarted:
+            links = dataclasses.replace(links, restarted=True)
+            actions.append(RestartJob(f"node {node}: {dark.detail} for {dark_for:.0f}s (--repair-timeout "
+                                      f"{rules.repair_timeout:g}s), with no spare node to move its ranks to"))
+    return links, actions
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+@dataclass(frozen=True)
+class Stall:
+    """The job stands still: since when (monotonic), for how long, the bound it passed, and why that bound."""
+
+    since: float
+    waited: float
+    bound: float
+    basis: str
+
+
+class StallWatch:
+    """Every rank alive and beating, no step committed for longer than the job's own step times allow."""
+
+    def __init__(self, factor: float = STALL_FACTOR, floor: float = STALL_FLOOR, samples: int = STALL_SAMPLES):
+        self.factor, self.floor, self.samples = factor, floor, samples
+        self.durations: list[float] = []
+        #: the step last seen, and when it was first seen (None before the first committed step)
+        self._step: int | None = None
+        self._since = 0.0
+        self.stalled: Stall | None = None
+
+    def bound(self) -> tuple[float, str]:
+        """The bound now, and what it comes from."""
+        if not self.durations:
+            return self.floor, f"floor {self.floor:g}s"
+        high = _percentile(self.durations, STALL_PERCENTILE)
+        longest = max(self.durations)
+        candidates = [(self.factor * high, f"{self.factor:g} x p{STALL_PERCENTILE * 100:.0f} step {high:.2f}s"),
+                      (self.factor / 2 * longest, f"{self.factor / 2:g} x the longest step {longest:.2f}s"),
+                      (self.floor, f"floor {self.floor:g}s")]
+        return max(candidates)
+
+    def pause(self, now: float) -> None:
+        """A repair or a restart: its time is no step time, and the clock starts again at its end."""
+        self._step, self.stalled = None, None
+
+    def observe(self, now: float, step: int | None, beating: bool) -> Stall | None:
+        """The lowest committed step across ranks, seen at ``now``; ``beating``: every rank alive with a fresh
+        heartbeat. The stall while it lasts (None once a step is committed)."""
+        if step is None:
+            return None
+        if self._step is None or step < self._step:
+            self._step, self._since, self.stalled = step, now, None
+            return None
+        if step > self._step:
+            per_step = (now - self._since) / (step - self._step)
+            self.durations = (self.durations + [per_step])[-self.samples:]
+            self._step, self._since, self.stalled = step, now, None
+            return None
+        waited = now - self._since
+        bound, basis = self.bound()
+        if beating and waited > bound:
+            self.stalled = Stall(self._since, waited, bound, basis)
+        elif not beating:
+            self.stalled = None  # a rank is dead or hung: the hang check and the exit path take it
+        return self.stalled
+
+
+class LinkObserver:
+    """The controller's side of both watches: takes the agents' link reports out of the report stream, runs
+    the ladder at each keepalive, watches the board's step for a stall, says what it finds, and returns
+    the controller's events (a node lost to a spare, an online repair, a job-level restart)."""
+
+    def __init__(self, events: EventLog, rules: LinkRules, stalls: StallWatch | None = None):
+        self.events, self.rules = events, rules
+        self.links = Links()
+        self.stalls = stalls or StallWatch()
+        self._stall_said: Stall | None = None
+
+    def take_reports(self, events: list[Event], view: JobView, nodes: dict[int, NodeSlot], spare: bool,
+                     now: float) -> list[Event]:
+        """``events`` less the link reports, which are decided here; plus what those decided."""
+        kept: list[Event] = []
+        for event in events:
+            report = event.report if isinstance(event, Reported) else None
+            if report is None or report.kind not in (ReportKind.LINK_DOWN, ReportKind.LINK_UP):
+                kept.append(event)
+                continue
+            holder = nodes.get(report.node_rank)
+            if holder is None or (report.agent_id and report.agent_id != holder.agent_id):
+                continue  # a fenced agent's word
+            self.links, actions = on_link_report(self.links, report.node_rank, report.kind is ReportKind.LINK_UP,
+                                                 report.detail, now, self.rules, spare)
+            kept += self._act(actions, view, nodes)
+        return kept
+
+    def observe(self, view: JobView, nodes: dict[int, NodeSlot], spare: bool, now: float) -> list[Event]:
+        self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING)
+        return self._act(actions, view, nodes)
+
+    def watch_steps(self, view: JobView, snapshot: dict, now: float) -> Stall | None:
+        """The board's newest snapshot: the stall, said once when it begins and once when it ends."""
+        if view.phase is not Phase.RUNNING or not snapshot or snapshot.get("generation") != view.generation:
+            self.stalls.pause(now)
+            stall = None
+        else:
+            ranks = snapshot.get("ranks") or []
+            beating = bool(ranks) and all(r.get("heartbeat_age") is not None and r["heartbeat_age"] < BEATING
+                                          for r in ranks)
+            stall = self.stalls.observe(now, snapshot.get("step"), beating)
+        if stall is not None and self._stall_said is None:
+            line = (f"training stands still: no step committed for {stall.waited:.1f}s while every rank lives and "
+                    f"beats (bound {stall.bound:.1f}s: {stall.basis}){self._dark_words()}")
+            log.error(line)
+            self.events.emit("stall", view.generation, line, waited=round(stall.waited, 3), bound=round(stall.bound, 3))
+        elif stall is None and self._stall_said is not None:
+            self.events.emit("stall", view.generation, "training moves again", waited=0.0, bound=0.0)
+        self._stall_said = stall
+        return stall
+
+    def status(self, now: float) -> dict | None:
+        """What the status shows: the stall (or a dark link) and the dark links by node, or None."""
+        stall, dark = self._stall_said, self.links.dark
+        if stall is None and not dark:
+            return None
+        reason = "; ".join(f"node {d.node_rank}: {d.detail}" for d in dark) or "no step committed"
+        since = min([d.since for d in dark] + ([stall.since] if stall else []))
+        return {"for": round(now - since, 1), "reason": reason,
+                "bound": round(stall.bound, 1) if stall else None,
+                "dark": {str(d.node_rank): d.detail for d in dark}}
+
+    def _dark_words(self) -> str:
+        return "".join(f"; node {d.node_rank}: {d.detail}" for d in self.links.dark)
+
+    def _act(self, actions: list[Action], view: JobView, nodes: dict[int, NodeSlot]) -> list[Event]:
+        found: list[Event] = []
+        for action in actions:
+            if isinstance(action, Say):
+                log.warning("%s", action.line)
+                holder = nodes.get(action.node_rank)
+                self.events.emit(action.kind, view.generation, action.line, node=action.node_rank,
+                                 host=holder.host if holder else None)
+            elif isinstance(action, MoveToSpare) and action.node_rank in nodes:
+                found.append(NodeLost(nodes[action.node_rank], f"node {action.node_rank}: {action.detail}"))
+            elif isinstance(action, RepairOnline):
+                holder = nodes.get(action.node_rank)
+                found.append(LinkBack(action.node_rank, holder.host if holder else "",
+                                      holder.first_rank if holder else 0, action.detail, time.time()))
+            elif isinstance(action, RestartJob):
+                found.append(LinkLost(action.detail))
+        return found

@@ -1,0 +1,275 @@
+"""A data link gone dark: the OS's link state as a health source, the controller's ladder (online, spare,
+wait, job level, flapping), the stall bound from the job's own step times, the policy's edges, and how the
+status shows it. Pure logic with the clock passed in: no store, no process, no network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftrun.controller.inbox import LinkBack, LinkLost, NodeLost, Reported
+from ftrun.controller.links import (
+    Links,
+    LinkObserver,
+    LinkRules,
+    MoveToSpare,
+    RepairOnline,
+    RestartJob,
+    Say,
+    StallWatch,
+    on_link_report,
+    on_link_tick,
+)
+from ftrun.controller.policy import decide, on_link_back, on_link_lost
+from ftrun.controller.states import JobView, Level, Phase
+from ftrun.detection.links import LinkReading, LinkWatch, data_interfaces, interface_watch, parse_hccn_link, read_interface
+from ftrun.devices import DeviceToolError
+from ftrun.events import EventLog
+from ftrun.live_view import job_line, plain_line
+from ftrun.messages import CommandKind, NodeSlot, Report, ReportKind
+
+RULES = LinkRules(online_window=2.0, flaps=3, flap_window=300.0, repair_timeout=60.0)
+
+
+def sysfs(root: Path, name: str, operstate: str, carrier: str | None) -> None:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "operstate").write_text(operstate + "\n")
+    if carrier is None:
+        (folder / "carrier").unlink(missing_ok=True)
+    else:
+        (folder / "carrier").write_text(carrier + "\n")
+
+
+# -- the OS's word -----------------------------------------------------------------------------------
+
+def test_data_interfaces_come_from_the_collectives_variables_in_order_without_exclusions():
+    env = {"GLOO_SOCKET_IFNAME": "data,eth1", "NCCL_SOCKET_IFNAME": "=ib0", "HCCL_SOCKET_IFNAME": "^docker0"}
+    assert data_interfaces(env) == ["data", "eth1", "ib0"]
+    assert data_interfaces({"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1"}) == ["eth1"]
+    assert data_interfaces({}) == []
+
+
+def test_read_interface_is_up_only_with_operstate_up_and_a_carrier(tmp_path):
+    sysfs(tmp_path, "data", "up", "1")
+    assert read_interface("data", str(tmp_path)) == LinkReading("data", True, "operstate up, carrier")
+    sysfs(tmp_path, "data", "down", "0")
+    assert read_interface("data", str(tmp_path)) == LinkReading("data", False, "operstate down, no carrier")
+    sysfs(tmp_path, "data", "down", None)  # the kernel refuses to read carrier of an interface set down
+    assert not read_interface("data", str(tmp_path)).up
+    sysfs(tmp_path, "tun0", "unknown", "1")  # tunnels say unknown
+    assert read_interface("tun0", str(tmp_path)).up
+    assert read_interface("gone", str(tmp_path)) == LinkReading("gone", False, "no such interface")
+
+
+def test_link_watch_says_only_changes_and_nothing_for_a_link_first_seen_up(tmp_path):
+    sysfs(tmp_path, "data", "up", "1")
+    watch = interface_watch({"GLOO_SOCKET_IFNAME": "data,missing"}, str(tmp_path))
+    assert watch is not None and len(watch.readers) == 1  # the missing one is said once and left out
+    assert watch.poll(0.0) == []
+    sysfs(tmp_path, "data", "lowerlayerdown", "0")
+    assert watch.poll(0.1) == []  # within LINK_POLL of the last read: not read again
+    [dark] = watch.poll(0.3)
+    assert (dark.source, dark.link, dark.link_up) == ("link", "data", False)
+    assert dark.describe() == "data link data dark (operstate lowerlayerdown, no carrier)"
+    assert watch.poll(0.6) == [] and watch.dark == ["data"]
+    sysfs(tmp_path, "data", "up", "1")
+    [back] = watch.poll(0.9)
+    assert back.link_up and "back up" in back.reason and watch.dark == []
+    assert interface_watch({}, str(tmp_path)) is None
+
+
+def test_a_link_dark_when_first_seen_is_said():
+    watch = LinkWatch([])
+    [event] = watch.observe([LinkReading("npu 3", False, "hccn_tool link status DOWN")])
+    assert event.link == "npu 3" and not event.link_up
+
+
+def test_a_reader_that_fails_is_said_once_and_the_others_still_read(caplog):
+    def broken() -> LinkReading:
+        raise DeviceToolError("hccn_tool did not answer within 10s")
+
+    watch = LinkWatch([broken, lambda: LinkReading("data", False, "operstate down, no carrier")], interval=0.0)
+    assert [e.link for e in watch.poll(0.0)] == ["data"]
+    watch.poll(1.0)
+    assert caplog.text.count("hccn_tool did not answer") == 1
+
+
+def test_parse_hccn_link_reads_the_link_status_line():
+    assert parse_hccn_link("link status: UP\n") is True
+    assert parse_hccn_link("  Link Status : DOWN") is False
+    with pytest.raises(DeviceToolError, match="no link status"):
+        parse_hccn_link("Invalid device id\n")
+
+
+# -- the ladder ---------------------------------------------------------------------------------------
+
+def test_transition_dark_then_back_within_the_window_repairs_online():
+    links, actions = on_link_report(Links(), 1, False, "data link data dark", 10.0, RULES, spare=True)
+    assert [type(a) for a in actions] == [Say] and "stand still" in actions[0].line
+    links, actions = on_link_tick(links, 11.0, RULES, spare=True, running=True)
+    assert actions == []  # within the online window
+    links, actions = on_link_report(links, 1, True, "data link data back up", 11.5, RULES, spare=True)
+    assert [type(a) for a in actions] == [Say, RepairOnline]
+    assert actions[1].node_rank == 1 and "after 1.5s dark" in actions[1].detail
+    assert links.dark == ()
+
+
+def test_transition_dark_past_the_window_with_a_spare_moves_the_node_once():
+    links, _ = on_link_report(Links(), 1, False, "data link data dark", 10.0, RULES, spare=True)
+    links, actions = on_link_tick(links, 12.5, RULES, spare=True, running=True)
+    assert actions == [MoveToSpare(1, "data link data dark for 2.5s (past the online window, 2s)")]
+    assert on_link_tick(links, 13.0, RULES, spare=True, running=True)[1] == []
+    # the moved node's word, when its link comes back, changes nothing: it is leaving
+    assert on_link_report(links, 1, True, "back", 20.0, RULES, spare=True)[1] == []
+
+
+def test_transition_dark_without_a_spare_waits_says_so_once_then_restarts_the_job():
+    links, _ = on_link_report(Links(), 1, False, "data link data dark", 10.0, RULES, spare=False)
+    links, actions = on_link_tick(links, 12.5, RULES, spare=False, running=True)
+    assert len(actions) == 1 and "no spare node" in actions[0].line and "--repair-timeout 60s" in actions[0].line
+    links, actions = on_link_tick(links, 30.0, RULES, spare=False, running=True)
+    assert actions == []
+    links, actions = on_link_tick(links, 70.5, RULES, spare=False, running=True)
+    assert [type(a) for a in actions] == [RestartJob] and "with no spare node" in actions[0].detail
+    assert on_link_tick(links, 80.0, RULES, spare=False, running=True)[1] == []
+
+
+def test_nothing_is_decided_while_a_repair_is_under_way():
+    links, _ = on_link_report(Links(), 1, False, "dark", 10.0, RULES, spare=True)
+    assert on_link_tick(links, 20.0, RULES, spare=True, running=False) == (links, [])
+
+
+def test_transition_a_flapping_link_moves_its_node_to_a_spare_at_the_threshold():
+    links = Links()
+    for n, at in enumerate((0.0, 5.0)):
+        links, _ = on_link_report(links, 1, False, "dark", at, RULES, spare=True)
+        links, actions = on_link_report(links, 1, True, "back", at + 1.0, RULES, spare=True)
+        assert [type(a) for a in actions] == [Say, RepairOnline]
+    links, actions = on_link_report(links, 1, False, "data link data dark", 10.0, RULES, spare=True)
+    assert [type(a) for a in actions] == [Say, MoveToSpare] and "3th time in 300s" in actions[1].detail
+    # downs older than the window do not count
+    old = Links(downs=((1, 0.0), (1, 1.0)))
+    assert [type(a) for a in on_link_report(old, 1, False, "dark", 400.0, RULES, spare=True)[1]] == [Say]
+
+
+# -- the stall bound ----------------------------------------------------------------------------------
+
+def test_stall_bound_comes_from_the_jobs_own_step_times_with_a_floor():
+    watch = StallWatch(factor=4.0, floor=1.0)
+    assert watch.observe(0.0, None, True) is None  # before the first committed step: never judged
+    now, step = 0.0, 0
+    for _ in range(20):
+        watch.observe(now, step, True)
+        now, step = now + 0.5, step + 1
+    bound, basis = watch.bound()
+    assert bound == pytest.approx(2.0) and "4 x p90 step 0.50s" in basis
+    watch.observe(now, step, True)
+    assert watch.observe(now + 1.9, step, True) is None
+    stall = watch.observe(now + 2.1, step, True)
+    assert stall is not None and stall.waited == pytest.approx(2.1) and stall.since == pytest.approx(now)
+    assert watch.observe(now + 2.2, step, False) is None  # a rank not beating: the hang check's
+    assert watch.observe(now + 2.3, step + 1, True) is None  # a step committed: over
+
+
+def test_stall_bound_allows_for_the_longest_step_a_checkpoint_save_among_them():
+    watch = StallWatch(factor=4.0, floor=1.0)
+    times = [0.1] * 30 + [6.0] + [0.1] * 5  # one step that saved a checkpoint
+    now = 0.0
+    for step, took in enumerate(times):
+        watch.observe(now, step, True)
+        now += took
+    bound, basis = watch.bound()
+    assert bound == pytest.approx(12.0) and "longest step 6.00s" in basis
+    assert StallWatch(floor=10.0).bound() == (10.0, "floor 10s")
+
+
+def test_a_repair_pauses_the_stall_clock():
+    watch = StallWatch(factor=4.0, floor=1.0)
+    watch.observe(0.0, 5, True)
+    watch.pause(1.0)
+    assert watch.observe(30.0, 5, True) is None  # the clock starts again at the first sight after it
+
+
+# -- the policy's edges -------------------------------------------------------------------------------
+
+def ready(**fields) -> JobView:
+    fields = {"max_restarts": 3, "library_ranks": 4, **fields}
+    return JobView(node_count=2, world_size=4, recovery=Level.PROCESS, **fields)
+
+
+def test_transition_running_to_stopping_online_when_the_link_is_back():
+    view, commands = on_link_back(ready(), 1, "h1", 2, "node 1: data link data back up after 4.0s dark", at=50.0)
+    assert (view.phase, view.level, view.generation, view.restarts_used) == (Phase.STOPPING, Level.ONLINE, 1, 1)
+    assert [(c.kind, c.ranks) for c in commands] == [(CommandKind.REPLACE, ())]
+    assert view.reason == "node 1: data link data back up after 4.0s dark" == commands[0].reason
+    assert view.failures[-1].cause == "link" and view.failures[-1].timestamp == 50.0
+    assert view.failures[-1].describe() == "node 1 (h1): node 1: data link data back up after 4.0s dark"
+    # through decide, as the controller hands it
+    assert decide(ready(), LinkBack(1, "h1", 2, "back", 50.0))[0].level is Level.ONLINE
+
+
+def test_link_back_changes_nothing_without_process_level_or_outside_running():
+    assert on_link_back(ready(library_ranks=2), 1, "h1", 2, "back") == (ready(library_ranks=2), [])
+    stopping = ready(phase=Phase.STOPPING, level=Level.PROCESS)
+    assert on_link_back(stopping, 1, "h1", 2, "back") == (stopping, [])
+
+
+def test_transition_running_to_stopping_job_level_when_the_link_stays_dark_and_exit_without_budget():
+    view, commands = decide(ready(), LinkLost("node 1: dark for 60s"))
+    assert (view.phase, view.level) == (Phase.STOPPING, Level.JOB)
+    assert [c.kind for c in commands] == [CommandKind.STOP]
+    view, commands = on_link_lost(ready(max_restarts=0), "node 1: dark for 60s")
+    assert view.phase is Phase.EXITING and "retry budget spent" in view.reason
+
+
+# -- the observer and the status -----------------------------------------------------------------------
+
+def slots() -> dict[int, NodeSlot]:
+    return {0: NodeSlot(0, "a0", "h0", 2, 0), 1: NodeSlot(1, "a1", "h1", 2, 2)}
+
+
+def link_report(kind: ReportKind, agent="a1") -> Reported:
+    return Reported(Report(kind, 1, 0, detail="data link data dark (operstate down, no carrier)", agent_id=agent))
+
+
+def test_observer_takes_link_reports_out_of_the_stream_and_makes_events():
+    events = EventLog()
+    observer = LinkObserver(events, RULES)
+    other = Reported(Report(ReportKind.SUCCEEDED, 0, 0))
+    kept = observer.take_reports([other, link_report(ReportKind.LINK_DOWN)], ready(), slots(), True, 10.0)
+    assert kept == [other]
+    assert [e["kind"] for e in events.events] == ["link"] and events.events[0]["node"] == 1
+    assert observer.take_reports([link_report(ReportKind.LINK_DOWN, agent="fenced")], ready(), slots(), True, 10.5) == []
+    [lost] = observer.observe(ready(), slots(), True, 12.5)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1 and "past the online window" in lost.detail
+    status = observer.status(13.0)
+    assert status["dark"] == {"1": "data link data dark (operstate down, no carrier)"} and status["for"] == 3.0
+
+    observer = LinkObserver(EventLog(), RULES)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), slots(), False, 10.0)
+    [back] = observer.take_reports([link_report(ReportKind.LINK_UP)], ready(), slots(), False, 11.0)
+    assert isinstance(back, LinkBack) and (back.node_rank, back.rank, back.host) == (1, 2, "h1")
+
+
+def test_the_stall_is_said_once_shown_and_cleared():
+    events = EventLog()
+    observer = LinkObserver(events, RULES, StallWatch(factor=4.0, floor=1.0))
+    ranks = [{"rank": r, "heartbeat_age": 0.4} for r in range(4)]
+    for second in range(5):
+        observer.watch_steps(ready(), {"generation": 0, "step": second, "ranks": ranks}, float(second))
+    assert observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 4.9) is None
+    assert observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 9.0) is not None
+    observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 9.5)
+    said = [e for e in events.events if e["kind"] == "stall"]
+    assert len(said) == 1 and "no step committed for 5.0s while every rank lives and beats" in said[0]["detail"]
+    status = observer.status(9.5)
+    snapshot = {"run_id": "r", "generation": 0, "phase": "running", "level": "", "phase_for": 1.0, "step": 4,
+                "total_steps": 10, "steps_per_s": 0.0, "eta_s": None, "restarts_used": 0, "max_restarts": 3,
+                "elapsed": 9.5, "recovery": "process", "world_size": 4, "nodes": [], "stall": status}
+    assert "STALLED 6s: no step committed" in job_line(snapshot, 200).plain
+    assert "running" not in plain_line(snapshot) and "stalled for 6s (no step committed)" in plain_line(snapshot)
+    observer.watch_steps(ready(), {"generation": 0, "step": 5, "ranks": ranks}, 10.0)
+    assert [e["detail"] for e in events.events if e["kind"] == "stall"][-1] == "training moves again"
+    assert observer.status(10.0) is None
