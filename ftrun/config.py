@@ -106,6 +106,8 @@ class LaunchConfig:
     node_timeout: float = 30.0
     stop_timeout: float = 5.0
     repair_timeout: float = 60.0
+    #: how long a dark data link may stay dark before its node's ranks move to a spare (ftrun.controller.links)
+    online_window: float = 2.0
     #: warm standby workers each agent keeps (torch already imported); given none, build_launch_config
     #: derives it from --recovery and --nproc-per-node
     warm_standby: int = 0
@@ -646,6 +648,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         node_timeout=positive_seconds(raw.get("node_timeout", DEFAULTS.node_timeout), "--node-timeout"),
         stop_timeout=positive_seconds(raw.get("stop_timeout", DEFAULTS.stop_timeout), "--stop-timeout", True),
         repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
+        online_window=positive_seconds(raw.get("online_window", DEFAULTS.online_window), "--online-window"),
         # standbys import torch, which a MindSpore worker has no use for
         warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc) if framework == "torch" else 0,
         role=str(raw.get("role") or DEFAULTS.role),

@@ -175,6 +175,10 @@ def launch_options(fn):
                     "pre-emption), then SIGKILL after --stop-timeout."),
         option("repair-timeout", group=RECOVERY, type=float, default=DEFAULTS.repair_timeout, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
+        option("online-window", group=RECOVERY, type=float, default=DEFAULTS.online_window, show_default=True,
+               help="Seconds a node's data link may stay dark (its collectives' interface without carrier) before "
+                    "its ranks move to a spare node; back sooner, or with no spare, the job is repaired online the "
+                    "moment it is back (no spare: a job-level restart after --repair-timeout)."),
         option("warm-standby", group=RECOVERY, type=int, default=None,
                help="1: each node keeps a warm interpreter (torch and the script's framework imported once, "
                     "about 300 MB of host memory) from which its ranks, their replacements and a job-level "

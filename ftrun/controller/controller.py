@@ -67,6 +67,8 @@ class RecoveryPolicy:
     gather_timeout: float = 0.03
     #: --rdzv-backend etcd: how long the job goes on while etcd does not answer, before it stops
     store_timeout: float = STORE_TIMEOUT
+    #: --online-window: how long a dark data link may stay dark before its node's ranks move to a spare
+    online_window: float = 2.0
 
 
 
@@ -127,7 +129,8 @@ class Controller:
         self.nodes = Nodes(self.roster, policy.node_timeout, rendezvous_policy.max_nodes)
         self.operator = Operator(store, keys)
         #: a data link gone dark, and a job that stands still (``links.py``)
-        self.links = LinkObserver(self.narrator.events, LinkRules(repair_timeout=policy.repair_timeout))
+        self.links = LinkObserver(self.narrator.events, LinkRules(policy.online_window,
+                                                                  repair_timeout=policy.repair_timeout))
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -153,6 +156,7 @@ class Controller:
                 stop_timeout=config.stop_timeout,
                 repair_timeout=config.repair_timeout,
                 store_timeout=config.store_timeout,
+                online_window=config.online_window,
             ),
             events=EventLog(path, go_on=resume is not None),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),

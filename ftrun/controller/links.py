@@ -125,7 +125,7 @@ def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: flo
         said = Say(f"node {node_rank}: {detail}; its collectives stand still until it is back", node_rank)
         count = links.flaps(node_rank)
         if count >= rules.flaps and spare:
-            flapped = f"{detail}, the {count}th time in {rules.flap_window:g}s (a flapping link)"
+            flapped = f"{detail}, {count} times in {rules.flap_window:g}s (a flapping link)"
             return dataclasses.replace(links, moved=links.moved | {node_rank}), [said, MoveToSpare(node_rank, flapped)]
         return links, [said]
     if dark is None:
@@ -205,7 +205,8 @@ class StallWatch:
 
     def observe(self, now: float, step: int | None, beating: bool) -> Stall | None:
         """The lowest committed step across ranks, seen at ``now``; ``beating``: every rank alive with a fresh
-        heartbeat. The stall while it lasts (None once a step is committed)."""
+        heartbeat. The stall while it lasts (None once a step is committed; never before the job's first step
+        time is known: the first step imports, compiles and forms the groups)."""
         if step is None:
             return None
         if self._step is None or step < self._step:
@@ -216,6 +217,8 @@ class StallWatch:
             self.durations = (self.durations + [per_step])[-self.samples:]
             self._step, self._since, self.stalled = step, now, None
             return None
+        if not self.durations:
+            return None  # the first step (imports, compilation, the group's forming) is no step time
         waited = now - self._since
         bound, basis = self.bound()
         if beating and waited > bound:

@@ -143,7 +143,8 @@ class Narrator:
         if before.phase is not after.phase:
             self.events.emit("phase", after.generation, f"{before.phase.value} -> {after.phase.value}",
                              phase=after.phase.value, level=after.level.value)
-        if before.level is Level.ONLINE and after.level is Level.PROCESS and after.phase in REPAIR_PHASES:
+        if (before.level is Level.ONLINE and before.phase in REPAIR_PHASES and after.level is Level.PROCESS
+                and after.phase in REPAIR_PHASES):  # not a new repair after an online one ended (its level stays)
             self._went_down(after)
         if after.phase is Phase.EXITING:
             pass  # the controller says how the job finished, with the final status

@@ -149,6 +149,8 @@ FLAGS = [
     ("repair-timeout-negative", ["--repair-timeout", "-5", S], "--repair-timeout"),
     ("repair-timeout-nan", ["--repair-timeout", "nan", S], "--repair-timeout"),
     ("repair-timeout-huge", ["--repair-timeout", "1e300", S], ("--repair-timeout", "at most")),
+    ("online-window-zero", ["--online-window", "0", S], "--online-window"),
+    ("online-window-nan", ["--online-window", "nan", S], "--online-window"),
     ("heartbeat-timeout-zero", ["--heartbeat-timeout", "0", S], "--heartbeat-timeout"),
     ("heartbeat-timeout-negative", ["--heartbeat-timeout", "-1", S], "--heartbeat-timeout"),
     ("heartbeat-timeout-word", ["--heartbeat-timeout", "x", S], "--heartbeat-timeout"),
@@ -480,12 +482,13 @@ CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"
 #: keys whose value is a count, a port, a duration, device ids or stream bits: 10**30 is wrong for each
 NUMBERS = ["checkpoint_every", "checkpoint_interval", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
            "keep_checkpoints", "master_port", "monitor_interval", "nnodes", "node_rank", "node_timeout",
-           "nproc_per_node", "rdzv_timeout", "redirects", "repair_timeout", "replicate_every", "snapshot_every",
-           "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby"]
+           "nproc_per_node", "online_window", "rdzv_timeout", "redirects", "repair_timeout", "replicate_every",
+           "snapshot_every", "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby"]
 #: keys where null is not "the default" but a missing value (null elsewhere leaves the default)
 NULL_IS_WRONG = ["checkpoint_every", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
                  "keep_checkpoints", "monitor_interval", "nnodes", "node_rank", "node_timeout", "nproc_per_node",
-                 "redirects", "repair_timeout", "replicate_every", "snapshot_replicas", "stop_timeout", "tee"]
+                 "online_window", "redirects", "repair_timeout", "replicate_every", "snapshot_replicas", "stop_timeout",
+                 "tee"]
 
 CONFIG_VALUES = (
     [(f"{key}-list", key, "[1, 2]") for key in SINGLE + SWITCHES if key != "max_restarts"]  # integration has it

@@ -4,15 +4,16 @@ status shows it. Pure logic with the clock passed in: no store, no process, no n
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from ftrun.controller.inbox import LinkBack, LinkLost, NodeLost, Reported
 from ftrun.controller.links import (
-    Links,
     LinkObserver,
     LinkRules,
+    Links,
     MoveToSpare,
     RepairOnline,
     RestartJob,
@@ -21,7 +22,8 @@ from ftrun.controller.links import (
     on_link_report,
     on_link_tick,
 )
-from ftrun.controller.policy import decide, on_link_back, on_link_lost
+from ftrun.controller.narrator import Narrator
+from ftrun.controller.policy import decide, on_link_back, on_link_lost, on_node_lost
 from ftrun.controller.states import JobView, Level, Phase
 from ftrun.detection.links import LinkReading, LinkWatch, data_interfaces, interface_watch, parse_hccn_link, read_interface
 from ftrun.devices import DeviceToolError
@@ -148,7 +150,7 @@ def test_transition_a_flapping_link_moves_its_node_to_a_spare_at_the_threshold()
         links, actions = on_link_report(links, 1, True, "back", at + 1.0, RULES, spare=True)
         assert [type(a) for a in actions] == [Say, RepairOnline]
     links, actions = on_link_report(links, 1, False, "data link data dark", 10.0, RULES, spare=True)
-    assert [type(a) for a in actions] == [Say, MoveToSpare] and "3th time in 300s" in actions[1].detail
+    assert [type(a) for a in actions] == [Say, MoveToSpare] and "3 times in 300s" in actions[1].detail
     # downs older than the window do not count
     old = Links(downs=((1, 0.0), (1, 1.0)))
     assert [type(a) for a in on_link_report(old, 1, False, "dark", 400.0, RULES, spare=True)[1]] == [Say]
@@ -159,6 +161,8 @@ def test_transition_a_flapping_link_moves_its_node_to_a_spare_at_the_threshold()
 def test_stall_bound_comes_from_the_jobs_own_step_times_with_a_floor():
     watch = StallWatch(factor=4.0, floor=1.0)
     assert watch.observe(0.0, None, True) is None  # before the first committed step: never judged
+    watch.observe(0.0, 0, True)
+    assert watch.observe(30.0, 0, True) is None  # nor before a step time is known (the first step's setup)
     now, step = 0.0, 0
     for _ in range(20):
         watch.observe(now, step, True)
@@ -273,3 +277,17 @@ def test_the_stall_is_said_once_shown_and_cleared():
     observer.watch_steps(ready(), {"generation": 0, "step": 5, "ranks": ranks}, 10.0)
     assert [e["detail"] for e in events.events if e["kind"] == "stall"][-1] == "training moves again"
     assert observer.status(10.0) is None
+
+
+def test_a_process_level_repair_after_an_online_one_ended_is_not_said_as_its_step_down():
+    # found on the test bed: a node moved to a spare after two online repairs was said as "the online repair
+    # under way goes down to it", since the view keeps the last repair's level once it runs again
+    events = EventLog()
+    narrator = Narrator(events, lambda generation: 4)
+    online, _ = on_link_back(ready(), 1, "h1", 2, "back", at=50.0)
+    running = dataclasses.replace(online, phase=Phase.RUNNING)
+    moved, _ = on_node_lost(running, 1, "node 1: dark 3 times", spare="spare", ranks=(2, 3))
+    assert narrator.decided(running, moved, 60.0)
+    [decision] = [e for e in events.events if e["kind"] == "decision"]
+    assert decision["detail"] == "process-level repair into generation 2: node 1: dark 3 times"
+    assert "action" not in decision
