@@ -232,6 +232,11 @@ class JobKeys:
         """Set once every rank arrived to form the generation's group, or once it is superseded."""
         return f"{self.generation(generation)}/group_ready"
 
+    def data_probe(self, node_rank: int) -> str:
+        """Where node ``node_rank``'s agent answers the data network's probe (``HOST:PORT`` on its data
+        address, ``ftrun.detection.reach``); its peers read it once a probe round."""
+        return f"{self.root}/node/{node_rank}/data_probe"
+
     def rank_heartbeat(self, rank: int) -> str:
         return f"{self.root}/rank/{rank}/heartbeat"
 

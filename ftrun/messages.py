@@ -263,6 +263,9 @@ class NodeStatus:
     ranks: tuple[RankState, ...] = ()
     standbys: int = 0
     devices: tuple[DeviceState, ...] = ()
+    #: the data network's probe (``ftrun.detection.reach``): the nodes this one probed, and those it could not reach
+    probed: tuple[int, ...] = ()
+    unreachable: tuple[int, ...] = ()
 
 
 class CommandKind(str, enum.Enum):

@@ -44,9 +44,10 @@ from ftrun.config import LaunchConfig
 from ftrun.contract import RelayFolder
 from ftrun.controller.controller import Controller
 from ftrun.detection.hang import HangWatch
-from ftrun.detection.links import interface_watch
+from ftrun.detection.links import data_interfaces, interface_watch
 from ftrun.detection.oom import OomWatch
 from ftrun.detection.probe import probe
+from ftrun.detection.reach import interface_address
 from ftrun.detection.sources import NodeHealth
 from ftrun.detection.table import FaultTable, load_fault_table
 from ftrun.errors import ExitCode, FtrunError
@@ -171,6 +172,8 @@ class Agent:
         finally:
             if self.snapshots is not None:
                 self.snapshots.stop()
+            if self.supervision.probe is not None:
+                self.supervision.probe.stop()
             health.stop()
             group.stop(config.stop_timeout)
         return self._finish(code, reason)
@@ -193,6 +196,9 @@ class Agent:
         supervision.snapshots, supervision.relay, supervision.spawner = self.snapshots, relay, spawner
         self.commands = CommandExecutor(group, seat, spawner, supervision, lambda: connection.protocol,
                                         config.stop_timeout, self.snapshots)
+        address = next(filter(None, (interface_address(name) for name in data_interfaces(os.environ))), "")
+        if address:  # the data network's probe, from the collectives' interface (ftrun.detection.reach)
+            supervision.start_probe(address)
 
     def _relay(self, folder: str) -> FolderRelay | None:
         """A MindSpore job: the relay between its ranks, which cannot read the control store, and the store."""

@@ -312,7 +312,7 @@ class NodeProtocol:
 
 def _shape(status: NodeStatus) -> tuple:
     """The status less what moves by itself (steps, heartbeat ages): a change there is not news."""
-    return (status.generation, status.standbys, status.devices,
+    return (status.generation, status.standbys, status.devices, status.probed, status.unreachable,
             tuple((r.rank, r.local_rank, r.pid, r.alive, r.restarts) for r in status.ranks))
 
 

@@ -25,6 +25,7 @@ from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import Worker, WorkerGroup
 from ftrun.detection.hang import HangWatch
 from ftrun.detection.oom import OomWatch
+from ftrun.detection.reach import PROBE_EVERY, Prober, peers_to_probe
 from ftrun.detection.sources import HealthEvent, NodeHealth, RankSigns
 from ftrun.detection.table import FaultLevel, FaultTable
 from ftrun.interrupts import Interrupts
@@ -63,6 +64,9 @@ class Supervision:
         self.snapshots: NodeSnapshots | None = None
         self.relay: FolderRelay | None = None
         self.spawner: Spawner | None = None
+        #: the data network's probe (``ftrun.detection.reach``), once the node holds ranks and has a data address
+        self.probe: Prober | None = None
+        self._probe_aimed = 0.0
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
         #: --rdzv-backend etcd: the failure reports of this node since its workers last started (generation,
@@ -94,6 +98,8 @@ class Supervision:
             self.next_beat = now + AGENT_HEARTBEAT_INTERVAL
         self.devices.tick(w.placement.local_rank for w in group.running)
         self.take(self.health.poll(now))
+        if self.probe is not None and now >= self._probe_aimed:
+            self._aim_probe(now)
         if self.spawner is not None:
             self.spawner.tick()
         if self.relay is not None:
@@ -155,6 +161,8 @@ class Supervision:
         last started, and their success, said again."""
         ranks = [w.placement.rank for w in self.group.running]
         self._protocol().prepare_ranks(ranks)
+        if self.probe is not None:
+            self._protocol().store.set_text(self._protocol().keys.data_probe(self.seat.node_rank), self.probe.endpoint)
         now = time.monotonic()
         for rank in ranks:
             self.hangs.restart(rank, 0, now)
@@ -190,8 +198,9 @@ class Supervision:
                       self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
             for w in group.workers
         )
+        probe = self.probe
         status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, int(group.warm_ready),
-                            self.devices.states())
+                            self.devices.states(), probe.probed if probe else (), probe.unreachable if probe else ())
         self._protocol().keepalive(status, now)
         top_feed = self._top_feed()
         if top_feed is not None:
@@ -230,6 +239,26 @@ class Supervision:
         (log.info if event.link_up else log.error)("%s", event.reason)
         kind = ReportKind.LINK_UP if event.link_up else ReportKind.LINK_DOWN
         self._protocol().report(kind, self.group.generation, detail=event.reason)
+
+    def start_probe(self, address: str) -> None:
+        """Answer and send the data network's probe from ``address`` (this node's data address)."""
+        try:
+            self.probe = Prober(address)
+        except OSError as e:
+            log.warning("the data network is not probed from this node (%s): %s", address, e)
+            return
+        self._protocol().store.set_text(self._protocol().keys.data_probe(self.seat.node_rank), self.probe.endpoint)
+        self.probe.start()
+
+    def _aim_probe(self, now: float) -> None:
+        """Once a probe round: the peers' listeners, read from the store in one round trip."""
+        self._probe_aimed = now + PROBE_EVERY
+        peers = peers_to_probe(self.seat.node_rank, [n.node_rank for n in self.seat.layout.nodes])
+        if not peers:
+            return
+        keys = self._protocol().keys
+        _, endpoints = self._protocol().store.readings([], [keys.data_probe(n) for n in peers])
+        self.probe.aim({node: endpoint for node, endpoint in zip(peers, endpoints) if endpoint})
 
     def _stop_hung(self, event: HealthEvent, uses_library: bool) -> None:
         worker = next((w for w in self.group.running if w.placement.rank == event.rank), None)

@@ -153,6 +153,7 @@ class StatusBoard:
                "standbys": status.standbys if status else 0,
                "devices": [{"index": d.index, "health": d.health, "reason": d.reason}
                            for d in (status.devices if status else ())],
+               "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
                                 "pid": r.pid, "alive": r.alive, "restarts": r.restarts} for r in states]}
 

@@ -323,7 +323,9 @@ class Controller:
 
     def _watch_links(self, now: float) -> None:
         """The dark links' ladder, and the stall watch over the board's newest step; both shown in the status."""
-        self.take(self.links.observe(self.view, self.roster.nodes, self._spare_idle(), now))
+        spare = self._spare_idle()
+        self.take(self.links.observe(self.view, self.roster.nodes, spare, now))
+        self.take(self.links.watch_reach(self.view, self.board.snapshot, self.roster.nodes, spare, now))
         self.links.watch_steps(self.view, self.board.snapshot, now)
         self.board.stall = self.links.status(now)
 

@@ -27,6 +27,7 @@ from typing import Union
 
 from ftrun.controller.inbox import Event, LinkBack, LinkLost, NodeLost, Reported
 from ftrun.controller.states import JobView, Phase
+from ftrun.detection.reach import Verdict, localise
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, ReportKind
 
@@ -59,6 +60,8 @@ class DarkLink:
     detail: str
     #: when the controller heard of it (its monotonic clock)
     since: float
+    #: who said it: the node's OS ("os"), or the data network's probe ("probe"); only the same source clears it
+    source: str = "os"
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,9 @@ Action = Union[MoveToSpare, RepairOnline, RestartJob, Say]
 
 
 def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: float, rules: LinkRules,
-                   spare: bool) -> tuple[Links, list[Action]]:
-    """A node's data link went dark (``up`` False) or came back."""
+                   spare: bool, source: str = "os") -> tuple[Links, list[Action]]:
+    """A node's data link went dark (``up`` False) or came back, as ``source`` says (its OS, or the data
+    network's probe: a dark link is cleared only by the source that said it)."""
     dark = links.dark_link(node_rank)
     if node_rank in links.moved:
         return links, []
@@ -121,14 +125,14 @@ def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: flo
         if dark is not None:
             return links, []
         downs = tuple(d for d in links.downs if now - d[1] <= rules.flap_window) + ((node_rank, now),)
-        links = dataclasses.replace(links, dark=links.dark + (DarkLink(node_rank, detail, now),), downs=downs)
+        links = dataclasses.replace(links, dark=links.dark + (DarkLink(node_rank, detail, now, source),), downs=downs)
         said = Say(f"node {node_rank}: {detail}; its collectives stand still until it is back", node_rank)
         count = links.flaps(node_rank)
         if count >= rules.flaps and spare:
             flapped = f"{detail}, {count} times in {rules.flap_window:g}s (a flapping link)"
             return dataclasses.replace(links, moved=links.moved | {node_rank}), [said, MoveToSpare(node_rank, flapped)]
         return links, [said]
-    if dark is None:
+    if dark is None or dark.source != source:
         return links, []
     links = dataclasses.replace(links, dark=tuple(d for d in links.dark if d is not dark),
                                 waiting=links.waiting - {node_rank})
@@ -238,6 +242,8 @@ class LinkObserver:
         self.links = Links()
         self.stalls = stalls or StallWatch()
         self._stall_said: Stall | None = None
+        #: the data network's probe: the verdict last said, and the nodes it found cut off
+        self.verdict = Verdict()
 
     def take_reports(self, events: list[Event], view: JobView, nodes: dict[int, NodeSlot], spare: bool,
                      now: float) -> list[Event]:
@@ -259,6 +265,37 @@ class LinkObserver:
     def observe(self, view: JobView, nodes: dict[int, NodeSlot], spare: bool, now: float) -> list[Event]:
         self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING)
         return self._act(actions, view, nodes)
+
+    def watch_reach(self, view: JobView, snapshot: dict, nodes: dict[int, NodeSlot], spare: bool,
+                    now: float) -> list[Event]:
+        """The nodes' probes of the data network (their statuses on the board): the fault put on a node or on
+        links, said when it changes. A node cut off from every peer is a dark link (the ladder, as the OS's
+        word); links that answer again after they did not are repaired online, as a link back is."""
+        rows = [row for row in snapshot.get("nodes") or () if row.get("role") == "active" and row.get("probed")]
+        verdict = localise({row["node"]: tuple(row["unreachable"]) for row in rows},
+                           {row["node"]: tuple(row["probed"]) for row in rows})
+        before, self.verdict = self.verdict, verdict
+        if verdict.text == before.text:
+            return []
+        found: list[Event] = []
+        if verdict.text:
+            log.warning("data network probe: %s", verdict.text)
+            self.events.emit("link", view.generation, f"data network probe: {verdict.text}")
+        for node in verdict.nodes:
+            if node not in before.nodes:
+                self.links, actions = on_link_report(self.links, node, False, "unreachable on the data network from "
+                                                     "every peer (probe)", now, self.rules, spare, source="probe")
+                found += self._act(actions, view, nodes)
+        for node in before.nodes:
+            if node not in verdict.nodes:
+                self.links, actions = on_link_report(self.links, node, True, "reachable on the data network again "
+                                                     "(probe)", now, self.rules, spare, source="probe")
+                found += self._act(actions, view, nodes)
+        if before.links and not verdict.links and not self.links.dark:
+            a, b = before.links[0]
+            back = f"nodes {a} and {b} reach each other on the data network again (probe)"
+            found += self._act([Say(back, b), RepairOnline(b, back)], view, nodes)
+        return found
 
     def watch_steps(self, view: JobView, snapshot: dict, now: float) -> Stall | None:
         """The board's newest snapshot: the stall, said once when it begins and once when it ends."""

@@ -5,6 +5,8 @@ status shows it. Pure logic with the clock passed in: no store, no process, no n
 from __future__ import annotations
 
 import dataclasses
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import decide, on_link_back, on_link_lost, on_node_lost
 from ftrun.controller.states import JobView, Level, Phase
 from ftrun.detection.links import LinkReading, LinkWatch, data_interfaces, interface_watch, parse_hccn_link, read_interface
+from ftrun.detection.reach import Prober, Verdict, interface_address, localise, peers_to_probe
 from ftrun.devices import DeviceToolError
 from ftrun.events import EventLog
 from ftrun.live_view import job_line, plain_line
@@ -291,3 +294,72 @@ def test_a_process_level_repair_after_an_online_one_ended_is_not_said_as_its_ste
     [decision] = [e for e in events.events if e["kind"] == "decision"]
     assert decision["detail"] == "process-level repair into generation 2: node 1: dark 3 times"
     assert "action" not in decision
+
+
+# -- the data network's probe ---------------------------------------------------------------------------
+
+def test_localise_puts_the_fault_on_a_node_cut_off_from_every_peer():
+    probed = {0: (1, 2), 1: (0, 2), 2: (0, 1)}
+    verdict = localise({0: (1,), 1: (0, 2), 2: (1,)}, probed)
+    assert verdict.nodes == (1,) and verdict.links == ()
+    assert verdict.text == "node 1 reaches no peer on the data network, and no peer reaches it"
+    assert localise({0: (), 1: (), 2: ()}, probed) == Verdict()
+
+
+def test_localise_puts_the_fault_on_a_link_when_only_one_pair_fails():
+    verdict = localise({0: (2,), 1: (), 2: (0,)}, {0: (1, 2), 1: (0, 2), 2: (0, 1)})
+    assert verdict.nodes == () and verdict.links == ((0, 2),)
+    assert verdict.text == "nodes 0 and 2 cannot reach each other on the data network"
+    # two nodes alone: which side is dark, only the OS can say
+    assert localise({0: (1,), 1: (0,)}, {0: (1,), 1: (0,)}).links == ((0, 1),)
+
+
+def test_peers_to_probe_are_every_other_node_or_the_nearest_on_a_ring():
+    assert peers_to_probe(1, [0, 1, 2]) == [0, 2]
+    assert peers_to_probe(0, list(range(100)), reach=2) == [1, 2, 98, 99]
+
+
+def test_the_prober_finds_a_listener_reachable_and_a_silent_address_not():
+    assert interface_address("lo") == "127.0.0.1" and interface_address("no-such-if") == ""
+    prober = Prober("127.0.0.1", every=0.05, timeout=0.2)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused = closed.getsockname()[1]  # bound, never listening: refused, so the host answers
+    # a listener whose backlog is full drops the next SYN, as a dark link does: the connect times out
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    held = [socket.socket() for _ in range(3)]
+    for client in held:
+        client.setblocking(False)
+        client.connect_ex(silent.getsockname())
+    try:
+        assert prober._reaches(("127.0.0.1", int(prober.endpoint.rsplit(":", 1)[1])))
+        assert prober._reaches(("127.0.0.1", refused))
+        prober.start()
+        prober.aim({3: prober.endpoint, 4: "127.0.0.1:%d" % silent.getsockname()[1], 5: "not an endpoint"})
+        deadline = time.monotonic() + 10
+        while prober.probed != (3, 4) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert prober.probed == (3, 4) and prober.unreachable == (4,)
+    finally:
+        prober.stop()
+        for sock in (closed, silent, *held):
+            sock.close()
+
+
+def test_the_observer_moves_a_node_the_probe_finds_cut_off_and_repairs_when_a_link_answers_again():
+    def board(unreachable: dict[int, tuple[int, ...]]) -> dict:
+        return {"nodes": [{"node": n, "role": "active", "probed": [p for p in range(3) if p != n],
+                           "unreachable": list(unreachable.get(n, ()))} for n in range(3)]}
+
+    nodes = {n: NodeSlot(n, f"a{n}", f"h{n}", 2, 2 * n) for n in range(3)}
+    observer = LinkObserver(EventLog(), RULES)
+    assert observer.watch_reach(ready(), board({0: (1,), 1: (0, 2), 2: (1,)}), nodes, True, 10.0) == []
+    assert observer.links.dark[0].source == "probe"
+    [lost] = observer.observe(ready(), nodes, True, 12.5)
+    assert isinstance(lost, NodeLost) and "unreachable on the data network from every peer (probe)" in lost.detail
+    observer = LinkObserver(EventLog(), RULES)
+    assert observer.watch_reach(ready(), board({0: (2,), 2: (0,)}), nodes, True, 10.0) == []
+    [back] = observer.watch_reach(ready(), board({}), nodes, True, 11.0)
+    assert isinstance(back, LinkBack) and back.detail == "nodes 0 and 2 reach each other on the data network again (probe)"
