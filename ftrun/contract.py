@@ -284,6 +284,9 @@ class SnapshotSettings:
 #: --heartbeat-timeout's default, and a worker's when FTRUN_HEARTBEAT_TIMEOUT is not set: seconds without a
 #: rank's heartbeat before its agent takes it for hung
 HEARTBEAT_TIMEOUT = 30.0
+#: ftrun.elastic.init()'s collective_timeout default: seconds that every group formation (and gloo's
+#: collectives) may take
+COLLECTIVE_TIMEOUT = 300.0
 #: --store-timeout's default, and a worker's when FTRUN_STORE_TIMEOUT is not set: seconds a rank (and the job)
 #: goes on without its control store before giving up
 STORE_TIMEOUT = 300.0

@@ -32,6 +32,7 @@ HELP = """Launch a distributed PyTorch job that survives faults: a drop-in for t
   ftrun status --rdzv-endpoint head:29400 --watch   # a running job's nodes, ranks and repairs
   ftrun top --rdzv-endpoint head:29400     # the same, interactive: a rank's output and stack, drills
   ftrun report logs/RUN_ID/events.jsonl --html job.html   # a finished job's summary and timeline
+  ftrun timeouts --nnodes 2 --repair-timeout 30 train.py   # every timeout that bounds a fault, checked
 """
 
 
@@ -46,10 +47,11 @@ def _subcommands() -> dict[str, click.Command]:
     """Words that name a command rather than a script (run a script named so as ./probe)."""
     from ftrun.cli.probe import probe_command
     from ftrun.cli.status import report_command, status_command
+    from ftrun.cli.timeouts import timeouts_command
     from ftrun.cli.top import top_command
 
     return {"probe": probe_command, "doctor": probe_command, "status": status_command, "report": report_command,
-            "top": top_command}
+            "top": top_command, "timeouts": timeouts_command}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +118,8 @@ def run_launch(values: dict, argv: list[str] | None = None) -> int:
                     return keep_agent_session(config, argv if argv is not None else sys.argv[1:])
             for note in msrun.framework_notes(values, config):
                 say(f"ftrun: {note}")
+            for line in timeout_contradictions(config):
+                say(f"ftrun: timeouts contradict: {line}", style="bold yellow")
             if values.get("slurm"):
                 say(f"ftrun: {values['slurm'].describe()[0]}")
             agent = Agent(config)
@@ -128,6 +132,13 @@ def run_launch(values: dict, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         abort("interrupted", ExitCode.INTERRUPTED)
     return report_outcome(outcome.exit_code, outcome.reason, outcome.controller)
+
+
+def timeout_contradictions(config) -> list[str]:
+    """The launch's timeouts that contradict each other (``ftrun timeouts`` shows the whole chain)."""
+    from ftrun.timeouts import contradictions, timeout_chain
+
+    return contradictions(timeout_chain(config, os.environ))
 
 
 #: what FTRUN_LOG_LEVEL may say

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.auth import Signer
-from ftrun.contract import WorkerEnv
+from ftrun.contract import COLLECTIVE_TIMEOUT, WorkerEnv
 from ftrun.elastic.arrays import TorchSnapshotWriter, snapshot_signer
 from ftrun.elastic.backends import CommBackend, make_comm_backend
 from ftrun.elastic.ddp import BucketLayout, ElasticDDP, torch_ddps, track_torch_ddp
@@ -36,8 +36,6 @@ from ftrun.snapshots.format import SnapshotError
 from ftrun.steps import COMMITTED, StepDecision, StepOutcome
 
 log = logging.getLogger("ftrun.elastic")
-#: init()'s collective_timeout: seconds that every group formation (and gloo's collectives) may take
-COLLECTIVE_TIMEOUT = 300.0
 #: init()'s fault_wait: after a collective raises, seconds to wait for the controller to announce a repair
 FAULT_WAIT = 10.0
 #: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
