@@ -232,6 +232,25 @@ class StallWatch:
         return self.stalled
 
 
+def where_ranks_stand(ranks: list[dict]) -> str:
+    """Which ranks wait at which committed step, in words: "ranks 0-3 at step 11", or "ranks 2-3 at step 11,
+    ranks 0-1 at step 12" (those ahead wait in the next step's collectives for those behind)."""
+    by_step: dict[int, list[int]] = {}
+    for rank in ranks:
+        if rank.get("step") is not None:
+            by_step.setdefault(rank["step"], []).append(rank["rank"])
+    parts = []
+    for step, members in sorted(by_step.items()):
+        members.sort()
+        ranges, start = [], members[0]
+        for index, member in enumerate(members):
+            if index + 1 == len(members) or members[index + 1] != member + 1:  # a run of ranks ends here
+                ranges.append(f"{start}-{member}" if member != start else f"{start}")
+                start = members[index + 1] if index + 1 < len(members) else member
+        parts.append(f"rank{'s' if len(members) > 1 else ''} {', '.join(ranges)} at step {step}")
+    return ", ".join(parts) or "no rank has committed a step"
+
+
 class LinkObserver:
     """The controller's side of both watches: takes the agents' link reports out of the report stream, runs
     the ladder at each keepalive, watches the board's step for a stall, says what it finds, and returns
@@ -309,7 +328,8 @@ class LinkObserver:
             stall = self.stalls.observe(now, snapshot.get("step"), beating)
         if stall is not None and self._stall_said is None:
             line = (f"training stands still: no step committed for {stall.waited:.1f}s while every rank lives and "
-                    f"beats (bound {stall.bound:.1f}s: {stall.basis}){self._dark_words()}")
+                    f"beats (bound {stall.bound:.1f}s: {stall.basis}); {where_ranks_stand(snapshot.get('ranks') or [])}"
+                    f"{self._dark_words()}")
             log.error(line)
             self.events.emit("stall", view.generation, line, waited=round(stall.waited, 3), bound=round(stall.bound, 3))
         elif stall is None and self._stall_said is not None:

@@ -23,6 +23,7 @@ from ftrun.controller.links import (
     StallWatch,
     on_link_report,
     on_link_tick,
+    where_ranks_stand,
 )
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import decide, on_link_back, on_link_lost, on_node_lost
@@ -263,7 +264,7 @@ def test_observer_takes_link_reports_out_of_the_stream_and_makes_events():
 def test_the_stall_is_said_once_shown_and_cleared():
     events = EventLog()
     observer = LinkObserver(events, RULES, StallWatch(factor=4.0, floor=1.0))
-    ranks = [{"rank": r, "heartbeat_age": 0.4} for r in range(4)]
+    ranks = [{"rank": r, "heartbeat_age": 0.4, "step": 4 + (r < 2)} for r in range(4)]
     for second in range(5):
         observer.watch_steps(ready(), {"generation": 0, "step": second, "ranks": ranks}, float(second))
     assert observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 4.9) is None
@@ -271,6 +272,7 @@ def test_the_stall_is_said_once_shown_and_cleared():
     observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 9.5)
     said = [e for e in events.events if e["kind"] == "stall"]
     assert len(said) == 1 and "no step committed for 5.0s while every rank lives and beats" in said[0]["detail"]
+    assert "; ranks 2-3 at step 4, ranks 0-1 at step 5" in said[0]["detail"]
     status = observer.status(9.5)
     snapshot = {"run_id": "r", "generation": 0, "phase": "running", "level": "", "phase_for": 1.0, "step": 4,
                 "total_steps": 10, "steps_per_s": 0.0, "eta_s": None, "restarts_used": 0, "max_restarts": 3,
@@ -363,3 +365,9 @@ def test_the_observer_moves_a_node_the_probe_finds_cut_off_and_repairs_when_a_li
     assert observer.watch_reach(ready(), board({0: (2,), 2: (0,)}), nodes, True, 10.0) == []
     [back] = observer.watch_reach(ready(), board({}), nodes, True, 11.0)
     assert isinstance(back, LinkBack) and back.detail == "nodes 0 and 2 reach each other on the data network again (probe)"
+
+
+def test_where_ranks_stand_groups_ranks_by_step_in_ranges():
+    ranks = [{"rank": r, "step": s} for r, s in [(0, 12), (1, 11), (2, 11), (3, 11), (5, 11), (4, None)]]
+    assert where_ranks_stand(ranks) == "ranks 1-3, 5 at step 11, rank 0 at step 12"
+    assert where_ranks_stand([]) == "no rank has committed a step"

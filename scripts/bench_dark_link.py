@@ -1,0 +1,188 @@
+"""A data link that goes dark, on the cluster-shaped test bed: how soon ftrun says it, and how soon training
+goes on, against torchrun.
+
+Each run: 2 nodes x 2 ranks of tests/workers/elastic_train.py (CPU, gloo), each node a network namespace with
+a management and a data link (tests/cluster.py), GLOO_SOCKET_IFNAME on the data one. At step --dark-at node 1's
+data port goes dark (the switch's port down: the node loses carrier, packets vanish, no reset).
+
+  no-spare   ftrun --recovery process; the link comes back after --dark-for seconds
+  spare      ftrun --recovery process --spares 1 (a third namespace); the link never comes back
+  torchrun   torchrun (the script's ftrun.elastic under torchrun is plain DDP); back after --dark-for seconds
+
+Figures: said (dark -> the controller's line naming it), resumed (every rank committed a step again) counted
+from the link's return (no-spare, torchrun) or from the dark (spare), processes started after the first
+step, and whether every rank's parameters, buffers and optimizer state end bit-identical to a fault-free
+run's. Needs root and iproute2 (network namespaces).
+
+    .venv/bin/python scripts/bench_dark_link.py --repeat 1 --json dark_link.json
+
+Human-readable output goes to stderr, JSON to --json (stdout with "-", the default).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from benchlib import emit_json, free_port, kill_everything
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.cluster import ClusterBed  # noqa: E402  (the bed the suite uses)
+
+WORKER = REPO / "tests" / "workers" / "elastic_train.py"
+MARKER_VARIABLE = "FTRUN_BENCH_DARK_LINK_MARKER"
+SCENARIOS = ("no-spare", "spare", "torchrun")
+SAID = "node 1: data link data dark"
+console = Console(stderr=True)
+
+
+def min_step(out: Path, ranks: int) -> int:
+    steps = []
+    for rank in range(ranks):
+        try:
+            steps.append(int((out / f"progress-rank{rank}").read_text()))
+        except (OSError, ValueError):
+            steps.append(0)
+    return min(steps)
+
+
+def starts(out: Path) -> int:
+    return len(list(out.glob("pid-start-rank*")))
+
+
+def command(scenario: str, bed: ClusterBed, index: int, endpoint: str, run_id: str, steps: int) -> list[str]:
+    node = bed.nodes[index]
+    if scenario == "torchrun":
+        host, port = endpoint.rsplit(":", 1)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--node-rank", str(index), "--master-addr", host, "--master-port", port, str(WORKER)]
+    else:
+        argv = [sys.executable, "-m", "ftrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
+                "--run-id", run_id, "--recovery", "process", "--max-restarts", "3", "--monitor-interval", "0.05",
+                "--local-addr", node.mgmt, "--rdzv-conf", f"is_host={int(index == 0)}"]
+        argv += ["--spares", "1"] if scenario == "spare" else []
+        argv += ["--node-rank", str(index)] if index < 2 else []
+        argv.append(str(WORKER))
+    return node.command(argv)
+
+
+def run(scenario: str, args, reference: dict | None, workdir: Path) -> dict:
+    """One run of ``scenario`` (None as the scenario's fault: the fault-free reference); its figures."""
+    marker = uuid.uuid4().hex
+    out = workdir / f"{scenario}-{marker[:6]}"
+    out.mkdir()
+    env = dict(os.environ, OUT_DIR=str(out), STEPS=str(args.steps), STEP_SLEEP=str(args.step_sleep),
+               GLOO_SOCKET_IFNAME="data", PYTHONUNBUFFERED="1", **{MARKER_VARIABLE: marker})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    processes: list[subprocess.Popen] = []
+    with ClusterBed(3 if scenario == "spare" else 2) as bed:
+        endpoint = f"{bed.nodes[0].mgmt}:{free_port()}"
+        logs = []
+        for index in range(len(bed.nodes)):
+            log = out / f"node{index}.log"
+            logs.append(log)
+            with open(log, "wb") as f:
+                processes.append(subprocess.Popen(command(scenario, bed, index, endpoint, marker, args.steps),
+                                                  stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out,
+                                                  start_new_session=True))
+        figures: dict = {"scenario": scenario if reference is not None else "fault-free"}
+        try:
+            deadline = time.monotonic() + args.deadline
+            while min_step(out, 4) < args.dark_at and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if reference is not None:
+                figures.update(fault(scenario, args, bed, out, logs[0], deadline))
+            for process in processes:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            figures["outcome"] = "did not finish"
+        finally:
+            kill_everything(processes, MARKER_VARIABLE, marker)
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    digests = {rank: r.get("digest") for rank, r in results.items()}
+    figures["final_step"] = min((r["step"] for r in results.values()), default=None)
+    if reference is not None:
+        figures["bit_identical"] = digests == reference if len(digests) == 4 else False
+    figures["digests"] = digests
+    return figures
+
+
+def fault(scenario: str, args, bed: ClusterBed, out: Path, controller_log: Path, deadline: float) -> dict:
+    started = starts(out)
+    stood = min_step(out, 4)
+    bed.dark(1)
+    dark_at = time.monotonic()
+    said = None
+    comes_back = dark_at + args.dark_for if scenario != "spare" else float("inf")
+    back_at = None
+    resumed = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if said is None and scenario != "torchrun" and SAID in controller_log.read_text(errors="replace"):
+            said = now - dark_at
+        if back_at is None and now >= comes_back:
+            bed.light(1)
+            back_at = now
+        if min_step(out, 4) > stood + 1 and (back_at is not None or scenario == "spare"):
+            resumed = now - (back_at if back_at is not None else dark_at)
+            break
+        time.sleep(0.02)
+    if back_at is None and scenario != "spare":
+        bed.light(1)
+    return {"said_s": None if said is None else round(said, 2), "resumed_s": None if resumed is None else round(resumed, 2),
+            "resumed_from": "the dark" if scenario == "spare" else "the link's return",
+            "dark_for_s": None if scenario == "spare" else args.dark_for,
+            "processes_started": starts(out) - started}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--step-sleep", type=float, default=0.1)
+    parser.add_argument("--dark-at", type=int, default=10)
+    parser.add_argument("--dark-for", type=float, default=20.0)
+    parser.add_argument("--deadline", type=float, default=300.0)
+    parser.add_argument("--json", default="-")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        console.print("bench_dark_link: network namespaces need root")
+        return 2
+    chosen = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown:
+        console.print(f"bench_dark_link: unknown scenario {', '.join(unknown)} (choose from {', '.join(SCENARIOS)})")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-dark-link-") as folder:
+        workdir = Path(folder)
+        reference = run("no-spare", args, None, workdir)["digests"]
+        rows = [run(scenario, args, reference, workdir) for scenario in chosen for _ in range(args.repeat)]
+    table = Table(title=f"a dark data link: 2 nodes x 2 ranks, dark at step {args.dark_at}")
+    for column in ("scenario", "said (s)", "resumed (s)", "from", "processes started", "bit-identical", "final step"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["scenario"], str(row.get("said_s")), str(row.get("resumed_s")), row.get("resumed_from", ""),
+                      str(row.get("processes_started")), str(row.get("bit_identical")), str(row.get("final_step")))
+    console.print(table)
+    for scenario in chosen:
+        times = [r["resumed_s"] for r in rows if r["scenario"] == scenario and r.get("resumed_s") is not None]
+        if times:
+            console.print(f"{scenario}: median resumed {statistics.median(times):.2f}s")
+    for row in rows:
+        row.pop("digests", None)
+    emit_json({"args": vars(args), "rows": rows}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
