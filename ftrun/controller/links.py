@@ -40,6 +40,9 @@ FLAPS, FLAP_WINDOW = 3, 300.0
 #: the stall bound: STALL_FACTOR x the STALL_PERCENTILE of the last STALL_SAMPLES step times, at least
 #: STALL_FLOOR seconds (a job's first steps, or one that takes a second a step, has no narrower bound)
 STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
+#: a pair of nodes the probe finds answering again within this many seconds of their OS's word about a link is
+#: that link's return, already repaired: no second online repair
+OS_EXPLAINS = 5.0
 #: a rank whose heartbeat is older than this is not "beating" (its agent's hang check takes it first)
 BEATING = 3.0
 
@@ -261,8 +264,12 @@ class LinkObserver:
         self.links = Links()
         self.stalls = stalls or StallWatch()
         self._stall_said: Stall | None = None
-        #: the data network's probe: the verdict last said, and the nodes it found cut off
+        #: the data network's probe: the verdict last said
         self.verdict = Verdict()
+        #: nodes whose OS reported their link dark while the probe found pairs broken, or a moment before they
+        #: answered again: the OS's word explains those pairs, and its link's return repaired the job already
+        self._explained: set[int] = set()
+        self._os_said: dict[int, float] = {}
 
     def take_reports(self, events: list[Event], view: JobView, nodes: dict[int, NodeSlot], spare: bool,
                      now: float) -> list[Event]:
@@ -276,6 +283,7 @@ class LinkObserver:
             holder = nodes.get(report.node_rank)
             if holder is None or (report.agent_id and report.agent_id != holder.agent_id):
                 continue  # a fenced agent's word
+            self._os_said[report.node_rank] = now
             self.links, actions = on_link_report(self.links, report.node_rank, report.kind is ReportKind.LINK_UP,
                                                  report.detail, now, self.rules, spare)
             kept += self._act(actions, view, nodes)
@@ -294,6 +302,8 @@ class LinkObserver:
         verdict = localise({row["node"]: tuple(row["unreachable"]) for row in rows},
                            {row["node"]: tuple(row["probed"]) for row in rows})
         before, self.verdict = self.verdict, verdict
+        if verdict.links:
+            self._explained |= {d.node_rank for d in self.links.dark if d.source == "os"}
         if verdict.text == before.text:
             return []
         found: list[Event] = []
@@ -312,8 +322,11 @@ class LinkObserver:
                 found += self._act(actions, view, nodes)
         if before.links and not verdict.links and not self.links.dark:
             a, b = before.links[0]
-            back = f"nodes {a} and {b} reach each other on the data network again (probe)"
-            found += self._act([Say(back, b), RepairOnline(b, back)], view, nodes)
+            explained = self._explained | {n for n, at in self._os_said.items() if now - at < OS_EXPLAINS}
+            self._explained = set()
+            if not explained & {n for pair in before.links for n in pair}:  # the OS's word already repaired it
+                back = f"nodes {a} and {b} reach each other on the data network again (probe)"
+                found += self._act([Say(back, b), RepairOnline(b, back)], view, nodes)
         return found
 
     def watch_steps(self, view: JobView, snapshot: dict, now: float) -> Stall | None:

@@ -371,3 +371,16 @@ def test_where_ranks_stand_groups_ranks_by_step_in_ranges():
     ranks = [{"rank": r, "step": s} for r, s in [(0, 12), (1, 11), (2, 11), (3, 11), (5, 11), (4, None)]]
     assert where_ranks_stand(ranks) == "ranks 1-3, 5 at step 11, rank 0 at step 12"
     assert where_ranks_stand([]) == "no rank has committed a step"
+
+
+def test_a_pair_the_probe_finds_broken_while_the_os_said_the_link_dark_is_not_repaired_twice():
+    # found with scripts/bench_dark_link.py: the link's return repaired the job, and the probe, a second
+    # later, took the pair answering again for a fault of its own
+    observer = LinkObserver(EventLog(), RULES)
+    probed = {"nodes": [{"node": n, "role": "active", "probed": [1 - n], "unreachable": [1 - n]} for n in (0, 1)]}
+    answered = {"nodes": [{"node": n, "role": "active", "probed": [1 - n], "unreachable": []} for n in (0, 1)]}
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), slots(), False, 10.0)
+    assert observer.watch_reach(ready(), probed, slots(), False, 11.0) == []
+    [back] = observer.take_reports([link_report(ReportKind.LINK_UP)], ready(), slots(), False, 30.0)
+    assert isinstance(back, LinkBack)
+    assert observer.watch_reach(ready(), answered, slots(), False, 40.0) == []  # long after: explained all the same
