@@ -42,7 +42,7 @@ WORKER = REPO / "tests" / "workers" / "elastic_train.py"
 MARKER_VARIABLE = "FTRUN_BENCH_DARK_LINK_MARKER"
 SCENARIOS = ("no-spare", "spare", "torchrun")
 SAID = "node 1: data link data dark"
-console = Console(stderr=True)
+console = Console(stderr=True, width=130)
 
 
 def min_step(out: Path, ranks: int) -> int:

@@ -260,6 +260,7 @@ SLOWEST_FIRST = (
     "integration/test_snapshots.py",
     "integration/test_spares.py",
     "integration/test_detection.py",
+    "integration/test_dark_link.py",
     "integration/test_process_repair.py",
     "integration/test_mindspore.py",
     "integration/test_job_restart.py",
