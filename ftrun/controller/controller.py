@@ -302,8 +302,8 @@ class Controller:
         self.executor.admit_late_arrivals(self.nodes.room_to_grow(self.view), self.rendezvous_policy.spares)
         self.take(self.nodes.idle_spare(self.view))
         self.take(self.library.observe(self.view))
+        self._watch_links(now)  # before the status: it shows a dark link or a stall
         self.executor.status_due(now)
-        self._watch_links(now)
         self.take(self.operator.observe())
 
     def tick(self, now: float) -> None:
