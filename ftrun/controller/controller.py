@@ -44,6 +44,7 @@ from ftrun.ports import PortRange
 from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.store import ControlStore, StoreUnavailable, bind_address
+from ftrun.timeouts import timeout_chain
 
 log = logging.getLogger(__name__)
 #: how often the controller reads the store: briskly while a repair or an exit is under way, and while
@@ -142,7 +143,7 @@ class Controller:
         """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``); its event log
         goes in ``run_folder``, the run's folder under ``--log-dir`` (``ftrun.folders.run_folder``), if any."""
         path = os.path.join(run_folder, EVENTS_FILE) if run_folder else ""
-        return cls(
+        controller = cls(
             store=store,
             keys=JobKeys(config.run_id),
             rendezvous_policy=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout,
@@ -167,6 +168,8 @@ class Controller:
             resume=resume,
             schedulers=config.framework == "mindspore",
         )
+        controller.links.bounds = timeout_chain(config, os.environ)  # checked again with the measured step time
+        return controller
 
     # -- the hosting process's handle ---------------------------------------------------------------
 

@@ -43,6 +43,8 @@ STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
 #: a pair of nodes the probe finds answering again within this many seconds of their OS's word about a link is
 #: that link's return, already repaired: no second online repair
 OS_EXPLAINS = 5.0
+#: after this many measured steps the timeout chain is checked against the job's step time, once
+MEASURED_CHECK = 20
 #: a rank whose heartbeat is older than this is not "beating" (its agent's hang check takes it first)
 BEATING = 3.0
 
@@ -264,6 +266,9 @@ class LinkObserver:
         self.links = Links()
         self.stalls = stalls or StallWatch()
         self._stall_said: Stall | None = None
+        #: the launch's timeout chain (``ftrun.timeouts``), checked once more against the job's measured step time
+        self.bounds: list = []
+        self._measured_checked = False
         #: the data network's probe: the verdict last said
         self.verdict = Verdict()
         #: nodes whose OS reported their link dark while the probe found pairs broken, or a moment before they
@@ -339,6 +344,9 @@ class LinkObserver:
             beating = bool(ranks) and all(r.get("heartbeat_age") is not None and r["heartbeat_age"] < BEATING
                                           for r in ranks)
             stall = self.stalls.observe(now, snapshot.get("step"), beating)
+            if not self._measured_checked and len(self.stalls.durations) >= MEASURED_CHECK:
+                self._measured_checked = True
+                self._check_measured()
         if stall is not None and self._stall_said is None:
             line = (f"training stands still: no step committed for {stall.waited:.1f}s while every rank lives and "
                     f"beats (bound {stall.bound:.1f}s: {stall.basis}); {where_ranks_stand(snapshot.get('ranks') or [])}"
@@ -360,6 +368,18 @@ class LinkObserver:
         return {"for": round(now - since, 1), "reason": reason,
                 "bound": round(stall.bound, 1) if stall else None,
                 "dark": {str(d.node_rank): d.detail for d in dark}}
+
+    def _check_measured(self) -> None:
+        """The timeout chain against the job's own step time: a collective timeout the stall bound has
+        outgrown is said once, with what to change (the launch said the contradictions it could see at start)."""
+        from ftrun.timeouts import contradictions  # it reads this module's stall constants
+
+        step = _percentile(self.stalls.durations, STALL_PERCENTILE)
+        said_at_start = set(contradictions(self.bounds))
+        for line in contradictions(self.bounds, step_time=step):
+            if line not in said_at_start:
+                log.warning("timeouts contradict, with the job's step time (p%.0f %.2fs): %s", STALL_PERCENTILE * 100,
+                            step, line)
 
     def _dark_words(self) -> str:
         return "".join(f"; node {d.node_rank}: {d.detail}" for d in self.links.dark)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrun.config import LaunchConfig
 from ftrun.controller.inbox import LinkBack, LinkLost, NodeLost, Reported
 from ftrun.controller.links import (
     LinkObserver,
@@ -28,12 +29,21 @@ from ftrun.controller.links import (
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.policy import decide, on_link_back, on_link_lost, on_node_lost
 from ftrun.controller.states import JobView, Level, Phase
-from ftrun.detection.links import LinkReading, LinkWatch, data_interfaces, interface_watch, parse_hccn_link, read_interface
+from ftrun.detection.links import (
+    LinkReading,
+    LinkWatch,
+    data_interfaces,
+    hccn_watch,
+    interface_watch,
+    parse_hccn_link,
+    read_interface,
+)
 from ftrun.detection.reach import Prober, Verdict, interface_address, localise, peers_to_probe
 from ftrun.devices import DeviceToolError
 from ftrun.events import EventLog
 from ftrun.live_view import job_line, plain_line
 from ftrun.messages import CommandKind, NodeSlot, Report, ReportKind
+from ftrun.timeouts import timeout_chain
 
 RULES = LinkRules(online_window=2.0, flaps=3, flap_window=300.0, repair_timeout=60.0)
 
@@ -384,3 +394,29 @@ def test_a_pair_the_probe_finds_broken_while_the_os_said_the_link_dark_is_not_re
     [back] = observer.take_reports([link_report(ReportKind.LINK_UP)], ready(), slots(), False, 30.0)
     assert isinstance(back, LinkBack)
     assert observer.watch_reach(ready(), answered, slots(), False, 40.0) == []  # long after: explained all the same
+
+
+def test_hccn_watch_reads_each_chips_port_through_the_tool(tmp_path):
+    # a stand-in hccn_tool printing what CANN's prints for `-i N -link -g`, from a state file the test writes
+    tool = tmp_path / "hccn_tool"
+    state = tmp_path / "links"
+    tool.write_text(f"#!/bin/sh\nif grep -qx \"$2\" {state}; then echo 'link status: DOWN'; else echo 'link status: UP'; fi\n")
+    tool.chmod(0o755)
+    state.write_text("")
+    watch = hccn_watch([0, 5], str(tool), timeout=10.0)
+    assert watch is not None and watch.poll(0.0) == []
+    state.write_text("5\n")
+    [dark] = watch.poll(1.0)
+    assert (dark.link, dark.link_up, dark.reason) == ("npu 5", False, "data link npu 5 dark (hccn_tool link status DOWN)")
+    assert hccn_watch([0], str(tmp_path / "missing")) is None and hccn_watch([], str(tool)) is None
+
+
+def test_the_timeout_chain_is_checked_once_more_against_the_measured_step_time(caplog):
+    observer = LinkObserver(EventLog(), RULES, StallWatch(factor=4.0, floor=1.0))
+    observer.bounds = timeout_chain(LaunchConfig(), {})
+    ranks = [{"rank": r, "heartbeat_age": 0.4, "step": 0} for r in range(4)]
+    for step in range(22):  # 100 s a step: a stall bound of 400 s, past ftrun.elastic's 300 s collective timeout
+        observer.watch_steps(ready(), {"generation": 0, "step": step, "ranks": ranks}, 100.0 * step)
+    said = [r.getMessage() for r in caplog.records if "timeouts contradict" in r.getMessage()]
+    assert len(said) == 1 and "with the job's step time (p90 100.00s)" in said[0]
+    assert "collective_timeout (ftrun.elastic.init) 300s is not longer than the stall bound 400s" in said[0]
