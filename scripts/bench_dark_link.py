@@ -8,6 +8,8 @@ data port goes dark (the switch's port down: the node loses carrier, packets van
   no-spare   ftrun --recovery process; the link comes back after --dark-for seconds
   spare      ftrun --recovery process --spares 1 (a third namespace); the link never comes back
   torchrun   torchrun (the script's ftrun.elastic under torchrun is plain DDP); back after --dark-for seconds
+  silent     ftrun --recovery process, no spare; the port leaves the switch instead (carrier up, packets
+             dropped: only the probe between the agents sees it); back after --dark-for seconds
 
 Figures: said (dark -> the controller's line naming it), resumed (every rank committed a step again) counted
 from the link's return (no-spare, torchrun) or from the dark (spare), processes started after the first
@@ -40,8 +42,10 @@ from tests.cluster import ClusterBed  # noqa: E402  (the bed the suite uses)
 
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
 MARKER_VARIABLE = "FTRUN_BENCH_DARK_LINK_MARKER"
-SCENARIOS = ("no-spare", "spare", "torchrun")
-SAID = "node 1: data link data dark"
+SCENARIOS = ("no-spare", "spare", "torchrun", "silent")
+#: what the controller says first, by scenario: the OS's word, or (carrier up) the data network's probe
+SAID = {"silent": "data network probe: nodes 0 and 1 cannot reach each other"}
+SAID_DARK = "node 1: data link data dark"
 console = Console(stderr=True, width=130)
 
 
@@ -119,7 +123,10 @@ def run(scenario: str, args, reference: dict | None, workdir: Path) -> dict:
 def fault(scenario: str, args, bed: ClusterBed, out: Path, controller_log: Path, deadline: float) -> dict:
     started = starts(out)
     stood = min_step(out, 4)
-    bed.dark(1)
+    if scenario == "silent":
+        bed.silent(1)
+    else:
+        bed.dark(1)
     dark_at = time.monotonic()
     said = None
     comes_back = dark_at + args.dark_for if scenario != "spare" else float("inf")
@@ -127,7 +134,8 @@ def fault(scenario: str, args, bed: ClusterBed, out: Path, controller_log: Path,
     resumed = None
     while time.monotonic() < deadline:
         now = time.monotonic()
-        if said is None and scenario != "torchrun" and SAID in controller_log.read_text(errors="replace"):
+        if said is None and scenario != "torchrun" and SAID.get(scenario, SAID_DARK) in controller_log.read_text(
+                errors="replace"):
             said = now - dark_at
         if back_at is None and now >= comes_back:
             bed.light(1)
