@@ -33,7 +33,7 @@ from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
-from ftrun.steps import COMMITTED, StepDecision, StepOutcome
+from ftrun.steps import COMMITTED, StepDecision, StepGuard, StepOutcome
 
 log = logging.getLogger("ftrun.elastic")
 #: init()'s collective_timeout: seconds that every group formation (and gloo's collectives) may take
@@ -42,31 +42,6 @@ COLLECTIVE_TIMEOUT = 300.0
 FAULT_WAIT = 10.0
 #: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
 COMMIT_DEADLINE = 60.0
-
-
-class StepGuard:
-    """``with job.guard():`` around a step's body: :meth:`ElasticJob.begin_step` as the block begins and the
-    decision of :meth:`ElasticJob.end_step` as it ends. A finished body commits the step; a fault elsewhere (a
-    collective that failed because a peer died) is swallowed, and ``job.steps()`` repairs and goes on from the
-    consistent step when the loop asks for the next step, so that the code after the block still sees the
-    step as it ended (``job.step == step + 1`` tells a committed one); an error that is not ours goes on up."""
-
-    def __init__(self, job: "ElasticJob"):
-        self.job = job
-        #: how the step ended, once the block is left (None before, or when it was never entered)
-        self.decision: StepDecision | None = None
-
-    def __enter__(self) -> "StepGuard":
-        self.job.begin_step()
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self.decision = decision = self.job._end(error)
-        if decision.lost is not None:
-            if error is None:  # the body finished, but one of its collectives failed and no repair comes
-                raise decision.lost
-            return False
-        return decision.target is not None  # swallowed: steps() repairs and goes on from the consistent step
 
 
 class ElasticJob:
