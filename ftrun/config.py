@@ -106,9 +106,9 @@ class LaunchConfig:
     node_timeout: float = 30.0
     stop_timeout: float = 5.0
     repair_timeout: float = 60.0
-    #: warm standby workers each agent keeps (torch already imported); given none, build_launch_config
-    #: derives it from --recovery and --nproc-per-node
-    warm_standby: int = 0
+    #: 1: each node forks its ranks from a warm interpreter (torch already imported); 0: fresh interpreters
+    #: (build_launch_config gives 0 to a MindSpore job)
+    warm_standby: int = 1
     role: str = "default"
     local_addr: str = ""
     log_dir: str = ""
@@ -388,11 +388,11 @@ def _stream_bits(text: str) -> int:
     return value
 
 
-def _warm_standby(value: Any, recovery: str, nproc: int) -> int:
+def _warm_standby(value: Any) -> int:
     if value is None or value == "":
-        # on under process level: every rank, replacement and restart of the node is forked from its warm
-        # interpreter, which imported torch once (ftrun/agent/forkserver.py)
-        return 1 if recovery == "process" else 0
+        # on: every rank, replacement and restart of the node is forked from its warm interpreter, which
+        # imported torch once (ftrun/agent/forkserver.py), where the script imports torch
+        return 1
     return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 
@@ -647,7 +647,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         stop_timeout=positive_seconds(raw.get("stop_timeout", DEFAULTS.stop_timeout), "--stop-timeout", True),
         repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
         # standbys import torch, which a MindSpore worker has no use for
-        warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc) if framework == "torch" else 0,
+        warm_standby=_warm_standby(raw.get("warm_standby")) if framework == "torch" else 0,
         role=str(raw.get("role") or DEFAULTS.role),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",

@@ -18,6 +18,8 @@ import sys
 FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",),
                      "ftrun.elastic.integrations.hf": ("transformers.trainer",),
                      "ftrun.elastic.integrations.lightning": ("lightning.pytorch",)}
+#: words whose presence in a script's text says it imports torch, itself or through a framework on it
+TORCH_WORDS = ("torch", "ftrun.elastic", "transformers", "lightning", "accelerate", "deepspeed")
 
 
 def warm_up(script: str | None = None) -> None:
@@ -45,12 +47,27 @@ def warm_up(script: str | None = None) -> None:
 def framework_imports(script: str | None) -> tuple[str, ...]:
     """The modules to import ahead for ``script`` (a path; None for a module run with -m): those of the
     integrations its text names."""
+    text = _text(script)
+    return tuple(module for name, modules in FRAMEWORK_IMPORTS.items() if name in text for module in modules)
+
+
+def names_torch(script: str | None) -> bool:
+    """Whether ``script`` (a path; None for a module run with -m, which is taken to) may import torch: its text
+    names torch or a framework built on it. A script that names none (a plain Python one) gains nothing from a
+    warm interpreter, and its ranks would wait for its import. A script that imports torch only through a
+    module of its own is started fresh: correct, only not warm."""
+    if script is None:
+        return True
+    text = _text(script)
+    return any(word in text for word in TORCH_WORDS)
+
+
+def _text(script: str | None) -> str:
     try:
         with open(script or "", encoding="utf-8", errors="replace") as f:
-            text = f.read()
+            return f.read()
     except OSError:
-        return ()
-    return tuple(module for name, modules in FRAMEWORK_IMPORTS.items() if name in text for module in modules)
+        return ""
 
 
 def run(assignment: dict) -> None:

@@ -186,8 +186,10 @@ class WorkerGroup:
         #: --framework mindspore, on the node that hosts the worker store: the generation's scheduler. Not
         #: one of ``workers`` (it holds no rank), but watched, reported and stopped as they are
         self.scheduler: Worker | None = None
-        #: --warm-standby: ranks are forked from a warm interpreter (one that can run the entrypoint only)
-        self.warm_wanted = warm_standbys > 0 and standby.can_run(config.entrypoint)
+        #: --warm-standby: ranks are forked from a warm interpreter (one that can run the entrypoint, for a
+        #: script that imports torch)
+        self.warm_wanted = (warm_standbys > 0 and standby.can_run(config.entrypoint)
+                            and standby.names_torch(warm_script(config.entrypoint)))
         self.warm: ForkServer | None = None
         #: the process groups of reaped ranks that may still hold processes the agent adopted (their orphans)
         self._orphan_groups: set[int] = set()
@@ -206,8 +208,8 @@ class WorkerGroup:
             self.ops.forget_group(self.warm.proc.pid)
         env = base_env(self.config)  # what torch reads when it loads must be what the workers get
         # the script, whose text says which framework to import ahead (none for a module run with -m)
-        script = list(self.config.entrypoint[2:3]) if self.config.entrypoint[2] != "-m" else []
-        self.warm = ForkServer(self.ops, env, script)
+        script = warm_script(self.config.entrypoint)
+        self.warm = ForkServer(self.ops, env, [script] if script else [])
 
     @property
     def warming(self) -> bool:
@@ -456,6 +458,11 @@ def read_error_file(path: str) -> str:
     if isinstance(message, dict):
         message = message.get("message", "")
     return str(message).strip()
+
+
+def warm_script(entrypoint: tuple[str, ...] | list[str]) -> str | None:
+    """The script of a ``python -u SCRIPT`` entrypoint (None for ``python -u -m MODULE``)."""
+    return entrypoint[2] if entrypoint[2] != "-m" else None
 
 
 def base_env(config: LaunchConfig) -> dict[str, str]:
