@@ -1,10 +1,11 @@
 """Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
-Hugging Face Trainer (transformers + accelerate, DDP) with ``ftrun.elastic.hf.enable(trainer)``, and a Lightning
-Trainer (DDP) with the ``ftrun.elastic.lightning.Recovery()`` callback.
+Hugging Face Trainer (transformers + accelerate, DDP) and a Lightning Trainer (DDP), each as written for torchrun
+(no line of ftrun's: ``--recovery process`` turns the integration on as the Trainer is made) and with ftrun's
+line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback).
 
-Each job runs once without a fault (its 4 ranks on one node, made once for the module) and once with rank 1
-SIGKILLed: the job ends at its final step, only rank 1 was started again, every rank's parameters and optimizer
-and scheduler state equal the fault-free run's bit for bit, and no step is redone.
+Each job runs once without a fault, with ftrun's line (its 4 ranks on one node, in fresh interpreters, made once
+for the module) and with rank 1 SIGKILLed: the job ends at its final step, only rank 1 was started again, every
+rank's parameters and optimizer and scheduler state equal the fault-free run's bit for bit, and no step is redone.
 
 transformers, accelerate and lightning are not ftrun's dependencies: scripts/test.sh installs them into
 .frameworks (scripts/frameworks.txt) while the first tests run, and these tests wait for it
@@ -111,8 +112,9 @@ def assert_repaired(launcher: Launcher, reference: dict[int, dict], first: int =
 
 def test_a_trainer_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_free_run(launcher, frameworks,
                                                                                       fault_free):
+    # the script as written for torchrun (PLAIN=1), against the fault-free run with ftrun's line
     reference, folder = fault_free()
-    assert run(launcher, frameworks, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert run(launcher, frameworks, FAULT="1:5:sigkill", PLAIN="1") == [0, 0], launcher.output()
     assert_repaired(launcher, reference)
     # save_steps' checkpoints and the logs went on: the same checkpoints, the same logged losses (the first
     # log after the repair takes rank 1's share of the mean from its source: near, not equal)
@@ -124,7 +126,8 @@ def test_a_trainer_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_fre
 
 def test_a_replacement_joins_at_its_peers_step_not_at_the_script_s_checkpoint(launcher, frameworks, fault_free):
     # train(resume_from_checkpoint=checkpoint-4) in every rank; rank 1 lost at step 6: its replacement takes
-    # steps 6.. from its peers, as the Trainer's own resume gives the fault-free run's state bit for bit
+    # steps 6.. from its peers, as the Trainer's own resume gives the fault-free run's state bit for bit. The
+    # script has ftrun's line where users put it, after the Trainer is made (issue 52: it ended every rank)
     reference, folder = fault_free()
     checkpoint = folder / "checkpoints" / f"checkpoint-{SAVE_STEPS}"
     assert run(launcher, frameworks, FAULT="1:6:sigkill", RESUME=str(checkpoint)) == [0, 0], launcher.output()
@@ -149,9 +152,11 @@ def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fau
                                                                                             fault_free):
     # 2 batches an optimizer step (accumulate_grad_batches), 4 batches an epoch: rank 1 is lost as step 5's second
     # batch begins, in the second half of the third epoch: the healthy ranks take the step again from its first
-    # batch, the replacement skips the 2 batches its epoch already stepped on
+    # batch, the replacement skips the 2 batches its epoch already stepped on. The script as written for torchrun
+    # (PLAIN=1: no import, no callback), against the fault-free run with the callback
     reference, folder = fault_free(LIGHTNING, ACCUMULATE="2")
-    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill", ACCUMULATE="2") == [0, 0], launcher.output()
+    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill", ACCUMULATE="2", PLAIN="1") == [0, 0], \
+        launcher.output()
     assert_repaired(launcher, reference)
     # ModelCheckpoint's saves every SAVE_STEPS steps and the CSVLogger's went on: the same checkpoints, holding
     # the same state, and the same logged losses
