@@ -157,8 +157,8 @@ def _arguments_made(args: Any) -> None:
         from ftrun.elastic.integrations import shared
 
         _declined.append(why)
-        shared.say_job_level(f"ftrun.elastic.hf: the Trainer's arguments ask for {why}, which process-level repair "
-                             "does not cover")
+        shared.say_job_level(f"the Hugging Face Trainer's arguments ask for {why}, which process-level repair does "
+                             "not cover")
         return
     importlib.import_module("ftrun.elastic.integrations.hf")  # joins the job, unless the group was formed first
 
@@ -194,7 +194,7 @@ def _lightning_trainer_made(trainer: Any) -> None:
     if why:
         from ftrun.elastic.integrations import shared
 
-        shared.say_job_level(f"ftrun.elastic.lightning: the Trainer {why}, which process-level repair does not cover")
+        shared.say_job_level(f"the Lightning Trainer {why}, which process-level repair does not cover")
         return
     integration = importlib.import_module("ftrun.elastic.integrations.lightning")  # joins, before fit()
     if integration.job is None:  # the script formed the process group itself

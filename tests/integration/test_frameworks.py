@@ -14,6 +14,7 @@ transformers, accelerate and lightning are not ftrun's dependencies: scripts/tes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -171,24 +172,39 @@ def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fau
 
 
 def test_the_lightning_integration_leaves_a_fault_free_run_bit_for_bit_as_it_was(tmp_path_factory, frameworks):
-    # issue 52 item 3: a script of a user's (LayerNorm, AdamW, a StepLR a step, a DataLoader with a generator of
-    # its own, deterministic=True, a ModelCheckpoint), run without a fault with and without the import and the
-    # callback, on 3 ranks: the same state bit for bit. With more than two ranks, gloo's ring all-reduce sums
-    # each part of DDP's bucket from another rank: ftrun's bucket layout of its own (parameter order, from the
-    # first step) changed the last bits where DDP's (the order rank 0's gradients came in) did not
+    # issue 52 items 2 and 3: a script of a user's (LayerNorm, AdamW, a StepLR a step, a DataLoader with a
+    # generator of its own, deterministic=True, a ModelCheckpoint), run without a fault on 3 ranks: under
+    # torchrun; under ftrun as written for torchrun (the integration turned on as its Trainer is made); under
+    # ftrun --no-integrations with the import and the callback (the script's own line still works): the same
+    # state bit for bit. With more than two ranks, gloo's ring all-reduce sums each part of DDP's bucket from
+    # another rank: ftrun's bucket layout of its own (parameter order, from the first step) changed the last bits
+    # where DDP's (the order rank 0's gradients came in) did not
+    flags = ["--recovery", "process", "--warm-standby", "0"]
     runs = {}
-    for integration in ("0", "1"):
-        runner = Launcher(tmp_path_factory.mktemp(f"plain-{integration}"), unique_mark(f"plain-{integration}"))
-        runner.start_job(1, 3, [LIGHTNING_PLAIN], flags=["--recovery", "process", "--warm-standby", "0"],
+    for name, integration, extra in (("auto", "0", []), ("line", "1", ["--no-integrations"])):
+        runner = Launcher(tmp_path_factory.mktemp(f"plain-{name}"), unique_mark(f"plain-{name}"))
+        runner.start_job(1, 3, [LIGHTNING_PLAIN], flags=flags + extra,
                          env=job_env(runner, frameworks, INTEGRATION=integration))
-        runs[integration] = runner
+        runs[name] = runner
+    torchrun = tmp_path_factory.mktemp("plain-torchrun")
+    env = dict(job_env(runs["auto"], frameworks, INTEGRATION="0"), OUT_DIR=str(torchrun))
+    own = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                            str(free_port()), LIGHTNING_PLAIN], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     try:
-        for integration, runner in runs.items():
+        said = own.communicate(timeout=300)[0]
+        assert own.returncode == 0, said
+        for runner in runs.values():
             assert runner.wait() == [0], runner.output()
-        results = {integration: runner.results() for integration, runner in runs.items()}
+        results = {name: runner.results() for name, runner in runs.items()}
     finally:
+        own.kill()
         for runner in runs.values():
             runner.kill_all()
-    assert sorted(results["0"]) == [0, 1, 2] and {r["step"] for r in results["0"].values()} == {STEPS}
-    assert {r["digest"] for r in results["1"].values()} == {r["digest"] for r in results["0"].values()}
-    assert len({r["digest"] for r in results["0"].values()}) == 1
+    results["torchrun"] = {rank: json.loads((torchrun / f"rank{rank}.json").read_text()) for rank in range(3)}
+    assert {r["step"] for r in results["torchrun"].values()} == {STEPS}
+    assert len({r["digest"] for r in results["torchrun"].values()}) == 1
+    for name in ("auto", "line"):
+        assert {r["digest"] for r in results[name].values()} == {r["digest"] for r in results["torchrun"].values()}
+        assert all(r["recovery"] for r in results[name].values()), name
+    assert not any(r["recovery"] for r in results["torchrun"].values())

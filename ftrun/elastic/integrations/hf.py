@@ -69,7 +69,7 @@ def enable(trainer) -> None:
     why = uncovered(trainer)
     if why:
         trainer._ftrun_elastic = why
-        job.refuse_process_level(f"ftrun.elastic.hf: the Trainer {why}, which process-level repair does not cover")
+        job.refuse_process_level(f"the Hugging Face Trainer {why}, which process-level repair does not cover")
         return
     trainer._ftrun_elastic = ElasticTrainer(job, trainer)
 

@@ -184,8 +184,7 @@ class _RecoveryHooks:
             return
         why = uncovered(trainer, pl_module)
         if why:  # the fit trains on; a fault restarts the job
-            job.refuse_process_level(f"ftrun.elastic.lightning: the Trainer {why}, which process-level repair "
-                                     "does not cover")
+            job.refuse_process_level(f"the Lightning Trainer {why}, which process-level repair does not cover")
             self.job = None
             return
         self.progress = LoopProgress(trainer)

@@ -35,8 +35,8 @@ def join() -> ElasticJob | None:
 def refuse_too_late(module: str, maker: str) -> None:
     """Under ftrun, with no job joined (torch's process group was formed before ``module`` was imported, or
     before ``maker``): the job trains on, and a fault restarts it (job level); one line says why."""
-    say_job_level(f"{module}: torch's process group was formed before ftrun could form it (import {module} "
-                  f"before making {maker}, or let ftrun do it: docs/integrations.md)")
+    say_job_level(f"torch's process group was formed before {module} could form it (import it before making "
+                  f"{maker}, or leave it to ftrun --recovery process: docs/integrations.md)")
 
 
 #: the line :func:`say_job_level` said, once per process
@@ -52,7 +52,7 @@ def say_job_level(why: str) -> None:
         return
     _said.append(why)
     if env.rank == 0:
-        print(f"{why}; a fault will restart the job", file=sys.stderr, flush=True)
+        print(f"ftrun.elastic: {why}; a fault will restart the job", file=sys.stderr, flush=True)
 
 
 def wrap(owner: Any, name: str, wrapper: Callable) -> None:
