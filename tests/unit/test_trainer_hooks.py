@@ -168,3 +168,15 @@ def test_a_fresh_interpreter_runs_the_script_as_python_would(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == f"[{str(script)!r}, '--lr', '1'] True __main__"
+
+
+def test_a_rank_that_joined_tells_the_controller_instead(monkeypatch, capsys):
+    # the script imported ftrun.elastic.hf first (it joined), then its arguments asked for FSDP: the controller
+    # must go to job level at the next fault, not try a repair that no step of the Trainer's takes part in
+    job = FakeJob()
+    monkeypatch.setattr(shared, "_joined", [job])
+    monkeypatch.setattr(trainer_hooks, "_declined", [])
+    trainer_hooks._arguments_made(SimpleNamespace(fsdp="full_shard", deepspeed=None, parallelism_config=None))
+    assert job.refused == ["the Hugging Face Trainer's arguments ask for FSDP through accelerate, which "
+                           "process-level repair does not cover"]
+    assert trainer_hooks._declined and capsys.readouterr().err == ""

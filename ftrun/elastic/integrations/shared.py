@@ -44,9 +44,12 @@ _said: list[str] = []
 
 
 def say_job_level(why: str) -> None:
-    """Under ``ftrun --recovery process``, in a rank that has not joined the job: what its integration does not
-    cover, in one line from rank 0, once per process; the job trains on, and a fault restarts it. (A rank that
-    joined tells the controller instead: ``ElasticJob.refuse_process_level``.)"""
+    """Under ``ftrun --recovery process``: what the integration does not cover, in one line from rank 0, once per
+    process; the job trains on, and a fault restarts it. A rank that joined the job tells the controller too
+    (``ElasticJob.refuse_process_level``), which then goes to job level at once."""
+    if _joined:
+        _joined[0].refuse_process_level(why)
+        return
     env = WorkerEnv.from_environ()
     if env is None or env.recovery != "process" or _said:
         return
