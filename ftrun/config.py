@@ -155,6 +155,9 @@ class LaunchConfig:
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     #: --virtual-local-rank: every worker sees LOCAL_RANK 0 and only its own device
     virtual_local_rank: bool = False
+    #: not --no-integrations: under --recovery process a script's Trainer (Hugging Face's, Lightning's) gets
+    #: ftrun's integration as it is made (ftrun/elastic/integrations/prepare.py)
+    integrations: bool = True
     #: --numa-binding: how workers are bound to the CPUs near their device ("" = not bound)
     numa_binding: str = ""
     #: --duplicate-stdout-filters / --duplicate-stderr-filters: lines holding any of these words are also
@@ -664,6 +667,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         worker_port_range=ports,
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         virtual_local_rank=switch(raw, "virtual_local_rank"),
+        integrations=not switch(raw, "no_integrations"),
         numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
         duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),

@@ -245,7 +245,7 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, placement.local_rank if torchrun_layout else placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
-        proc = self._forked(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
+        proc = self._forked(argv, env, placement.cpus) or self.ops.spawn(self._fresh(argv), env, cpus=placement.cpus)
         prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
                              placement.rank, placement.local_rank).encode()
         return self._watch(placement, proc, paths, gen.generation, prefix)
@@ -289,6 +289,13 @@ class WorkerGroup:
             folder = os.path.join(self.log_dir, f"attempt_{generation}")
             self._filtered[key] = FilteredCopy(os.path.join(folder, f"filtered_{name}.log"), words)
         return self._filtered[key]
+
+    def _fresh(self, argv: list[str]) -> list[str]:
+        """A fresh interpreter's command: prepared as a forked rank is (standby.run), for a script whose Trainer
+        gets ftrun's integration (--recovery process, not --no-integrations)."""
+        if self.config.recovery != "process" or not self.config.integrations:
+            return argv
+        return standby.prepared(argv)
 
     def _forked(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...]) -> ForkedProcess | None:
         """The rank forked from the warm interpreter, when it is ready (else the caller starts a fresh one)."""
@@ -543,6 +550,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         ranktable=gen.ranktable,
         device=placement.device,
         snapshots=gen.snapshots,
+        integrations=config.integrations,
     )
     env.update(worker.to_environ())
     if placement.visibility is not None:

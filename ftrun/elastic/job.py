@@ -349,7 +349,7 @@ class ElasticJob:
                                                          self.sharded, self.groups, self.env.rank)
         self.state.adopt(layout)
         if refusal:
-            self._refuse(refusal)
+            self.refuse_process_level(refusal)
 
     def _settle_part_mesh(self, part: PartMesh, finished: bool) -> None:
         """After the first step that finished: the groups it all-reduced the gradients over hold copies."""
@@ -363,12 +363,14 @@ class ElasticJob:
         self.state.adopt(layout)
         log.info("the registered state lies on the mesh %s", layout.describe())
         if refusal:
-            self._refuse(refusal)
+            self.refuse_process_level(refusal)
 
-    def _refuse(self, refusal: str) -> None:
-        """Process-level repair cannot work: rank 0 tells the controller, which goes to job level, and says
-        why unless a generation before this one did (after a job-level restart)."""
-        if self.env.rank == 0 and self.link.refuse_process_level(refusal):
+    def refuse_process_level(self, refusal: str) -> None:
+        """Process-level repair cannot work (``refusal`` says why: the layout, or what a framework's integration
+        does not cover): rank 0 tells the controller, which goes to job level at the next fault, and says why
+        in one line unless a generation before this one did (after a job-level restart). Outside ftrun it
+        does nothing."""
+        if self.env is not None and self.env.rank == 0 and self.link.refuse_process_level(refusal):
             print(f"ftrun.elastic: {refusal}; a fault will restart the job", file=sys.stderr, flush=True)
 
     # -- restores from snapshots ---------------------------------------------------------------------
