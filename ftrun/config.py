@@ -108,9 +108,9 @@ class LaunchConfig:
     repair_timeout: float = 60.0
     #: how long a dark data link may stay dark before its node's ranks move to a spare (ftrun.controller.links)
     online_window: float = 2.0
-    #: warm standby workers each agent keeps (torch already imported); given none, build_launch_config
-    #: derives it from --recovery and --nproc-per-node
-    warm_standby: int = 0
+    #: 1: each node forks its ranks from a warm interpreter (torch already imported); 0: fresh interpreters
+    #: (build_launch_config gives 0 to a MindSpore job)
+    warm_standby: int = 1
     role: str = "default"
     local_addr: str = ""
     log_dir: str = ""
@@ -157,6 +157,9 @@ class LaunchConfig:
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     #: --virtual-local-rank: every worker sees LOCAL_RANK 0 and only its own device
     virtual_local_rank: bool = False
+    #: not --no-integrations: under --recovery process a script's Trainer (Hugging Face's, Lightning's) gets
+    #: ftrun's integration as it is made (ftrun/elastic/integrations/prepare.py)
+    integrations: bool = True
     #: --numa-binding: how workers are bound to the CPUs near their device ("" = not bound)
     numa_binding: str = ""
     #: --duplicate-stdout-filters / --duplicate-stderr-filters: lines holding any of these words are also
@@ -390,11 +393,11 @@ def _stream_bits(text: str) -> int:
     return value
 
 
-def _warm_standby(value: Any, recovery: str, nproc: int) -> int:
+def _warm_standby(value: Any) -> int:
     if value is None or value == "":
-        # on under process level: every rank, replacement and restart of the node is forked from its warm
-        # interpreter, which imported torch once (ftrun/agent/forkserver.py)
-        return 1 if recovery == "process" else 0
+        # on: every rank, replacement and restart of the node is forked from its warm interpreter, which
+        # imported torch once (ftrun/agent/forkserver.py), where the script imports torch
+        return 1
     return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 
@@ -650,7 +653,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
         online_window=positive_seconds(raw.get("online_window", DEFAULTS.online_window), "--online-window"),
         # standbys import torch, which a MindSpore worker has no use for
-        warm_standby=_warm_standby(raw.get("warm_standby"), recovery, nproc) if framework == "torch" else 0,
+        warm_standby=_warm_standby(raw.get("warm_standby")) if framework == "torch" else 0,
         role=str(raw.get("role") or DEFAULTS.role),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",
@@ -667,6 +670,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         worker_port_range=ports,
         signals_to_handle=parse_signals(raw.get("signals_to_handle") or DEFAULT_SIGNALS),
         virtual_local_rank=switch(raw, "virtual_local_rank"),
+        integrations=not switch(raw, "no_integrations"),
         numa_binding=choice(raw["numa_binding"], NUMA_MODES, "--numa-binding") if raw.get("numa_binding") else "",
         duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),

@@ -330,6 +330,9 @@ class WorkerEnv:
     #: a MindSpore rank's way to the controller (its progress, a process-level repair): its node's
     #: :class:`RelayFolder` (FTRUN_RELAY_DIR); "" for a torch rank, which reads the control store
     relay_dir: str = ""
+    #: ftrun turns its integration of the script's framework on as the script makes its Trainer (the Hugging
+    #: Face Trainer, Lightning's): False under ``--no-integrations`` or ``FTRUN_INTEGRATIONS=0``
+    integrations: bool = True
 
     @property
     def device_index(self) -> int:
@@ -362,6 +365,8 @@ class WorkerEnv:
             env["FTRUN_STORE_TIMEOUT"] = f"{self.store_timeout:g}"
         if self.relay_dir:
             env["FTRUN_RELAY_DIR"] = self.relay_dir
+        if not self.integrations:
+            env["FTRUN_INTEGRATIONS"] = "0"
         return env
 
     @classmethod
@@ -387,4 +392,5 @@ class WorkerEnv:
             control_store_file=env.get("FTRUN_CONTROL_STORE_FILE", ""),
             store_timeout=float(env.get("FTRUN_STORE_TIMEOUT") or STORE_TIMEOUT),
             relay_dir=env.get("FTRUN_RELAY_DIR", ""),
+            integrations=env.get("FTRUN_INTEGRATIONS", "1") != "0",
         )

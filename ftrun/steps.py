@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 
 class Ending(enum.Enum):
@@ -70,3 +71,36 @@ class StepDecision:
 
 #: a step that committed
 COMMITTED = StepDecision()
+
+
+class SteppedJob(Protocol):
+    """What a guard drives: either worker library's job."""
+
+    def begin_step(self) -> None: ...
+
+    def _end(self, error: BaseException | None) -> StepDecision: ...
+
+
+class StepGuard:
+    """``with job.guard():`` around a step's body: ``job.begin_step()`` as the block begins and the decision of
+    ``job.end_step()`` as it ends. A finished body commits the step; a fault elsewhere (a collective that failed
+    because a peer died, a device stopped) is swallowed, and ``job.steps()`` repairs and goes on from the
+    consistent step when the loop asks for the next step, so that the code after the block still sees the step
+    as it ended (``job.step == step + 1`` tells a committed one); an error that is not ours goes on up."""
+
+    def __init__(self, job: SteppedJob):
+        self.job = job
+        #: how the step ended, once the block is left (None before, or when it was never entered)
+        self.decision: StepDecision | None = None
+
+    def __enter__(self) -> "StepGuard":
+        self.job.begin_step()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self.decision = decision = self.job._end(error)
+        if decision.lost is not None:
+            if error is None:  # the body finished, but one of its collectives failed and no repair comes
+                raise decision.lost
+            return False
+        return decision.target is not None  # swallowed: steps() repairs and goes on from the consistent step

@@ -524,51 +524,56 @@ def simulate(nodes: int, nproc: int, agent_processes: int = 4, steady: float = 5
     takeover of the lost controller's node, as on a job with a spare left."""
     logging.getLogger("ftrun").setLevel(logging.ERROR)
     office = EtcdOffice(lease_ttl) if backend == "etcd" else None
-    server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
-    port = server.port
-    ctl_ops = Count()
-    store = ControlStore(CountingStore(server, ctl_ops), Endpoint("127.0.0.1", port), is_host=True)
-    keys = JobKeys(RUN_ID)
-    spares = 2 if office else 1
-    rendezvous = RendezvousPolicy(nodes, nodes, 0.0, 300.0, spares=spares)
-    policy = RecoveryPolicy(max_restarts=10, recovery=Level.PROCESS, node_timeout=node_timeout, stop_timeout=10.0,
-                            repair_timeout=60.0)
-    controller = Controller(store, keys, rendezvous, "sim-0", "127.0.0.1", policy,
-                            leadership=office.leadership if office else None)
-    lost_at: list[float] = []
-    tell = controller.executor.tell
+    try:  # the cluster goes with a failure before the run (the run's own finally closes it after)
+        server = host_store(Endpoint("127.0.0.1", 0), several_nodes=False)
+        port = server.port
+        ctl_ops = Count()
+        store = ControlStore(CountingStore(server, ctl_ops), Endpoint("127.0.0.1", port), is_host=True)
+        keys = JobKeys(RUN_ID)
+        spares = 2 if office else 1
+        rendezvous = RendezvousPolicy(nodes, nodes, 0.0, 300.0, spares=spares)
+        policy = RecoveryPolicy(max_restarts=10, recovery=Level.PROCESS, node_timeout=node_timeout, stop_timeout=10.0,
+                                repair_timeout=60.0)
+        controller = Controller(store, keys, rendezvous, "sim-0", "127.0.0.1", policy,
+                                leadership=office.leadership if office else None)
+        lost_at: list[float] = []
+        tell = controller.executor.tell
 
-    def timed_tell(event) -> None:  # a node lost is told as its decision is taken
-        if isinstance(event, NodeLost):
-            lost_at.append(time.time())
-        tell(event)
+        def timed_tell(event) -> None:  # a node lost is told as its decision is taken
+            if isinstance(event, NodeLost):
+                lost_at.append(time.time())
+            tell(event)
 
-    controller.executor.tell = timed_tell  # type: ignore[method-assign]
-    published: list[tuple[str, float]] = []
-    #: the journal writes made before each kind of command was first published
-    journaled: dict[str, int] = {}
-    publish = controller.publisher.commands
+        controller.executor.tell = timed_tell  # type: ignore[method-assign]
+        published: list[tuple[str, float]] = []
+        #: the journal writes made before each kind of command was first published
+        journaled: dict[str, int] = {}
+        publish = controller.publisher.commands
 
-    def timed_publish(commands) -> None:
-        began = time.perf_counter()
-        publish(commands)
-        published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
-        if office is not None and commands:
-            journaled.setdefault(commands[0].kind.value, len(office.writes))
+        def timed_publish(commands) -> None:
+            began = time.perf_counter()
+            publish(commands)
+            published.extend((command.kind.value, time.perf_counter() - began) for command in commands)
+            if office is not None and commands:
+                journaled.setdefault(commands[0].kind.value, len(office.writes))
 
-    controller.publisher.commands = timed_publish  # type: ignore[method-assign]
-    controller.start()
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    total = nodes + spares
-    #: the nodes that fail, are lost and fail at process level (node ranks)
-    failing, lost, repairing = (nodes + 1) // 2, (nodes + 1) // 3, (nodes + 1) // 4
-    shares = [list(range(total))[p::max(1, agent_processes)] for p in range(max(1, agent_processes))]
-    op_counts = [context.Value("q", 0, lock=False) for _ in shares]
-    processes = [context.Process(target=run_agents, args=(port, share, nproc, results, count), daemon=True)
-                 for share, count in zip(shares, op_counts)]
-    for process in processes:
-        process.start()
+        controller.publisher.commands = timed_publish  # type: ignore[method-assign]
+        controller.start()
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        total = nodes + spares
+        #: the nodes that fail, are lost and fail at process level (node ranks)
+        failing, lost, repairing = (nodes + 1) // 2, (nodes + 1) // 3, (nodes + 1) // 4
+        shares = [list(range(total))[p::max(1, agent_processes)] for p in range(max(1, agent_processes))]
+        op_counts = [context.Value("q", 0, lock=False) for _ in shares]
+        processes = [context.Process(target=run_agents, args=(port, share, nproc, results, count), daemon=True)
+                     for share, count in zip(shares, op_counts)]
+        for process in processes:
+            process.start()
+    except BaseException:
+        if office is not None:
+            office.close()
+        raise
     figures: dict = {"nodes": nodes, "backend": backend, "ranks": nodes * nproc, "agents": total,
                      "agent_processes": len(processes)}
     try:

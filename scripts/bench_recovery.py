@@ -1063,11 +1063,11 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
         LayoutCase("all-lost-staggered", f"every rank lost at step 25 over {kill_stagger:g} s, job.ddp(), "
                    f"--snapshot-every {snapshot_every}", elastic_ddp, (), snapshots, kill_all=True,
                    kill_stagger=kill_stagger, kill_at_step=25, regain_goal=0.7, redone_goal=snapshot_every),
-        LayoutCase("hf", "Hugging Face Trainer, DDP, ftrun.elastic.hf.enable(trainer)", EXAMPLES / "train_hf_trainer.py",
+        LayoutCase("hf", "Hugging Face Trainer, DDP, as written for torchrun", EXAMPLES / "train_hf_trainer.py",
                    needs="transformers"),
         # an MLP's steps take milliseconds: without a sleep the fault came before the warm standbys (before the
         # warm interpreter) had imported torch and Lightning (0.30x, against 0.021x once warm); kept as measured
-        LayoutCase("lightning", "PyTorch Lightning, DDP, ftrun.elastic.lightning.Recovery(), step sleep 0.1 s",
+        LayoutCase("lightning", "PyTorch Lightning, DDP, as written for torchrun, step sleep 0.1 s",
                    EXAMPLES / "train_lightning.py", needs="lightning", step_sleep=0.1),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),

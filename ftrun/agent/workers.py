@@ -186,8 +186,10 @@ class WorkerGroup:
         #: --framework mindspore, on the node that hosts the worker store: the generation's scheduler. Not
         #: one of ``workers`` (it holds no rank), but watched, reported and stopped as they are
         self.scheduler: Worker | None = None
-        #: --warm-standby: ranks are forked from a warm interpreter (one that can run the entrypoint only)
-        self.warm_wanted = warm_standbys > 0 and standby.can_run(config.entrypoint)
+        #: --warm-standby: ranks are forked from a warm interpreter (one that can run the entrypoint, for a
+        #: script that imports torch)
+        self.warm_wanted = (warm_standbys > 0 and standby.can_run(config.entrypoint)
+                            and standby.names_torch(warm_script(config.entrypoint)))
         self.warm: ForkServer | None = None
         #: the process groups of reaped ranks that may still hold processes the agent adopted (their orphans)
         self._orphan_groups: set[int] = set()
@@ -206,8 +208,8 @@ class WorkerGroup:
             self.ops.forget_group(self.warm.proc.pid)
         env = base_env(self.config)  # what torch reads when it loads must be what the workers get
         # the script, whose text says which framework to import ahead (none for a module run with -m)
-        script = list(self.config.entrypoint[2:3]) if self.config.entrypoint[2] != "-m" else []
-        self.warm = ForkServer(self.ops, env, script)
+        script = warm_script(self.config.entrypoint)
+        self.warm = ForkServer(self.ops, env, [script] if script else [])
 
     @property
     def warming(self) -> bool:
@@ -243,7 +245,7 @@ class WorkerGroup:
         paths = rank_log_paths(self.log_dir, gen.generation, placement.local_rank if torchrun_layout else placement.rank)
         env = worker_env(self.config, placement, gen, paths["error"])
         argv = [*self.config.entrypoint, *self.config.script_args]
-        proc = self._forked(argv, env, placement.cpus) or self.ops.spawn(argv, env, cpus=placement.cpus)
+        proc = self._forked(argv, env, placement.cpus) or self.ops.spawn(self._fresh(argv), env, cpus=placement.cpus)
         prefix = line_prefix(self.config.log_layout, self.config.log_line_prefix_template, self.config.role,
                              placement.rank, placement.local_rank).encode()
         return self._watch(placement, proc, paths, gen.generation, prefix)
@@ -287,6 +289,13 @@ class WorkerGroup:
             folder = os.path.join(self.log_dir, f"attempt_{generation}")
             self._filtered[key] = FilteredCopy(os.path.join(folder, f"filtered_{name}.log"), words)
         return self._filtered[key]
+
+    def _fresh(self, argv: list[str]) -> list[str]:
+        """A fresh interpreter's command: prepared as a forked rank is (standby.run), for a script whose Trainer
+        gets ftrun's integration (--recovery process, not --no-integrations)."""
+        if self.config.recovery != "process" or not self.config.integrations:
+            return argv
+        return standby.prepared(argv)
 
     def _forked(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...]) -> ForkedProcess | None:
         """The rank forked from the warm interpreter, when it is ready (else the caller starts a fresh one)."""
@@ -458,6 +467,11 @@ def read_error_file(path: str) -> str:
     return str(message).strip()
 
 
+def warm_script(entrypoint: tuple[str, ...] | list[str]) -> str | None:
+    """The script of a ``python -u SCRIPT`` entrypoint (None for ``python -u -m MODULE``)."""
+    return entrypoint[2] if entrypoint[2] != "-m" else None
+
+
 def base_env(config: LaunchConfig) -> dict[str, str]:
     """The agent's environment as the workers inherit it, before anything rank-specific."""
     env = dict(os.environ)
@@ -536,6 +550,7 @@ def worker_env(config: LaunchConfig, placement: WorkerPlacement, gen: Generation
         ranktable=gen.ranktable,
         device=placement.device,
         snapshots=gen.snapshots,
+        integrations=config.integrations,
     )
     env.update(worker.to_environ())
     if placement.visibility is not None:

@@ -184,7 +184,11 @@ def launch_options(fn):
                     "about 300 MB of host memory) from which its ranks, their replacements and a job-level "
                     "restart's ranks are forked; 0: each rank starts in a fresh interpreter, as under torchrun. "
                     "(A larger number means 1: one warm interpreter serves every rank.)  "
-                    "[default: 1 with --recovery process, else 0]"),
+                    "[default: 1; a script whose text names neither torch nor a framework on it starts fresh]"),
+        option("no-integrations", group=RECOVERY, is_flag=True,
+               help="Leave a script's Hugging Face or Lightning Trainer as it is: under --recovery process ftrun "
+                    "otherwise turns its integration on as the Trainer is made (process level with no line "
+                    "added). The workers get FTRUN_INTEGRATIONS=0; setting that yourself does the same."),
         option("snapshot-every", group=CHECKPOINTS, type=int, default=DEFAULTS.snapshots.every, show_default=True,
                help="Snapshot each rank's registered state into its node's shared memory after every K-th step "
                     "(ftrun.elastic); a job-level restart resumes from it. 0: no snapshots."),

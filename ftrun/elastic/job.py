@@ -33,38 +33,13 @@ from ftrun.elastic.repair import Repair
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
-from ftrun.steps import COMMITTED, StepDecision, StepOutcome
+from ftrun.steps import COMMITTED, StepDecision, StepGuard, StepOutcome
 
 log = logging.getLogger("ftrun.elastic")
 #: init()'s fault_wait: after a collective raises, seconds to wait for the controller to announce a repair
 FAULT_WAIT = 10.0
 #: how long the interpreter's end waits for a snapshot still being copied and summed (memory speed)
 COMMIT_DEADLINE = 60.0
-
-
-class StepGuard:
-    """``with job.guard():`` around a step's body: :meth:`ElasticJob.begin_step` as the block begins and the
-    decision of :meth:`ElasticJob.end_step` as it ends. A finished body commits the step; a fault elsewhere (a
-    collective that failed because a peer died) is swallowed, and ``job.steps()`` repairs and goes on from the
-    consistent step when the loop asks for the next step, so that the code after the block still sees the
-    step as it ended (``job.step == step + 1`` tells a committed one); an error that is not ours goes on up."""
-
-    def __init__(self, job: "ElasticJob"):
-        self.job = job
-        #: how the step ended, once the block is left (None before, or when it was never entered)
-        self.decision: StepDecision | None = None
-
-    def __enter__(self) -> "StepGuard":
-        self.job.begin_step()
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self.decision = decision = self.job._end(error)
-        if decision.lost is not None:
-            if error is None:  # the body finished, but one of its collectives failed and no repair comes
-                raise decision.lost
-            return False
-        return decision.target is not None  # swallowed: steps() repairs and goes on from the consistent step
 
 
 class ElasticJob:
@@ -372,7 +347,7 @@ class ElasticJob:
                                                          self.sharded, self.groups, self.env.rank)
         self.state.adopt(layout)
         if refusal:
-            self._refuse(refusal)
+            self.refuse_process_level(refusal)
 
     def _settle_part_mesh(self, part: PartMesh, finished: bool) -> None:
         """After the first step that finished: the groups it all-reduced the gradients over hold copies."""
@@ -386,12 +361,14 @@ class ElasticJob:
         self.state.adopt(layout)
         log.info("the registered state lies on the mesh %s", layout.describe())
         if refusal:
-            self._refuse(refusal)
+            self.refuse_process_level(refusal)
 
-    def _refuse(self, refusal: str) -> None:
-        """Process-level repair cannot work: rank 0 tells the controller, which goes to job level, and says
-        why unless a generation before this one did (after a job-level restart)."""
-        if self.env.rank == 0 and self.link.refuse_process_level(refusal):
+    def refuse_process_level(self, refusal: str) -> None:
+        """Process-level repair cannot work (``refusal`` says why: the layout, or what a framework's integration
+        does not cover): rank 0 tells the controller, which goes to job level at the next fault, and says why
+        in one line unless a generation before this one did (after a job-level restart). Outside ftrun it
+        does nothing."""
+        if self.env is not None and self.env.rank == 0 and self.link.refuse_process_level(refusal):
             print(f"ftrun.elastic: {refusal}; a fault will restart the job", file=sys.stderr, flush=True)
 
     # -- restores from snapshots ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.snapshots.rank import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer, sources_to_restore
-from ftrun.steps import COMMITTED, StepDecision, StepOutcome
+from ftrun.steps import COMMITTED, StepDecision, StepGuard, StepOutcome
 
 log = logging.getLogger("ftrun.mindspore_elastic")
 #: how often a rank writes its committed step for its agent to relay (a torch rank's heartbeat interval)
@@ -135,7 +135,7 @@ class MindSporeJob:
                 self.end_step()
         self.close()
 
-    def guard(self) -> "StepGuard":
+    def guard(self) -> StepGuard:
         """The context manager for the current step's body (see :meth:`steps`)."""
         return self._guard
 
@@ -281,26 +281,6 @@ class MindSporeJob:
         log.warning("rank %d: restored step %d from %s on node %d in %.2fs", self.rank, plan.step, source.where,
                     source.node_rank, time.monotonic() - began)
         return True
-
-
-class StepGuard:
-    """``with job.guard():`` around a MindSpore step's body: :meth:`MindSporeJob.begin_step` as the block begins
-    and the decision of :meth:`MindSporeJob.end_step` as it ends. A finished body commits the step; a fault
-    elsewhere (the device stopped, a peer lost) is swallowed, and ``job.steps()`` repairs and goes on from the
-    agreed step when the loop asks for the next one; an error that is not ours goes on up."""
-
-    def __init__(self, job: MindSporeJob):
-        self.job = job
-        #: how the step ended, once the block is left (None before, or when it was never entered)
-        self.decision: StepDecision | None = None
-
-    def __enter__(self) -> "StepGuard":
-        self.job.begin_step()
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self.decision = self.job._end(error)
-        return self.decision.target is not None  # swallowed: steps() repairs and goes on from the agreed step
 
 
 def _make_repair(job: MindSporeJob) -> MindSporeRepair:

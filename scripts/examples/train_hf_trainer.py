@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer job (transformers + accelerate, DDP) with ftrun's one line, and the same script under torchrun.
+"""A Hugging Face Trainer job (transformers + accelerate, DDP) as written for torchrun: no line of ftrun's.
 
     torchrun --standalone --nproc-per-node 4 scripts/examples/train_hf_trainer.py --ckpt-dir /tmp/hf
     ftrun --standalone --nproc-per-node 4 --recovery process scripts/examples/train_hf_trainer.py --ckpt-dir /tmp/hf
@@ -7,7 +7,8 @@ What it does: a small GPT-2-shaped model built from a config (4 layers, width 12
 token sequences made here. Every --ckpt-every steps the Trainer saves a checkpoint (save_steps), and on start
 the script resumes from the newest one in --ckpt-dir (``train(resume_from_checkpoint=...)``): under torchrun a
 restarted job redoes the steps since it. Under ``ftrun --recovery process`` a lost rank is replaced alone, with
-the state of its peers, and no step is redone (``ftrun.elastic.hf.enable(trainer)``: docs/integrations.md).
+the state of its peers, and no step is redone: ftrun turns its integration on as the script makes its Trainer
+(docs/integrations.md, "No line to add").
 
 For demos and benchmarks: the options of step_log.py (--kill-rank, --kill-at-step, --step-sleep, --progress).
 """
@@ -20,8 +21,6 @@ import step_log
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
-
-import ftrun.elastic.hf  # under ftrun this joins the job: before TrainingArguments, which form the process group
 
 VOCAB, LENGTH = 256, 64
 
@@ -63,7 +62,6 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = Trainer(model=GPT2LMHeadModel(config), args=training, train_dataset=Tokens(4096),
                       callbacks=[Progress(args)])
-    ftrun.elastic.hf.enable(trainer)  # the one line: nothing outside ftrun
     newest = get_last_checkpoint(str(args.ckpt_dir)) if args.ckpt_dir.is_dir() else None
     trainer.train(resume_from_checkpoint=newest)
 

@@ -1,4 +1,4 @@
-"""A PyTorch Lightning job (DDP) with ftrun's callback, and the same script under torchrun.
+"""A PyTorch Lightning job (DDP) as written for torchrun: no line of ftrun's.
 
     torchrun --standalone --nproc-per-node 4 scripts/examples/train_lightning.py --ckpt-dir /tmp/pl
     ftrun --standalone --nproc-per-node 4 --recovery process scripts/examples/train_lightning.py --ckpt-dir /tmp/pl
@@ -6,8 +6,8 @@
 What it does: an MLP (4 layers of 512, dropout) learns to tell 16 noisy clusters apart in data made here. Every
 --ckpt-every steps a ModelCheckpoint saves ``last.ckpt`` in --ckpt-dir, and on start the script resumes from it
 (``fit(ckpt_path=...)``): under torchrun a restarted job redoes the steps since it. Under ``ftrun --recovery
-process`` a lost rank is replaced alone, with the state of its peers, and no step is redone
-(``ftrun.elastic.lightning.Recovery()``: docs/integrations.md).
+process`` a lost rank is replaced alone, with the state of its peers, and no step is redone: ftrun adds its
+``Recovery()`` callback as the script makes its Trainer (docs/integrations.md, "No line to add").
 
 For demos and benchmarks: the options of step_log.py (--kill-rank, --kill-at-step, --step-sleep, --progress).
 """
@@ -19,8 +19,6 @@ from pathlib import Path
 import lightning
 import step_log
 import torch
-
-import ftrun.elastic.lightning  # under ftrun this joins the job: before fit(), which forms the process group
 
 WIDTH, CLASSES = 512, 16
 
@@ -68,7 +66,7 @@ def main() -> None:
     trainer = lightning.Trainer(
         accelerator="cpu", strategy="ddp", devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
         max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Progress(args), saving, ftrun.elastic.lightning.Recovery()])  # the callback: nothing outside ftrun
+        callbacks=[Progress(args), saving])
     last = args.ckpt_dir / "last.ckpt"
     trainer.fit(Classifier(), data, ckpt_path=str(last) if last.exists() else None)
 

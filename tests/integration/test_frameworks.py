@@ -1,10 +1,11 @@
 """Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
-Hugging Face Trainer (transformers + accelerate, DDP) with ``ftrun.elastic.hf.enable(trainer)``, and a Lightning
-Trainer (DDP) with the ``ftrun.elastic.lightning.Recovery()`` callback.
+Hugging Face Trainer (transformers + accelerate, DDP) and a Lightning Trainer (DDP), each as written for torchrun
+(no line of ftrun's: ``--recovery process`` turns the integration on as the Trainer is made) and with ftrun's
+line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback).
 
-Each job runs once without a fault (its 4 ranks on one node, made once for the module) and once with rank 1
-SIGKILLed: the job ends at its final step, only rank 1 was started again, every rank's parameters and optimizer
-and scheduler state equal the fault-free run's bit for bit, and no step is redone.
+Each job runs once without a fault, with ftrun's line (its 4 ranks on one node, in fresh interpreters, made once
+for the module) and with rank 1 SIGKILLed: the job ends at its final step, only rank 1 was started again, every
+rank's parameters and optimizer and scheduler state equal the fault-free run's bit for bit, and no step is redone.
 
 transformers, accelerate and lightning are not ftrun's dependencies: scripts/test.sh installs them into
 .frameworks (scripts/frameworks.txt) while the first tests run, and these tests wait for it
@@ -13,6 +14,7 @@ transformers, accelerate and lightning are not ftrun's dependencies: scripts/tes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,8 +113,9 @@ def assert_repaired(launcher: Launcher, reference: dict[int, dict], first: int =
 
 def test_a_trainer_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_free_run(launcher, frameworks,
                                                                                       fault_free):
+    # the script as written for torchrun (PLAIN=1), against the fault-free run with ftrun's line
     reference, folder = fault_free()
-    assert run(launcher, frameworks, FAULT="1:5:sigkill") == [0, 0], launcher.output()
+    assert run(launcher, frameworks, FAULT="1:5:sigkill", PLAIN="1") == [0, 0], launcher.output()
     assert_repaired(launcher, reference)
     # save_steps' checkpoints and the logs went on: the same checkpoints, the same logged losses (the first
     # log after the repair takes rank 1's share of the mean from its source: near, not equal)
@@ -124,7 +127,8 @@ def test_a_trainer_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fault_fre
 
 def test_a_replacement_joins_at_its_peers_step_not_at_the_script_s_checkpoint(launcher, frameworks, fault_free):
     # train(resume_from_checkpoint=checkpoint-4) in every rank; rank 1 lost at step 6: its replacement takes
-    # steps 6.. from its peers, as the Trainer's own resume gives the fault-free run's state bit for bit
+    # steps 6.. from its peers, as the Trainer's own resume gives the fault-free run's state bit for bit. The
+    # script has ftrun's line where users put it, after the Trainer is made (issue 52: it ended every rank)
     reference, folder = fault_free()
     checkpoint = folder / "checkpoints" / f"checkpoint-{SAVE_STEPS}"
     assert run(launcher, frameworks, FAULT="1:6:sigkill", RESUME=str(checkpoint)) == [0, 0], launcher.output()
@@ -149,9 +153,11 @@ def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fau
                                                                                             fault_free):
     # 2 batches an optimizer step (accumulate_grad_batches), 4 batches an epoch: rank 1 is lost as step 5's second
     # batch begins, in the second half of the third epoch: the healthy ranks take the step again from its first
-    # batch, the replacement skips the 2 batches its epoch already stepped on
+    # batch, the replacement skips the 2 batches its epoch already stepped on. The script as written for torchrun
+    # (PLAIN=1: no import, no callback), against the fault-free run with the callback
     reference, folder = fault_free(LIGHTNING, ACCUMULATE="2")
-    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill", ACCUMULATE="2") == [0, 0], launcher.output()
+    assert run(launcher, frameworks, LIGHTNING, FAULT="1:5:sigkill", ACCUMULATE="2", PLAIN="1") == [0, 0], \
+        launcher.output()
     assert_repaired(launcher, reference)
     # ModelCheckpoint's saves every SAVE_STEPS steps and the CSVLogger's went on: the same checkpoints, holding
     # the same state, and the same logged losses
@@ -166,24 +172,39 @@ def test_a_lightning_job_s_lost_rank_is_replaced_alone_and_the_job_ends_as_a_fau
 
 
 def test_the_lightning_integration_leaves_a_fault_free_run_bit_for_bit_as_it_was(tmp_path_factory, frameworks):
-    # issue 52 item 3: a script of a user's (LayerNorm, AdamW, a StepLR a step, a DataLoader with a generator of
-    # its own, deterministic=True, a ModelCheckpoint), run without a fault with and without the import and the
-    # callback, on 3 ranks: the same state bit for bit. With more than two ranks, gloo's ring all-reduce sums
-    # each part of DDP's bucket from another rank: ftrun's bucket layout of its own (parameter order, from the
-    # first step) changed the last bits where DDP's (the order rank 0's gradients came in) did not
+    # issue 52 items 2 and 3: a script of a user's (LayerNorm, AdamW, a StepLR a step, a DataLoader with a
+    # generator of its own, deterministic=True, a ModelCheckpoint), run without a fault on 3 ranks: under
+    # torchrun; under ftrun as written for torchrun (the integration turned on as its Trainer is made); under
+    # ftrun --no-integrations with the import and the callback (the script's own line still works): the same
+    # state bit for bit. With more than two ranks, gloo's ring all-reduce sums each part of DDP's bucket from
+    # another rank: ftrun's bucket layout of its own (parameter order, from the first step) changed the last bits
+    # where DDP's (the order rank 0's gradients came in) did not
+    flags = ["--recovery", "process", "--warm-standby", "0"]
     runs = {}
-    for integration in ("0", "1"):
-        runner = Launcher(tmp_path_factory.mktemp(f"plain-{integration}"), unique_mark(f"plain-{integration}"))
-        runner.start_job(1, 3, [LIGHTNING_PLAIN], flags=["--recovery", "process", "--warm-standby", "0"],
+    for name, integration, extra in (("auto", "0", []), ("line", "1", ["--no-integrations"])):
+        runner = Launcher(tmp_path_factory.mktemp(f"plain-{name}"), unique_mark(f"plain-{name}"))
+        runner.start_job(1, 3, [LIGHTNING_PLAIN], flags=flags + extra,
                          env=job_env(runner, frameworks, INTEGRATION=integration))
-        runs[integration] = runner
+        runs[name] = runner
+    torchrun = tmp_path_factory.mktemp("plain-torchrun")
+    env = dict(job_env(runs["auto"], frameworks, INTEGRATION="0"), OUT_DIR=str(torchrun))
+    own = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                            str(free_port()), LIGHTNING_PLAIN], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     try:
-        for integration, runner in runs.items():
+        said = own.communicate(timeout=300)[0]
+        assert own.returncode == 0, said
+        for runner in runs.values():
             assert runner.wait() == [0], runner.output()
-        results = {integration: runner.results() for integration, runner in runs.items()}
+        results = {name: runner.results() for name, runner in runs.items()}
     finally:
+        own.kill()
         for runner in runs.values():
             runner.kill_all()
-    assert sorted(results["0"]) == [0, 1, 2] and {r["step"] for r in results["0"].values()} == {STEPS}
-    assert {r["digest"] for r in results["1"].values()} == {r["digest"] for r in results["0"].values()}
-    assert len({r["digest"] for r in results["0"].values()}) == 1
+    results["torchrun"] = {rank: json.loads((torchrun / f"rank{rank}.json").read_text()) for rank in range(3)}
+    assert {r["step"] for r in results["torchrun"].values()} == {STEPS}
+    assert len({r["digest"] for r in results["torchrun"].values()}) == 1
+    for name in ("auto", "line"):
+        assert {r["digest"] for r in results[name].values()} == {r["digest"] for r in results["torchrun"].values()}
+        assert all(r["recovery"] for r in results[name].values()), name
+    assert not any(r["recovery"] for r in results["torchrun"].values())

@@ -213,7 +213,7 @@ FIELD_OF = {
     "replicate_every": ("snapshots.replicate_every",), "checkpoint_dir": ("snapshots.checkpoint_dir",),
     "checkpoint_every": ("snapshots.checkpoint_every",), "checkpoint_interval": ("snapshots.checkpoint_interval",),
     "keep_checkpoints": ("snapshots.keep",), "save_on_failure": ("snapshots.save_on_failure",),
-    "cluster_time_out": ("cluster_timeout",),
+    "cluster_time_out": ("cluster_timeout",), "no_integrations": ("integrations",),
 }
 #: how a flag's value becomes its field's, where it is not the value itself
 FROM_FLAG = {
@@ -222,12 +222,13 @@ FROM_FLAG = {
     "local_ranks_filter": parse_rank_filter, "duplicate_stdout_filters": parse_filters,
     "duplicate_stderr_filters": parse_filters, "devices": parse_device_list, "worker_port_range": parse_port_range,
     "numa_binding": lambda value: value or "",  # None: not bound
+    "no_integrations": lambda value: not value,
 }
 #: options whose default is None and only their help says it ("[default: 600]")
 SAID_IN_HELP = {"rdzv_timeout", "max_restarts", "cluster_time_out"}
 #: options that set no field of their own: where and how to run (head node, Slurm, the worker command),
 #: second names of another option, torchrun's flags that ftrun only accepts, and those a field is derived
-#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --recovery; --framework:
+#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --framework; --framework:
 #: from the script's imports; --python: the worker command's first word; msrun's flags: ftrun's flags)
 NOT_A_FIELD = {
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",

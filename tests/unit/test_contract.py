@@ -68,7 +68,7 @@ FULL = WorkerEnv(rank=5, local_rank=1, world_size=8, run_id="job", generation=3,
                  ranktable="/tmp/ranktable.json", device=DeviceAssignment(device=6, index=1),
                  snapshots=SnapshotSettings(folder="/dev/shm/ftrun-x", every=10, limit=1 << 20, copies=2,
                                            restore_plan="/dev/shm/ftrun-x/plan-g00003.json"),
-                 control_store_file="/tmp/ftrun-x/control_store", store_timeout=42.5)
+                 control_store_file="/tmp/ftrun-x/control_store", store_timeout=42.5, integrations=False)
 
 
 @pytest.mark.parametrize("env", [
@@ -88,7 +88,7 @@ def test_what_the_agent_writes_is_what_the_worker_library_reads(tmp_path, monkey
     script = tmp_path / "train.py"
     script.write_text("")
     config = build_launch_config({"script": str(script), "nproc_per_node": "2", "rdzv_endpoint": "head:29400",
-                                  "device": "cpu", "recovery": "process"})
+                                  "device": "cpu", "recovery": "process", "no_integrations": True})
     device = DeviceAssignment(device=6, index=1)
     snapshots = SnapshotSettings(folder=str(tmp_path), every=10, limit=4096, copies=2)
     gen = GenerationEnv(generation=3, restart_count=1, world_size=8, node_count=4, master_addr="head",
@@ -99,7 +99,7 @@ def test_what_the_agent_writes_is_what_the_worker_library_reads(tmp_path, monkey
     assert read == WorkerEnv(rank=5, local_rank=1, world_size=8, run_id=config.run_id, generation=3,
                              control_store="head:29400", replacement=True, heartbeat_timeout=config.heartbeat_timeout,
                              node_rank=2, recovery="process", previous_world_size=6, device=device,
-                             snapshots=snapshots)
+                             snapshots=snapshots, integrations=False)
 
 
 

@@ -259,11 +259,23 @@ def test_a_standby_imports_ahead_the_framework_its_script_names(tmp_path):
     assert standby.framework_imports(str(hf_script)) == ("transformers.trainer",)
     lightning_script = tmp_path / "lightning_script.py"  # by the integration's own module name
     lightning_script.write_text("from ftrun.elastic.integrations import lightning\n")
-    assert standby.framework_imports(str(lightning_script)) == ()  # the text names no module path in full
+    # no module path in full, but the word: a script as written for torchrun that names Lightning
+    assert standby.framework_imports(str(lightning_script)) == ("lightning.pytorch",)
     lightning_script.write_text("import ftrun.elastic.integrations.lightning\n")
     assert standby.framework_imports(str(lightning_script)) == ("lightning.pytorch",)
     assert standby.framework_imports(str(plain)) == ()
     assert standby.framework_imports(str(missing)) == standby.framework_imports(None) == ()
+
+
+def test_only_a_script_that_names_torch_or_a_framework_on_it_is_worth_a_warm_interpreter(tmp_path):
+    named = {"torch": "import torch.nn as nn\n", "library": "import ftrun.elastic\n",
+             "framework": "from transformers import Trainer\n", "plain": "import json, time\nprint('tick')\n"}
+    for name, text in named.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    assert {name: standby.names_torch(str(tmp_path / f"{name}.py")) for name in named} == {
+        "torch": True, "library": True, "framework": True, "plain": False}
+    assert standby.names_torch(None)  # a module run with -m cannot be read: taken to
+    assert not standby.names_torch(str(tmp_path / "gone.py"))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """ftrun.elastic.hf's parts (ftrun/elastic/integrations/hf.py) that need no Trainer: the line outside ftrun and
-too late, and the Trainer's progress (TrainerState, RNG states, the loss counters) taken and put back. The
+after the process group was formed, and the Trainer's progress (TrainerState, RNG states, the loss counters) taken and put back. The
 Trainer itself runs in tests/integration/test_frameworks.py."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import ftrun.elastic.integrations.hf as hf
-from ftrun.errors import WORKER_SETTING_EXIT
 
 
 @dataclasses.dataclass
@@ -39,16 +38,20 @@ def test_outside_ftrun_enable_does_nothing(monkeypatch):
     assert vars(given) == {}
 
 
-def test_enable_after_training_arguments_formed_the_group_says_so_in_one_line(monkeypatch, capsys):
-    # under ftrun (a worker environment) but nothing joined at import: the process group came first
+def test_enable_after_the_group_was_formed_trains_on_at_job_level_in_one_line(monkeypatch, capsys):
+    # under ftrun --recovery process (a worker environment) but nothing joined: the process group came first
     monkeypatch.setattr(hf, "job", None)
-    monkeypatch.setattr(hf.shared.WorkerEnv, "from_environ", classmethod(lambda cls: object()))
-    with pytest.raises(SystemExit) as ended:
-        hf.enable(SimpleNamespace())
-    assert ended.value.code == WORKER_SETTING_EXIT
+    monkeypatch.setattr(hf.shared, "_said", [])
+    environ = SimpleNamespace(rank=0, recovery="process")
+    monkeypatch.setattr(hf.shared.WorkerEnv, "from_environ", classmethod(lambda cls: environ))
+    given = SimpleNamespace()
+    hf.enable(given)
+    hf.enable(given)
+    assert vars(given) == {}
     assert capsys.readouterr().err.splitlines() == [
-        "ftrun.elastic.hf: import ftrun.elastic.hf before making TrainingArguments: it forms torch's process "
-        "group, which ftrun must form first for a replacement rank to join its peers"]
+        "ftrun.elastic: torch's process group was formed before ftrun.elastic.hf could form it (import it before "
+        "making TrainingArguments, or leave it to ftrun --recovery process: docs/integrations.md); a fault will "
+        "restart the job"]
 
 
 def test_a_replacement_gets_the_trainer_s_progress_as_its_source_took_it():

@@ -1,4 +1,5 @@
-"""A Hugging Face Trainer job (transformers + accelerate, DDP on CPU/gloo) with ftrun.elastic.hf's one line.
+"""A Hugging Face Trainer job (transformers + accelerate, DDP on CPU/gloo) with ftrun.elastic.hf's one line where
+users put it, after the Trainer is made (the import with it); with PLAIN=1, as written for torchrun, without it.
 
 A GPT-2-shaped model from a config (2 layers, width 32, dropout on: the RNG state matters), data made here,
 no hub download. STEPS optimizer steps of GRAD_ACCUM micro-batches each, logging every 2 steps, a checkpoint
@@ -20,8 +21,6 @@ import teardown
 import torch
 from digests import digest
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-import ftrun.elastic.hf  # before TrainingArguments are made: under ftrun it joins the job here
 
 VOCAB, LENGTH = 64, 16
 
@@ -70,7 +69,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(256), callbacks=[Faults(out_dir, rank)])
-    ftrun.elastic.hf.enable(trainer)
+    if os.environ.get("PLAIN") != "1":
+        import ftrun.elastic.hf
+
+        ftrun.elastic.hf.enable(trainer)
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result = {"step": trainer.state.global_step, "rank": rank, "pid": os.getpid(), "losses": losses,

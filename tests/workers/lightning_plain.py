@@ -1,4 +1,5 @@
-"""A Lightning script as its users write it (DDP on CPU/gloo), with ftrun's integration only when INTEGRATION=1.
+"""A Lightning script as its users write it (DDP on CPU/gloo), with ftrun's lines only when INTEGRATION=1 (under
+``ftrun --recovery process`` it gets ftrun's integration without them, unless ``--no-integrations``).
 
 An MLP with LayerNorm learns random data made here: AdamW, a StepLR stepped every optimizer step, a shuffled
 DataLoader with a ``torch.Generator`` of its own, ``deterministic=True``, a ModelCheckpoint every SAVE_STEPS
@@ -6,8 +7,8 @@ DataLoader with a ``torch.Generator`` of its own, ``deterministic=True``, a Mode
 epochs. With INTEGRATION=1 the script imports ``ftrun.elastic.lightning`` and adds its ``Recovery()`` callback,
 and nothing else changes: the final state must be the same bit for bit either way.
 
-Writes OUT_DIR/rank<r>.json at the end: the final global step and a digest of the model's parameters and the
-optimizer's and the scheduler's state.
+Writes OUT_DIR/rank<r>.json at the end: the final global step, whether the Trainer had ftrun's callback, and a
+digest of the model's parameters and the optimizer's and the scheduler's state.
 """
 
 import json
@@ -62,6 +63,7 @@ def main() -> None:
     trainer.fit(model, loader)
     optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
     result = {"step": trainer.global_step, "rank": rank,
+              "recovery": any(type(callback).__name__ == "Recovery" for callback in trainer.callbacks),
               "digest": digest(model.state_dict(), optimizer.state_dict(), scheduler.state_dict())}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

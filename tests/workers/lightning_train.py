@@ -1,4 +1,5 @@
-"""A PyTorch Lightning job (DDP on CPU/gloo) with ftrun.elastic.lightning's callback.
+"""A PyTorch Lightning job (DDP on CPU/gloo) with ftrun.elastic.lightning's callback; with PLAIN=1, as written for
+torchrun, without it (and without the import).
 
 An MLP with dropout (the RNG state matters) learns random data made here, 8 samples a batch, 4 batches an
 epoch per rank (4 ranks): STEPS optimizer steps cross epochs, each of ACCUMULATE batches (default 1:
@@ -22,7 +23,9 @@ import teardown
 import torch
 from digests import digest
 
-import ftrun.elastic.lightning  # before fit(): under ftrun it joins the job here
+PLAIN = os.environ.get("PLAIN") == "1"
+if not PLAIN:
+    import ftrun.elastic.lightning  # before fit(): under ftrun it joins the job here
 
 
 class Model(lightning.LightningModule):
@@ -83,7 +86,7 @@ def main() -> None:
         max_steps=int(os.environ.get("STEPS", "10")), accumulate_grad_batches=int(os.environ.get("ACCUMULATE", "1")),
         logger=lightning.pytorch.loggers.CSVLogger(out_dir, name="logs", version=0), log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Faults(out_dir, rank), saving, ftrun.elastic.lightning.Recovery()])
+        callbacks=[Faults(out_dir, rank), saving] + ([] if PLAIN else [ftrun.elastic.lightning.Recovery()]))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
     optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
     result = {"step": trainer.global_step, "rank": rank, "pid": os.getpid(),

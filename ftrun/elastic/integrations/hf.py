@@ -1,4 +1,5 @@
-"""Process-level recovery for a Hugging Face ``Trainer``: one line after the Trainer is built.
+"""Process-level recovery for a Hugging Face ``Trainer``: no line under ``ftrun --recovery process``, which turns
+it on as the script makes its Trainer (``ftrun/trainer_hooks.py``); else one line after the Trainer is built.
 
     import ftrun.elastic.hf                    # before TrainingArguments: under ftrun, joins the job here
     ...
@@ -56,14 +57,35 @@ job: ElasticJob | None = shared.join()
 def enable(trainer) -> None:
     """Make ``trainer``'s training survive the loss of other ranks under ``ftrun --recovery process``.
 
-    Call it once the Trainer is built and before ``train()``; import ``ftrun.elastic.hf`` before making the
-    ``TrainingArguments``. Outside ftrun it does nothing."""
+    Call it once the Trainer is built and before ``train()`` (under ``--recovery process`` ftrun calls it itself
+    as the Trainer is made; a second call does nothing). A Trainer the integration does not cover (DeepSpeed,
+    FSDP or tensor parallelism through accelerate), or one whose process group was formed before ftrun could
+    form it, trains on at job level, said in one line. Outside ftrun it does nothing."""
     if job is None:
         shared.refuse_too_late("ftrun.elastic.hf", "TrainingArguments")
         return
     if getattr(trainer, "_ftrun_elastic", None) is not None:
         return
+    why = uncovered(trainer)
+    if why:
+        trainer._ftrun_elastic = why
+        job.refuse_process_level(f"the Hugging Face Trainer {why}, which process-level repair does not cover")
+        return
     trainer._ftrun_elastic = ElasticTrainer(job, trainer)
+
+
+def uncovered(trainer) -> str:
+    """What of ``trainer``'s setup the integration does not cover, or "" (DDP, or one process)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "trains with DeepSpeed"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "shards its model with FSDP through accelerate"
+    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    sharded = {name: getattr(config, f"{name}_size", 1) or 1 for name in ("tp", "cp", "sp", "dp_shard")}
+    if any(size > 1 for size in sharded.values()):
+        return "shards its model through accelerate's parallelism ({})".format(
+            ", ".join(f"{name} {size}" for name, size in sharded.items() if size > 1))
+    return ""
 
 
 class TrainerProgress:

@@ -1,4 +1,5 @@
-"""Process-level recovery for a PyTorch Lightning ``Trainer`` (DDP): a callback.
+"""Process-level recovery for a PyTorch Lightning ``Trainer`` (DDP): a callback, which ``ftrun --recovery process``
+adds itself as the script makes its Trainer (``ftrun/trainer_hooks.py``), or the script adds:
 
     import ftrun.elastic.lightning           # before trainer.fit(): under ftrun, joins the job here
     trainer = lightning.Trainer(strategy="ddp", callbacks=[ftrun.elastic.lightning.Recovery()], ...)
@@ -33,6 +34,7 @@ import logging
 import os
 from typing import Any
 
+from ftrun import trainer_hooks
 from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
 from ftrun.errors import EXIT_STUCK
@@ -98,6 +100,16 @@ class LoopProgress:
             if callback.state_key in taken["callbacks"]:
                 callback.load_state_dict(copy.deepcopy(taken["callbacks"][callback.state_key]))
         shared.set_rng_states(taken["rng"])
+
+
+def uncovered(trainer, pl_module) -> str:
+    """What of the fit the callback does not cover, or "" (DDP, automatic optimization)."""
+    why = trainer_hooks.strategy_uncovered(trainer.strategy)
+    if why:
+        return why
+    if not pl_module.automatic_optimization:
+        return "optimizes manually (automatic_optimization is False)"
+    return ""
 
 
 class _Held:
@@ -169,6 +181,11 @@ class _RecoveryHooks:
     def on_train_start(self, trainer, pl_module) -> None:
         job = self.job
         if job is None or self._started:
+            return
+        why = uncovered(trainer, pl_module)
+        if why:  # the fit trains on; a fault restarts the job
+            job.refuse_process_level(f"the Lightning Trainer {why}, which process-level repair does not cover")
+            self.job = None
             return
         self.progress = LoopProgress(trainer)
         objects: dict[str, Any] = {"model": pl_module}

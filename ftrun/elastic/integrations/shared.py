@@ -3,7 +3,8 @@
 The job is joined as the integration is imported, under ftrun: the frameworks form torch's process group while
 the script sets them up (transformers' ``TrainingArguments``, Lightning's strategy), from ``MASTER_ADDR``, which
 a replacement rank cannot do while its peers train; ``ftrun.elastic.init()`` must come first, and the frameworks
-take the group they find. Each integration reruns part of the framework's loop from the consistent step, so the
+take the group they find (under ``--recovery process`` ftrun imports the integration for the script as it makes
+its Trainer: ``ftrun/trainer_hooks.py``). Each integration reruns part of the framework's loop from the consistent step, so the
 RNG states travel with the state (as the frameworks' own checkpoints keep them).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,7 +21,6 @@ import torch.distributed as dist
 import ftrun.elastic
 from ftrun.contract import WorkerEnv
 from ftrun.elastic.job import ElasticJob
-from ftrun.errors import WORKER_SETTING_EXIT
 
 _joined: list[ElasticJob] = []
 
@@ -33,16 +33,29 @@ def join() -> ElasticJob | None:
 
 
 def refuse_too_late(module: str, maker: str) -> None:
-    """Under ftrun, with no job joined (the framework formed the process group before ``module`` was imported):
-    one line, and an exit that tells the controller not to restart (every restart would fail alike)."""
-    if WorkerEnv.from_environ() is not None:
-        refuse(module, f"import {module} before making {maker}: it forms torch's process group, which ftrun "
-                       "must form first for a replacement rank to join its peers")
+    """Under ftrun, with no job joined (torch's process group was formed before ``module`` was imported, or
+    before ``maker``): the job trains on, and a fault restarts it (job level); one line says why."""
+    say_job_level(f"torch's process group was formed before {module} could form it (import it before making "
+                  f"{maker}, or leave it to ftrun --recovery process: docs/integrations.md)")
 
 
-def refuse(module: str, line: str) -> NoReturn:
-    print(f"{module}: {line}", file=sys.stderr, flush=True)
-    sys.exit(WORKER_SETTING_EXIT)
+#: the line :func:`say_job_level` said, once per process
+_said: list[str] = []
+
+
+def say_job_level(why: str) -> None:
+    """Under ``ftrun --recovery process``: what the integration does not cover, in one line from rank 0, once per
+    process; the job trains on, and a fault restarts it. A rank that joined the job tells the controller too
+    (``ElasticJob.refuse_process_level``), which then goes to job level at once."""
+    if _joined:
+        _joined[0].refuse_process_level(why)
+        return
+    env = WorkerEnv.from_environ()
+    if env is None or env.recovery != "process" or _said:
+        return
+    _said.append(why)
+    if env.rank == 0:
+        print(f"ftrun.elastic: {why}; a fault will restart the job", file=sys.stderr, flush=True)
 
 
 def wrap(owner: Any, name: str, wrapper: Callable) -> None:
