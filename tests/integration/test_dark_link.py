@@ -117,3 +117,29 @@ def run_flapping(launcher, bed: ClusterBed, fault_free: dict) -> None:
     assert {p.name for p in launcher.out_dir.glob("pid-start-rank[01]-*")} == node0_pids
     assert len(list(launcher.out_dir.glob("pid-start-rank[23]-*"))) == 4
     assert "this node was declared lost" in flapping.output
+
+
+def reaches(bed: ClusterBed, source: int, target: int, network: str) -> bool:
+    """Whether node ``source`` reaches node ``target``'s address on ``network`` (refused counts: the host answered)."""
+    address = getattr(bed.nodes[target], network)
+    probe = ("import socket\ntry:\n    socket.create_connection(('%s', 9), timeout=0.5)\nexcept ConnectionRefusedError:\n"
+             "    pass\nexcept OSError:\n    raise SystemExit(1)\n" % address)
+    return subprocess.run(bed.nodes[source].command([sys.executable, "-c", probe]), timeout=30).returncode == 0
+
+
+def test_the_bed_makes_each_link_fault_for_real():
+    # no job: the bed's own faults, as the nodes' OS and their packets see them (a second or two)
+    with ClusterBed(2) as bed:
+        assert reaches(bed, 0, 1, "data") and reaches(bed, 0, 1, "mgmt")
+        bed.dark(1)  # the data port down: no carrier, no packets; the management link untouched
+        assert bed.interface_state(1) == ("down", "0") and bed.interface_state(1, "mgmt") == ("up", "1")
+        assert not reaches(bed, 0, 1, "data") and reaches(bed, 0, 1, "mgmt")
+        bed.light(1)
+        bed.silent(1)  # off the switch: carrier up, packets vanish
+        assert bed.interface_state(1) == ("up", "1") and not reaches(bed, 0, 1, "data")
+        bed.light(1)
+        bed.dark(1, "both")
+        assert bed.interface_state(1, "mgmt") == ("down", "0") and not reaches(bed, 0, 1, "mgmt")
+        bed.light(1, "both")
+        bed.flap(1, dark_for=0.3, light_for=0.3, times=2, network="mgmt").join(10)
+        assert reaches(bed, 0, 1, "data") and reaches(bed, 0, 1, "mgmt")
