@@ -132,6 +132,7 @@ class Controller:
         #: a data link gone dark, and a job that stands still (``links.py``)
         self.links = LinkObserver(self.narrator.events, LinkRules(policy.online_window,
                                                                   repair_timeout=policy.repair_timeout))
+        self.links.host_agent = host_agent_id
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)

@@ -120,9 +120,11 @@ Action = Union[MoveToSpare, RepairOnline, RestartJob, Say]
 
 
 def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: float, rules: LinkRules,
-                   spare: bool, source: str = "os") -> tuple[Links, list[Action]]:
+                   spare: bool, source: str = "os", host: int = -1) -> tuple[Links, list[Action]]:
     """A node's data link went dark (``up`` False) or came back, as ``source`` says (its OS, or the data
-    network's probe: a dark link is cleared only by the source that said it)."""
+    network's probe: a dark link is cleared only by the source that said it). ``host``: the node whose agent
+    hosts the controller, which never moves (its agent would leave, and the job's store with it)."""
+    spare = spare and node_rank != host
     dark = links.dark_link(node_rank)
     if node_rank in links.moved:
         return links, []
@@ -145,9 +147,11 @@ def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: flo
     return links, [Say(back, node_rank), RepairOnline(node_rank, back)]
 
 
-def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, running: bool) -> tuple[Links, list[Action]]:
+def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, running: bool,
+                 host: int = -1) -> tuple[Links, list[Action]]:
     """A dark link, a moment later: moved to a spare past the online window, or waited for, said so, and
-    after --repair-timeout a job-level restart. Nothing while a repair or an exit is under way."""
+    after --repair-timeout a job-level restart. Nothing while a repair or an exit is under way. ``host``'s
+    node (the controller's) never moves: it is waited for as with no spare."""
     if not running:
         return links, []
     actions: list[Action] = []
@@ -155,19 +159,26 @@ def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, runnin
         node, dark_for = dark.node_rank, now - dark.since
         if node in links.moved:
             continue
-        if spare and dark_for >= rules.online_window:
+        if spare and node == host and node not in links.waiting:
+            links = dataclasses.replace(links, waiting=links.waiting | {node})
+            actions.append(Say(f"node {node} hosts the controller: its ranks stay; waiting for its data link to "
+                               f"come back (a job-level restart after --repair-timeout {rules.repair_timeout:g}s)",
+                               node))
+            continue
+        spare_here = spare and node != host
+        if spare_here and dark_for >= rules.online_window:
             links = dataclasses.replace(links, moved=links.moved | {node})
             actions.append(MoveToSpare(node, f"{dark.detail} for {dark_for:.1f}s (past the online window, "
                                              f"{rules.online_window:g}s)"))
-        elif not spare and node not in links.waiting:
+        elif not spare_here and node not in links.waiting:
             links = dataclasses.replace(links, waiting=links.waiting | {node})
             actions.append(Say(f"no spare node to move node {node}'s ranks to: waiting for its data link to "
                                f"come back (a job-level restart after --repair-timeout {rules.repair_timeout:g}s)",
                                node))
-        elif not spare and dark_for >= rules.repair_timeout and not links.restarted:
+        elif not spare_here and dark_for >= rules.repair_timeout and not links.restarted:
             links = dataclasses.replace(links, restarted=True)
             actions.append(RestartJob(f"node {node}: {dark.detail} for {dark_for:.0f}s (--repair-timeout "
-                                      f"{rules.repair_timeout:g}s), with no spare node to move its ranks to"))
+                                      f"{rules.repair_timeout:g}s), its ranks with no spare node to move to"))
     return links, actions
 
 
@@ -266,6 +277,8 @@ class LinkObserver:
         self.links = Links()
         self.stalls = stalls or StallWatch()
         self._stall_said: Stall | None = None
+        #: the agent that hosts the controller: its node never moves to a spare (``on_link_tick``)
+        self.host_agent = ""
         #: the launch's timeout chain (``ftrun.timeouts``), checked once more against the job's measured step time
         self.bounds: list = []
         self._measured_checked = False
@@ -290,12 +303,13 @@ class LinkObserver:
                 continue  # a fenced agent's word
             self._os_said[report.node_rank] = now
             self.links, actions = on_link_report(self.links, report.node_rank, report.kind is ReportKind.LINK_UP,
-                                                 report.detail, now, self.rules, spare)
+                                                 report.detail, now, self.rules, spare, host=self._host(nodes))
             kept += self._act(actions, view, nodes)
         return kept
 
     def observe(self, view: JobView, nodes: dict[int, NodeSlot], spare: bool, now: float) -> list[Event]:
-        self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING)
+        self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING,
+                                           self._host(nodes))
         return self._act(actions, view, nodes)
 
     def watch_reach(self, view: JobView, snapshot: dict, nodes: dict[int, NodeSlot], spare: bool,
@@ -318,7 +332,8 @@ class LinkObserver:
         for node in verdict.nodes:
             if node not in before.nodes:
                 self.links, actions = on_link_report(self.links, node, False, "unreachable on the data network from "
-                                                     "every peer (probe)", now, self.rules, spare, source="probe")
+                                                     "every peer (probe)", now, self.rules, spare, "probe",
+                                                     self._host(nodes))
                 found += self._act(actions, view, nodes)
         for node in before.nodes:
             if node not in verdict.nodes:
@@ -368,6 +383,9 @@ class LinkObserver:
         return {"for": round(now - since, 1), "reason": reason,
                 "bound": round(stall.bound, 1) if stall else None,
                 "dark": {str(d.node_rank): d.detail for d in dark}}
+
+    def _host(self, nodes: dict[int, NodeSlot]) -> int:
+        return next((n for n, slot in nodes.items() if slot.agent_id == self.host_agent), -1)
 
     def _check_measured(self) -> None:
         """The timeout chain against the job's own step time: a collective timeout the stall bound has

@@ -148,7 +148,7 @@ def test_transition_dark_without_a_spare_waits_says_so_once_then_restarts_the_jo
     links, actions = on_link_tick(links, 30.0, RULES, spare=False, running=True)
     assert actions == []
     links, actions = on_link_tick(links, 70.5, RULES, spare=False, running=True)
-    assert [type(a) for a in actions] == [RestartJob] and "with no spare node" in actions[0].detail
+    assert [type(a) for a in actions] == [RestartJob] and "with no spare node to move to" in actions[0].detail
     assert on_link_tick(links, 80.0, RULES, spare=False, running=True)[1] == []
 
 
@@ -420,3 +420,19 @@ def test_the_timeout_chain_is_checked_once_more_against_the_measured_step_time(c
     said = [r.getMessage() for r in caplog.records if "timeouts contradict" in r.getMessage()]
     assert len(said) == 1 and "with the job's step time (p90 100.00s)" in said[0]
     assert "collective_timeout (ftrun.elastic.init) 300s is not longer than the stall bound 400s" in said[0]
+
+
+def test_the_controllers_own_node_never_moves_to_a_spare_it_is_waited_for():
+    # its agent would leave on the takeover, and the job's store with it
+    links, _ = on_link_report(Links(), 0, False, "data link data dark", 10.0, RULES, spare=True, host=0)
+    links, actions = on_link_tick(links, 12.5, RULES, spare=True, running=True, host=0)
+    assert len(actions) == 1 and actions[0].line.startswith("node 0 hosts the controller: its ranks stay")
+    assert on_link_tick(links, 30.0, RULES, spare=True, running=True, host=0)[1] == []
+    assert [type(a) for a in on_link_tick(links, 70.5, RULES, spare=True, running=True, host=0)[1]] == [RestartJob]
+    flapping = Links(downs=((0, 1.0), (0, 2.0)))
+    assert [type(a) for a in on_link_report(flapping, 0, False, "dark", 3.0, RULES, spare=True, host=0)[1]] == [Say]
+    observer = LinkObserver(EventLog(), RULES)
+    observer.host_agent = "a0"
+    observer.take_reports([Reported(Report(ReportKind.LINK_DOWN, 0, 0, detail="dark", agent_id="a0"))], ready(),
+                          slots(), True, 10.0)
+    assert observer.observe(ready(), slots(), True, 20.0) == []
