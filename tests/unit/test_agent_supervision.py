@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+from ftrun.detection.links import interface_watch
 from ftrun.messages import CommandKind, NodeStatus, ReportKind
 from tests.unit.node_parts import AGENT
 
@@ -114,3 +115,29 @@ def test_after_the_controller_moved_the_failures_since_the_ranks_started_are_sai
     n.supervision.moved()  # and the next controller too
     [report] = n.reports()
     assert (report.kind, report.generation) == (ReportKind.WORKER_FAILED, 0)
+
+
+def test_a_data_link_gone_dark_and_back_is_reported_and_the_probe_is_published(node, tmp_path):
+    n = node("sleep,sleep")
+    sysfs = tmp_path / "net" / "data"
+    sysfs.mkdir(parents=True)
+    (sysfs / "operstate").write_text("up\n")
+    (sysfs / "carrier").write_text("1\n")
+    n.supervision.health.sources.append(interface_watch({"GLOO_SOCKET_IFNAME": "data"}, str(tmp_path / "net")))
+    n.supervision.tend(now=1.0)
+    (sysfs / "operstate").write_text("down\n")
+    (sysfs / "carrier").write_text("0\n")
+    n.supervision.tend(now=2.0)
+    (sysfs / "operstate").write_text("up\n")
+    (sysfs / "carrier").write_text("1\n")
+    n.supervision.tend(now=3.0)
+    assert [(r.kind, r.detail) for r in n.reports()] == [
+        (ReportKind.LINK_DOWN, "data link data dark (operstate down, no carrier)"),
+        (ReportKind.LINK_UP, "data link data back up (operstate up, carrier)")]
+    n.supervision.start_probe("127.0.0.1")
+    try:
+        assert n.store.try_text(n.keys.data_probe(0)) == n.supervision.probe.endpoint
+        n.supervision.tend(now=4.0)  # a node alone probes nobody
+        assert n.store.try_get(NodeStatus, n.keys.agent_status(AGENT)).unreachable == ()
+    finally:
+        n.supervision.probe.stop()
