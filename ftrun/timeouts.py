@@ -15,13 +15,16 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ftrun.contract import COLLECTIVE_TIMEOUT
-from ftrun.controller.links import STALL_FACTOR, STALL_FLOOR
 from ftrun.detection.links import LINK_POLL
 
 #: the collectives' own timeouts when nothing sets them: torch's default for gloo groups a script makes
 #: itself (30 min), for NCCL's (10 min); CANN's defaults for HCCL's connection and execution
 GLOO_DEFAULT, NCCL_DEFAULT = 1800.0, 600.0
 HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT = 120.0, 1836.0
+#: the stall bound (the controller's StallWatch): STALL_FACTOR x the STALL_PERCENTILE of the last STALL_SAMPLES
+#: step times, at least STALL_FLOOR seconds (a job's first steps, or one that takes a second a step, has no
+#: narrower bound)
+STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
 
 
 @dataclass(frozen=True)

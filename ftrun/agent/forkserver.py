@@ -31,13 +31,10 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ftrun.agent import standby
 from ftrun.orphans import PR_SET_PDEATHSIG
-
-if TYPE_CHECKING:
-    from ftrun.agent.workers import ProcessOps
 
 log = logging.getLogger(__name__)
 #: the longest a warm interpreter may take to import what the ranks import (a loaded 2-core machine took 26 s
@@ -50,6 +47,13 @@ MAX_MESSAGE = 1 << 20
 PR_SET_CHILD_SUBREAPER = 36
 #: what the rank reads from the server once the agent is its parent
 GO = b"g"
+
+
+class Spawns(Protocol):
+    """What starts the warm interpreter: the agent's ProcessOps (workers.py), whose guardian is told of it."""
+
+    def spawn(self, argv: list[str], env: dict[str, str], *, pass_fds: tuple[int, ...] = (),
+              output=subprocess.PIPE) -> subprocess.Popen: ...
 
 
 class ForkedProcess:
@@ -87,7 +91,7 @@ class ForkedProcess:
 class ForkServer:
     """The agent's side: starts the warm interpreter and asks it for ranks."""
 
-    def __init__(self, ops: ProcessOps, env: dict[str, str], script: list[str]):
+    def __init__(self, ops: Spawns, env: dict[str, str], script: list[str]):
         become_subreaper()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-u", "-m", "ftrun.agent.forkserver", str(theirs.fileno()), *script]

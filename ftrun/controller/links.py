@@ -30,6 +30,7 @@ from ftrun.controller.states import JobView, Phase
 from ftrun.detection.reach import Verdict, localise
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, ReportKind
+from ftrun.timeouts import STALL_FACTOR, STALL_FLOOR, STALL_PERCENTILE, STALL_SAMPLES, contradictions
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,6 @@ log = logging.getLogger(__name__)
 ONLINE_WINDOW = 2.0
 #: a node whose data link went dark this many times within FLAP_WINDOW seconds moves to a spare
 FLAPS, FLAP_WINDOW = 3, 300.0
-#: the stall bound: STALL_FACTOR x the STALL_PERCENTILE of the last STALL_SAMPLES step times, at least
-#: STALL_FLOOR seconds (a job's first steps, or one that takes a second a step, has no narrower bound)
-STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
 #: a pair of nodes the probe finds answering again within this many seconds of their OS's word about a link is
 #: that link's return, already repaired: no second online repair
 OS_EXPLAINS = 5.0
@@ -390,7 +388,6 @@ class LinkObserver:
     def _check_measured(self) -> None:
         """The timeout chain against the job's own step time: a collective timeout the stall bound has
         outgrown is said once, with what to change (the launch said the contradictions it could see at start)."""
-        from ftrun.timeouts import contradictions  # it reads this module's stall constants
 
         step = _percentile(self.stalls.durations, STALL_PERCENTILE)
         said_at_start = set(contradictions(self.bounds))
