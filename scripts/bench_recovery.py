@@ -47,11 +47,12 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,all-lost (or all; link-cut and start: below) it gives a row per way
-of laying a model out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script (train_ddp_elastic.py,
---torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp; hf: a Hugging Face
-Trainer, train_hf_trainer.py, and lightning: train_lightning.py, which need transformers and accelerate, or
-lightning, on PYTHONPATH, else the row is skipped) runs under
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,deepspeed,all-lost (or all; link-cut and start: below) it
+gives a row per way of laying a model out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script
+(train_ddp_elastic.py, --torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp;
+hf: a Hugging Face Trainer, train_hf_trainer.py, lightning: train_lightning.py, and deepspeed: ZeRO-2,
+train_deepspeed.py, with --snapshot-every 1, which need transformers and accelerate, lightning, or deepspeed, on
+PYTHONPATH, else the row is skipped) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
 shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
 --kill-at-step. Per row: regain progress of each and ftrun's over torchrun's (goal <= 0.1x), steps redone
@@ -1069,6 +1070,10 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
         # warm interpreter) had imported torch and Lightning (0.30x, against 0.021x once warm); kept as measured
         LayoutCase("lightning", "PyTorch Lightning, DDP, as written for torchrun, step sleep 0.1 s",
                    EXAMPLES / "train_lightning.py", needs="lightning", step_sleep=0.1),
+        # ZeRO keeps one copy of each rank's optimizer partition: the replacement's comes from its snapshot, and
+        # every rank goes back to the newest step all of them hold (the fault's step, or the one before it)
+        LayoutCase("deepspeed", "DeepSpeed ZeRO-2, --snapshot-every 1", EXAMPLES / "train_deepspeed.py",
+                   ftrun_args=("--snapshot-every", "1"), needs="deepspeed", redone_goal=1),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),
         LayoutCase("start", "launch to the first step, 1 x 4, job.ddp(), no fault", elastic_ddp, start=True,

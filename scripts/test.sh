@@ -34,16 +34,18 @@ if [ "${FTRUN_TEST_MINDSPORE:-1}" = 1 ] && [ ! -e .msvenv/ready ]; then
     installer=$!
     export FTRUN_TEST_MINDSPORE_INSTALL=$installer
 fi
-# The Trainer and Lightning tests (tests/integration/test_frameworks.py) need transformers, accelerate and
-# lightning: installed the same way into .frameworks (scripts/frameworks.txt, pinned, --no-deps, so that .venv's
-# torch and numpy stay as they are; about 220 MB), which the tests' workers find on PYTHONPATH
-# (FTRUN_TEST_FRAMEWORKS_INSTALL; its output: .frameworks.log). FTRUN_TEST_FRAMEWORKS=0 leaves them out.
+# The Trainer, Lightning and DeepSpeed tests (tests/integration/test_frameworks.py) need transformers, accelerate,
+# lightning and deepspeed: installed the same way into .frameworks (scripts/frameworks.txt, pinned, --no-deps, so
+# that .venv's torch and numpy stay as they are; about 260 MB), which the tests' workers find on PYTHONPATH
+# (FTRUN_TEST_FRAMEWORKS_INSTALL; its output: .frameworks.log). .frameworks/ready is the list it was installed
+# from: a list that changed since installs anew. FTRUN_TEST_FRAMEWORKS=0 leaves them out.
 frameworks=""
-if [ "${FTRUN_TEST_FRAMEWORKS:-1}" = 1 ] && [ ! -e .frameworks/ready ]; then
-    echo "installing transformers, accelerate and lightning into .frameworks for their tests (beside the first tests)"
+if [ "${FTRUN_TEST_FRAMEWORKS:-1}" = 1 ] && ! cmp -s scripts/frameworks.txt .frameworks/ready; then
+    echo "installing transformers, accelerate, lightning and deepspeed into .frameworks for their tests (beside the first tests)"
     rm -rf .frameworks
     { { .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .frameworks \
-        -r scripts/frameworks.txt && touch .frameworks/ready; } > .frameworks.log 2>&1 || rm -rf .frameworks; } &
+        -r scripts/frameworks.txt && cp scripts/frameworks.txt .frameworks/ready; } > .frameworks.log 2>&1 ||
+        rm -rf .frameworks; } &
     frameworks=$!
     export FTRUN_TEST_FRAMEWORKS_INSTALL=$frameworks
 fi

@@ -22,7 +22,13 @@ from ftrun import trainer_hooks
 #: whose import costs seconds more (transformers' Trainer loads most of the library, and accelerate)
 FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",),
                      "ftrun.elastic.integrations.hf": ("transformers.trainer",),
-                     "ftrun.elastic.integrations.lightning": ("lightning.pytorch",)}
+                     "ftrun.elastic.integrations.lightning": ("lightning.pytorch",),
+                     # deepspeed.initialize imports ZeRO's optimizers, and Muon's, which loads torch's inductor
+                     # (seconds of CPU): a replacement that imports them itself keeps its peers waiting
+                     "ftrun.elastic.integrations.deepspeed": ("deepspeed.runtime.engine",
+                                                              "deepspeed.runtime.zero.stage_1_and_2",
+                                                              "deepspeed.runtime.zero.stage3",
+                                                              "deepspeed.runtime.zero.muon.muon_optimizer")}
 #: the same for a script as written for torchrun, whose text names every word of one of these: the Trainers that
 #: ftrun's integrations are turned on for as they are made (ftrun/trainer_hooks.py)
 TRAINER_IMPORTS = {("transformers", "Trainer"): ("transformers.trainer",), ("lightning",): ("lightning.pytorch",)}

@@ -1,7 +1,9 @@
 """Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
 Hugging Face Trainer (transformers + accelerate, DDP) and a Lightning Trainer (DDP), each as written for torchrun
 (no line of ftrun's: ``--recovery process`` turns the integration on as the Trainer is made) and with ftrun's
-line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback).
+line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback); and a DeepSpeed
+ZeRO-2 job (1 node x 2 ranks) with ``ftrun.elastic.integrations.deepspeed``, whose lost rank's optimizer partition
+comes from its snapshot.
 
 Each job runs once without a fault, with ftrun's line (its 4 ranks on one node, in fresh interpreters, made once
 for the module) and with rank 1 SIGKILLed: the job ends at its final step, only rank 1 was started again, every
@@ -31,6 +33,8 @@ pytestmark = pytest.mark.integration
 HF = str(WORKERS / "hf_train.py")
 LIGHTNING = str(WORKERS / "lightning_train.py")
 LIGHTNING_PLAIN = str(WORKERS / "lightning_plain.py")
+DEEPSPEED = str(WORKERS / "deepspeed_train.py")
+DEEPSPEED_STATE = str(WORKERS / "deepspeed_state.py")
 STEPS = 10
 SAVE_STEPS = 4
 FRAMEWORKS = ROOT / ".frameworks"
@@ -208,3 +212,51 @@ def test_the_lightning_integration_leaves_a_fault_free_run_bit_for_bit_as_it_was
         assert {r["digest"] for r in results[name].values()} == {r["digest"] for r in results["torchrun"].values()}
         assert all(r["recovery"] for r in results[name].values()), name
     assert not any(r["recovery"] for r in results["torchrun"].values())
+
+
+def test_a_deepspeed_zero2_job_s_lost_rank_is_replaced_alone_and_gets_its_partition_from_its_snapshot(
+        tmp_path_factory, launcher, frameworks):
+    # 1 node x 2 ranks, ZeRO-2 (each rank alone holds its half of the optimizer's state), 2 micro-batches a step,
+    # dropout; rank 1 SIGKILLed as step 4 begins. The fault-free run (beside it) takes no snapshots: rank 0 says
+    # in one line as training begins that a fault would restart the job
+    reference = Launcher(tmp_path_factory.mktemp("deepspeed-fault-free"), unique_mark("deepspeed-fault-free"))
+    reference.start_job(1, 2, [DEEPSPEED], flags=["--recovery", "process"],
+                        env=job_env(reference, frameworks, STEP_SLEEP="0"))
+    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "90", "--snapshot-every", "1"]
+    launcher.start_job(1, 2, [DEEPSPEED], flags=flags, env=job_env(launcher, frameworks, FAULT="1:4:sigkill"))
+    try:
+        assert reference.wait() == [0], reference.output()
+        assert launcher.wait() == [0], launcher.output()
+    finally:
+        reference.kill_all()
+    assert "DeepSpeed ZeRO stage 2 keeps one copy of each rank's optimizer state" in reference.output()
+    output, results, expected = launcher.output(), launcher.results(), reference.results()
+    assert sorted(results) == sorted(expected) == [0, 1], output
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == {rank: r["digest"] for rank, r in expected.items()}
+    assert expected[0]["digest"] != expected[1]["digest"]  # each rank's own partition
+    pids = start_pids(launcher)
+    assert pids[0] == [results[0]["pid"]] and results[0]["replacement"] == "0", (pids, output)
+    assert len(pids[1]) == 2 and results[1]["pid"] in pids[1] and results[1]["replacement"] == "1"
+    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    assert "generation 1 resumed training" in output and "keeps one copy" not in output
+    # every rank went back to the newest step both hold a snapshot of: the lost step, or the one before it
+    for rank in (0, 1):
+        starts = [int(line) for line in (launcher.out_dir / f"starts-rank{rank}").read_text().split()]
+        assert sorted(set(starts)) == list(range(STEPS)) and len(starts) - STEPS in (1, 2), (rank, starts)
+
+
+def test_each_zero_stage_s_state_goes_through_a_snapshot_and_back_bit_for_bit(tmp_path, frameworks):
+    # one process, world size 1: for ZeRO 1, 2 and 3, the engine's state (model or parameter partitions, fp32
+    # master partitions, moments, LR scheduler, counters, RNG) written to a real snapshot file and loaded back
+    # after 3 more steps; those 3 steps run again end bit for bit as the first time
+    env = dict(os.environ, OUT_DIR=str(tmp_path), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT), frameworks])))
+    done = subprocess.run([sys.executable, DEEPSPEED_STATE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["stage"] for row in rows] == [1, 2, 3], done.stdout + done.stderr
+    for row in rows:
+        assert row["back"] == row["at_snapshot"] != row["went_on"] == row["again"], row
+        assert row["steps"] == 5
