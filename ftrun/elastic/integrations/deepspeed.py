@@ -86,15 +86,23 @@ class EngineState:
         self._counters = {name: getattr(self.engine, name) for name in COUNTERS}
         self._rng = shared.rng_states()
 
-    def back_to_the_step_s_beginning(self) -> None:
-        """After a repair (without ZeRO): the counters the step's micro-batches moved, their gradients and the RNG
-        states as the step began, unless the repair loaded them."""
-        if not self._loaded and self._counters is not None and self._rng is not None:
-            for name, value in self._counters.items():
-                setattr(self.engine, name, value)
-            shared.set_rng_states(self._rng)
+    def after_repair(self) -> None:
+        """On every rank at the end of a repair. Without ZeRO: the counters the step's micro-batches moved, their
+        gradients and the RNG states as the step began, unless the repair loaded them. ZeRO-3: the order in which
+        its parameters are gathered, which each rank records in its first step and checks with its peers (a
+        collective), is forgotten, so that every rank records it again with the replacement."""
+        if self.stage == 0:
+            if not self._loaded and self._counters is not None and self._rng is not None:
+                for name, value in self._counters.items():
+                    setattr(self.engine, name, value)
+                shared.set_rng_states(self._rng)
+            self.engine.zero_grad()
+        elif self.stage == 3:
+            coordinator = self.engine.optimizer.parameter_offload.get_param_coordinator()
+            coordinator.release_and_reset_all(self.engine.module)
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
         self._loaded = False
-        self.engine.zero_grad()
 
     @property
     def partitioned(self) -> bool:
@@ -198,7 +206,7 @@ def enable(engine) -> None:
         job.sharded = True
     else:  # stage 0: every rank a replica, whatever groups of its own DeepSpeed made (a clone of the world's)
         job._declared = ReplicaLayout.declared({"dp": job.world_size}, ("dp",))
-        job.after_repair(state.back_to_the_step_s_beginning)
+    job.after_repair(state.after_repair)
 
 
 def steps(total: int, start: int = 0) -> Iterator[int]:
