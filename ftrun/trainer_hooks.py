@@ -9,12 +9,12 @@ patched.
 
 * ``transformers.TrainingArguments``, as they are made, before accelerate forms torch's process group from
   ``MASTER_ADDR`` inside them: the rank joins the job (``import ftrun.elastic.hf``; ``shared.py`` says why ftrun
-  must form the group), unless the arguments ask for what the integration does not cover (:func:`arguments_uncovered`):
+  must form the group), unless the arguments ask for what the integration does not cover (``ftrun.coverage``):
   then accelerate forms the group as under torchrun, and one line says the job runs at job level;
 * ``transformers.Trainer``, as it is made: ``ftrun.elastic.hf.enable(trainer)`` (the process's first Trainer);
 * ``lightning.Trainer``, as it is made, with DDP (its process group comes later, in ``fit()``): the rank joins the
   job and the Trainer gets the ``Recovery()`` callback unless it has one; with another strategy
-  (:func:`strategy_uncovered`), one line, and Lightning forms the group.
+  (``ftrun.coverage``), one line, and Lightning forms the group.
 
 A script's own line (``enable(trainer)``, the callback) still works, and does nothing twice. ``ftrun
 --no-integrations`` (the workers get ``FTRUN_INTEGRATIONS=0``; a user may set it instead) leaves every Trainer as
@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ftrun.contract import WorkerEnv
+from ftrun.coverage import arguments_uncovered, strategy_uncovered
 
 log = logging.getLogger("ftrun.elastic")
 
@@ -133,24 +134,6 @@ def _hf_trainer(module: ModuleType) -> None:
     wrap_method(module.Trainer, "__init__", after=_hf_trainer_made)
 
 
-def arguments_uncovered(args: Any) -> str:
-    """What ``TrainingArguments`` (as given, before their ``__post_init__``) ask for that the integration does not
-    cover, or "": the Trainer's DDP (or one process) is covered."""
-    if args.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):
-        return "DeepSpeed"
-    if args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
-        return "FSDP through accelerate"
-    config = getattr(args, "parallelism_config", None)
-    sizes = {name: getattr(config, f"{name}_size", None) or 1 for name in ("tp", "cp", "sp", "dp_shard")}
-    if any(size > 1 for size in sizes.values()):
-        return "accelerate's parallelism ({})".format(", ".join(f"{n} {s}" for n, s in sizes.items() if s > 1))
-    return ""
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
 def _arguments_made(args: Any) -> None:
     why = arguments_uncovered(args)
     if why:
@@ -175,16 +158,6 @@ def _hf_trainer_made(trainer: Any) -> None:
 
 def _lightning_trainer(module: ModuleType) -> None:
     wrap_method(module.Trainer, "__init__", after=_lightning_trainer_made)
-
-
-def strategy_uncovered(strategy: Any) -> str:
-    """What of Lightning's ``strategy`` the integration does not cover, or "" (DDP). By class name, so that
-    nothing is imported (DeepSpeed's and XLA's strategies are DDP's subclasses)."""
-    kind = type(strategy)
-    if any(base.__name__ == "DDPStrategy" for base in kind.__mro__) and kind.__name__ not in (
-            "DeepSpeedStrategy", "XLAStrategy"):
-        return ""
-    return f"trains with Lightning's {kind.__name__}"
 
 
 def _lightning_trainer_made(trainer: Any) -> None:

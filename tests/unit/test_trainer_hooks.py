@@ -13,7 +13,7 @@ import pytest
 
 import ftrun.elastic.integrations.hf as hf
 import ftrun.elastic.integrations.lightning as lightning
-from ftrun import trainer_hooks
+from ftrun import coverage, trainer_hooks
 from ftrun.agent import standby
 from ftrun.contract import WorkerEnv
 from ftrun.elastic.integrations import shared
@@ -74,7 +74,7 @@ def test_a_wrapper_that_fails_leaves_the_framework_as_it_is(caplog):
     ({"parallelism_config": SimpleNamespace(dp_replicate_size=2)}, "")])
 def test_training_arguments_the_integration_does_not_cover(given, why):
     arguments = SimpleNamespace(**{"fsdp": "", "deepspeed": None, "parallelism_config": None, **given})
-    assert trainer_hooks.arguments_uncovered(arguments) == why
+    assert coverage.arguments_uncovered(arguments) == why
 
 
 class DDPStrategy:
@@ -97,7 +97,7 @@ class OwnDDP(DDPStrategy):
     (DDPStrategy(), ""), (OwnDDP(), ""), (DeepSpeedStrategy(), "trains with Lightning's DeepSpeedStrategy"),
     (FSDPStrategy(), "trains with Lightning's FSDPStrategy")])
 def test_lightning_strategies_the_integration_does_not_cover(strategy, why):
-    assert trainer_hooks.strategy_uncovered(strategy) == why
+    assert coverage.strategy_uncovered(strategy) == why
 
 
 class FakeJob:

@@ -34,7 +34,7 @@ import logging
 import os
 from typing import Any
 
-from ftrun import trainer_hooks
+from ftrun.coverage import strategy_uncovered
 from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
 from ftrun.errors import EXIT_STUCK
@@ -104,7 +104,7 @@ class LoopProgress:
 
 def uncovered(trainer, pl_module) -> str:
     """What of the fit the callback does not cover, or "" (DDP, automatic optimization)."""
-    why = trainer_hooks.strategy_uncovered(trainer.strategy)
+    why = strategy_uncovered(trainer.strategy)
     if why:
         return why
     if not pl_module.automatic_optimization:
