@@ -242,6 +242,9 @@ class RankState:
     #: that the controller reads one status per node and never a key per rank
     step: int | None = None
     heartbeat_age: float | None = None
+    #: its recent step, compute and wait times as the worker library wrote them (``ftrun.step_times``;
+    #: "" without the library), forwarded for the straggler watch
+    times: str = ""
 
 
 @dataclass(frozen=True)

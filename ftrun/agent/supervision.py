@@ -187,7 +187,8 @@ class Supervision:
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
                       max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
-                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
+                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None,
+                      self._protocol().step_times.get(w.placement.rank, "") if w.returncode is None else "")
             for w in group.workers
         )
         status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, int(group.warm_ready),

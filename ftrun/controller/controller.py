@@ -26,6 +26,7 @@ from ftrun.controller.inbox import ControllerMoved, Event, HostGone, Inbox, Node
 from ftrun.controller.journal import Journal
 from ftrun.controller.leadership import Leadership, LeadershipLost
 from ftrun.controller.lookup import RosterLookup
+from ftrun.controller.metrics import JobMetrics
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.observers import Collectives, Library, Nodes, Operator, Repair, Reports
 from ftrun.controller.office import EtcdOffice
@@ -34,6 +35,7 @@ from ftrun.controller.publisher import Publisher
 from ftrun.controller.restore_points import RestorePoints
 from ftrun.controller.roster import OwnPause, Roster
 from ftrun.controller.states import IN_PLACE, REPAIR_PHASES, JobView, Level, Phase
+from ftrun.controller.straggler_watch import StragglerWatch
 from ftrun.controller.worker_store import WorkerStores
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
@@ -66,6 +68,8 @@ class RecoveryPolicy:
     gather_timeout: float = 0.03
     #: --rdzv-backend etcd: how long the job goes on while etcd does not answer, before it stops
     store_timeout: float = STORE_TIMEOUT
+    #: --stragglers: report, replace (a straggling node's ranks move to a spare) or off
+    stragglers: str = "report"
 
 
 
@@ -89,6 +93,7 @@ class Controller:
         resume: Journal | None = None,
         schedulers: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        metrics_port: int = 0,
     ):
         self.store, self.keys = store, keys
         self.rendezvous_policy = rendezvous_policy
@@ -119,12 +124,16 @@ class Controller:
                                  self.worker_stores, self.office, self.snapshots.enabled, schedulers,
                                  policy.gather_timeout, clock)
         self.inbox = Inbox()
-        self.lookup = RosterLookup(self.roster, self.board, store.signer.enabled)
+        self.lookup = RosterLookup(self.roster, self.board, store.signer.enabled, host_agent_id)
         self.reports = Reports(store, keys, self.roster)
         self.collectives = Collectives(store, keys, self.roster)
         self.repair = Repair(store, keys, policy.repair_timeout, lambda: self.narrator.repair_decided_at)
         self.nodes = Nodes(self.roster, policy.node_timeout, rendezvous_policy.max_nodes)
         self.operator = Operator(store, keys)
+        self.stragglers = StragglerWatch(self.board, policy.stragglers)
+        #: --metrics-port: the Prometheus endpoint, served from the controller's start (None without one)
+        self.metrics = JobMetrics(keys.run_id) if metrics_port else None
+        self.metrics_port = metrics_port
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -150,6 +159,7 @@ class Controller:
                 stop_timeout=config.stop_timeout,
                 repair_timeout=config.repair_timeout,
                 store_timeout=config.store_timeout,
+                stragglers=config.stragglers,
             ),
             events=EventLog(path, go_on=resume is not None),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
@@ -159,6 +169,7 @@ class Controller:
             leadership=leadership,
             resume=resume,
             schedulers=config.framework == "mindspore",
+            metrics_port=config.metrics_port,
         )
 
     # -- the hosting process's handle ---------------------------------------------------------------
@@ -219,6 +230,12 @@ class Controller:
     # -- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics_port = self.metrics.serve(self.metrics_port)
+            except OSError as e:
+                log.error("no Prometheus metrics: cannot listen on port %d: %s", self.metrics_port, e)
+                self.metrics = None
         try:
             if self._resume is not None:
                 self._take_over(self._resume)
@@ -258,6 +275,8 @@ class Controller:
             if self.view is not None:
                 self.view = dataclasses.replace(self.view, exit_code=ExitCode.JOB_FAILED, reason="the controller failed")
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.worker_stores.close()
             if self.view is not None and self.view.phase not in (Phase.EXITING, Phase.DONE):
                 self.executor.job_finished()  # the controller itself failed: say so in the log
@@ -296,6 +315,9 @@ class Controller:
         self.take(self.nodes.idle_spare(self.view))
         self.take(self.library.observe(self.view))
         self.executor.status_due(now)
+        self.take(self.stragglers.observe(self.view, now))
+        if self.metrics is not None:
+            self.metrics.update(self.board.snapshot, self.events.events)
         self.take(self.operator.observe())
 
     def tick(self, now: float) -> None:

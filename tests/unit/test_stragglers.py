@@ -1,0 +1,226 @@
+"""Stragglers: the rank's step clock, the scoring and judging (pure, table-driven, an injected clock), the
+controller's watch over a status snapshot, and the policy's answer (report or move to a spare)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ftrun.controller import policy
+from ftrun.controller.inbox import StragglerGain, StragglerSeen
+from ftrun.controller.states import JobView, Level, Phase
+from ftrun.controller.straggler_watch import StragglerWatch
+from ftrun.detection.stragglers import Assessment, Finding, RankTimes, StragglerRule, WatchState, assess, judge
+from ftrun.messages import CommandKind, NodeSlot
+from ftrun.step_times import WINDOW_STEPS, StepClock, StepTimes
+
+RULE = StragglerRule(threshold=1.5, min_excess=0.05, persist=5.0, clear=1.25, min_steps=16)
+
+
+def times(compute: float, wait: float = 0.0, steps: int = 40) -> StepTimes:
+    return StepTimes(steps, compute + wait, compute, wait)
+
+
+def job(*computes: float, per_node: int = 2, steps: int = 40) -> list[RankTimes]:
+    """Ranks 0.. with these compute times, ``per_node`` to a node."""
+    return [RankTimes(rank, rank // per_node, times(c, steps=steps)) for rank, c in enumerate(computes)]
+
+
+# -- the rank's clock --------------------------------------------------------------------------------------------
+
+
+def test_the_step_clock_gives_medians_over_its_window_and_counts_every_step():
+    clock = StepClock(window=4)
+    assert clock.times() == StepTimes()
+    for step, wait in [(1.0, 0.1), (0.2, 0.1), (0.3, 0.2), (0.25, 0.05), (0.2, 0.5)]:  # the last wait: past its step
+        clock.record(step, wait)
+    got = clock.times()
+    assert got.steps == 5 and got.step == pytest.approx(0.225)  # 1.0 left the window of 4
+    assert got.wait == pytest.approx(0.15) and got.compute == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("12 0.3000 0.2500 0.0500", StepTimes(12, 0.3, 0.25, 0.05)),
+    ("", None), ("12 0.3 0.25", None), ("x 0.3 0.25 0.05", None), ("12 0.3 -1 0.05", None),
+])
+def test_step_times_read_back_what_the_heartbeat_wrote(text, expected):
+    assert StepTimes.from_text(text) == expected
+    if expected is not None:
+        assert StepTimes.from_text(expected.to_text()) == expected
+
+
+# -- the scores ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("computes, past", [
+    ((0.05, 0.05, 0.05, 0.35), {3}),  # one slow rank: 7x the median
+    ((0.05, 0.06, 0.05, 0.04), set()),  # noise
+    ((0.002, 0.002, 0.002, 0.006), set()),  # 3x, but 4 ms: under the minimum excess
+    ((0.05, 0.05, 0.35, 0.35), {2, 3}),  # a slow node: the lower median keeps the fast half the reference
+    ((0.5, 0.5, 0.5, 0.7), set()),  # 1.4x of a long step: under the ratio
+    ((0.05, 0.35), {1}),  # two ranks: the faster is the reference
+])
+def test_a_rank_is_past_the_rule_only_by_ratio_and_excess_both(computes, past):
+    assessment = assess(job(*computes), RULE)
+    assert {r.rank for r in assessment.ranks if r.past} == past
+    assert assessment.median_compute == sorted(computes)[(len(computes) - 1) // 2]
+
+
+def test_ranks_without_a_full_window_are_not_scored_and_one_rank_alone_has_no_median():
+    ranks = job(0.05, 0.05, 0.05) + [RankTimes(3, 1, times(0.9, steps=WINDOW_STEPS - 1))]  # a fresh replacement
+    assessment = assess(ranks, RULE)
+    assert [r.rank for r in assessment.ranks] == [0, 1, 2] and not any(r.past for r in assessment.ranks)
+    assert assess(job(0.05, 9.0)[1:], RULE) == Assessment()
+
+
+def test_a_node_scores_as_its_worst_rank():
+    assessment = assess(job(0.05, 0.05, 0.05, 0.2), RULE)
+    assert [(n.node, n.score, n.rank) for n in assessment.nodes] == [(0, 1.0, 0), (1, 4.0, 3)]
+
+
+# -- judging over time ---------------------------------------------------------------------------------------------
+
+
+def run(rows: list[tuple[float, tuple[float, ...]]]) -> list[tuple[float, int, bool]]:
+    """Judge each (time, computes) in turn: (time, rank, named) per finding."""
+    state, said = WatchState(), []
+    for now, computes in rows:
+        state, findings = judge(state, assess(job(*computes), RULE), RULE, now)
+        said += [(now, f.rank, f.named) for f in findings]
+    return said
+
+
+FAST, SLOW, HALF = (0.05,) * 4, (0.05, 0.05, 0.05, 0.35), (0.05, 0.05, 0.05, 0.07)
+
+
+@pytest.mark.parametrize("rows, said", [
+    # past the rule from t=10 on: named once, 5 s later, and not again
+    ([(t, FAST if t < 10 else SLOW) for t in range(0, 30)], [(15, 3, True)]),
+    # slow for 4 s at a time (a checkpoint, a neighbour's burst): never named
+    ([(t, SLOW if t % 8 < 4 else FAST) for t in range(0, 40)], []),
+    # named, then back to normal: cleared once below the clearing mark for as long
+    ([(t, SLOW if t < 12 else FAST) for t in range(0, 30)], [(5, 3, True), (17, 3, False)]),
+    # named, then hovering between the clearing mark and the threshold: stays named (hysteresis)
+    ([(t, SLOW if t < 8 else (0.05, 0.05, 0.05, 0.07)) for t in range(0, 30)], [(5, 3, True)]),
+])
+def test_judge_names_only_what_persists_and_clears_with_hysteresis(rows, said):
+    assert run(rows) == said
+
+
+def test_a_named_rank_no_longer_scored_leaves_without_a_word():
+    state, _ = judge(WatchState(), assess(job(*SLOW), RULE), RULE, 0.0)
+    state, findings = judge(state, assess(job(*SLOW), RULE), RULE, 6.0)
+    assert state.named == {3} and [f.named for f in findings] == [True]
+    state, findings = judge(state, assess(job(*SLOW[:3]), RULE), RULE, 7.0)  # replaced: not scored yet
+    assert state.named == frozenset() and findings == []
+
+
+# -- the controller's watch ------------------------------------------------------------------------------------------
+
+
+class Board:
+    """The status board as the watch reads it: its snapshot, and the summary it is handed."""
+
+    def __init__(self):
+        self.snapshot: dict = {}
+        self.stragglers: dict = {}
+
+    def show(self, t: float, computes: tuple[float, ...], generation: int = 0, steps=(40, 40, 40, 40)) -> None:
+        self.snapshot = {"time": t, "generation": generation, "ranks": [
+            {"rank": r, "node": r // 2, "alive": True, "timed_steps": steps[r], "step_s": max(computes) + 0.01,
+             "compute_s": c, "wait_s": max(computes) - c} for r, c in enumerate(computes)]}
+
+
+VIEW = JobView(node_count=2, max_restarts=2, world_size=4, recovery=Level.PROCESS, library_ranks=4)
+
+
+def test_the_watch_names_a_straggler_once_shows_it_and_stays_quiet_in_a_fault_free_job():
+    board, watch = Board(), StragglerWatch(Board(), "report")
+    watch.board = board
+    said = []
+    for t in range(0, 20):
+        board.show(float(t), FAST if t < 5 else SLOW)
+        said += watch.observe(VIEW, float(t))
+    [seen] = said
+    assert isinstance(seen, StragglerSeen) and seen.finding.rank == 3 and not seen.replace
+    assert board.stragglers["named_ranks"] == [3] and board.stragglers["named_nodes"] == [1]
+    assert board.stragglers["scores"][3] == 7.0 and "rank 3 on node 1: 7.0x" in board.stragglers["named"][0]
+    assert watch.baseline == pytest.approx(0.06)  # the step time before the slowdown
+    quiet = StragglerWatch(Board(), "report")
+    for t in range(0, 60):
+        quiet.board.show(float(t), (0.05 + 0.01 * (t % 3), 0.05, 0.06 - 0.01 * (t % 2), 0.05))
+        assert quiet.observe(VIEW, float(t)) == []
+
+
+def test_the_watch_says_what_a_move_gained_once_the_replacements_timed_a_full_window():
+    board = Board()
+    watch = StragglerWatch(board, "replace")
+    events = []
+    for t in range(0, 11):  # named at 10: the policy decides at once, before the next look
+        board.show(float(t), FAST if t < 5 else SLOW)
+        events += watch.observe(VIEW, float(t))
+    [seen] = events
+    assert seen.replace and not seen.moved_before
+    # the policy moved node 1's ranks (its decision quotes the line): generation 1, the replacements fresh
+    moved = dataclasses.replace(VIEW, generation=1, replaced_nodes=(f"node 1 (h1) moved to a spare: {seen.finding.line}",))
+    board.show(12.0, FAST, generation=1, steps=(60, 60, 3, 3))
+    assert watch.observe(moved, 12.0) == [] and watch.moved == {2, 3}
+    board.show(13.0, FAST, generation=1, steps=(80, 80, 20, 20))
+    [gain] = watch.observe(moved, 13.0)
+    assert gain == StragglerGain(1, pytest.approx(0.06), pytest.approx(0.36), pytest.approx(0.06))
+    # slow again on the spare: named, but not moved again
+    later = []
+    for t in range(14, 30):
+        board.show(float(t), SLOW, generation=1)
+        later += watch.observe(moved, float(t))
+    [again] = later
+    assert again.moved_before
+
+
+def test_the_watch_forgets_a_move_the_policy_did_not_make():
+    board = Board()
+    watch = StragglerWatch(board, "replace")
+    for t in range(0, 12):
+        board.show(float(t), FAST if t < 5 else SLOW)
+        watch.observe(VIEW, float(t))
+    board.show(12.0, SLOW)
+    watch.observe(VIEW, 12.0)  # no spare: nothing moved
+    assert watch._pending is None and watch.moved == frozenset()
+
+
+# -- the policy ----------------------------------------------------------------------------------------------------
+
+SLOT = NodeSlot(1, "agent-1", "h1", 2, 2)
+FINDING = Finding(3, 1, True, 7.0, "straggler: rank 3 on node 1 ...")
+
+
+@pytest.mark.parametrize("view, replace, spare, moved, controller, refusal", [
+    (VIEW, True, "spare-0", False, False, ""),
+    (VIEW, False, "spare-0", False, False, "--stragglers report"),
+    (VIEW, True, "", False, False, "no idle spare node to take its ranks"),
+    (VIEW, True, "spare-0", True, False, "its ranks were moved to a spare once already and are slow still (their work, "
+                                         "not the node)"),
+    (VIEW, True, "spare-0", False, True, "its node runs the controller"),
+    (dataclasses.replace(VIEW, phase=Phase.STOPPING), True, "spare-0", False, False, "a repair is under way (stopping)"),
+    (dataclasses.replace(VIEW, restarts_used=2), True, "spare-0", False, False, "the retry budget is spent"),
+    (dataclasses.replace(VIEW, recovery=Level.JOB), True, "spare-0", False, False,
+     "the job cannot repair at process level"),
+])
+def test_straggler_refusal(view, replace, spare, moved, controller, refusal):
+    assert policy.straggler_refusal(view, replace, True, spare, moved, controller) == refusal
+
+
+def test_transition_running_to_stopping_when_a_straggler_s_node_moves_to_a_spare():
+    seen = StragglerSeen(FINDING, True, slot=SLOT, spare="spare-0")
+    view, commands = policy.decide(VIEW, seen)
+    assert view.phase is Phase.STOPPING and view.level is Level.PROCESS and view.replacing == {2, 3}
+    assert view.restarts_used == 1 and FINDING.line in view.replaced_nodes[0]
+    assert [c.kind for c in commands] == [CommandKind.TAKEOVER, CommandKind.REPLACE]
+    assert commands[0].agent_id == "spare-0" and commands[0].node_rank == 1 and commands[1].ranks == (2, 3)
+
+
+def test_a_straggler_reported_only_changes_nothing():
+    seen = StragglerSeen(FINDING, False, slot=SLOT, spare="spare-0", refusal="--stragglers report")
+    assert policy.decide(VIEW, seen) == (VIEW, [])
+    assert policy.decide(VIEW, StragglerGain(1, 0.2, 0.3, 0.2)) == (VIEW, [])
