@@ -224,3 +224,99 @@ def test_a_straggler_reported_only_changes_nothing():
     seen = StragglerSeen(FINDING, False, slot=SLOT, spare="spare-0", refusal="--stragglers report")
     assert policy.decide(VIEW, seen) == (VIEW, [])
     assert policy.decide(VIEW, StragglerGain(1, 0.2, 0.3, 0.2)) == (VIEW, [])
+
+
+# -- the metrics endpoint ----------------------------------------------------------------------------------------------
+
+
+def test_the_metrics_endpoint_serves_the_snapshot_and_the_events_to_a_scrape():
+    import urllib.request
+
+    from ftrun.controller.metrics import JobMetrics
+
+    now = [100.0]
+    metrics = JobMetrics("run-7", clock=lambda: now[0])
+    board = Board()
+    board.show(0.0, SLOW)
+    snapshot = {**board.snapshot, "phase": "running", "steps_per_s": 2.5, "step": 40, "max_restarts": 3,
+                "restarts_used": 1, "stragglers": ["rank 3 on node 1: ..."], "nodes": [{"node": 1, "straggler_score": 7.0}]}
+    snapshot["ranks"][3]["straggler_score"] = 7.0
+    events = [{"kind": "fault", "evidence": {"cause": "signal", "level": None}},
+              {"kind": "fault", "evidence": {"cause": "device", "level": "RestartNPU"}},
+              {"kind": "straggler", "named": True}, {"kind": "node_lost"},
+              {"kind": "repair_done", "level": "process", "total": 1.5, "durations": {"stop": 0.5, "repair": 1.0}}]
+    metrics.update(snapshot, events)
+    now[0] = 130.0  # 30 s running
+    metrics.update({**snapshot, "phase": "stopping"}, events)
+    now[0] = 140.0  # 10 s repairing
+    metrics.update(snapshot, events)
+    port = metrics.serve(0, "127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            page = answer.read().decode()
+    finally:
+        metrics.close()
+    for line in ["ftrun_steps_per_second 2.5", "ftrun_step 40.0", "ftrun_restarts_left 2.0", "ftrun_stragglers 1.0",
+                 'ftrun_rank_compute_seconds{node="1",rank="3"} 0.35', 'ftrun_rank_wait_seconds{node="0",rank="0"} 0.3',
+                 'ftrun_straggler_score{node="1",rank="3"} 7.0', 'ftrun_node_straggler_score{node="1"} 7.0',
+                 'ftrun_faults_total{kind="signal",level=""} 1.0', 'ftrun_faults_total{kind="device",level="RestartNPU"} 1.0',
+                 'ftrun_faults_total{kind="straggler",level=""} 1.0', 'ftrun_faults_total{kind="node_lost",level=""} 1.0',
+                 'ftrun_repairs_total{level="process"} 1.0', 'ftrun_repair_phase_seconds_count{level="process",phase="stop"} 1.0',
+                 "ftrun_training_seconds_total 30.0", "ftrun_lost_seconds_total 10.0", "ftrun_goodput_ratio 0.75",
+                 'ftrun_job_info{run_id="run-7"} 1.0']:
+        assert line in page, line
+
+
+# -- the preflight's speed check -----------------------------------------------------------------------------------
+
+
+def speeds(*seconds: float) -> list:
+    from ftrun.detection.preflight import NodeSpeed
+
+    return [NodeSpeed(f"agent-{i}", f"host{i}", s) for i, s in enumerate(seconds)]
+
+
+@pytest.mark.parametrize("seconds, room, keep, slow, refuse", [
+    ((0.010, 0.011, 0.012), 1, "", [], False),
+    ((0.010, 0.011, 0.030), 1, "", ["agent-2"], False),  # left out: the spare takes its place
+    ((0.010, 0.010, 0.030, 0.030), 1, "", ["agent-2", "agent-3"], True),  # two slow, one spare
+    ((0.010, 0.030), 0, "", ["agent-1"], True),  # no spare
+    ((0.030, 0.010, 0.010), 1, "agent-0", ["agent-0"], True),  # the store's host is slow: it cannot leave
+    ((0.010, 0.0, 0.040), 1, "", ["agent-2"], False),  # an unmeasured node is neither slow nor the median
+    ((0.0, 0.040), 1, "", [], False),  # one measured node: nothing to compare
+])
+def test_preflight_leaves_out_a_node_past_twice_the_median_or_refuses(seconds, room, keep, slow, refuse):
+    from ftrun.detection.preflight import judge_speeds
+
+    verdict = judge_speeds(speeds(*seconds), room, keep)
+    assert [agent for agent, _ in verdict.slow] == slow and verdict.refuse is refuse
+    if slow:
+        assert "its matmul takes 30.0 ms" in verdict.findings[0] or "40.0 ms" in verdict.findings[0]
+
+
+def test_the_rendezvous_leaves_a_slow_node_out_for_the_spare_and_tells_it_why():
+    from ftrun.messages import JoinRecord
+    from ftrun.rendezvous import RendezvousPolicy, decide_rendezvous
+
+    joins = [JoinRecord(f"agent-{i}", f"host{i}", 100 + i, 2, matmul_s=s) for i, s in enumerate((0.01, 0.05, 0.011))]
+    policy = RendezvousPolicy(2, 2, 30.0, 600.0, spares=1)
+    result = decide_rendezvous(joins, policy, "agent-0", 1.0, 1.0)
+    assert [s.agent_id for s in result.nodes] == ["agent-0", "agent-2"] and result.spares == ()
+    places = dict(result.places())
+    assert places["agent-1"].slot is None and places["agent-1"].exit_code == 4
+    assert places["agent-1"].error == "preflight: left out, slow: host1: its matmul takes 50.0 ms, 4.5x the median 11.0 ms"
+    refused = decide_rendezvous(joins[:2], RendezvousPolicy(2, 2, 30.0, 600.0), "agent-0", 1.0, 1.0)
+    assert refused.error == "preflight failed: host1: its matmul takes 50.0 ms, 5.0x the median 10.0 ms"
+    assert refused.exit_code == 4
+
+
+def test_the_matmul_check_reads_its_child_s_times_and_shrugs_off_a_broken_one(tmp_path):
+    from ftrun.detection.preflight import matmul_times
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("#!/bin/sh\necho '[0.012, 0.013]'\n")
+    bad.write_text("#!/bin/sh\necho 'ModuleNotFoundError: torch' >&2\nexit 1\n")
+    for script in (good, bad):
+        script.chmod(0o755)
+    assert matmul_times("cuda", 2, python=str(good)) == [0.012, 0.013]
+    assert matmul_times("cpu", 1, python=str(bad)) == []
