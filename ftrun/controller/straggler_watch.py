@@ -9,13 +9,18 @@ once every rank has timed a full window after it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.inbox import Event, StragglerGain, StragglerSeen
 from ftrun.controller.states import JobView, Phase
 from ftrun.detection.stragglers import Assessment, RankTimes, StragglerRule, WatchState, assess, judge
 from ftrun.step_times import StepTimes
+
+#: the seconds of looks the step time before a slowdown is the median of
+BASELINE_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +45,10 @@ class StragglerWatch:
         self.rule = rule or StragglerRule()
         self.state = WatchState()
         self.assessment = Assessment()
-        #: the job's median step time while no rank was past the rule (seconds; 0 before the first look)
-        self.baseline = 0.0
+        #: the job's median step time at each look while no rank was past the rule, over the last BASELINE_S
+        #: seconds: their median is the step time before a slowdown (the last looks before a rank is past may
+        #: show some ranks' windows slowed already)
+        self._clean: collections.deque[tuple[float, float]] = collections.deque()
         self._pending: PendingMove | None = None
         #: the ranks moved to a spare for straggling: slow again there, they are not moved again
         self.moved: frozenset[int] = frozenset()
@@ -58,7 +65,9 @@ class StragglerWatch:
         self.assessment = assessment = assess(reported, self.rule)
         self.state, findings = judge(self.state, assessment, self.rule, now)
         if assessment.ranks and not any(r.past for r in assessment.ranks) and not self.state.named:
-            self.baseline = assessment.median_step
+            self._clean.append((now, assessment.median_step))
+            while self._clean and now - self._clean[0][0] > BASELINE_S:
+                self._clean.popleft()
         events: list[Event] = self._gain(view, assessment)  # of a move decided at an earlier look
         for finding in findings:
             node_ranks = frozenset(r["rank"] for r in snapshot["ranks"] if r.get("node") == finding.node)
@@ -70,6 +79,11 @@ class StragglerWatch:
                                             assessment.median_step)
         self.board.stragglers = self.summary()
         return events
+
+    @property
+    def baseline(self) -> float:
+        """The job's median step time before a slowdown (seconds; 0 before the first look)."""
+        return statistics.median(step for _, step in self._clean) if self._clean else 0.0
 
     def _gain(self, view: JobView, assessment: Assessment) -> list[Event]:
         """Once the move happened and every rank has timed a full window since: what it gained. A move the

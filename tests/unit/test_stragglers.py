@@ -320,3 +320,29 @@ def test_the_matmul_check_reads_its_child_s_times_and_shrugs_off_a_broken_one(tm
         script.chmod(0o755)
     assert matmul_times("cuda", 2, python=str(good)) == [0.012, 0.013]
     assert matmul_times("cpu", 1, python=str(bad)) == []
+
+
+# -- what a person sees ------------------------------------------------------------------------------------------------
+
+
+def test_the_status_view_and_top_name_the_straggler_and_highlight_its_node():
+    from rich.console import Console
+    from rich.text import Text
+
+    from ftrun.live_view import render
+    from ftrun.top_view import panes
+    from tests.unit.test_top import SNAPSHOT
+
+    snapshot = {**SNAPSHOT, "stragglers": ["rank 3 on node 1: 7.0x the job's median compute time (0.350s per step "
+                                           "against 0.050s)"],
+                "nodes": [{**n, "straggler": n["node"] == 1} for n in SNAPSHOT["nodes"]],
+                "ranks": [{**r, "step_s": 0.36, "wait_s": 0.01 if r["rank"] == 3 else 0.31,
+                           "straggler_score": 7.0 if r["rank"] == 3 else 1.0} for r in SNAPSHOT["ranks"]]}
+    console = Console(width=160, record=True)
+    console.print(render(snapshot, 160, 60))
+    text = console.export_text()
+    assert "straggler: rank 3 on node 1: 7.0x the job's median compute time" in text
+    assert "step time" in text and "7.0x" in text and "0.310s" in text
+    rows = dict(panes.rank_rows(snapshot))
+    assert rows[3][8:] == ("0.360s", "0.010s", "7.0x") and rows[0][1:3] == ("0", "gpu0")
+    assert isinstance(rows[3][1], Text) and rows[3][1].style == panes.SLOW_STYLE and rows[3][2].plain == "gpu1"
