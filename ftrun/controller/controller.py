@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ftrun.contract import STORE_TIMEOUT
 from ftrun.controller.board import StatusBoard
@@ -26,7 +26,6 @@ from ftrun.controller.inbox import ControllerMoved, Event, HostGone, Inbox, Node
 from ftrun.controller.journal import Journal
 from ftrun.controller.leadership import Leadership, LeadershipLost
 from ftrun.controller.lookup import RosterLookup
-from ftrun.controller.metrics import JobMetrics
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.observers import Collectives, Library, Nodes, Operator, Repair, Reports
 from ftrun.controller.office import EtcdOffice
@@ -45,6 +44,9 @@ from ftrun.ports import PortRange
 from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.store import ControlStore, StoreUnavailable, bind_address
+
+if TYPE_CHECKING:
+    from ftrun.controller.metrics import JobMetrics
 
 log = logging.getLogger(__name__)
 #: how often the controller reads the store: briskly while a repair or an exit is under way, and while
@@ -132,8 +134,12 @@ class Controller:
         self.operator = Operator(store, keys)
         self.stragglers = StragglerWatch(self.board, policy.stragglers)
         #: --metrics-port: the Prometheus endpoint, served from the controller's start (None without one)
-        self.metrics = JobMetrics(keys.run_id) if metrics_port else None
+        self.metrics: JobMetrics | None = None
         self.metrics_port = metrics_port
+        if metrics_port:
+            from ftrun.controller.metrics import JobMetrics  # prometheus_client only where it serves
+
+            self.metrics = JobMetrics(keys.run_id)
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
