@@ -40,6 +40,17 @@ def test_the_step_clock_gives_medians_over_its_window_and_counts_every_step():
     assert got.wait == pytest.approx(0.15) and got.compute == pytest.approx(0.1)
 
 
+def test_the_step_times_module_imports_the_standard_library_alone():
+    """The worker libraries (ftrun.mindspore_elastic has no torch) and the launcher share it."""
+    import sys
+    from pathlib import Path
+
+    from tests.unit.test_contract import imported_modules
+
+    imported = imported_modules(Path(__file__).resolve().parents[2] / "ftrun" / "step_times.py")
+    assert imported and not [name for name in imported if name not in sys.stdlib_module_names and name != "__future__"]
+
+
 @pytest.mark.parametrize("text, expected", [
     ("12 0.3000 0.2500 0.0500", StepTimes(12, 0.3, 0.25, 0.05)),
     ("", None), ("12 0.3 0.25", None), ("x 0.3 0.25 0.05", None), ("12 0.3 -1 0.05", None),
