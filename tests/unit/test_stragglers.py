@@ -357,3 +357,20 @@ def test_the_status_view_and_top_name_the_straggler_and_highlight_its_node():
     rows = dict(panes.rank_rows(snapshot))
     assert rows[3][8:] == ("0.360s", "0.010s", "7.0x") and rows[0][1:3] == ("0", "gpu0")
     assert isinstance(rows[3][1], Text) and rows[3][1].style == panes.SLOW_STYLE and rows[3][2].plain == "gpu1"
+
+
+def test_ftrun_probe_speed_says_each_device_s_matmul_time(monkeypatch, capsys):
+    import json
+
+    from ftrun.cli import main
+    from ftrun.detection import preflight
+
+    asked = []
+    monkeypatch.setattr(preflight, "matmul_times", lambda kind, count: asked.append((kind, count)) or [0.0123])
+    with pytest.raises(SystemExit) as leaving:
+        main(["probe", "--device", "cpu", "--speed", "--json"])
+    assert leaving.value.code in (0, None) and asked == [("cpu", 1)]
+    assert json.loads(capsys.readouterr().out)["matmul_ms"] == [12.3]
+    with pytest.raises(SystemExit):
+        main(["probe", "--device", "cpu", "--speed"])
+    assert "cpu: a 512 x 512 matmul takes 12.3 ms" in capsys.readouterr().out
