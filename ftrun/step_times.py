@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import statistics
 import threading
 
@@ -28,29 +29,32 @@ WINDOW_STEPS = 16
 class StepTimes:
     """One rank's recent steps: ``steps`` timed since it started (a replacement starts from 0), and the medians
     over its last WINDOW_STEPS of its step time, its compute time (the step less its waits) and its wait
-    inside collectives, in seconds."""
+    inside collectives, in seconds; ``pid``: the process that timed them (the rank's key outlives it: a
+    replaced process's last heartbeat may land after its replacement's first)."""
 
     steps: int = 0
     step: float = 0.0
     compute: float = 0.0
     wait: float = 0.0
+    pid: int = 0
 
     def to_text(self) -> str:
-        return f"{self.steps} {self.step:.4f} {self.compute:.4f} {self.wait:.4f}"
+        return f"{self.steps} {self.step:.4f} {self.compute:.4f} {self.wait:.4f} {self.pid}"
 
     @classmethod
     def from_text(cls, text: str) -> "StepTimes | None":
         """The times a heartbeat wrote, or None (nothing written yet, or not ours)."""
         parts = text.split()
-        if len(parts) != 4:
+        if len(parts) != 5:
             return None
         try:
-            steps, step, compute, wait = int(parts[0]), float(parts[1]), float(parts[2]), float(parts[3])
+            steps, pid = int(parts[0]), int(parts[4])
+            step, compute, wait = float(parts[1]), float(parts[2]), float(parts[3])
         except ValueError:
             return None
-        if steps < 0 or min(step, compute, wait) < 0:
+        if steps < 0 or pid < 0 or min(step, compute, wait) < 0:
             return None
-        return cls(steps, step, compute, wait)
+        return cls(steps, step, compute, wait, pid)
 
 
 class StepClock:
@@ -73,6 +77,6 @@ class StepClock:
         with self._lock:
             recent, steps = list(self._recent), self._steps
         if not recent:
-            return StepTimes()
+            return StepTimes(pid=os.getpid())
         return StepTimes(steps, statistics.median(s for s, _ in recent), statistics.median(s - w for s, w in recent),
-                         statistics.median(w for _, w in recent))
+                         statistics.median(w for _, w in recent), os.getpid())

@@ -4,6 +4,7 @@ controller's watch over a status snapshot, and the policy's answer (report or mo
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -32,10 +33,11 @@ def job(*computes: float, per_node: int = 2, steps: int = 40) -> list[RankTimes]
 
 def test_the_step_clock_gives_medians_over_its_window_and_counts_every_step():
     clock = StepClock(window=4)
-    assert clock.times() == StepTimes()
+    assert clock.times() == StepTimes(pid=os.getpid())
     for step, wait in [(1.0, 0.1), (0.2, 0.1), (0.3, 0.2), (0.25, 0.05), (0.2, 0.5)]:  # the last wait: past its step
         clock.record(step, wait)
     got = clock.times()
+    assert got.pid == os.getpid()  # the process that timed them: its rank's key outlives it
     assert got.steps == 5 and got.step == pytest.approx(0.225)  # 1.0 left the window of 4
     assert got.wait == pytest.approx(0.15) and got.compute == pytest.approx(0.1)
 
@@ -52,8 +54,9 @@ def test_the_step_times_module_imports_the_standard_library_alone():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("12 0.3000 0.2500 0.0500", StepTimes(12, 0.3, 0.25, 0.05)),
-    ("", None), ("12 0.3 0.25", None), ("x 0.3 0.25 0.05", None), ("12 0.3 -1 0.05", None),
+    ("12 0.3000 0.2500 0.0500 4242", StepTimes(12, 0.3, 0.25, 0.05, 4242)),
+    ("", None), ("12 0.3 0.25 0.05", None), ("x 0.3 0.25 0.05 1", None), ("12 0.3 -1 0.05 1", None),
+    ("12 0.3 0.25 0.05 pid", None),
 ])
 def test_step_times_read_back_what_the_heartbeat_wrote(text, expected):
     assert StepTimes.from_text(text) == expected
