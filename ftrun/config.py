@@ -24,6 +24,7 @@ import yaml
 from ftrun import contract, mindspore
 from ftrun.auth import read_token
 from ftrun.contract import HEARTBEAT_TIMEOUT, STORE_TIMEOUT, Endpoint, EndpointError
+from ftrun.detection.stragglers import STRAGGLER_ACTIONS
 from ftrun.devices import DEVICE_KINDS, DeviceOptions, detect_kind
 from ftrun.errors import UsageError
 from ftrun.etcd import EtcdOptions
@@ -175,6 +176,10 @@ class LaunchConfig:
     framework: str = "torch"
     #: --cluster_time_out (msrun's): seconds a MindSpore cluster waits for its members (MS_TOPO_TIMEOUT)
     cluster_timeout: int = mindspore.DEFAULT_CLUSTER_TIMEOUT
+    #: --stragglers: what a straggler costs its node: report (name it), replace (its ranks move to a spare) or off
+    stragglers: str = "report"
+    #: --metrics-port: the controller serves Prometheus metrics on this port (0: none)
+    metrics_port: int = 0
 
     @property
     def script(self) -> str:
@@ -353,6 +358,14 @@ def check_address(host: str, where: str) -> str:
 def check_port(port: int, flag: str) -> None:
     if not 0 < port < 65536:
         raise UsageError(f"{flag}: port {port} is outside 1-65535")
+
+
+def metrics_port(value: Any) -> int:
+    """``--metrics-port``: 0 (or none) for no metrics endpoint, else a port."""
+    port = whole_number(value or 0, "--metrics-port")
+    if port:
+        check_port(port, "--metrics-port")
+    return port
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:
@@ -675,6 +688,8 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         duplicate_stdout_filters=parse_filters(raw.get("duplicate_stdout_filters")),
         duplicate_stderr_filters=parse_filters(raw.get("duplicate_stderr_filters")),
         log_layout=choice(raw.get("log_layout") or DEFAULTS.log_layout, LOG_LAYOUTS, "--log-layout"),
+        stragglers=choice(raw.get("stragglers") or DEFAULTS.stragglers, STRAGGLER_ACTIONS, "--stragglers"),
+        metrics_port=metrics_port(raw.get("metrics_port")),
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""),
         framework=framework,
         cluster_timeout=_cluster_timeout(raw.get("cluster_timeout")),

@@ -22,7 +22,8 @@ job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration
 (job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started),
 ``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint), ``cause`` and ``remedy`` (repair_failed:
 why the ranks found no state to go back to and what would have kept the repair at process level, each
-"" when none), ``action``, ``who`` and ``accepted`` (operator).
+"" when none), ``action``, ``who`` and ``accepted`` (operator), ``score``, ``named`` and ``action`` (straggler: report or
+replace), ``before``, ``slowed`` and ``after`` (straggler_gain: seconds per step).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ KINDS = (
     "operator",  # a person's action from ftrun top (restart drill, drain, stop): who asked, and the answer
     "link",  # a node's data link went dark or came back, or the job waits for it (ftrun.controller.links)
     "stall",  # every rank lives and beats but no step was committed past the job's own bound; and its end
+    "straggler",  # a rank every step waits for was named (or cleared): its score, and whether its node's ranks move
+    "straggler_gain",  # the job's step time before the slowdown, with the straggler, and after its ranks moved
 )
 REQUIRED = ("t", "elapsed", "source", "kind", "generation", "node", "rank", "host", "detail")
 EVENTS_FILE = "events.jsonl"

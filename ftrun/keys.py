@@ -26,8 +26,8 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
   (``board_interval``) or the node changed: 2 round trips per agent, O(N)/s in all, and O(W) status
   bytes per board period. The controller reads all N keepalive counters in one ``multi_get`` per
   0.5 s: O(1) round trips, O(N) bytes.
-* rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` every second (the
-  worker library: O(W) writes/s job-wide). Only its own agent reads them; the controller never reads a
+* rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` and ``rank_step_times``
+  every second (the worker library: O(W) writes/s job-wide). Only its own agent reads them; the controller never reads a
   key per rank.
 * status board: the controller reads the N statuses in two round trips (``check``, ``multi_get``) and
   writes ``status``: O(W) bytes, rebuilt once per ``board_interval`` (at most BOARD_RANKS_PER_S ranks'
@@ -243,6 +243,11 @@ class JobKeys:
     def rank_progress(self, rank: int) -> str:
         """The rank's last committed step, as text."""
         return f"{self.root}/rank/{rank}/step"
+
+    def rank_step_times(self, rank: int) -> str:
+        """The rank's recent step, compute and wait times (``ftrun.step_times.StepTimes`` as text), written with
+        its heartbeat; its agent forwards them in the node's status (stragglers)."""
+        return f"{self.root}/rank/{rank}/times"
 
     @property
     def total_steps(self) -> str:

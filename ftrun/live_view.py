@@ -35,14 +35,14 @@ EVENT_LABEL = {"generation_started": "generation", "node_lost": "node lost", "re
                "repair_failed": "repair failed", "job_finished": "finished", "job_started": "started"}
 EVENT_STYLE = {"fault": "red", "node_lost": "red", "repair_failed": "bold red", "repair_done": "green",
                "decision": "yellow", "takeover": "cyan", "controller_moved": "cyan", "resized": "cyan", "job_finished": "bold",
-               "operator": "magenta"}
+               "operator": "magenta", "straggler": "magenta", "straggler_gain": "green"}
 
 
 def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType:
     """The whole view: the job line, one row per node, the ranks when they fit, the last events."""
     if not snapshot:
         return Text("ftrun: waiting for the nodes to gather (rendezvous)…", style="dim")
-    parts: list[RenderableType] = [job_line(snapshot, width)]
+    parts: list[RenderableType] = [job_line(snapshot, width), *straggler_lines(snapshot)]
     if snapshot["phase"] in PHASE_TRACK:
         parts.append(phase_track(snapshot, width))
     parts.append(node_table(snapshot, width))
@@ -89,6 +89,12 @@ def job_line(s: dict, width: int = 120) -> Text:
     return line
 
 
+def straggler_lines(s: dict) -> list[Text]:
+    """One line per rank named a straggler (none when there is none)."""
+    return [Text(f"  straggler: {line}", style="bold magenta", overflow="ellipsis", no_wrap=True)
+            for line in s.get("stragglers") or ()]
+
+
 def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> Text:
     """A bar drawn as rich's progress bar column draws one: the done part green, the rest dim."""
     filled = min(width, max(0, round(width * done / total)))
@@ -126,13 +132,13 @@ def node_table(s: dict, width: int) -> Table:
                  Text(node["state"], style=state_style), Text(ranks, style=ranks_style), str(node["standbys"])]
         if width >= NARROW:
             cells.append(_devices(node["devices"]))
-        table.add_row(*cells)
+        table.add_row(*cells, style="bold magenta" if node.get("straggler") else "")
     return table
 
 
 def rank_table(s: dict) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name in ("rank", "node", "pid", "step", "heartbeat", "restarts"):
+    for name in ("rank", "node", "pid", "step", "heartbeat", "restarts", "step time", "wait", "straggler"):
         table.add_column(name, justify="right")
     for rank in s["ranks"]:
         age = rank.get("heartbeat_age")
@@ -140,8 +146,18 @@ def rank_table(s: dict) -> Table:
         alive = rank.get("alive", True)
         table.add_row(str(rank["rank"]), str(rank.get("node", "-")),
                       Text(str(rank.get("pid", "-")), style="" if alive else "red strike"),
-                      str(rank["step"]) if rank["step"] is not None else "-", beat, str(rank.get("restarts", 0)))
+                      str(rank["step"]) if rank["step"] is not None else "-", beat, str(rank.get("restarts", 0)),
+                      *step_times(rank))
     return table
+
+
+def step_times(rank: dict) -> tuple[str, str, str]:
+    """A rank's median step time, its wait inside collectives and its straggler score (its compute time over the
+    job's median), "-" where it has none."""
+    score = rank.get("straggler_score")
+    return (f"{rank['step_s']:.3f}s" if rank.get("step_s") is not None else "-",
+            f"{rank['wait_s']:.3f}s" if rank.get("wait_s") is not None else "-",
+            f"{score:.1f}x" if score is not None else "-")
 
 
 def event_lines(events: list[dict], width: int) -> Text:

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
+from ftrun.errors import ExitCode
+
 T = TypeVar("T")
 
 
@@ -137,6 +139,8 @@ class JoinRecord:
     #: the host's IP address (the HCCL rank table's server_id), and its usable devices, ascending
     host_ip: str = ""
     devices: tuple[RankTableDevice, ...] = ()
+    #: --preflight: its slowest device's time for a small matmul, seconds (0: not measured)
+    matmul_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -215,11 +219,15 @@ class RendezvousResult:
 
     #: standby agents (spare nodes): node_rank and first_rank -1 until one takes over a lost node
     spares: tuple[NodeSlot, ...] = ()
+    #: --preflight: agents left out of the job (a spare took their place), and why
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def places(self) -> Iterator[tuple[str, Placement]]:
-        """Each agent's Placement, by agent id: nodes, then spares."""
+        """Each agent's Placement, by agent id: nodes, then spares, then those left out (why, as an error)."""
         for slot in self.nodes + self.spares:
             yield slot.agent_id, Placement(slot, self.world_size, len(self.nodes))
+        for agent_id, why in self.left_out:
+            yield agent_id, Placement(None, self.world_size, len(self.nodes), why, ExitCode.DEVICE)
 
     @property
     def outcome(self) -> Placement:
@@ -242,6 +250,9 @@ class RankState:
     #: that the controller reads one status per node and never a key per rank
     step: int | None = None
     heartbeat_age: float | None = None
+    #: its recent step, compute and wait times as the worker library wrote them (``ftrun.step_times``;
+    #: "" without the library), forwarded for the straggler watch
+    times: str = ""
 
 
 @dataclass(frozen=True)

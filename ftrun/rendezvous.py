@@ -8,12 +8,14 @@ only its own place (``keys.rendezvous_place``, O(1) bytes), carried by its doorb
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ftrun.detection.preflight import NodeSpeed, judge_speeds
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, Placement, RendezvousResult
@@ -62,7 +64,17 @@ def decide_rendezvous(
         min_reached_for is not None and min_reached_for >= policy.last_call_timeout
     )
     if complete:
-        return assign_node_ranks(joins, host_agent_id, policy.max_nodes, policy.spares)
+        verdict = judge_speeds([NodeSpeed(j.agent_id, j.host, j.matmul_s) for j in joins],
+                               max(0, len(joins) - policy.min_nodes), host_agent_id)
+        if verdict.refuse:
+            return RendezvousResult(error=f"preflight failed: {'; '.join(verdict.findings)}", exit_code=ExitCode.DEVICE)
+        if verdict.slow:
+            log.warning("preflight: left out, slow: %s", "; ".join(verdict.findings))
+        left_out = dict(verdict.slow)
+        result = assign_node_ranks([j for j in joins if j.agent_id not in left_out], host_agent_id, policy.max_nodes,
+                                   policy.spares)
+        left = tuple((agent, f"preflight: left out, slow: {line}") for agent, line in left_out.items())
+        return dataclasses.replace(result, left_out=left) if left and not result.error else result
     if waited >= policy.timeout:
         return RendezvousResult(error=_missing_message(joins, policy))
     return None

@@ -1592,6 +1592,13 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                              "last (default 0.5)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="--layouts: N runs of each launcher per layout, alternating; medians reported (default 1)")
+    parser.add_argument("--stragglers", action="store_true",
+                        help="instead: a slow rank (scripts/straggler_rows.py): torchrun, and ftrun fault-free, with "
+                             "--stragglers report and with --stragglers replace and a spare")
+    parser.add_argument("--slow-by", type=float, default=0.15, metavar="SECONDS",
+                        help="--stragglers: the slow rank's extra seconds a step (default 0.15)")
+    parser.add_argument("--slow-from", type=int, default=30, metavar="S",
+                        help="--stragglers: the step its slowdown begins at (default 30)")
     parser.add_argument("--mindspore", action="store_true",
                         help="instead: the MindSpore row, ftrun (job level from snapshots) against msrun re-run from "
                              "the script's checkpoint")
@@ -1727,6 +1734,14 @@ def main() -> int:
             print_mindspore(row, scenarios[0], args.snapshot_every)
             write_json([row["ftrun"], row["msrun"]], scenarios, [], args.json,
                        {"mindspore": {"regain_ratio": row["ratio"]}})
+            return 0
+        if args.stragglers:
+            import straggler_rows
+
+            case = straggler_rows.StragglerCase(steps=args.steps or 160, slow_from=args.slow_from, slow_by=args.slow_by)
+            rows = straggler_rows.run_straggler_rows(case, work_root, checkpoint_digest, say=console.print)
+            straggler_rows.print_straggler_rows(rows, case, console)
+            write_json([], scenarios, [], args.json, {"stragglers": straggler_rows.rows_json(rows, case)})
             return 0
         if args.layouts:
             cases = layout_cases(args.snapshot_every, args.kill_stagger)

@@ -46,6 +46,7 @@ from ftrun.controller.controller import Controller
 from ftrun.detection.hang import HangWatch
 from ftrun.detection.links import data_interfaces, interface_watch
 from ftrun.detection.oom import OomWatch
+from ftrun.detection.preflight import MATMUL_SIZE, matmul_times
 from ftrun.detection.probe import probe
 from ftrun.detection.reach import interface_address
 from ftrun.detection.sources import NodeHealth
@@ -131,6 +132,7 @@ class Agent:
         table = load_fault_table(config.fault_levels or None)
         self.devices = NodeDevices.open(config, table)
         preflight = self._preflight(table) if config.preflight else ""
+        speed = self._preflight_speed() if config.preflight and config.framework == "torch" else 0.0
         # a single node makes its own token: no other agent needs it
         connection.open(config.token or (b"" if config.several_nodes else new_token()), ops.remove_on_exit)
         hosting = " (hosting it and the controller)" if connection.store.is_host else ""
@@ -138,7 +140,7 @@ class Agent:
         ips = load_device_ips(config.device_ips) if config.device_ips else {}
         host_ip = host_address(self.host)
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
-                            host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}))
+                            host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}), speed)
         try:
             placement, slot = connection.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
         except FtrunError:
@@ -218,6 +220,16 @@ class Agent:
             log.error("preflight failed on %s: %s", self.host, report.problem)
             return f"{self.host}: {report.problem}"
         return ""
+
+    def _preflight_speed(self) -> float:
+        """This node's slowest device's time for a small matmul (the rendezvous leaves a node past twice the
+        median out), or 0 when it could not be measured."""
+        kind = self.devices.backend.kind
+        times = matmul_times(kind, 1 if kind == "cpu" else self.config.nproc_per_node)
+        if times:
+            log.info("preflight: a %dx%d matmul takes %s ms on this node's %s devices", MATMUL_SIZE, MATMUL_SIZE,
+                     ", ".join(f"{t * 1000:.1f}" for t in times), kind)
+        return max(times, default=0.0)
 
     def _finish(self, code: int, reason: str) -> JobOutcome:
         controller = self.connection.finish()

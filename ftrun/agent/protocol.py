@@ -185,6 +185,8 @@ class NodeProtocol:
         self._layout = NodeLayout()
         #: --rdzv-backend etcd: why etcd does not answer the controller, as last read ("" while it does)
         self.etcd_unreachable = ""
+        #: each rank's step times as the last ``observe`` read them (``ftrun.step_times`` text, "" before any)
+        self.step_times: dict[int, str] = {}
 
     def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
@@ -237,12 +239,14 @@ class NodeProtocol:
     def observe(self, ranks: list[int], now: float) -> tuple[list[int], list[int | None]]:
         """What a keepalive reads, in one round trip: the controller's keepalive (StoreUnavailable
         once it has not moved for ``node_timeout``), the number of commands published, and this node's
-        ``ranks``' heartbeat counters and committed steps (None before the first)."""
+        ``ranks``' heartbeat counters and committed steps (None before the first); their step times (as the
+        ranks wrote them) are kept in ``step_times``."""
         keys = self.keys
         counts, texts = self.store.readings(
             [keys.controller_heartbeat, keys.command_count] + [keys.rank_heartbeat(r) for r in ranks],
-            [keys.rank_progress(r) for r in ranks] + [keys.etcd_unreachable])
-        *steps, etcd = texts
+            [keys.rank_progress(r) for r in ranks] + [keys.rank_step_times(r) for r in ranks] + [keys.etcd_unreachable])
+        *texts, etcd = texts
+        steps, self.step_times = texts[:len(ranks)], dict(zip(ranks, texts[len(ranks):]))
         if bool(etcd) != bool(self.etcd_unreachable):  # said once each way
             if etcd:
                 log.error("the control store (etcd) is unreachable from the controller: %s; training goes on", etcd)
@@ -259,7 +263,8 @@ class NodeProtocol:
         ``multi_get``, which would wait for a missing key). None of these ranks runs yet, so nothing
         they wrote is lost."""
         keys = self.keys
-        self.store.create([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks])
+        self.store.create([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks] +
+                          [keys.rank_step_times(r) for r in ranks])
 
     def _carried(self, index: int, text: bytes) -> Command | None:
         """Command ``index`` as its doorbell carried it; read from its key when the bell's text does not

@@ -31,6 +31,7 @@ from ftrun.detection.table import FaultLevel, FaultTable
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL
 from ftrun.messages import NodeStatus, RankState, ReportKind
+from ftrun.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
@@ -195,7 +196,8 @@ class Supervision:
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
                       max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
-                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None)
+                      self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None,
+                      self._times_of(w))
             for w in group.workers
         )
         probe = self.probe
@@ -207,6 +209,13 @@ class Supervision:
             top_feed.publish(group)
         if self.snapshots is not None:
             self.snapshots.at_keepalive()
+
+    def _times_of(self, worker: Worker) -> str:
+        """The worker's step times as its heartbeat wrote them, if this process wrote them (a replaced
+        process's last heartbeat may land on its rank's key after its replacement's first): "" else."""
+        text = self._protocol().step_times.get(worker.placement.rank, "")
+        times = StepTimes.from_text(text)
+        return text if worker.returncode is None and times is not None and times.pid == worker.pid else ""
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against

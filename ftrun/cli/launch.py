@@ -173,6 +173,11 @@ def launch_options(fn):
                help="Signals that stop the job, comma-separated. SIGINT and SIGTERM always do, and the "
                     "workers get SIGTERM; the workers get any other listed signal itself (SIGUSR1 for a Slurm "
                     "pre-emption), then SIGKILL after --stop-timeout."),
+        option("stragglers", group=RECOVERY, default=DEFAULTS.stragglers, show_default=True,
+               help="What ftrun does about a straggler (a rank whose compute time per step stays well past the "
+                    "job's median, under ftrun.elastic): report names it in the status, ftrun top and the event "
+                    "log; replace also moves its node's ranks to an idle spare at process level and says what it "
+                    "gained; off watches nothing."),
         option("repair-timeout", group=RECOVERY, type=float, default=DEFAULTS.repair_timeout, show_default=True,
                help="Seconds a process-level repair may take before ftrun falls back to job level."),
         option("online-window", group=RECOVERY, type=float, default=DEFAULTS.online_window, show_default=True,
@@ -301,6 +306,10 @@ def launch_options(fn):
                     "terminal is stdin too; else a view "
                     "redrawn in place), plain (log lines and a progress line every 30s), off, or auto (live on a "
                     "terminal, else plain)."),
+        option("metrics-port", group=LOGS, type=int, default=DEFAULTS.metrics_port, show_default=True,
+               help="Serve Prometheus metrics (steps/s, step and wait times, straggler scores, faults, repairs, "
+                    "restarts left, goodput) at http://HOST:PORT/metrics on the node that runs the controller; "
+                    "0: none."),
         option("config", group="General", default="", envvar="FTRUN_CONFIG",
                help="YAML file of option values (keys as the flags: nproc_per_node: 2)."),
         click.version_option(__version__, "--version", prog_name="ftrun", message="%(prog)s %(version)s"),

@@ -32,9 +32,12 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 @option("device-timeout", group=DEVICES, type=float, default=DEFAULTS.device_timeout, show_default=True,
         help="Seconds the device tool may take.")
 @option("fault-levels", group=DEVICES, default="", help="YAML file merged over ftrun's fault-level table.")
+@click.option("--speed", is_flag=True,
+              help="Also time a 512 x 512 matmul on each device, as --preflight does (a few seconds: torch's import).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
+    from ftrun.detection.preflight import MATMUL_SIZE, matmul_times
     from ftrun.detection.probe import probe
     from ftrun.detection.table import load_fault_table
     from ftrun.devices import DeviceOptions, make_device_backend
@@ -44,11 +47,16 @@ def probe_command(**params) -> int:
     backend = make_device_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
     report = probe(backend, table)
     settings = recovery_settings(os.environ) if report.kind == "npu" else []
+    speed = matmul_times(report.kind, max(1, len(report.rows))) if params["speed"] else []
     if params["as_json"]:
-        out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings]}))
+        out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings],
+                                   **({"matmul_ms": [round(t * 1000, 3) for t in speed]} if params["speed"] else {})}))
     else:
         show(report)
         show_settings(settings)
+        if params["speed"]:
+            times = ", ".join(f"{t * 1000:.1f} ms" for t in speed) or "could not be timed (see the warning above)"
+            out.print(f"{report.kind}: a {MATMUL_SIZE} x {MATMUL_SIZE} matmul takes {times}", markup=False)
     return ExitCode.DEVICE if report.problem else ExitCode.OK
 
 

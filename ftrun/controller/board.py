@@ -15,7 +15,8 @@ import time
 from ftrun.controller.states import REPAIR_PHASES, JobView, Phase
 from ftrun.events import EventLog
 from ftrun.keys import JobKeys
-from ftrun.messages import NodeSlot, NodeStatus
+from ftrun.messages import NodeSlot, NodeStatus, RankState
+from ftrun.step_times import StepTimes
 from ftrun.store import ControlStore
 
 #: the training rate is measured over this many seconds of committed steps
@@ -76,6 +77,9 @@ class StatusBoard:
         self._next_history = 0.0
         self._events_published = 0
         self._total: int | None = None
+        #: the straggler watch's last word (``StragglerWatch.summary``): the snapshot's ``stragglers``, and each
+        #: rank's and node's score
+        self.stragglers: dict = {}
 
     def refresh(self, view: JobView, nodes: dict[int, NodeSlot], spares: list[NodeSlot], phase_since: float,
                 saved: dict | None = None) -> dict:
@@ -86,6 +90,12 @@ class StatusBoard:
         node_rows = [self._node_row(view, slot, "active", status) for slot, status in zip(active, statuses)]
         node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
         node_rows += [self._node_row(view, slot, "spare", status) for slot, status in zip(spares, statuses[len(active):])]
+        scores = self.stragglers.get("scores", {})
+        for row in node_rows:
+            row["straggler_score"] = self.stragglers.get("nodes", {}).get(row["node"])
+            row["straggler"] = row["node"] in self.stragglers.get("named_nodes", ())
+            for r in row["rank_states"]:
+                r["straggler_score"] = scores.get(r["rank"])
         by_rank = {r["rank"]: r for row in node_rows for r in row.pop("rank_states")}
         ranks = [by_rank.get(rank) or {"rank": rank, "step": None, "heartbeat_age": None}
                  for rank in range(view.world_size)]
@@ -118,6 +128,7 @@ class StatusBoard:
             "events": self.events.last(_SHOWN_KINDS, EVENTS_SHOWN),
             "controller": self.controller,
             "stall": self.stall,
+            "stragglers": self.stragglers.get("named", []),
         }
         self._log_progress(view, now, step, rate)
         return self.snapshot
@@ -155,7 +166,7 @@ class StatusBoard:
                            for d in (status.devices if status else ())],
                "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
-                                "pid": r.pid, "alive": r.alive, "restarts": r.restarts} for r in states]}
+                                "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r)} for r in states]}
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
@@ -174,7 +185,15 @@ class StatusBoard:
 
 
 _SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed", "takeover", "controller_moved", "resized",
-                "generation_started", "job_finished")
+                "generation_started", "job_finished", "straggler", "straggler_gain")
+
+
+def _times(state: RankState) -> dict:
+    """A rank's recent step times (``ftrun.step_times``), as the snapshot shows them (None where it sent none)."""
+    times = StepTimes.from_text(state.times)
+    if times is None or not times.steps:
+        return {"timed_steps": 0, "step_s": None, "compute_s": None, "wait_s": None}
+    return {"timed_steps": times.steps, "step_s": times.step, "compute_s": times.compute, "wait_s": times.wait}
 
 
 def _node_state(view: JobView, node: int, stall: dict | None = None) -> str:

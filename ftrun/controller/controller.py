@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ftrun.contract import STORE_TIMEOUT
 from ftrun.controller.board import StatusBoard
@@ -35,6 +35,7 @@ from ftrun.controller.publisher import Publisher
 from ftrun.controller.restore_points import RestorePoints
 from ftrun.controller.roster import OwnPause, Roster
 from ftrun.controller.states import IN_PLACE, REPAIR_PHASES, JobView, Level, Phase
+from ftrun.controller.straggler_watch import StragglerWatch
 from ftrun.controller.worker_store import WorkerStores
 from ftrun.errors import ExitCode
 from ftrun.events import EVENTS_FILE, EventLog
@@ -45,6 +46,9 @@ from ftrun.rendezvous import RendezvousPolicy, gather
 from ftrun.snapshots.keeper import SnapshotOptions
 from ftrun.store import ControlStore, StoreUnavailable, bind_address
 from ftrun.timeouts import timeout_chain
+
+if TYPE_CHECKING:
+    from ftrun.controller.metrics import JobMetrics
 
 log = logging.getLogger(__name__)
 #: how often the controller reads the store: briskly while a repair or an exit is under way, and while
@@ -70,6 +74,8 @@ class RecoveryPolicy:
     store_timeout: float = STORE_TIMEOUT
     #: --online-window: how long a dark data link may stay dark before its node's ranks move to a spare
     online_window: float = 2.0
+    #: --stragglers: report, replace (a straggling node's ranks move to a spare) or off
+    stragglers: str = "report"
 
 
 
@@ -93,6 +99,7 @@ class Controller:
         resume: Journal | None = None,
         schedulers: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        metrics_port: int = 0,
     ):
         self.store, self.keys = store, keys
         self.rendezvous_policy = rendezvous_policy
@@ -123,7 +130,7 @@ class Controller:
                                  self.worker_stores, self.office, self.snapshots.enabled, schedulers,
                                  policy.gather_timeout, clock)
         self.inbox = Inbox()
-        self.lookup = RosterLookup(self.roster, self.board, store.signer.enabled)
+        self.lookup = RosterLookup(self.roster, self.board, store.signer.enabled, host_agent_id)
         self.reports = Reports(store, keys, self.roster)
         self.collectives = Collectives(store, keys, self.roster)
         self.repair = Repair(store, keys, policy.repair_timeout, lambda: self.narrator.repair_decided_at)
@@ -133,6 +140,14 @@ class Controller:
         self.links = LinkObserver(self.narrator.events, LinkRules(policy.online_window,
                                                                   repair_timeout=policy.repair_timeout))
         self.links.host_agent = host_agent_id
+        self.stragglers = StragglerWatch(self.board, policy.stragglers)
+        #: --metrics-port: the Prometheus endpoint, served from the controller's start (None without one)
+        self.metrics: JobMetrics | None = None
+        self.metrics_port = metrics_port
+        if metrics_port:
+            from ftrun.controller.metrics import JobMetrics  # prometheus_client only where it serves
+
+            self.metrics = JobMetrics(keys.run_id)
         #: set once this controller found another leads now: it changes nothing more
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -159,6 +174,7 @@ class Controller:
                 repair_timeout=config.repair_timeout,
                 store_timeout=config.store_timeout,
                 online_window=config.online_window,
+                stragglers=config.stragglers,
             ),
             events=EventLog(path, go_on=resume is not None),
             bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
@@ -168,6 +184,7 @@ class Controller:
             leadership=leadership,
             resume=resume,
             schedulers=config.framework == "mindspore",
+            metrics_port=config.metrics_port,
         )
         controller.links.bounds = timeout_chain(config, os.environ)  # checked again with the measured step time
         return controller
@@ -230,6 +247,12 @@ class Controller:
     # -- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics_port = self.metrics.serve(self.metrics_port)
+            except OSError as e:
+                log.error("no Prometheus metrics: cannot listen on port %d: %s", self.metrics_port, e)
+                self.metrics = None
         try:
             if self._resume is not None:
                 self._take_over(self._resume)
@@ -269,6 +292,8 @@ class Controller:
             if self.view is not None:
                 self.view = dataclasses.replace(self.view, exit_code=ExitCode.JOB_FAILED, reason="the controller failed")
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.worker_stores.close()
             if self.view is not None and self.view.phase not in (Phase.EXITING, Phase.DONE):
                 self.executor.job_finished()  # the controller itself failed: say so in the log
@@ -308,6 +333,9 @@ class Controller:
         self.take(self.library.observe(self.view))
         self._watch_links(now)  # before the status: it shows a dark link or a stall
         self.executor.status_due(now)
+        self.take(self.stragglers.observe(self.view, now))
+        if self.metrics is not None:
+            self.metrics.update(self.board.snapshot, self.events.events)
         self.take(self.operator.observe())
 
     def tick(self, now: float) -> None:

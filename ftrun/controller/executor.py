@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from ftrun.controller.board import StatusBoard
-from ftrun.controller.inbox import Event, NodeLost, OperatorAsked, ReplacementsStarted
+from ftrun.controller.inbox import Event, NodeLost, OperatorAsked, ReplacementsStarted, StragglerGain, StragglerSeen
 from ftrun.controller.narrator import Narrator
 from ftrun.controller.office import EtcdOffice
 from ftrun.controller.publisher import Publisher
@@ -95,6 +95,10 @@ class Executor:
         """What an event says before it is decided: a node lost, a person's request and its answer."""
         if isinstance(event, NodeLost):
             self.narrator.node_lost(self.view.generation, event.slot, event.detail)
+        elif isinstance(event, StragglerSeen):
+            self.narrator.straggler(self.view.generation, event)
+        elif isinstance(event, StragglerGain):
+            self.narrator.straggler_gain(self.view.generation, event)
         elif isinstance(event, OperatorAsked):
             self.narrator.operator(self.view.generation, event.request, event.slot, event.refusal)
             if not event.refusal and event.request.action is OperatorAction.DRAIN and event.slot is not None:

@@ -18,6 +18,7 @@ from typing import Union
 
 from ftrun.contract import CollectiveFailure, Milestone, RollbackFailure
 from ftrun.controller.states import Heard
+from ftrun.detection.stragglers import Finding
 from ftrun.messages import NodeSlot, OperatorRequest, Report
 
 
@@ -160,9 +161,34 @@ class ControllerMoved:
     """This controller took office from its predecessor's journal, with a repair under way."""
 
 
+@dataclass(frozen=True)
+class StragglerSeen:
+    """The straggler watch named a rank (or cleared it). ``replace``: --stragglers replace; ``moved_before``: its
+    ranks were moved to a spare for straggling once already; the node that holds it, the idle spare that could
+    take its ranks, and why they stay ("" when they move) are the roster's, added as it is decided."""
+
+    finding: Finding
+    replace: bool
+    moved_before: bool = False
+    slot: NodeSlot | None = None
+    spare: str = ""
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class StragglerGain:
+    """What moving a straggler's ranks gained: the job's median step time (seconds) before the slowdown
+    (0: unknown), with the straggler, and after the move, once every rank timed a full window there."""
+
+    node: int
+    before: float
+    slowed: float
+    after: float
+
+
 Event = Union[Reported, StopsAcknowledged, CollectiveFailed, MilestoneReached, RepairFailed, NodeLost, HostGone,
               LibraryRanks, ProcessLevelRefused, OperatorAsked, StopAsked, SpareIdle, ReplacementsStarted,
-              ControllerMoved, LinkBack, LinkLost]
+              ControllerMoved, LinkBack, LinkLost, StragglerSeen, StragglerGain]
 
 
 class Inbox:

@@ -12,8 +12,8 @@ import dataclasses
 import logging
 
 from ftrun.controller.board import StatusBoard
-from ftrun.controller.inbox import Event, HostGone, NodeLost, OperatorAsked, Reported
-from ftrun.controller.policy import operator_refusal
+from ftrun.controller.inbox import Event, HostGone, NodeLost, OperatorAsked, Reported, StragglerSeen
+from ftrun.controller.policy import operator_refusal, straggler_refusal
 from ftrun.controller.roster import Roster
 from ftrun.controller.states import JobView
 from ftrun.messages import OperatorAction, ReportKind
@@ -25,8 +25,10 @@ class RosterLookup:
     """Completes events from the roster (and the status board, for a rank's pid); ``signed``: whether the
     job takes requests from ``ftrun top`` (it has a token)."""
 
-    def __init__(self, roster: Roster, board: StatusBoard, signed: bool):
+    def __init__(self, roster: Roster, board: StatusBoard, signed: bool, controller_agent: str = ""):
         self.roster, self.board, self.signed = roster, board, signed
+        #: the agent whose process runs the controller: its node's ranks stay where they are
+        self.controller_agent = controller_agent
 
     def complete(self, event: Event, view: JobView) -> Event | None:
         """``event`` with what the roster says now, or None when it no longer concerns the job."""
@@ -40,7 +42,20 @@ class RosterLookup:
             return self._from_the_holder(event)
         if isinstance(event, OperatorAsked):
             return self._answered(event, view)
+        if isinstance(event, StragglerSeen):
+            return self._straggler(event, view)
         return event
+
+    def _straggler(self, seen: StragglerSeen, view: JobView) -> StragglerSeen:
+        """A straggler with the node that holds its rank, the spare that could take the node's ranks, and why
+        they stay ("" when they move)."""
+        slot = self.roster.holder_of_rank(seen.finding.rank)
+        spare = self.roster.spare_for(slot.nproc) if slot is not None else None
+        refusal = straggler_refusal(view, seen.replace, seen.finding.named, spare.agent_id if spare else "",
+                                    seen.moved_before, slot is not None and slot.agent_id == self.controller_agent)
+        if slot is None and not refusal:
+            refusal = "no node holds it"
+        return dataclasses.replace(seen, slot=slot, spare=spare.agent_id if spare else "", refusal=refusal)
 
     def _host_gone(self, gone: HostGone, view: JobView) -> Event | None:
         """The agent on a host is known to be gone (its ssh session ended): no need to wait for its keepalive.

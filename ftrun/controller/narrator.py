@@ -13,6 +13,7 @@ import logging
 from typing import Callable
 
 from ftrun.contract import Fallback, RollbackFailure
+from ftrun.controller.inbox import StragglerGain, StragglerSeen
 from ftrun.controller.states import IN_PLACE, REPAIR_PHASES, JobView, Level, Phase
 from ftrun.errors import ExitCode
 from ftrun.events import EventLog
@@ -269,6 +270,30 @@ class Narrator:
             line = f"spare {spare.host} takes the place of node {node_rank} ({lost.host})"
         log.warning(line)
         self.events.emit("takeover", generation, line, node=node_rank, host=spare.host)
+
+    def straggler(self, generation: int, seen: StragglerSeen) -> None:
+        """A straggler named or cleared, and whether its node's ranks move to a spare (why not, when not)."""
+        finding = seen.finding
+        moves = finding.named and not seen.refusal
+        if not finding.named:
+            line = finding.line
+        elif moves:
+            line = f"{finding.line}; moving node {finding.node}'s ranks to a spare"
+        else:
+            line = f"{finding.line}; reported only ({seen.refusal})"
+        (log.warning if finding.named else log.info)(line)
+        self.events.emit("straggler", generation, line, node=finding.node, rank=finding.rank,
+                         host=seen.slot.host if seen.slot is not None else None, score=finding.score,
+                         named=finding.named, action="replace" if moves else "report")
+
+    def straggler_gain(self, generation: int, gain: StragglerGain) -> None:
+        """What moving a straggler's ranks gained, in the job's step time."""
+        before = f"{gain.before:.3f}s before the slowdown, " if gain.before else ""
+        line = (f"node {gain.node}'s ranks moved off a straggler: the job's step takes {before}{gain.slowed:.3f}s with "
+                f"the straggler, {gain.after:.3f}s after the move")
+        log.warning(line)
+        self.events.emit("straggler_gain", generation, line, node=gain.node, before=round(gain.before, 4),
+                         slowed=round(gain.slowed, 4), after=round(gain.after, 4))
 
     def operator(self, generation: int, request: OperatorRequest, slot: NodeSlot | None, refusal: str) -> None:
         """A person's request from ``ftrun top``, with who asked and the answer."""

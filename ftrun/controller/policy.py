@@ -308,6 +308,42 @@ def on_operator(view: JobView, request: OperatorRequest, node_rank: int = -1, lo
     return _on_failure(view, Report(ReportKind.WORKER_FAILED, node_rank, view.generation, (failure,)))
 
 
+def straggler_refusal(view: JobView, replace: bool, named: bool, spare: str = "", moved_before: bool = False,
+                      runs_controller: bool = False) -> str:
+    """Why a straggler's node keeps its ranks ("" when they move to ``spare``): --stragglers report, no idle
+    spare, a repair under way, a job that cannot repair at process level, no budget, the node runs the
+    controller (its agent would leave with it); or its ranks were moved for straggling once already and are
+    slow still, so the slowness is their work's, not the node's."""
+    if not named:
+        return "cleared"
+    if moved_before:
+        return "its ranks were moved to a spare once already and are slow still (their work, not the node)"
+    if not replace:
+        return "--stragglers report"
+    if runs_controller:
+        return "its node runs the controller"
+    if view.phase is not Phase.RUNNING:
+        return f"a repair is under way ({view.phase.value})"
+    if not view.process_level_ready:
+        return "the job cannot repair at process level"
+    if view.budget_left <= 0:
+        return "the retry budget is spent"
+    if not spare:
+        return "no idle spare node to take its ranks"
+    return ""
+
+
+def on_straggler(view: JobView, seen: inbox.StragglerSeen) -> Decision:
+    """A straggler named: with --stragglers replace, and nothing in :func:`straggler_refusal`'s way, its node's
+    ranks move to the idle spare at process level as a lost node's do (one unit of budget); else it is only
+    reported."""
+    if seen.refusal or seen.slot is None:
+        return view, []
+    slot = seen.slot
+    detail = f"node {slot.node_rank} ({slot.host}) moved to a spare: {seen.finding.line}"
+    return on_node_lost(view, slot.node_rank, detail, seen.spare, tuple(range(slot.first_rank, slot.first_rank + slot.nproc)))
+
+
 def on_node_unusable(view: JobView, node_rank: int, detail: str) -> Decision:
     """A node has no usable device left for its ranks: a node-level fault. Without a spare node
     to take its place the job cannot go on; no retry would help, so no budget is spent."""
@@ -632,6 +668,10 @@ def decide(view: JobView, event: inbox.Event) -> Decision:
             return on_link_back(view, node_rank, host, rank, detail, at)
         case inbox.LinkLost(detail):
             return on_link_lost(view, detail)
+        case inbox.StragglerSeen():
+            return on_straggler(view, event)
+        case inbox.StragglerGain():
+            return view, []  # told, nothing to do
     raise ValueError(f"no decision for {event!r}")
 
 

@@ -85,7 +85,7 @@ class Roster:
         """The places the rendezvous gave."""
         self.nodes = {slot.node_rank: slot for slot in result.nodes}
         self.spares = list(result.spares)
-        self._arrivals_seen = len(self.nodes) + len(self.spares)
+        self._arrivals_seen = len(self.nodes) + len(self.spares) + len(result.left_out)  # --preflight left some out
         if self.spares:
             log.info("%d spare node%s standing by: %s", len(self.spares), "s" if len(self.spares) != 1 else "",
                      ", ".join(s.host for s in self.spares))

@@ -183,6 +183,9 @@ class GroupSet:
         self._pending: "weakref.WeakSet[_Settled]" = weakref.WeakSet()
         #: a collective of the current real groups was given up while it waited: it may never end
         self.stuck = False
+        #: seconds the training thread spent blocked in guarded collectives' waits (the step clock reads it:
+        #: a step's compute time is its time less these)
+        self.waited = 0.0
 
     def create(self, options, backend_options=None) -> ElasticGroup:
         """torch's creator for the ``ftrun`` backend (``Backend.register_backend(..., extended_api=True)``)."""
@@ -410,6 +413,7 @@ class _Guarded(dist._Work):
         self._generation = owner.generation
 
     def wait(self, timeout=None) -> bool:
+        began = time.perf_counter()
         try:
             if timeout is not None and timeout != NO_TIMEOUT:
                 return self._real.wait(timeout)
@@ -418,6 +422,8 @@ class _Guarded(dist._Work):
         except Exception as e:
             self._owner.fail(e)
             return True
+        finally:
+            self._owner.waited += time.perf_counter() - began
 
     def _wait_unless_given_up(self) -> bool:
         """Wait in slices (a wait returns the moment the work completes, whatever its slice), and give up

@@ -30,6 +30,7 @@ from ftrun.elastic.store_location import StoreLocation
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
+from ftrun.step_times import StepClock
 from ftrun.store import CONNECT_TIMEOUT, ControlStore
 
 log = logging.getLogger("ftrun.elastic")
@@ -137,6 +138,9 @@ class ControlLink:
         #: the announcement key the repair watch waits on (this rank's own, of the next generation);
         #: "" before the watch first waits and once let_go rang it
         self._watch_key = ""
+        #: each step's time and its waits inside collectives, which the heartbeat reports (stragglers)
+        self.clock = StepClock()
+        self._step_began = 0.0
 
     def start(self, groups: GroupSet, progress: Callable[[], int]) -> None:
         """Start the heartbeat, which reports ``progress()`` (the committed step), and the repair watch,
@@ -152,11 +156,17 @@ class ControlLink:
 
     def step_begins(self) -> None:
         self._groups.in_step = True
+        self._groups.waited = 0.0
+        self._step_began = time.perf_counter()
 
     def step_ends(self) -> BaseException | None:
-        """The step's body is over: the failure of one of its collectives, if one failed."""
-        self._groups.in_step = False
-        return self._groups.failure
+        """The step's body is over: the failure of one of its collectives, if one failed. A step whose
+        collectives held is timed: how long it took, and how long of that it waited inside them."""
+        groups = self._groups
+        groups.in_step = False
+        if groups.failure is None:
+            self.clock.record(time.perf_counter() - self._step_began, groups.waited)
+        return groups.failure
 
     def lost_collective(self) -> BaseException | None:
         return self._groups.failure if self._groups is not None else None
@@ -338,7 +348,8 @@ class ControlLink:
                 if failed is not None:  # the first rank's word stays: the root cause
                     store.raw.compare_set(self.keys.collective_failure(failed.generation), "", failed.to_text())
                 store.add(self.keys.rank_heartbeat(self.rank))
-                store.set_text(self.keys.rank_progress(self.rank), str(progress()))
+                store.set_each([self.keys.rank_progress(self.rank), self.keys.rank_step_times(self.rank)],
+                               [str(progress()), self.clock.times().to_text()])
             except Exception:
                 return  # the store is gone and did not move: the agent stops this process
 

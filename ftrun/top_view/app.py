@@ -24,7 +24,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from ftrun.errors import ExitCode
-from ftrun.live_view import job_line, moved_line
+from ftrun.live_view import job_line, moved_line, straggler_lines
 from ftrun.live_view import render as status_render
 from ftrun.messages import OperatorAction
 from ftrun.store import StoreUnavailable
@@ -145,7 +145,11 @@ class TopApp(App):
         if snapshot:
             self.snapshot = snapshot
             self._fill_table()
-            self.query_one("#job", Static).update(job_line(snapshot, self.size.width or 120))
+            line = job_line(snapshot, self.size.width or 120)
+            for straggler in straggler_lines(snapshot):
+                line.append("\n")
+                line.append_text(straggler)
+            self.query_one("#job", Static).update(line)
             if snapshot["phase"] == "done":
                 self.say(ENDED)
         self._draw(events, detail)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ftrun.live_view import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE
+from ftrun.live_view import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE, step_times
 
-RANK_COLUMNS = ("rank", "node", "host", "pid", "state", "step", "heartbeat", "restarts")
+RANK_COLUMNS = ("rank", "node", "host", "pid", "state", "step", "heartbeat", "restarts", "step time", "wait", "straggler")
+#: a straggling node's cells
+SLOW_STYLE = "bold magenta"
 #: output lines shown in a rank's pane
 OUTPUT_SHOWN = 20
 #: a heartbeat older than this is shown in red
@@ -41,18 +43,23 @@ def refusal(key: str, hint: str = TOKEN_HINT) -> str:
     return f"'{key}' changes the job and needs its token: {hint}"
 
 
-def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str, ...]]]:
-    """(rank, cells) per rank, by node then rank."""
+def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str | Text, ...]]]:
+    """(rank, cells) per rank, by node then rank; the node and host of a straggling node highlighted."""
     hosts = {n["node"]: n["host"] for n in snapshot.get("nodes", ()) if n["role"] == "active"}
-    rows: list[tuple[int, tuple[str, ...]]] = []
+    slow = {n["node"] for n in snapshot.get("nodes", ()) if n.get("straggler")}
+    rows: list[tuple[int, tuple[str | Text, ...]]] = []
     for rank in sorted(snapshot.get("ranks", ()), key=lambda r: (r.get("node", -1), r["rank"])):
         age = rank.get("heartbeat_age")
         state = "alive" if rank.get("alive", True) and rank.get("pid") else "down" if rank.get("pid") else "-"
+        node, host = str(rank.get("node", "-")), hosts.get(rank.get("node"), "-")
+        where: tuple[str | Text, ...] = ((Text(node, style=SLOW_STYLE), Text(host, style=SLOW_STYLE))
+                                         if rank.get("node") in slow else (node, host))
         rows.append((rank["rank"], (
-            str(rank["rank"]), str(rank.get("node", "-")), hosts.get(rank.get("node"), "-"), str(rank.get("pid", "-")),
+            str(rank["rank"]), *where, str(rank.get("pid", "-")),
             state, str(rank["step"]) if rank["step"] is not None else "-",
-            f"{age:.1f}s ago" if age is not None else "-", str(rank.get("restarts", 0)))))
+            f"{age:.1f}s ago" if age is not None else "-", str(rank.get("restarts", 0)), *step_times(rank))))
     return rows
+
 
 
 def node_of(snapshot: dict, rank: int) -> dict | None:

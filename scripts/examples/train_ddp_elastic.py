@@ -29,6 +29,10 @@ For demos and benchmarks:
                                    die one by one over the next SECONDS (rank 0 last), while the
                                    job repairs the first deaths
   --step-sleep SECONDS             sleep after every step, to slow the job down
+  --slow-rank R --slow-from S --slow-by SECONDS
+                                   a straggler: from step S on, rank R's first process spends SECONDS
+                                   more in each step (a slow chip on its node); a replacement elsewhere
+                                   is not slow
   --progress FILE                  every rank appends "<unix time> <rank> <step> <pid> <restart count>"
                                    for every finished step
 """
@@ -74,6 +78,9 @@ def make_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--kill-stagger", type=float, default=0.0,
                         help="with --kill-rank all: the other ranks die over this many seconds after the last")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every step")
+    parser.add_argument("--slow-rank", type=int, help="a straggler: this rank's first process is slow (--slow-by)")
+    parser.add_argument("--slow-from", type=int, default=1, help="with --slow-rank: from this step on (default 1)")
+    parser.add_argument("--slow-by", type=float, default=0.0, help="with --slow-rank: seconds more in each step")
     return parser
 
 
@@ -134,6 +141,8 @@ def after_step(progress, args: argparse.Namespace, rank: int, step: int) -> None
             KILL_TIMERS.append(timer)
     if args.step_sleep:
         time.sleep(args.step_sleep)
+    if args.slow_rank == rank and step >= args.slow_from and first_attempt:
+        time.sleep(args.slow_by)
 
 
 def kill_delay(args: argparse.Namespace, rank: int) -> float:

@@ -329,6 +329,9 @@ FLAGS = [
     ("worker-port-range-open", ["--worker-port-range", "30000-", S], "--worker-port-range"),
     ("worker-port-range-non-utf8", ["--worker-port-range", NON_UTF8, S], "--worker-port-range"),
     ("log-layout-word", ["--log-layout", "deepspeed", S], ("--log-layout", "deepspeed")),
+    ("stragglers-word", ["--stragglers", "evict", S], ("--stragglers", "evict")),
+    ("metrics-port-above-range", ["--metrics-port", "70000", S], ("--metrics-port", "70000")),
+    ("metrics-port-negative", ["--metrics-port", "-1", S], "--metrics-port"),
     ("log-layout-empty-word", ["--log-layout", " ", S], "--log-layout"),
     ("flag-typo", ["--nnode", "2", S], "--nnode"),
     ("flag-without-value", ["--nnodes"], "--nnodes"),
@@ -483,7 +486,7 @@ CHECKED_SWITCHES = ["module", "no_python", "preflight", "run_path", "standalone"
 NUMBERS = ["checkpoint_every", "checkpoint_interval", "devices", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
            "keep_checkpoints", "master_port", "monitor_interval", "nnodes", "node_rank", "node_timeout",
            "nproc_per_node", "online_window", "rdzv_timeout", "redirects", "repair_timeout", "replicate_every",
-           "snapshot_every", "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby"]
+           "snapshot_every", "snapshot_replicas", "spares", "stop_timeout", "tee", "warm_standby", "metrics_port"]
 #: keys where null is not "the default" but a missing value (null elsewhere leaves the default)
 NULL_IS_WRONG = ["checkpoint_every", "device_timeout", "hang_timeout", "health_interval", "heartbeat_timeout",
                  "keep_checkpoints", "monitor_interval", "nnodes", "node_rank", "node_timeout", "nproc_per_node",

@@ -229,12 +229,13 @@ SAID_IN_HELP = {"rdzv_timeout", "max_restarts", "cluster_time_out"}
 #: options that set no field of their own: where and how to run (head node, Slurm, the worker command),
 #: second names of another option, torchrun's flags that ftrun only accepts, and those a field is derived
 #: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --framework; --framework:
-#: from the script's imports; --python: the worker command's first word; msrun's flags: ftrun's flags)
+#: from the script's imports; --python: the worker command's first word; msrun's flags: ftrun's flags; ftrun probe's
+#: --speed: a measurement of its own)
 NOT_A_FIELD = {
     "hostfile", "include", "exclude", "ssh_port", "ssh_option", "remote_python", "remote_cwd", "env", "rdzv_host",
     "print_hosts", "dry_run", "standalone", "rdzv_endpoint", "rdzv_conf", "run_id", "rdzv_id", "fault_retry_times",
     "shutdown_timeout", "token_file", "warm_standby", "snapshot_memory", "module", "no_python", "run_path",
-    "start_method", "logs_specs", "event_log_handler", "config", "version", "as_json",
+    "start_method", "logs_specs", "event_log_handler", "config", "version", "as_json", "speed",
     "framework", "python", "worker_num", "local_worker_num", "join", "bind_core", "bind_numa", "tail_worker_log",
     "worker_log_name", "rank_table_file", "sim_level", "sim_rank_id",
 }

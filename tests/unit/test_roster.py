@@ -81,3 +81,13 @@ def test_a_spare_takes_a_lost_node_s_ranks_and_a_scale_in_renumbers_the_nodes_af
     view = dataclasses.replace(JobView(node_count=3, max_restarts=1, world_size=6), lost=frozenset({1}))
     assert [(n.node_rank, n.first_rank) for n in roster.renumber(view)] == [(0, 0), (2, 2)]
     assert roster.nodes[2].first_rank == 2
+
+
+def test_an_agent_the_preflight_left_out_is_no_late_arrival(roster):
+    result = RendezvousResult(nodes=tuple(roster.nodes.values()), world_size=6, spares=tuple(roster.spares),
+                              left_out=(("slow", "preflight: left out, slow: ..."),))
+    roster.take_places(result)
+    for agent in ("agent-0", "agent-1", "agent-2", "spare", "slow"):  # the rendezvous's, the slow one last (its matmul)
+        roster.store.append(KEYS.arrivals, KEYS.join, JoinRecord(agent, "h", 1, 2))
+    roster.store.append(KEYS.arrivals, KEYS.join, JoinRecord("late", "h", 1, 2))
+    assert [j.agent_id for j in roster.arrivals()] == ["late"]

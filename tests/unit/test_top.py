@@ -90,7 +90,7 @@ SNAPSHOT = {
 def test_rank_rows_by_node_then_rank():
     rows = panes.rank_rows(SNAPSHOT)
     assert [rank for rank, _ in rows] == [0, 1, 2, 3]
-    assert rows[3][1] == ("3", "1", "gpu1", "103", "alive", "42", "0.4s ago", "1")
+    assert rows[3][1] == ("3", "1", "gpu1", "103", "alive", "42", "0.4s ago", "1", "-", "-", "-")
 
 
 def test_rank_detail_shows_output_history_device_and_faults():

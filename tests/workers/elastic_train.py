@@ -11,6 +11,8 @@ Faults come from the environment and hit only original ranks (never a replacemen
                                              OUT_DIR/hold exists (a test holds a repair under way so)
 Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,5...] keeps that sleep
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
+SLOW_RANK=rank:step:seconds: from that step on, that rank's process spends that many seconds more in each step
+(a slow chip on its node: alive, beating, every step a little late); its replacement on another node is not slow.
 PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
 HOLD_AFTER=step: once that step is committed, every rank waits while OUT_DIR/hold-steps exists (a test keeps
 the job training until what it opened beside it shows the job).
@@ -80,6 +82,15 @@ def step_sleep(step: int) -> float:
     return float(os.environ.get("STEP_SLEEP", "0.05"))
 
 
+def slowdown(rank: int, step: int) -> float:
+    """SLOW_RANK=rank:step:seconds: the extra seconds this rank's step takes (0 in a replacement)."""
+    spec = os.environ.get("SLOW_RANK", "")
+    if not spec or os.environ.get("FTRUN_REPLACEMENT") == "1":
+        return 0.0
+    slow_rank, from_step, seconds = spec.split(":")
+    return float(seconds) if rank == int(slow_rank) and step >= int(from_step) else 0.0
+
+
 def hold_after(committed: int, out_dir: str) -> None:
     """HOLD_AFTER=step: once ``committed`` is that step, wait while OUT_DIR/hold-steps exists."""
     if os.environ.get("HOLD_AFTER") == str(committed):
@@ -124,7 +135,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            time.sleep(step_sleep(step))
+            time.sleep(step_sleep(step) + slowdown(job.rank, step))
         # whole or not at all: a test reads it while training goes on
         progress = os.path.join(out_dir, f"progress-rank{job.rank}")
         with open(progress + ".tmp", "w") as f:
