@@ -42,6 +42,8 @@ log = logging.getLogger("ftrun.elastic")
 FILE_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
 #: the Trainers made in this process, by framework: only the first gets the integration (one job, one training)
 _made: dict[str, int] = {}
+#: the integration of a framework whose own loop the script writes: it must import it (no line cannot drive its steps)
+INTEGRATION_OF = {"deepspeed": "ftrun.elastic.integrations.deepspeed"}
 #: why the Trainer's arguments were left to accelerate ("" while none were)
 _declined: list[str] = []
 
@@ -54,7 +56,7 @@ def prepare(environ: dict[str, str] | None = None) -> bool:
         return False
     watched: dict[str, Callable[[ModuleType], None]] = {
         "transformers.training_args": _training_arguments, "transformers.trainer": _hf_trainer,
-        "lightning.pytorch.trainer.trainer": _lightning_trainer}
+        "lightning.pytorch.trainer.trainer": _lightning_trainer, "deepspeed": _deepspeed}
     pending: dict[str, Callable[[ModuleType], None]] = {}
     for name, wrap in watched.items():
         if name in sys.modules:  # imported ahead by the warm interpreter
@@ -121,6 +123,33 @@ def wrap_method(cls: type, name: str, before: Callable[[Any], None] | None = Non
         return result
 
     setattr(cls, name, wrapped)
+
+
+# -- DeepSpeed ----------------------------------------------------------------------------------------------
+
+
+def _deepspeed(module: ModuleType) -> None:
+    original = module.initialize
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        made = original(*args, **kwargs)
+        engine_made()
+        return made
+
+    setattr(module, "initialize", initialize)
+
+
+def engine_made() -> None:
+    """A DeepSpeed engine was made: without ftrun's integration (which registers its state and drives the loop's
+    steps), the job cannot repair it at process level, which one line says."""
+    if INTEGRATION_OF["deepspeed"] in sys.modules or _declined:  # covered, or the Trainer's arguments said why
+        return
+    from ftrun.elastic.integrations import shared
+
+    shared.say_job_level("the script's DeepSpeed engine was made without ftrun's integration (import "
+                         f"{INTEGRATION_OF['deepspeed']} before deepspeed.init_distributed() and loop over its "
+                         "steps(): docs/integrations.md)")
 
 
 # -- Hugging Face -------------------------------------------------------------------------------------------

@@ -146,6 +146,26 @@ def test_a_rank_that_did_not_join_says_why_once_from_rank_0(monkeypatch, capsys,
     assert capsys.readouterr().err.splitlines() == ([line] if said else [])
 
 
+def test_a_deepspeed_engine_made_without_the_integration_says_so_once(monkeypatch, capsys):
+    """An unchanged DeepSpeed script: its loop is its own, so no hook can drive its steps; one line says what to
+    add, and the job runs at job level. With the integration imported, nothing is said."""
+    monkeypatch.setattr(shared, "_said", [])
+    monkeypatch.setattr(shared, "_joined", [])
+    for name, value in worker(0).items():
+        monkeypatch.setenv(name, value)
+    fake = SimpleNamespace(initialize=lambda model=None, config=None: ("engine", "optimizer", None, None))
+    trainer_hooks._deepspeed(fake)
+    monkeypatch.setitem(sys.modules, trainer_hooks.INTEGRATION_OF["deepspeed"], SimpleNamespace())
+    assert fake.initialize(model="m") == ("engine", "optimizer", None, None)
+    assert capsys.readouterr().err == ""
+    monkeypatch.delitem(sys.modules, trainer_hooks.INTEGRATION_OF["deepspeed"])
+    fake.initialize(model="m")
+    fake.initialize(model="m")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ftrun.elastic: the script's DeepSpeed engine was made without ftrun's integration "
+                           "(import ftrun.elastic.integrations.deepspeed before") and "restart the job" in line
+
+
 def test_plain_scripts_are_known_by_the_trainers_they_name(tmp_path):
     hf_script, lightning_script, torch_script = (tmp_path / name for name in ("hf.py", "pl.py", "loop.py"))
     hf_script.write_text("from transformers import Trainer, TrainingArguments\n")
