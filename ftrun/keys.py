@@ -119,6 +119,14 @@ class JobKeys:
         """The agent's own Placement (its doorbell rings with the same sealed text)."""
         return f"{self.root}/rdzv/place/{agent_id}"
 
+    def preflight_plan(self, agent_id: str) -> str:
+        """--preflight: the agent's turns in the data network's bandwidth check (a PairPlan)."""
+        return f"{self.root}/rdzv/pairs/plan/{agent_id}"
+
+    def preflight_pairs(self, agent_id: str) -> str:
+        """--preflight: what the agent measured of its turns (a PairReport)."""
+        return f"{self.root}/rdzv/pairs/report/{agent_id}"
+
     @property
     def rendezvous_readers(self) -> str:
         """Counter of agents that read the result: a failed rendezvous keeps the store up until all did."""

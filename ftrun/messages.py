@@ -141,6 +141,8 @@ class JoinRecord:
     devices: tuple[RankTableDevice, ...] = ()
     #: --preflight: its slowest device's time for a small matmul, seconds (0: not measured)
     matmul_s: float = 0.0
+    #: --preflight: "HOST:PORT" of its listener on its data address for the pairs' bandwidth check ("": none)
+    data_endpoint: str = ""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ftrun.detection.preflight import NodeSpeed, judge_speeds
+from ftrun.detection.pairs import PairCheck, PairPlan, PairReport, PairTime, check_bound, plans, schedule
+from ftrun.detection.preflight import NodeSpeed, judge_preflight
 from ftrun.errors import ExitCode, FtrunError, RendezvousError
 from ftrun.keys import RENDEZVOUS_RING, JobKeys
 from ftrun.messages import JoinRecord, NodeSlot, Placement, RendezvousResult
@@ -48,11 +49,13 @@ def decide_rendezvous(
     host_agent_id: str,
     waited: float,
     min_reached_for: float | None,
+    pairs: tuple[PairTime, ...] = (),
 ) -> RendezvousResult | None:
     """The rendezvous result once it is decided, else ``None`` (keep waiting).
 
     ``waited`` is the time since the rendezvous opened, ``min_reached_for`` the time
-    since MIN nodes had joined (None while fewer have).
+    since MIN nodes had joined (None while fewer have); ``pairs``: --preflight's data network
+    check, measured once :func:`pairs_due` said so.
     """
     clash = _rank_clash(joins)
     if clash:
@@ -60,24 +63,40 @@ def decide_rendezvous(
     unfit = [j.preflight for j in joins if j.preflight]
     if unfit:
         return RendezvousResult(error=f"preflight failed: {'; '.join(unfit)}", exit_code=ExitCode.DEVICE)
-    complete = len(joins) >= policy.max_nodes + policy.spares or (
-        min_reached_for is not None and min_reached_for >= policy.last_call_timeout
-    )
-    if complete:
-        verdict = judge_speeds([NodeSpeed(j.agent_id, j.host, j.matmul_s) for j in joins],
-                               max(0, len(joins) - policy.min_nodes), host_agent_id)
+    if _complete(joins, policy, min_reached_for):
+        verdict = judge_preflight([NodeSpeed(j.agent_id, j.host, j.matmul_s) for j in _host_first(joins, host_agent_id)],
+                                  list(pairs), max(0, len(joins) - policy.min_nodes), host_agent_id)
+        for line in verdict.findings:  # one line per finding
+            (log.error if verdict.refuse else log.warning)("preflight: %s", line)
         if verdict.refuse:
             return RendezvousResult(error=f"preflight failed: {'; '.join(verdict.findings)}", exit_code=ExitCode.DEVICE)
-        if verdict.slow:
-            log.warning("preflight: left out, slow: %s", "; ".join(verdict.findings))
         left_out = dict(verdict.slow)
         result = assign_node_ranks([j for j in joins if j.agent_id not in left_out], host_agent_id, policy.max_nodes,
                                    policy.spares)
-        left = tuple((agent, f"preflight: left out, slow: {line}") for agent, line in left_out.items())
+        left = tuple((agent, f"preflight: left out: {line}") for agent, line in left_out.items())
         return dataclasses.replace(result, left_out=left) if left and not result.error else result
     if waited >= policy.timeout:
         return RendezvousResult(error=_missing_message(joins, policy))
     return None
+
+
+def _complete(joins: list[JoinRecord], policy: RendezvousPolicy, min_reached_for: float | None) -> bool:
+    return len(joins) >= policy.max_nodes + policy.spares or (
+        min_reached_for is not None and min_reached_for >= policy.last_call_timeout)
+
+
+def _host_first(joins: list[JoinRecord], host_agent_id: str) -> list[JoinRecord]:
+    return sorted(joins, key=lambda j: j.agent_id != host_agent_id)
+
+
+def pairs_due(joins: list[JoinRecord], policy: RendezvousPolicy, host_agent_id: str,
+              min_reached_for: float | None) -> list[JoinRecord]:
+    """The agents whose data network --preflight measures now, the store's host first: every one that listens
+    for it, once the rendezvous has all the agents it waits for (none when it is failing anyway)."""
+    if _rank_clash(joins) or any(j.preflight for j in joins) or not _complete(joins, policy, min_reached_for):
+        return []
+    listening = [j for j in _host_first(joins, host_agent_id) if j.data_endpoint]
+    return listening if len(listening) >= 2 else []
 
 
 def _rank_clash(joins: list[JoinRecord]) -> str:
@@ -146,6 +165,7 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
     min_reached_at = None
     joins: list[JoinRecord] = []
     read = 0  # join records read so far: each is read once, so N agents cost O(N), not O(N) per poll
+    pairs: tuple[PairTime, ...] | None = None
     while True:
         new = store.read_from(keys.arrivals, keys.join, JoinRecord, read)
         read += len(new)
@@ -153,15 +173,39 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
         now = time.monotonic()
         if min_reached_at is None and len(joins) >= policy.min_nodes:
             min_reached_at = now
-        result = decide_rendezvous(
-            joins, policy, host_agent_id, now - opened, None if min_reached_at is None else now - min_reached_at
-        )
+        min_for = None if min_reached_at is None else now - min_reached_at
+        if pairs is None and (due := pairs_due(joins, policy, host_agent_id, min_for)):
+            pairs = measure_pairs(store, keys, due, stop)
+        result = decide_rendezvous(joins, policy, host_agent_id, now - opened, min_for, pairs or ())
         if result is None and stop.is_set():
             result = RendezvousResult(error="the job was stopped during the rendezvous")
         if result is not None:
             publish(store, keys, result, [j.agent_id for j in joins])
             return result
         time.sleep(POLL_INTERVAL)
+
+
+def measure_pairs(store: ControlStore, keys: JobKeys, joins: list[JoinRecord], stop) -> tuple[PairTime, ...]:
+    """--preflight's data network check: each agent's turns written, then their reports read, within the
+    check's bound; an agent that reports nothing is judged by its peers' word."""
+    began = time.monotonic()
+    endpoints = {j.agent_id: j.data_endpoint for j in joins}
+    turns = plans(endpoints)
+    rounds = len(schedule(len(joins)))
+    store.set_each([keys.preflight_plan(agent) for agent in turns],
+                   [store.sealed(keys.preflight_plan(agent), plan) for agent, plan in turns.items()])
+    wanted = [keys.preflight_pairs(agent) for agent in turns]
+    deadline = began + check_bound(rounds) + RESULT_NET + RING_WAIT + 1.0
+    reports = store.all_set(PairReport, wanted)
+    while reports is None and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(POLL_INTERVAL)
+        reports = store.all_set(PairReport, wanted)
+    if reports is None:
+        reports = store.messages(PairReport, wanted)
+    times = tuple(t for report in reports if report is not None for t in report.times)
+    log.info("preflight: the data network's bandwidth between %d nodes measured in %.2fs (%d rounds)",
+             len(joins), time.monotonic() - began, rounds)
+    return times
 
 
 def publish(store: ControlStore, keys: JobKeys, result: RendezvousResult, joined: list[str]) -> None:
@@ -178,12 +222,14 @@ def publish(store: ControlStore, keys: JobKeys, result: RendezvousResult, joined
 
 
 def join(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop,
-         ready: threading.Event | None = None, carried: Callable[[], bytes] = bytes) -> tuple[Placement, NodeSlot]:
+         ready: threading.Event | None = None, carried: Callable[[], bytes] = bytes,
+         pair_check: PairCheck | None = None) -> tuple[Placement, NodeSlot]:
     """An agent's side: announce itself, wait for its place. ``ready``: set once the place is written (a
     ``Watch``), and ``carried``: the text its bell rang with; the place is then read when it is set,
-    and every RESULT_NET seconds as a net, instead of every POLL_INTERVAL."""
+    and every RESULT_NET seconds as a net, instead of every POLL_INTERVAL. ``pair_check``: --preflight's
+    listener on the data network, whose turns the agent takes when the controller hands them out."""
     try:
-        placement = _await_placement(store, keys, record, timeout, stop, ready, carried)
+        placement = _await_placement(store, keys, record, timeout, stop, ready, carried, pair_check)
     except StoreUnavailable as e:
         raise RendezvousError(f"lost the store during the rendezvous: {e}") from None
     if placement.error:
@@ -210,11 +256,18 @@ def _await_admission(store: ControlStore, keys: JobKeys, record: JoinRecord, sto
 
 
 def _await_placement(store: ControlStore, keys: JobKeys, record: JoinRecord, timeout: float, stop,
-                     ready: threading.Event | None, carried: Callable[[], bytes]) -> Placement:
+                     ready: threading.Event | None, carried: Callable[[], bytes],
+                     pair_check: PairCheck | None = None) -> Placement:
     store.append(keys.arrivals, keys.join, record)
     deadline = time.monotonic() + timeout + 5.0  # the controller decides at `timeout`; allow for its answer
     next_read = 0.0  # with ``ready``: read at once (a late arrival finds the outcome there), then now and then
     while True:
+        plan = store.try_get(PairPlan, keys.preflight_plan(record.agent_id)) if pair_check is not None else None
+        if plan is not None and pair_check is not None:
+            began = time.monotonic()
+            store.set(keys.preflight_pairs(record.agent_id), pair_check.run(record.agent_id, plan))
+            deadline += time.monotonic() - began  # the check's time is not the rendezvous's
+            pair_check = None
         if ready is None or ready.is_set() or time.monotonic() >= next_read:
             next_read = time.monotonic() + RESULT_NET
             placement = _placement(store, keys, record.agent_id, carried() if ready is not None and ready.is_set() else b"")

@@ -46,6 +46,7 @@ from ftrun.controller.controller import Controller
 from ftrun.detection.hang import HangWatch
 from ftrun.detection.links import data_interfaces, interface_watch
 from ftrun.detection.oom import OomWatch
+from ftrun.detection.pairs import PairCheck
 from ftrun.detection.preflight import MATMUL_SIZE, matmul_times
 from ftrun.detection.probe import probe
 from ftrun.detection.reach import interface_address
@@ -139,10 +140,12 @@ class Agent:
         log.info("joined the store at %s%s", connection.endpoint, hosting)
         ips = load_device_ips(config.device_ips) if config.device_ips else {}
         host_ip = host_address(self.host)
+        pairs = self._pair_check(host_ip) if config.preflight and config.several_nodes else None
         record = JoinRecord(self.agent_id, self.host, os.getpid(), config.nproc_per_node, config.node_rank, preflight,
-                            host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}), speed)
+                            host_ip, self.devices.records(ips.get(self.host) or ips.get(host_ip) or {}), speed,
+                            pairs.endpoint if pairs is not None else "")
         try:
-            placement, slot = connection.protocol.join(record, config.rdzv_timeout, self.interrupts.event)
+            placement, slot = connection.protocol.join(record, config.rdzv_timeout, self.interrupts.event, pairs)
         except FtrunError:
             if self.interrupts.requested:
                 return self._finish(self.interrupts.exit_code, "interrupted during the rendezvous")
@@ -150,6 +153,9 @@ class Agent:
                 linger_for_readers(connection.store, self.keys, RENDEZVOUS_LINGER)
             connection.stop_controller()
             raise
+        finally:
+            if pairs is not None:
+                pairs.close()
         self.seat = seat = Seat(self.agent_id, self.host, slot)
         hangs = HangWatch(config.heartbeat_timeout, config.hang_timeout)
         links = interface_watch(os.environ)  # the collectives' interface (GLOO_SOCKET_IFNAME, ...)
@@ -220,6 +226,17 @@ class Agent:
             log.error("preflight failed on %s: %s", self.host, report.problem)
             return f"{self.host}: {report.problem}"
         return ""
+
+    @staticmethod
+    def _pair_check(host_ip: str) -> PairCheck | None:
+        """--preflight's listener for the data network's bandwidth check, on the collectives' interface (the
+        host's address when no variable names one), or None when it cannot listen (one warning)."""
+        address = next(filter(None, (interface_address(name) for name in data_interfaces(os.environ))), host_ip)
+        try:
+            return PairCheck(address)
+        except OSError as e:
+            log.warning("preflight: no bandwidth check on the data network: cannot listen on %s: %s", address, e)
+            return None
 
     def _preflight_speed(self) -> float:
         """This node's slowest device's time for a small matmul (the rendezvous leaves a node past twice the

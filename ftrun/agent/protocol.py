@@ -188,11 +188,12 @@ class NodeProtocol:
         #: each rank's step times as the last ``observe`` read them (``ftrun.step_times`` text, "" before any)
         self.step_times: dict[int, str] = {}
 
-    def join(self, record: JoinRecord, timeout: float, stop) -> tuple[Placement, NodeSlot]:
-        """The rendezvous: announce this agent, wait for its place (its watch's bell carries it)."""
+    def join(self, record: JoinRecord, timeout: float, stop, pair_check=None) -> tuple[Placement, NodeSlot]:
+        """The rendezvous: announce this agent, wait for its place (its watch's bell carries it); with
+        ``pair_check`` (--preflight), take its turns in the data network's check on the way."""
         watch = self.watch
         placement, slot = join(self.store, self.keys, record, timeout, stop,
-                               watch.rendezvous_decided if watch is not None else None, lambda: watch.placed)
+                               watch.rendezvous_decided if watch is not None else None, lambda: watch.placed, pair_check)
         self.node_rank = slot.node_rank
         self.status_interval = board_interval(placement.world_size, 0.0)
         return placement, slot

@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import sys
 
+from ftrun.detection.pairs import PairTime, judge_pairs
+
 log = logging.getLogger(__name__)
 #: a node whose slowest device takes more than this many times the job's median is slow
 SLOW_FACTOR = 2.0
@@ -88,14 +90,33 @@ def judge_speeds(nodes: list[NodeSpeed], spare_room: int, keep: str = "", factor
     """A node past ``factor`` times the job's median (the lower median) is slow. With ``spare_room`` agents beyond
     the nodes the job needs, that many slow nodes are left out; more, or a slow ``keep`` (the agent that hosts
     the store), and the job refuses to start."""
+    return decide(speed_findings(nodes, factor), spare_room, keep)
+
+
+def judge_preflight(nodes: list[NodeSpeed], pairs: list[PairTime], spare_room: int, keep: str = "") -> SpeedVerdict:
+    """The matmul's findings and the data network's (``pairs.judge_pairs``: a node that cannot reach a peer, or
+    whose best pair is past twice the median), decided together: one line per node, its first finding."""
+    findings = speed_findings(nodes)
+    named = {agent for agent, _ in findings}
+    findings += [(agent, line) for agent, line in judge_pairs(pairs, {n.agent_id: n.host for n in nodes})
+                 if agent not in named]
+    return decide(findings, spare_room, keep)
+
+
+def speed_findings(nodes: list[NodeSpeed], factor: float = SLOW_FACTOR) -> list[tuple[str, str]]:
+    """(agent id, line) for each node whose matmul takes past ``factor`` times the median (the lower median)."""
     measured = [n for n in nodes if n.seconds > 0]
     if len(measured) < 2:
-        return SpeedVerdict()
+        return []
     median = statistics.median_low(n.seconds for n in measured)
-    slow = [n for n in measured if n.seconds > factor * median]
-    if not slow:
+    return [(n.agent_id, f"{n.host}: its matmul takes {n.seconds * 1000:.1f} ms, {n.seconds / median:.1f}x the "
+                         f"median {median * 1000:.1f} ms") for n in measured if n.seconds > factor * median]
+
+
+def decide(findings: list[tuple[str, str]], spare_room: int, keep: str = "") -> SpeedVerdict:
+    """The nodes found are left out when ``spare_room`` agents can take their places and none of them is
+    ``keep``; else the job refuses to start."""
+    if not findings:
         return SpeedVerdict()
-    lines = tuple((n.agent_id, f"{n.host}: its matmul takes {n.seconds * 1000:.1f} ms, {n.seconds / median:.1f}x the "
-                               f"median {median * 1000:.1f} ms") for n in slow)
-    refuse = len(slow) > spare_room or any(n.agent_id == keep for n in slow)
-    return SpeedVerdict(lines, refuse)
+    refuse = len(findings) > spare_room or any(agent == keep for agent, _ in findings)
+    return SpeedVerdict(tuple(findings), refuse)

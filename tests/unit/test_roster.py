@@ -85,7 +85,7 @@ def test_a_spare_takes_a_lost_node_s_ranks_and_a_scale_in_renumbers_the_nodes_af
 
 def test_an_agent_the_preflight_left_out_is_no_late_arrival(roster):
     result = RendezvousResult(nodes=tuple(roster.nodes.values()), world_size=6, spares=tuple(roster.spares),
-                              left_out=(("slow", "preflight: left out, slow: ..."),))
+                              left_out=(("slow", "preflight: left out: ..."),))
     roster.take_places(result)
     for agent in ("agent-0", "agent-1", "agent-2", "spare", "slow"):  # the rendezvous's, the slow one last (its matmul)
         roster.store.append(KEYS.arrivals, KEYS.join, JoinRecord(agent, "h", 1, 2))

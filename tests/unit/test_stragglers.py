@@ -318,7 +318,7 @@ def test_the_rendezvous_leaves_a_slow_node_out_for_the_spare_and_tells_it_why():
     assert [s.agent_id for s in result.nodes] == ["agent-0", "agent-2"] and result.spares == ()
     places = dict(result.places())
     assert places["agent-1"].slot is None and places["agent-1"].exit_code == 4
-    assert places["agent-1"].error == "preflight: left out, slow: host1: its matmul takes 50.0 ms, 4.5x the median 11.0 ms"
+    assert places["agent-1"].error == "preflight: left out: host1: its matmul takes 50.0 ms, 4.5x the median 11.0 ms"
     refused = decide_rendezvous(joins[:2], RendezvousPolicy(2, 2, 30.0, 600.0), "agent-0", 1.0, 1.0)
     assert refused.error == "preflight failed: host1: its matmul takes 50.0 ms, 5.0x the median 10.0 ms"
     assert refused.exit_code == 4
