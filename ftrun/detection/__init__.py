@@ -7,7 +7,8 @@
 * ``table.py`` and ``fault_levels.yaml``: the fault levels and the table that assigns them, a section per
   source that reports codes;
 * ``exits.py``, ``oom.py``: why a worker ended, and the OOM killer's evidence;
-* ``probe.py``: what ``ftrun probe`` and ``--preflight`` report.
+* ``probe.py``: what ``ftrun probe`` and ``--preflight`` report; ``preflight.py`` and ``pairs.py``: the
+  preflight's matmul per device and its bandwidth check between nodes on the data network, and the verdict.
 
 The device tools themselves (discovery, readings, resets) are ``ftrun.devices``, below this wing; what the
 agent does about a finding is the agent's.
