@@ -143,6 +143,8 @@ class JoinRecord:
     matmul_s: float = 0.0
     #: --preflight: "HOST:PORT" of its listener on its data address for the pairs' bandwidth check ("": none)
     data_endpoint: str = ""
+    #: ``ftrun probe`` across nodes: each device's matmul time, seconds (the launch sends only the slowest)
+    matmul_each: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

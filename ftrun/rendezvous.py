@@ -159,8 +159,10 @@ def node_slot(join: JoinRecord, node_rank: int, first_rank: int) -> NodeSlot:
     return NodeSlot(node_rank, join.agent_id, join.host, join.nproc, first_rank, join.host_ip, join.devices)
 
 
-def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_agent_id: str, stop) -> RendezvousResult:
-    """The controller's side: wait for the agents, decide, publish each agent's place."""
+def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_agent_id: str, stop,
+           measured: Callable[[list[JoinRecord], tuple[PairTime, ...]], None] | None = None) -> RendezvousResult:
+    """The controller's side: wait for the agents, decide, publish each agent's place. ``measured``: told the
+    join records and --preflight's pairs before the result is published (``ftrun probe`` across nodes)."""
     opened = time.monotonic()
     min_reached_at = None
     joins: list[JoinRecord] = []
@@ -180,6 +182,8 @@ def gather(store: ControlStore, keys: JobKeys, policy: RendezvousPolicy, host_ag
         if result is None and stop.is_set():
             result = RendezvousResult(error="the job was stopped during the rendezvous")
         if result is not None:
+            if measured is not None:
+                measured(joins, pairs or ())
             publish(store, keys, result, [j.agent_id for j in joins])
             return result
         time.sleep(POLL_INTERVAL)

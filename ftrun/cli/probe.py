@@ -10,9 +10,11 @@ import click
 from rich.table import Table
 
 from ftrun.cli.console import out
-from ftrun.cli.launch import DEVICES, option
-from ftrun.config import DEFAULTS
-from ftrun.errors import ExitCode
+from ftrun.cli.launch import DEVICES, NODES, RDZV, option
+from ftrun.config import DEFAULT_RDZV_PORT, DEFAULTS, parse_endpoint, positive_seconds
+from ftrun.contract import Endpoint
+from ftrun.detection.pairs import PAIR_BYTES
+from ftrun.errors import ExitCode, UsageError
 
 HELP = """Show this node's devices: health, error codes, fault level, the rule that gave it (a fault
 table file, MindCluster's code list, or the health fallback) and the action ftrun would take. On Ascend, also
@@ -23,6 +25,15 @@ the variables ftrun sets in the workers for process-level recovery, as this envi
   ftrun probe --device npu --npu-smi /usr/local/bin/npu-smi --json
 
 Exits 4 when a device is unfit for new work (or its health cannot be read), else 0.
+
+Across the job's nodes: run it on every node with the launch's --nnodes and --rdzv-endpoint (the node on the
+endpoint's host hosts the store). The nodes join one rendezvous, as --preflight's: each times its matmul,
+the pairs of nodes measure the data network in rounds, and the node that hosts the store prints the table
+(each node's matmul per device, each pair's bandwidth). One line per finding on every node; exits 4 when a
+node would be left out (a slow matmul or data link, a peer it cannot reach, a device unfit).
+
+\b
+  ftrun probe --nnodes 4 --rdzv-endpoint head:29400 --speed
 """
 
 
@@ -34,6 +45,12 @@ Exits 4 when a device is unfit for new work (or its health cannot be read), else
 @option("fault-levels", group=DEVICES, default="", help="YAML file merged over ftrun's fault-level table.")
 @click.option("--speed", is_flag=True,
               help="Also time a 512 x 512 matmul on each device, as --preflight does (a few seconds: torch's import).")
+@option("nnodes", group=NODES, default="1", show_default=True,
+        help="Check this many nodes together (each runs the command): matmul times and the data network's pairs.")
+@option("rdzv-endpoint", group=RDZV, default="", help="HOST:PORT where the nodes meet (with --nnodes above 1).")
+@option("run-id", group=RDZV, default="probe", show_default=True, help="Id shared by the nodes of one check.")
+@option("rdzv-timeout", group=RDZV, default="120", show_default=True,
+        help="Seconds to wait for every node.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
@@ -42,12 +59,19 @@ def probe_command(**params) -> int:
     from ftrun.detection.table import load_fault_table
     from ftrun.devices import DeviceOptions, make_device_backend
 
+    count, endpoint = nodes_to_check(params)
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
     backend = make_device_backend(options["device"], DeviceOptions(npu_smi=options["npu_smi"], timeout=options["device_timeout"]))
     report = probe(backend, table)
     settings = recovery_settings(os.environ) if report.kind == "npu" else []
-    speed = matmul_times(report.kind, max(1, len(report.rows))) if params["speed"] else []
+    speed = matmul_times(report.kind, max(1, len(report.rows))) if params["speed"] or count > 1 else []
+    if count > 1:
+        from ftrun.probe_nodes import probe_nodes
+
+        assert endpoint is not None
+        found = probe_nodes(endpoint, count, params["run_id"], report.problem, speed, params["rdzv_timeout"])
+        return show_nodes(report, found, params["as_json"])
     if params["as_json"]:
         out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings],
                                    **({"matmul_ms": [round(t * 1000, 3) for t in speed]} if params["speed"] else {})}))
@@ -58,6 +82,57 @@ def probe_command(**params) -> int:
             times = ", ".join(f"{t * 1000:.1f} ms" for t in speed) or "could not be timed (see the warning above)"
             out.print(f"{report.kind}: a {MATMUL_SIZE} x {MATMUL_SIZE} matmul takes {times}", markup=False)
     return ExitCode.DEVICE if report.problem else ExitCode.OK
+
+
+def nodes_to_check(params) -> tuple[int, Endpoint | None]:
+    """How many nodes to check together, and where they meet (bad input: a UsageError, one line)."""
+    text = str(params["nnodes"]).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--nnodes must be a whole number of nodes, 1 or more (got {text!r})")
+    count = int(text)
+    if count == 1:
+        return 1, None
+    if not params["rdzv_endpoint"]:
+        raise UsageError(f"--nnodes {count} needs --rdzv-endpoint HOST:PORT, where the nodes meet")
+    params["rdzv_timeout"] = positive_seconds(params["rdzv_timeout"], "--rdzv-timeout")
+    return count, parse_endpoint(params["rdzv_endpoint"], DEFAULT_RDZV_PORT)
+
+
+def show_nodes(report, found, as_json: bool) -> int:
+    """The probe across nodes: the table (on the store's host), then one line per finding; the exit status."""
+    nodes = [{"host": n.host, "data": n.data_endpoint, "matmul_ms": [round(t * 1000, 3) for t in n.matmul_each]}
+             for n in found.nodes]
+    names = {n.agent_id: f"{n.host} ({n.data_endpoint.rpartition(':')[0] or '-'})" for n in found.nodes}
+    pairs = [{"a": names.get(p.a, p.a), "b": names.get(p.b, p.b), "ms": round(p.seconds * 1000, 3) if p.seconds > 0 else None,
+              "mb_s": round(2 * PAIR_BYTES / p.seconds / 1e6, 1) if p.seconds > 0 else None}
+             for p in found.pairs if p.seconds != 0]
+    if as_json:
+        out.print_json(json.dumps({**report.as_dict(), "nodes": nodes, "pairs": pairs, "findings": found.findings,
+                                   "hosted": found.hosted}))
+    else:
+        show(report)
+        if found.hosted:
+            table = Table(title="the job's nodes", title_justify="left")
+            for column in ("node", "data address", "matmul per device"):
+                table.add_column(column)
+            for node in found.nodes:
+                table.add_row(node.host, node.data_endpoint.rpartition(":")[0] or "-",
+                              ", ".join(f"{t * 1000:.1f} ms" for t in node.matmul_each) or "-")
+            out.print(table)
+            table = Table(title=f"the data network, {PAIR_BYTES >> 20} MiB each way a pair", title_justify="left")
+            for column in ("from", "to", "time", "bandwidth"):
+                table.add_column(column)
+            for pair in pairs:
+                table.add_row(pair["a"], pair["b"], f"{pair['ms']:.1f} ms" if pair["ms"] else "not reached",
+                              f"{pair['mb_s']:.1f} MB/s" if pair["mb_s"] else "-")
+            out.print(table)
+        else:
+            out.print("the table of every node is printed on the node that hosts the store", markup=False)
+        for line in found.findings:
+            out.print(f"preflight: {line}", style="bold red", markup=False)
+        if not found.findings:
+            out.print("preflight: every node fit", markup=False)
+    return found.exit_code or (ExitCode.DEVICE if report.problem else ExitCode.OK)
 
 
 class Setting(NamedTuple):

@@ -32,7 +32,7 @@ MAX_ROUNDS = 8
 CONNECT_TIMEOUT, ROUND_BOUND, START_SLACK = 1.0, PAIR_DEADLINE + 1.0, 2.0
 #: a node past this many times the median node's best pair time, and at least MIN_EXCESS seconds past it, is
 #: slow: at PAIR_BYTES a fast link's pair takes milliseconds, where a loaded host's jitter alone can double it
-SLOW_FACTOR, MIN_EXCESS = 2.0, 0.02
+SLOW_FACTOR, MIN_EXCESS = 2.0, 0.05
 _HEADER = struct.Struct("!IQ")  # round, bytes each way
 _CHUNK = 1 << 16
 _GO, _ACK = b"G", b"A"

@@ -736,6 +736,11 @@ PROBE = [
     ("device-non-utf8", ["--device", NON_UTF8], "--device"),
     ("fault-levels-folder", ["--fault-levels", "."], "--fault-levels"),
     ("json-with-value", ["--json=yes"], "--json"),
+    ("nodes-without-endpoint", ["--nnodes", "2"], ("--nnodes 2", "--rdzv-endpoint")),
+    ("nodes-not-a-number", ["--nnodes", "two"], "--nnodes"),
+    ("nodes-zero", ["--nnodes", "0"], "--nnodes"),
+    ("nodes-endpoint-bad-port", ["--nnodes", "2", "--rdzv-endpoint", "h:port"], "--rdzv-endpoint"),
+    ("nodes-timeout-nan", ["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "nan"], "--rdzv-timeout"),
 ]
 
 
