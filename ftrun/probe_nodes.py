@@ -67,7 +67,8 @@ def probe_nodes(endpoint: Endpoint, count: int, run_id: str, problem: str, matmu
     address = next(filter(None, (interface_address(name) for name in data_interfaces(os.environ))), "")
     address = address or _address(host)
     check = PairCheck(address) if address else None
-    record = JoinRecord(agent_id, host, os.getpid(), 1, -1, f"{host}: {problem}" if problem else "", "", (),
+    name = f"{host} ({address})" if address else host  # hosts may share a name (containers, namespaces)
+    record = JoinRecord(agent_id, name, os.getpid(), 1, -1, f"{name}: {problem}" if problem else "", "", (),
                         max(matmul, default=0.0), check.endpoint if check is not None else "", tuple(matmul))
     try:
         join(store, keys, record, timeout, stop, pair_check=check)

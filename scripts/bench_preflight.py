@@ -11,6 +11,7 @@ lines the preflight said, and each agent's exit status. Needs root, iproute2 and
 
     .venv/bin/python scripts/bench_preflight.py --nodes 2
     .venv/bin/python scripts/bench_preflight.py --nodes 2 --spares 1 --slow-node 1 --rate 50mbit
+    .venv/bin/python scripts/bench_preflight.py --nodes 3 --slow-node 1 --rate 50mbit --probe   # ftrun probe
 
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default).
 """
@@ -43,6 +44,8 @@ def main() -> int:
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--slow-node", type=int, default=-1, help="the node (bed index) whose data link is shaped")
     parser.add_argument("--rate", default="50mbit", help="netem's rate for the slow node's data link")
+    parser.add_argument("--probe", action="store_true",
+                        help="run `ftrun probe --nnodes` on every node (nodes + spares) instead of the launch")
     parser.add_argument("--deadline", type=float, default=180.0)
     parser.add_argument("--json", default="-")
     args = parser.parse_args()
@@ -63,9 +66,13 @@ def main() -> int:
         endpoint = f"{bed.nodes[0].mgmt}:{free_port()}"
         logs = []
         for index, node in enumerate(bed.nodes):
-            argv = [sys.executable, "-m", "ftrun", "--nnodes", str(args.nodes), "--nproc-per-node", "1",
-                    "--spares", str(args.spares), "--rdzv-endpoint", endpoint, "--run-id", marker, "--preflight",
-                    "--local-addr", node.mgmt, "--rdzv-conf", f"is_host={int(index == 0)}", str(WORKER)]
+            if args.probe:
+                argv = [sys.executable, "-m", "ftrun", "probe", "--device", "cpu", "--nnodes", str(count),
+                        "--rdzv-endpoint", endpoint, "--run-id", marker]
+            else:
+                argv = [sys.executable, "-m", "ftrun", "--nnodes", str(args.nodes), "--nproc-per-node", "1",
+                        "--spares", str(args.spares), "--rdzv-endpoint", endpoint, "--run-id", marker, "--preflight",
+                        "--local-addr", node.mgmt, "--rdzv-conf", f"is_host={int(index == 0)}", str(WORKER)]
             logs.append(out / f"node{index}.log")
             with open(logs[-1], "wb") as f:
                 processes.append(subprocess.Popen(node.command(argv), stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -80,11 +87,14 @@ def main() -> int:
             kill_everything(processes, MARKER_VARIABLE, marker)
     texts = [log.read_text(errors="replace") for log in logs]
     check = re.search(r"bandwidth between (\d+) nodes measured in ([\d.]+)s \((\d+) rounds\)", "\n".join(texts))
-    pairs = [f"node {i}: {m}" for i, text in enumerate(texts) for m in re.findall(r"round \d+, the pair with \S+: [\d.]+ ms", text)]
+    pairs = [f"node {i}: {m}" for i, text in enumerate(texts)
+             for m in re.findall(r"round \d+, the pair with \S+: [\d.]+ ms", text)]
     said = sorted({line.split("ftrun: ", 1)[-1] for text in texts for line in text.splitlines()
                    if "preflight" in line and ("left out" in line or "failed" in line or "cannot reach" in line
-                                               or "slower than" in line)})
-    figures = {"nodes": args.nodes, "spares": args.spares, "slow_node": args.slow_node,
+                                               or "slower than" in line or "every node fit" in line)})
+    if args.probe:
+        console.print(texts[0], markup=False, highlight=False)  # the table, on the store's node
+    figures = {"probe": args.probe, "nodes": args.nodes, "spares": args.spares, "slow_node": args.slow_node,
                "rate": args.rate if args.slow_node >= 0 else "", "check_s": float(check.group(2)) if check else None,
                "rounds": int(check.group(3)) if check else None, "pairs": pairs, "said": said, "exit_codes": codes}
     console.print(f"the check: {figures['check_s']} s, {figures['rounds']} rounds; exit statuses {codes}")

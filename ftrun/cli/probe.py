@@ -102,7 +102,7 @@ def show_nodes(report, found, as_json: bool) -> int:
     """The probe across nodes: the table (on the store's host), then one line per finding; the exit status."""
     nodes = [{"host": n.host, "data": n.data_endpoint, "matmul_ms": [round(t * 1000, 3) for t in n.matmul_each]}
              for n in found.nodes]
-    names = {n.agent_id: f"{n.host} ({n.data_endpoint.rpartition(':')[0] or '-'})" for n in found.nodes}
+    names = {n.agent_id: n.host for n in found.nodes}
     pairs = [{"a": names.get(p.a, p.a), "b": names.get(p.b, p.b), "ms": round(p.seconds * 1000, 3) if p.seconds > 0 else None,
               "mb_s": round(2 * PAIR_BYTES / p.seconds / 1e6, 1) if p.seconds > 0 else None}
              for p in found.pairs if p.seconds != 0]
