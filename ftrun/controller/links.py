@@ -180,6 +180,15 @@ def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, runnin
     return links, actions
 
 
+def taken_over(links: Links, node_rank: int) -> Links:
+    """Node ``node_rank`` moved to a spare and the spare holds its place now: what the ladder knew of the old
+    holder's link (dark, its downs, its move, its wait) is forgotten; the new holder's link starts afresh (else the
+    job showed stalled for good after the move, and the new holder's own dark link went unsaid)."""
+    return dataclasses.replace(links, dark=tuple(d for d in links.dark if d.node_rank != node_rank),
+                               downs=tuple(d for d in links.downs if d[0] != node_rank),
+                               moved=links.moved - {node_rank}, waiting=links.waiting - {node_rank})
+
+
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -318,6 +327,8 @@ class LinkObserver:
         #: answered again: the OS's word explains those pairs, and its link's return repaired the job already
         self._explained: set[int] = set()
         self._os_said: dict[int, float] = {}
+        #: nodes sent to a spare, and the agent that held each then: once another holds it, it was taken over
+        self._moving: dict[int, str] = {}
 
     def take_reports(self, events: list[Event], view: JobView, nodes: dict[int, NodeSlot], spare: bool,
                      now: float) -> list[Event]:
@@ -338,6 +349,10 @@ class LinkObserver:
         return kept
 
     def observe(self, view: JobView, nodes: dict[int, NodeSlot], spare: bool, now: float) -> list[Event]:
+        for node, agent in list(self._moving.items()):
+            if node in nodes and nodes[node].agent_id != agent:
+                self.links = taken_over(self.links, node)
+                del self._moving[node]
         self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING,
                                            self._host(nodes))
         return self._act(actions, view, nodes)
@@ -442,6 +457,7 @@ class LinkObserver:
                 self.events.emit(action.kind, view.generation, action.line, node=action.node_rank,
                                  host=holder.host if holder else None)
             elif isinstance(action, MoveToSpare) and action.node_rank in nodes:
+                self._moving[action.node_rank] = nodes[action.node_rank].agent_id
                 found.append(NodeLost(nodes[action.node_rank], f"node {action.node_rank}: {action.detail}"))
             elif isinstance(action, RepairOnline):
                 holder = nodes.get(action.node_rank)

@@ -272,6 +272,24 @@ def test_observer_takes_link_reports_out_of_the_stream_and_makes_events():
     assert isinstance(back, LinkBack) and (back.node_rank, back.rank, back.host) == (1, 2, "h1")
 
 
+def test_a_node_taken_over_by_the_spare_starts_afresh_and_its_own_dark_link_goes_down_the_ladder():
+    # found on the test bed: after a move to the spare, node 1's old dark link stayed in the status (the job
+    # showed "stalled" for good while it trained) and the new holder's reports were dropped as the moved node's
+    observer = LinkObserver(EventLog(), RULES)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), slots(), True, 10.0)
+    [lost] = observer.observe(ready(), slots(), True, 12.5)
+    assert isinstance(lost, NodeLost)
+    assert observer.observe(ready(), slots(), True, 13.0) == [] and observer.status(13.0) is not None  # not yet over
+    spare_holds = {**slots(), 1: NodeSlot(1, "s0", "h2", 2, 2)}
+    assert observer.observe(ready(), spare_holds, False, 14.0) == []
+    assert observer.status(14.0) is None and observer.links == Links()
+    observer.take_reports([link_report(ReportKind.LINK_DOWN, agent="s0")], ready(), spare_holds, False, 20.0)
+    observer.observe(ready(), spare_holds, False, 20.5)
+    assert observer.links.waiting == {1}  # no spare left: waited for, said so
+    [restart] = observer.observe(ready(), spare_holds, False, 80.5)
+    assert isinstance(restart, LinkLost) and "--repair-timeout 60s" in restart.detail
+
+
 def test_the_stall_is_said_once_shown_and_cleared():
     events = EventLog()
     observer = LinkObserver(events, RULES, StallWatch(factor=4.0, floor=1.0))
