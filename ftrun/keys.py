@@ -26,9 +26,9 @@ time that grows with the square of a message's keys (``ftrun.store.MULTI_SET_KEY
   (``board_interval``) or the node changed: 2 round trips per agent, O(N)/s in all, and O(W) status
   bytes per board period. The controller reads all N keepalive counters in one ``multi_get`` per
   0.5 s: O(1) round trips, O(N) bytes.
-* rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress`` and ``rank_step_times``
-  every second (the worker library: O(W) writes/s job-wide). Only its own agent reads them; the controller never reads a
-  key per rank.
+* rank heartbeats: each rank adds to ``rank_heartbeat`` and sets ``rank_progress``, ``rank_step_times`` and
+  ``rank_collective`` (the three in one ``multi_set``) every second (the worker library: O(W) writes/s
+  job-wide). Only its own agent reads them; the controller never reads a key per rank.
 * status board: the controller reads the N statuses in two round trips (``check``, ``multi_get``) and
   writes ``status``: O(W) bytes, rebuilt once per ``board_interval`` (at most BOARD_RANKS_PER_S ranks'
   worth a second).
@@ -256,6 +256,11 @@ class JobKeys:
         """The rank's recent step, compute and wait times (``ftrun.step_times.StepTimes`` as text), written with
         its heartbeat; its agent forwards them in the node's status (stragglers)."""
         return f"{self.root}/rank/{rank}/times"
+
+    def rank_collective(self, rank: int) -> str:
+        """The collective the rank waits in now, or none (``ftrun.step_times.collective_text``), written with its
+        heartbeat; its agent forwards it in the node's status (a stall says which ranks wait in which)."""
+        return f"{self.root}/rank/{rank}/collective"
 
     @property
     def total_steps(self) -> str:

@@ -42,7 +42,7 @@ def render(snapshot: dict, width: int = 120, height: int = 40) -> RenderableType
     """The whole view: the job line, one row per node, the ranks when they fit, the last events."""
     if not snapshot:
         return Text("ftrun: waiting for the nodes to gather (rendezvous)…", style="dim")
-    parts: list[RenderableType] = [job_line(snapshot, width), *straggler_lines(snapshot)]
+    parts: list[RenderableType] = [job_line(snapshot, width), *stall_lines(snapshot), *straggler_lines(snapshot)]
     if snapshot["phase"] in PHASE_TRACK:
         parts.append(phase_track(snapshot, width))
     parts.append(node_table(snapshot, width))
@@ -87,6 +87,14 @@ def job_line(s: dict, width: int = 120) -> Text:
     line.append(f" · {s['recovery']}-level recovery")
     line.truncate(width, overflow="ellipsis")
     return line
+
+
+def stall_lines(s: dict) -> list[Text]:
+    """While the job stands still (or a data link is dark): which ranks wait in which collective, one line."""
+    stall = s.get("stall") or {}
+    if s.get("phase") != "running" or not stall.get("ranks"):
+        return []
+    return [Text(f"  waiting: {stall['ranks']}", style="bold red", overflow="ellipsis", no_wrap=True)]
 
 
 def straggler_lines(s: dict) -> list[Text]:
@@ -192,7 +200,8 @@ def plain_line(s: dict) -> str:
         step += f", controller on {s['controller']['host']}"
     phase = s["phase"].replace("_", " ")
     if s["phase"] == "running" and s.get("stall"):
-        phase = f"stalled for {s['stall']['for']:.0f}s ({s['stall']['reason']})"
+        where = f"; {s['stall']['ranks']}" if s["stall"].get("ranks") else ""
+        phase = f"stalled for {s['stall']['for']:.0f}s ({s['stall']['reason']}{where})"
     return (f"generation {s['generation']}, {phase}{step}, {alive}/{s['world_size']} ranks "
             f"alive, {spares} spare{'s' if spares != 1 else ''}, budget {s['max_restarts'] - s['restarts_used']}/"
             f"{s['max_restarts']} left, up {_clock(s['elapsed'])}")

@@ -257,6 +257,9 @@ class RankState:
     #: its recent step, compute and wait times as the worker library wrote them (``ftrun.step_times``;
     #: "" without the library), forwarded for the straggler watch
     times: str = ""
+    #: the collective it waits in now, as the worker library wrote it (``ftrun.step_times.collective_text``;
+    #: "" without the library, or from a process that is not this one), forwarded for the stall's line
+    collective: str = ""
 
 
 @dataclass(frozen=True)

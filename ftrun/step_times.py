@@ -9,6 +9,10 @@ every other rank waits for it inside the collectives. The worker library times e
 against each other (``ftrun.detection.stragglers``). A median over a window of steps, not one step: a
 garbage collection, a snapshot or a descheduled process makes one step slow, and that is not a straggler.
 
+The heartbeat also carries the collective the rank waits in right now (:class:`CollectiveWait`: its name, its
+group and since when), set by the worker library when a wait begins and cleared when it ends, so that a job
+that stands still is said as which ranks wait in which collective (``ftrun.controller.links``).
+
 It depends on nothing but the standard library, so that the worker libraries (``ftrun.elastic``,
 ``ftrun.mindspore_elastic``) and the launcher share it.
 """
@@ -80,3 +84,43 @@ class StepClock:
             return StepTimes(pid=os.getpid())
         return StepTimes(steps, statistics.median(s for s, _ in recent), statistics.median(s - w for s, w in recent),
                          statistics.median(w for _, w in recent), os.getpid())
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveWait:
+    """The collective a rank waits in now: its name as torch.distributed calls it (``all_reduce``), the name of
+    its group (torch's) and how many ranks that group has, since when (``time.time()`` on the rank's host)."""
+
+    op: str
+    group: str
+    group_size: int
+    since: float
+
+
+def collective_text(wait: CollectiveWait | None, pid: int) -> str:
+    """What the heartbeat writes: the process that writes it (as in StepTimes: a replaced process's last
+    heartbeat may land after its replacement's first), then its wait, or ``-`` while it waits in none."""
+    if wait is None:
+        return f"{pid} -"
+    return f"{pid} {wait.since:.3f} {wait.group_size} {wait.op} {wait.group}"
+
+
+def read_collective(text: str) -> tuple[int, CollectiveWait | None] | None:
+    """(pid, the wait or None while it waits in none) as a heartbeat wrote it; None where nothing readable
+    was written (no heartbeat yet, or a script without the worker library)."""
+    parts = text.split(maxsplit=4)
+    try:
+        pid = int(parts[0]) if parts else -1
+        if pid < 0:
+            return None
+        if parts[1:] == ["-"]:
+            return pid, None
+        if len(parts) != 5:
+            return None
+        since, size = float(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+    if size < 1 or since < 0:
+        return None
+    return pid, CollectiveWait(parts[3], parts[4], size, since)

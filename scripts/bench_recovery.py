@@ -124,6 +124,15 @@ and compares their median steps before the fault (goal: under 1% apart):
 
     .venv/bin/python scripts/bench_recovery.py --status-overhead 3
 
+With --dark-link it gives the dark data link's rows (issue 50), measured by scripts/bench_dark_link.py on the
+cluster-shaped test bed (tests/cluster.py; needs root): 2 nodes x 2 ranks, node 1's data port dark at step
+10; ftrun with no spare (the link back after --dark-for seconds, 20 by default), with a spare (never back), a
+silent link (carrier up, packets dropped), and torchrun (back after --dark-for); each ftrun row held to the
+issue's goals (said within 5 s; with a spare on within 5 s of the dark; without, on within 3 s of the return,
+no process started; bit-identical):
+
+    .venv/bin/python scripts/bench_recovery.py --dark-link --json dark_link.json
+
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default); the exit status is
 0 once every launcher has been measured, whatever its outcome (130 if interrupted). Every process it
 starts carries a marker in its environment; on the way out (also on Ctrl-C) it kills the launchers'
@@ -1599,6 +1608,12 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                         help="--stragglers: the slow rank's extra seconds a step (default 0.15)")
     parser.add_argument("--slow-from", type=int, default=30, metavar="S",
                         help="--stragglers: the step its slowdown begins at (default 30)")
+    parser.add_argument("--dark-link", action="store_true",
+                        help="instead: a data link that goes dark on the cluster-shaped test bed "
+                             "(scripts/bench_dark_link.py; needs root): ftrun with no spare, with a spare, a silent "
+                             "link, and torchrun")
+    parser.add_argument("--dark-for", type=float, default=20.0, metavar="SECONDS",
+                        help="--dark-link: how long the link stays dark where it comes back (default 20)")
     parser.add_argument("--mindspore", action="store_true",
                         help="instead: the MindSpore row, ftrun (job level from snapshots) against msrun re-run from "
                              "the script's checkpoint")
@@ -1623,6 +1638,14 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
                            or args.layouts or args.controller_loss or (args.nnodes or 1) != 1):
         parser.error("--mindspore runs its own pair of launchers on one node: drop --scaling, --node-loss, "
                      "--launchers, --status-overhead, --layouts, --controller-loss and --nnodes")
+    if args.dark_link and (args.scaling or args.node_loss or args.launchers or args.status_overhead or args.layouts
+                           or args.controller_loss or args.mindspore or args.stragglers or args.nnodes
+                           or args.nproc_per_node):
+        parser.error("--dark-link runs its own launchers at 2 x 2 on the test bed: drop --scaling, --node-loss, "
+                     "--launchers, --status-overhead, --layouts, --controller-loss, --mindspore, --stragglers, "
+                     "--nnodes and --nproc-per-node")
+    if args.dark_link and not args.dark_for > 0:
+        parser.error(f"--dark-for {args.dark_for:g}: give a number of seconds above 0")
     if args.scaling and args.node_loss:
         parser.error("--scaling and --node-loss are two sweeps: give one")
     sweep = args.scaling or args.node_loss
@@ -1742,6 +1765,18 @@ def main() -> int:
             rows = straggler_rows.run_straggler_rows(case, work_root, checkpoint_digest, say=console.print)
             straggler_rows.print_straggler_rows(rows, case, console)
             write_json([], scenarios, [], args.json, {"stragglers": straggler_rows.rows_json(rows, case)})
+            return 0
+        if args.dark_link:
+            import bench_dark_link
+
+            if os.geteuid() != 0:
+                console.print("--dark-link: the test bed's network namespaces need root")
+                return 2
+            case = bench_dark_link.DarkLinkCase(repeat=args.repeat, steps=args.steps or 40, dark_for=args.dark_for,
+                                                step_sleep=0.1 if args.step_sleep is None else args.step_sleep)
+            rows = bench_dark_link.run_rows(case, work_root)
+            bench_dark_link.print_rows(rows, case, console)
+            write_json([], scenarios, [], args.json, {"dark_link": bench_dark_link.rows_json(rows, case)})
             return 0
         if args.layouts:
             cases = layout_cases(args.snapshot_every, args.kill_stagger)

@@ -187,6 +187,8 @@ class NodeProtocol:
         self.etcd_unreachable = ""
         #: each rank's step times as the last ``observe`` read them (``ftrun.step_times`` text, "" before any)
         self.step_times: dict[int, str] = {}
+        #: the collective each rank waits in now, as the last ``observe`` read it (``ftrun.step_times`` text)
+        self.collectives: dict[int, str] = {}
 
     def join(self, record: JoinRecord, timeout: float, stop, pair_check=None) -> tuple[Placement, NodeSlot]:
         """The rendezvous: announce this agent, wait for its place (its watch's bell carries it); with
@@ -241,13 +243,16 @@ class NodeProtocol:
         """What a keepalive reads, in one round trip: the controller's keepalive (StoreUnavailable
         once it has not moved for ``node_timeout``), the number of commands published, and this node's
         ``ranks``' heartbeat counters and committed steps (None before the first); their step times (as the
-        ranks wrote them) are kept in ``step_times``."""
+        ranks wrote them) are kept in ``step_times``, the collectives they wait in now in ``collectives``."""
         keys = self.keys
         counts, texts = self.store.readings(
             [keys.controller_heartbeat, keys.command_count] + [keys.rank_heartbeat(r) for r in ranks],
-            [keys.rank_progress(r) for r in ranks] + [keys.rank_step_times(r) for r in ranks] + [keys.etcd_unreachable])
+            [keys.rank_progress(r) for r in ranks] + [keys.rank_step_times(r) for r in ranks] +
+            [keys.rank_collective(r) for r in ranks] + [keys.etcd_unreachable])
         *texts, etcd = texts
-        steps, self.step_times = texts[:len(ranks)], dict(zip(ranks, texts[len(ranks):]))
+        count = len(ranks)
+        steps, self.step_times = texts[:count], dict(zip(ranks, texts[count:2 * count]))
+        self.collectives = dict(zip(ranks, texts[2 * count:]))
         if bool(etcd) != bool(self.etcd_unreachable):  # said once each way
             if etcd:
                 log.error("the control store (etcd) is unreachable from the controller: %s; training goes on", etcd)
@@ -265,7 +270,7 @@ class NodeProtocol:
         they wrote is lost."""
         keys = self.keys
         self.store.create([keys.rank_heartbeat(r) for r in ranks], [keys.rank_progress(r) for r in ranks] +
-                          [keys.rank_step_times(r) for r in ranks])
+                          [keys.rank_step_times(r) for r in ranks] + [keys.rank_collective(r) for r in ranks])
 
     def _carried(self, index: int, text: bytes) -> Command | None:
         """Command ``index`` as its doorbell carried it; read from its key when the bell's text does not

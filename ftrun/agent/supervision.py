@@ -31,7 +31,7 @@ from ftrun.detection.table import FaultLevel, FaultTable
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL
 from ftrun.messages import NodeStatus, RankState, ReportKind
-from ftrun.step_times import StepTimes
+from ftrun.step_times import StepTimes, read_collective
 
 log = logging.getLogger(__name__)
 #: after this node reported a failure, how often and for how long the agent looks for the controller's
@@ -197,7 +197,7 @@ class Supervision:
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
                       max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
                       self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None,
-                      self._times_of(w))
+                      self._times_of(w), self._collective_of(w))
             for w in group.workers
         )
         probe = self.probe
@@ -216,6 +216,12 @@ class Supervision:
         text = self._protocol().step_times.get(worker.placement.rank, "")
         times = StepTimes.from_text(text)
         return text if worker.returncode is None and times is not None and times.pid == worker.pid else ""
+
+    def _collective_of(self, worker: Worker) -> str:
+        """The collective the worker waits in now as its heartbeat wrote it, if this process wrote it: "" else."""
+        text = self._protocol().collectives.get(worker.placement.rank, "")
+        read = read_collective(text)
+        return text if worker.returncode is None and read is not None and read[0] == worker.pid else ""
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against

@@ -16,7 +16,7 @@ from ftrun.controller.states import REPAIR_PHASES, JobView, Phase
 from ftrun.events import EventLog
 from ftrun.keys import JobKeys
 from ftrun.messages import NodeSlot, NodeStatus, RankState
-from ftrun.step_times import StepTimes
+from ftrun.step_times import StepTimes, read_collective
 from ftrun.store import ControlStore
 
 #: the training rate is measured over this many seconds of committed steps
@@ -77,6 +77,8 @@ class StatusBoard:
         self._next_history = 0.0
         self._events_published = 0
         self._total: int | None = None
+        #: the wall-clock time of the snapshot being built: a rank's collective shows for how long it waited
+        self._now = time.time()
         #: the straggler watch's last word (``StragglerWatch.summary``): the snapshot's ``stragglers``, and each
         #: rank's and node's score
         self.stragglers: dict = {}
@@ -85,6 +87,7 @@ class StatusBoard:
                 saved: dict | None = None) -> dict:
         """``saved``: with snapshots, ``restorable_step`` and ``checkpoint_step`` (None where there is none)."""
         now = time.monotonic()
+        self._now = time.time()
         active = [slot for _, slot in sorted(nodes.items()) if slot.node_rank in view.present]
         statuses = self.store.messages(NodeStatus, [self.keys.agent_status(s.agent_id) for s in active + spares])
         node_rows = [self._node_row(view, slot, "active", status) for slot, status in zip(active, statuses)]
@@ -105,7 +108,7 @@ class StatusBoard:
         total = self._total_steps() if steps else None
         self.snapshot = {
             "run_id": self.run_id,
-            "time": time.time(),
+            "time": self._now,
             "elapsed": now - self.started,
             "generation": view.generation,
             "phase": view.phase.value,
@@ -166,7 +169,8 @@ class StatusBoard:
                            for d in (status.devices if status else ())],
                "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
-                                "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r)} for r in states]}
+                                "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r),
+                                "collective": _collective(r, self._now)} for r in states]}
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
@@ -194,6 +198,18 @@ def _times(state: RankState) -> dict:
     if times is None or not times.steps:
         return {"timed_steps": 0, "step_s": None, "compute_s": None, "wait_s": None}
     return {"timed_steps": times.steps, "step_s": times.step, "compute_s": times.compute, "wait_s": times.wait}
+
+
+def _collective(state: RankState, now: float) -> dict | None:
+    """The collective a rank waits in now, as the snapshot shows it: ``{"op", "group", "group_size", "for"}`` (for
+    how many seconds, at the snapshot's ``time``), ``{}`` while it waits in none, None where it sent no word."""
+    read = read_collective(state.collective)
+    if read is None:
+        return None
+    wait = read[1]
+    if wait is None:
+        return {}
+    return {"op": wait.op, "group": wait.group, "group_size": wait.group_size, "for": round(max(0.0, now - wait.since), 1)}
 
 
 def _node_state(view: JobView, node: int, stall: dict | None = None) -> str:

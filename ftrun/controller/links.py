@@ -180,6 +180,15 @@ def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, runnin
     return links, actions
 
 
+def taken_over(links: Links, node_rank: int) -> Links:
+    """Node ``node_rank`` moved to a spare and the spare holds its place now: what the ladder knew of the old
+    holder's link (dark, its downs, its move, its wait) is forgotten; the new holder's link starts afresh (else the
+    job showed stalled for good after the move, and the new holder's own dark link went unsaid)."""
+    return dataclasses.replace(links, dark=tuple(d for d in links.dark if d.node_rank != node_rank),
+                               downs=tuple(d for d in links.downs if d[0] != node_rank),
+                               moved=links.moved - {node_rank}, waiting=links.waiting - {node_rank})
+
+
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -246,23 +255,53 @@ class StallWatch:
         return self.stalled
 
 
+def _rank_runs(members: list[int]) -> str:
+    """Ranks in words, runs shortened: "rank 3", "ranks 0-3", "ranks 0-1, 4"."""
+    members = sorted(members)
+    ranges, start = [], members[0]
+    for index, member in enumerate(members):
+        if index + 1 == len(members) or members[index + 1] != member + 1:  # a run of ranks ends here
+            ranges.append(f"{start}-{member}" if member != start else f"{start}")
+            start = members[index + 1] if index + 1 < len(members) else member
+    return f"rank{'s' if len(members) > 1 else ''} {', '.join(ranges)}"
+
+
 def where_ranks_stand(ranks: list[dict]) -> str:
-    """Which ranks wait at which committed step, in words: "ranks 0-3 at step 11", or "ranks 2-3 at step 11,
-    ranks 0-1 at step 12" (those ahead wait in the next step's collectives for those behind)."""
-    by_step: dict[int, list[int]] = {}
+    """Which ranks wait in which collective, in words, from the snapshot's rank rows (their committed ``step``
+    and ``collective``: ``{"op", "group", "group_size", "for"}`` while they wait in one, ``{}`` while in none,
+    None where no word came): "ranks 0-1 wait in all_reduce (step 23) for 12s; ranks 2-3 in broadcast on group 1
+    of 2 ranks (step 23) for 11s; rank 4 computes (step 23); rank 5: no report". Those that waited longest
+    first: a rank that waits in another collective than the rest, or in none, is the one to look at."""
+    world = len(ranks)
+    waiting: dict[tuple, tuple[list[int], float]] = {}
+    computing: dict[int | None, list[int]] = {}
+    silent: list[int] = []
     for rank in ranks:
-        if rank.get("step") is not None:
-            by_step.setdefault(rank["step"], []).append(rank["rank"])
-    parts = []
-    for step, members in sorted(by_step.items()):
-        members.sort()
-        ranges, start = [], members[0]
-        for index, member in enumerate(members):
-            if index + 1 == len(members) or members[index + 1] != member + 1:  # a run of ranks ends here
-                ranges.append(f"{start}-{member}" if member != start else f"{start}")
-                start = members[index + 1] if index + 1 < len(members) else member
-        parts.append(f"rank{'s' if len(members) > 1 else ''} {', '.join(ranges)} at step {step}")
-    return ", ".join(parts) or "no rank has committed a step"
+        collective, step = rank.get("collective"), rank.get("step")
+        if collective is None:
+            silent.append(rank["rank"])
+        elif not collective:
+            computing.setdefault(step, []).append(rank["rank"])
+        else:
+            group = collective["group"] if collective["group_size"] != world else None
+            key = (collective["op"], group, collective["group_size"], step)
+            members, longest = waiting.get(key, ([], 0.0))
+            waiting[key] = (members + [rank["rank"]], max(longest, collective["for"]))
+
+    def at(step: int | None) -> str:
+        return f" (step {step})" if step is not None else ""
+
+    parts: list[str] = []
+    for (op, group, size, step), (members, longest) in sorted(waiting.items(), key=lambda kv: (-kv[1][1], kv[0][0],
+                                                                                                 min(kv[1][0]))):
+        verb = "" if parts else (" wait" if len(members) > 1 else " waits")
+        on = f" on group {group} of {size} ranks" if group is not None else ""
+        parts.append(f"{_rank_runs(members)}{verb} in {op}{on}{at(step)} for {longest:.0f}s")
+    for step, members in sorted(computing.items(), key=lambda kv: min(kv[1])):
+        parts.append(f"{_rank_runs(members)} comput{'e' if len(members) > 1 else 'es'}{at(step)}")
+    if silent:
+        parts.append(f"{_rank_runs(silent)}: no report")
+    return "; ".join(parts) or "no rank has reported"
 
 
 class LinkObserver:
@@ -275,6 +314,8 @@ class LinkObserver:
         self.links = Links()
         self.stalls = stalls or StallWatch()
         self._stall_said: Stall | None = None
+        #: which ranks wait in which collective, as the board's newest snapshot says (``where_ranks_stand``)
+        self._where = ""
         #: the agent that hosts the controller: its node never moves to a spare (``on_link_tick``)
         self.host_agent = ""
         #: the launch's timeout chain (``ftrun.timeouts``), checked once more against the job's measured step time
@@ -286,6 +327,8 @@ class LinkObserver:
         #: answered again: the OS's word explains those pairs, and its link's return repaired the job already
         self._explained: set[int] = set()
         self._os_said: dict[int, float] = {}
+        #: nodes sent to a spare, and the agent that held each then: once another holds it, it was taken over
+        self._moving: dict[int, str] = {}
 
     def take_reports(self, events: list[Event], view: JobView, nodes: dict[int, NodeSlot], spare: bool,
                      now: float) -> list[Event]:
@@ -306,6 +349,10 @@ class LinkObserver:
         return kept
 
     def observe(self, view: JobView, nodes: dict[int, NodeSlot], spare: bool, now: float) -> list[Event]:
+        for node, agent in list(self._moving.items()):
+            if node in nodes and nodes[node].agent_id != agent:
+                self.links = taken_over(self.links, node)
+                del self._moving[node]
         self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING,
                                            self._host(nodes))
         return self._act(actions, view, nodes)
@@ -354,6 +401,7 @@ class LinkObserver:
             stall = None
         else:
             ranks = snapshot.get("ranks") or []
+            self._where = where_ranks_stand(ranks)
             beating = bool(ranks) and all(r.get("heartbeat_age") is not None and r["heartbeat_age"] < BEATING
                                           for r in ranks)
             stall = self.stalls.observe(now, snapshot.get("step"), beating)
@@ -362,7 +410,7 @@ class LinkObserver:
                 self._check_measured()
         if stall is not None and self._stall_said is None:
             line = (f"training stands still: no step committed for {stall.waited:.1f}s while every rank lives and "
-                    f"beats (bound {stall.bound:.1f}s: {stall.basis}); {where_ranks_stand(snapshot.get('ranks') or [])}"
+                    f"beats (bound {stall.bound:.1f}s: {stall.basis}); {self._where}"
                     f"{self._dark_words()}")
             log.error(line)
             self.events.emit("stall", view.generation, line, waited=round(stall.waited, 3), bound=round(stall.bound, 3))
@@ -372,7 +420,8 @@ class LinkObserver:
         return stall
 
     def status(self, now: float) -> dict | None:
-        """What the status shows: the stall (or a dark link) and the dark links by node, or None."""
+        """What the status shows: the stall (or a dark link), the dark links by node and which ranks wait in which
+        collective, or None."""
         stall, dark = self._stall_said, self.links.dark
         if stall is None and not dark:
             return None
@@ -380,7 +429,7 @@ class LinkObserver:
         since = min([d.since for d in dark] + ([stall.since] if stall else []))
         return {"for": round(now - since, 1), "reason": reason,
                 "bound": round(stall.bound, 1) if stall else None,
-                "dark": {str(d.node_rank): d.detail for d in dark}}
+                "dark": {str(d.node_rank): d.detail for d in dark}, "ranks": self._where}
 
     def _host(self, nodes: dict[int, NodeSlot]) -> int:
         return next((n for n, slot in nodes.items() if slot.agent_id == self.host_agent), -1)
@@ -408,6 +457,7 @@ class LinkObserver:
                 self.events.emit(action.kind, view.generation, action.line, node=action.node_rank,
                                  host=holder.host if holder else None)
             elif isinstance(action, MoveToSpare) and action.node_rank in nodes:
+                self._moving[action.node_rank] = nodes[action.node_rank].agent_id
                 found.append(NodeLost(nodes[action.node_rank], f"node {action.node_rank}: {action.detail}"))
             elif isinstance(action, RepairOnline):
                 holder = nodes.get(action.node_rank)

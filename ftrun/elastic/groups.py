@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import itertools
 import logging
 import re
 import threading
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.elastic.backends import CommBackend
+from ftrun.step_times import CollectiveWait
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,18 @@ COLLECTIVES = (
     "reduce_scatter_single_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall", "alltoall_base",
     "all_to_all_single", "send", "recv", "recv_anysource", "barrier", "monitored_barrier",
 )
+
+#: the collectives as torch.distributed's functions call them, where the ProcessGroup's method is named otherwise
+#: (what a user reads in a stall's line: ``dist.all_reduce`` calls ``allreduce``); the rest keep their names
+OP_NAMES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "allgather": "all_gather",
+    "_allgather_base": "all_gather_into_tensor", "all_gather_single": "all_gather_into_tensor",
+    "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor", "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+}
 
 
 class GroupError(RuntimeError):
@@ -146,7 +160,7 @@ def _collective(op: str) -> Callable:
             # the backend waited for it already: NCCL does for a caller that will not wait
             # (``opts.asyncOp`` False, torch 2.8 on), and torch reads None as done
             return None
-        return _Guarded(work, owner, op, self.rank(), self.size(), everything)
+        return _Guarded(work, owner, op, self.rank(), self.size(), everything, self.group_name)
 
     run.__name__ = op
     run.__doc__ = f"``{op}`` on the current generation's real group."
@@ -186,6 +200,30 @@ class GroupSet:
         #: seconds the training thread spent blocked in guarded collectives' waits (the step clock reads it:
         #: a step's compute time is its time less these)
         self.waited = 0.0
+        #: the guarded collectives waited for now (a wait, or a future handed out and not yet settled), by a
+        #: token each: the heartbeat reports the oldest (a stall says which ranks wait in which collective)
+        self._waits: dict[int, CollectiveWait] = {}
+        self._tokens = itertools.count()
+
+    def wait_begins(self, op: str, group: str, size: int) -> int:
+        """A guarded collective is waited for from now (from any thread); the token for :meth:`wait_ends`."""
+        token = next(self._tokens)
+        self._waits[token] = CollectiveWait(OP_NAMES.get(op, op), group, size, time.time())
+        return token
+
+    def wait_ends(self, token: int) -> None:
+        self._waits.pop(token, None)
+
+    def waiting_now(self) -> CollectiveWait | None:
+        """The collective this rank has waited in longest of those it waits in now (None: none), for the
+        heartbeat (another thread than the ones that begin and end waits)."""
+        while True:
+            try:
+                waits = list(self._waits.values())
+                break
+            except RuntimeError:  # changed by another thread while copied: copy again
+                continue
+        return min(waits, key=lambda w: w.since) if waits else None
 
     def create(self, options, backend_options=None) -> ElasticGroup:
         """torch's creator for the ``ftrun`` backend (``Backend.register_backend(..., extended_api=True)``)."""
@@ -216,6 +254,7 @@ class GroupSet:
         """The next generation's groups: each connects at its next collective."""
         self.generation = generation
         self.failure = None
+        self._waits.clear()  # an earlier generation's: given up, or settling without anyone waiting
 
     def fail(self, error: BaseException) -> None:
         """A collective of the step failed: the rest of the step is answered locally."""
@@ -405,15 +444,16 @@ def _superseded(generation: int) -> GroupError:
 class _Guarded(dist._Work):
     """A real collective's work whose failure is recorded on the group set instead of raised."""
 
-    def __init__(self, real, owner: GroupSet, op: str, rank: int, size: int, args: tuple):
+    def __init__(self, real, owner: GroupSet, op: str, rank: int, size: int, args: tuple, group: str = ""):
         super().__init__()
         self._real, self._owner = real, owner
-        self._op, self._rank, self._size, self._args = op, rank, size, args
+        self._op, self._rank, self._size, self._args, self._group = op, rank, size, args, group
         #: the generation it belongs to: once a newer one is announced, nothing waits for it any more
         self._generation = owner.generation
 
     def wait(self, timeout=None) -> bool:
         began = time.perf_counter()
+        token = self._owner.wait_begins(self._op, self._group, self._size)
         try:
             if timeout is not None and timeout != NO_TIMEOUT:
                 return self._real.wait(timeout)
@@ -423,6 +463,7 @@ class _Guarded(dist._Work):
             self._owner.fail(e)
             return True
         finally:
+            self._owner.wait_ends(token)
             self._owner.waited += time.perf_counter() - began
 
     def _wait_unless_given_up(self) -> bool:
@@ -452,8 +493,11 @@ class _Guarded(dist._Work):
         return self._owner.failure is None
 
     def get_future(self) -> torch.futures.Future:
+        # whoever holds the future waits on it (torch's DDP reducer, in C++, at the end of the backward pass):
+        # counted as waited for from now until it settles
         settled = _Settled(self._owner, self._generation,
-                           lambda: answer_locally(self._op, self._rank, self._size, self._args).get_future().value())
+                           lambda: answer_locally(self._op, self._rank, self._size, self._args).get_future().value(),
+                           self._owner.wait_begins(self._op, self._group, self._size))
         self._owner._pending.add(settled)
         self._real.get_future().add_done_callback(settled.settle)
         return settled.future
@@ -464,10 +508,10 @@ class _Settled:
     when its generation is given up first (the real one may never complete: ``GroupSet.abandon``);
     whichever comes first, once."""
 
-    def __init__(self, owner: GroupSet, generation: int, local: Callable[[], object]):
+    def __init__(self, owner: GroupSet, generation: int, local: Callable[[], object], token: int = -1):
         self.future: torch.futures.Future = torch.futures.Future()
         self.generation = generation
-        self._owner, self._local = owner, local
+        self._owner, self._local, self._token = owner, local, token
         self._lock = threading.Lock()
         self._done = False
 
@@ -481,6 +525,7 @@ class _Settled:
             if self._done:
                 return
             self._done = True
+        self._owner.wait_ends(self._token)
         self.future.set_result(result)
 
     def give_up(self) -> None:
@@ -493,6 +538,7 @@ class _Settled:
             if self._done:
                 return False
             self._done = True
+        self._owner.wait_ends(self._token)
         self._owner.fail(error)
         self.future.set_result(self._local())
         return True

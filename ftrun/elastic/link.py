@@ -30,7 +30,7 @@ from ftrun.elastic.store_location import StoreLocation
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.step_times import StepClock
+from ftrun.step_times import StepClock, collective_text
 from ftrun.store import CONNECT_TIMEOUT, ControlStore
 
 log = logging.getLogger("ftrun.elastic")
@@ -348,8 +348,10 @@ class ControlLink:
                 if failed is not None:  # the first rank's word stays: the root cause
                     store.raw.compare_set(self.keys.collective_failure(failed.generation), "", failed.to_text())
                 store.add(self.keys.rank_heartbeat(self.rank))
-                store.set_each([self.keys.rank_progress(self.rank), self.keys.rank_step_times(self.rank)],
-                               [str(progress()), self.clock.times().to_text()])
+                waiting = self._groups.waiting_now() if self._groups is not None else None
+                store.set_each([self.keys.rank_progress(self.rank), self.keys.rank_step_times(self.rank),
+                                self.keys.rank_collective(self.rank)],
+                               [str(progress()), self.clock.times().to_text(), collective_text(waiting, os.getpid())])
             except Exception:
                 return  # the store is gone and did not move: the agent stops this process
 

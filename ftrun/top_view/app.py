@@ -24,7 +24,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from ftrun.errors import ExitCode
-from ftrun.live_view import job_line, moved_line, straggler_lines
+from ftrun.live_view import job_line, moved_line, stall_lines, straggler_lines
 from ftrun.live_view import render as status_render
 from ftrun.messages import OperatorAction
 from ftrun.store import StoreUnavailable
@@ -146,7 +146,7 @@ class TopApp(App):
             self.snapshot = snapshot
             self._fill_table()
             line = job_line(snapshot, self.size.width or 120)
-            for straggler in straggler_lines(snapshot):
+            for straggler in [*stall_lines(snapshot), *straggler_lines(snapshot)]:
                 line.append("\n")
                 line.append_text(straggler)
             self.query_one("#job", Static).update(line)

@@ -85,7 +85,7 @@ def run_flapping(launcher, bed: ClusterBed, fault_free: dict) -> None:
         wait_for(lambda: first.output.count("node 1: data link data dark (operstate down, no carrier)") >= flap,
                  timeout=30, what=f"dark link {flap} said")
         said_after.append(time.monotonic() - dark_at)
-        time.sleep(1.5)
+        time.sleep(3.5 if flap == 1 else 1.5)  # the first long enough for the ranks' waits to reach the status
         bed.light(1)
         if flap < 3:
             wait_for(lambda: re.search(rf"generation {flap} resumed training .*repaired online", first.output),
@@ -110,6 +110,11 @@ def run_flapping(launcher, bed: ClusterBed, fault_free: dict) -> None:
     assert status, "ftrun status never showed the dark link"
     assert status["stall"]["dark"] == {"1": "data link data dark (operstate down, no carrier)"}
     assert [n["state"] for n in status["nodes"] if n["role"] == "active"] == ["running", "link dark"]
+    # which ranks wait in which collective, from their heartbeats (a rank not yet in it computes)
+    waits = [s["stall"]["ranks"] for s in lines if s.get("stall") and "wait" in s["stall"]["ranks"]]
+    assert waits and re.match(r"ranks? [0-9, -]+ waits? in all_reduce \(step \d+\) for \d+s", waits[0]), waits
+    assert any(r["collective"] and r["collective"]["op"] == "all_reduce" for s in lines for r in s["ranks"])
+    assert lines[-1]["stall"] is None  # node 1's place taken by the spare: its old dark link is no more
     results = launcher.results()
     assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {ELASTIC_STEPS}
     assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit-identical

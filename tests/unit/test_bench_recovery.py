@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -482,3 +483,37 @@ def test_the_start_row_without_a_first_step_has_no_ratio(bench):
     row = bench.LayoutRow(bench.layout_cases(5)["start"], ftrun=ftrun, torchrun=[run(bench, "t", None, 0.1)],
                           torch_ddp=[])
     assert row.start_ratio is None and row.to_json()["goal_met"] is None
+
+
+def test_dark_link_mode_runs_bench_dark_link_s_scenarios_and_holds_each_ftrun_row_to_the_goals(bench, monkeypatch,
+                                                                                                tmp_path, capsys):
+    import bench_dark_link
+
+    figures = {"no-spare": {"said_s": 0.1, "resumed_s": 0.9, "processes_started": 0},
+               "spare": {"said_s": 0.1, "resumed_s": 3.4, "processes_started": 2},
+               "torchrun": {"said_s": None, "resumed_s": 24.5, "processes_started": 0},
+               "silent": {"said_s": 2.5, "resumed_s": 3.5, "processes_started": 0}}  # past the 3 s goal
+    cases = []
+
+    def run(scenario, case, reference, workdir):
+        cases.append(case)
+        if reference is None:
+            return {"scenario": "fault-free", "digests": {0: "d"}}
+        return {"scenario": scenario, "bit_identical": True, "final_step": case.steps, "digests": {0: "d"},
+                **figures[scenario]}
+
+    monkeypatch.setattr(bench_dark_link, "run", run)
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    out = tmp_path / "dark.json"
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--dark-link", "--dark-for", "5", "--json", str(out),
+                                      "--work-dir", str(tmp_path / "work")])
+    assert bench.main() == 0
+    assert {(c.dark_for, c.steps, c.step_sleep, c.scenarios) for c in cases} == {(5.0, 40, 0.1, bench_dark_link.SCENARIOS)}
+    rows = json.loads(out.read_text())["dark_link"]["rows"]
+    assert [(r["scenario"], r["goal_met"]) for r in rows] == [("no-spare", True), ("spare", True), ("torchrun", None),
+                                                              ("silent", False)]
+    assert all("digests" not in r for r in rows)
+    assert "a dark data link: 2 nodes x 2 ranks" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--dark-link", "--nnodes", "3"])
+    with pytest.raises(SystemExit):
+        bench.parse_args()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import threading
+import time
 import types
 import weakref
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from ftrun.elastic.backends import CommBackend
 from ftrun.elastic.groups import WAIT_SLICE, ElasticGroup, GroupSet, _Guarded, answer_locally, init_default_group, install
 from ftrun.elastic.shards import SHARD, from_local, load_local, to_local
+from ftrun.step_times import CollectiveWait, collective_text, read_collective
 
 
 @pytest.fixture
@@ -352,3 +354,57 @@ def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo()
         assert received.tolist() == [0.0, 1.0, 2.0]
     finally:
         sender.join(30)
+
+
+def test_the_collective_a_rank_waits_in_is_known_while_it_waits_and_forgotten_once_done_over_real_gloo():
+    """What the heartbeat reports for a stall's line: a blocking wait (a recv whose sender is late) and a
+    future handed out (torch's DDP waits on it in C++), each from its start until it settles."""
+    store = dist.HashStore()
+    made: dict[int, dist.ProcessGroup] = {}
+
+    def make(rank: int) -> None:
+        made[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join(30)
+    owner = GroupSet(CommBackend(), store, lambda generation: f"g{generation}/pg", timeout=30)
+    owner.reconfigure(0)
+    assert owner.waiting_now() is None
+    received = torch.zeros(3)
+    work = _Guarded(made[1].recv([received], 0, 7), owner, "recv", 1, 2, ([received], 0, 7), "3")
+    waiter = threading.Thread(target=work.wait, name="test-waiter")
+    began = time.time()
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while owner.waiting_now() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    wait = owner.waiting_now()
+    assert wait is not None and (wait.op, wait.group, wait.group_size) == ("recv", "3", 2)
+    assert began - 1 < wait.since <= time.time()
+    made[0].send([torch.arange(3.0)], 1, 7).wait()
+    waiter.join(30)
+    assert owner.waiting_now() is None and received.tolist() == [0.0, 1.0, 2.0]
+    tensor = torch.ones(2)
+    future = _Guarded(made[0].allreduce([tensor]), owner, "allreduce", 0, 2, ([tensor],), "0").get_future()
+    wait = owner.waiting_now()
+    assert wait is not None and wait.op == "all_reduce"  # torch.distributed's word, not the ProcessGroup's
+    made[1].allreduce([torch.ones(2)]).wait()
+    future.wait()
+    assert owner.waiting_now() is None and tensor.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("wait, text", [
+    (None, "42 -"),
+    (CollectiveWait("all_reduce", "0", 4, 1700000000.25), "42 1700000000.250 4 all_reduce 0"),
+    (CollectiveWait("broadcast", "mesh dp", 2, 5.0), "42 5.000 2 broadcast mesh dp"),  # torch's names may hold spaces
+])
+def test_the_collective_a_heartbeat_writes_reads_back(wait, text):
+    assert collective_text(wait, 42) == text and read_collective(text) == (42, wait)
+
+
+@pytest.mark.parametrize("text", ["", "x -", "42", "42 5.0 0 all_reduce 0", "42 -1 2 all_reduce 0", "42 a 2 b c"])
+def test_a_collective_text_not_written_by_a_heartbeat_reads_as_none(text):
+    assert read_collective(text) is None

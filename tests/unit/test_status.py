@@ -9,6 +9,7 @@ import re
 import select
 import stat
 import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -20,6 +21,7 @@ from ftrun.events import EventLog, read_events
 from ftrun.keys import JobKeys
 from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure
 from ftrun.live_view import StatusView, live_wanted, plain_line, render
+from ftrun.step_times import CollectiveWait, collective_text
 from ftrun.store import ControlStore
 from tests.conftest import ftrun_status
 
@@ -69,6 +71,21 @@ def test_board_is_built_from_one_status_per_node(store):
     assert s["ranks"][0]["step"] == 7 and s["ranks"][0]["heartbeat_age"] == 0.0
     assert (s["ranks"][2]["step"], s["ranks"][2]["heartbeat_age"], s["ranks"][2]["node"]) == (6, 1.2, 1)
     json.dumps(s)  # what ftrun status reads: plain data only
+
+
+def test_board_shows_the_collective_each_rank_waits_in_for_how_long_and_those_in_none(store):
+    since = time.time() - 12.0
+    waiting = collective_text(CollectiveWait("all_reduce", "0", 4, since), 100)
+    ranks = (RankState(0, 0, 100, True, step=9, collective=waiting),
+             RankState(1, 1, 101, True, step=9, collective=collective_text(None, 101)))
+    store.set(KEYS.agent_status("a0"), NodeStatus("a0", "host-a", 0, ranks, 1, ()))
+    s = snapshot(store, JobView(node_count=2, max_restarts=3, world_size=4))
+    first, second, third = s["ranks"][:3]
+    wait = first["collective"]
+    assert (wait["op"], wait["group"], wait["group_size"]) == ("all_reduce", "0", 4)
+    assert 12.0 <= wait["for"] < 60  # at the snapshot's time, from the rank's word of when it began
+    assert second["collective"] == {}  # in none: computing
+    assert "collective" not in third  # node 1 sent no status: no word
 
 
 def test_board_shows_lost_and_vacant_nodes_and_the_repair(store):
