@@ -91,3 +91,10 @@ def test_a_healthy_rank_s_log_history_is_its_own_copy():
     source.state.log_history.append({"loss": 1.0})
     progress.put_back_state()
     assert source.state.log_history == []
+
+
+def test_a_trainer_that_trains_through_deepspeed_is_covered():
+    # its engine's state (ZeRO's partitions included) is the deepspeed integration's to register
+    given = SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False,
+                            accelerator=SimpleNamespace(parallelism_config=None))
+    assert hf.uncovered(given) == ""
