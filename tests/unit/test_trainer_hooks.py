@@ -186,6 +186,9 @@ def test_plain_scripts_are_known_by_the_trainers_they_name(tmp_path):
     assert standby.framework_imports(str(hf_script)) == ("transformers.trainer",)
     assert standby.framework_imports(str(lightning_script)) == ("lightning.pytorch",)
     assert standby.framework_imports(str(torch_script)) == ()
+    hf_script.write_text("from transformers import Trainer, TrainingArguments\nargs = TrainingArguments(deepspeed=ds)\n")
+    assert standby.framework_imports(str(hf_script)) == ("transformers.trainer", *standby.DEEPSPEED_IMPORTS)
+    hf_script.write_text("from transformers import Trainer, TrainingArguments\n")
     python = sys.executable
     assert standby.prepared([python, "-u", str(hf_script), "--lr", "1"]) == [
         python, "-u", "-m", "ftrun.agent.standby", str(hf_script), "--lr", "1"]
