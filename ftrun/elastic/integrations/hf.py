@@ -28,6 +28,14 @@ How a Trainer's steps become ftrun's steps (the job's step protocol, driven from
   the data already trained on, by position), with the RNG states of that step;
 * a replacement receives the state from a healthy replica as its ``train()`` sets up, ignores the script's
   ``resume_from_checkpoint`` (its peers are past it), and joins its peers' rerun of the epoch.
+
+With ``deepspeed=`` the Trainer trains through a DeepSpeed engine, which accelerate makes in ``train()`` with
+``deepspeed.initialize``: the DeepSpeed integration (``deepspeed.py``, imported with this one) registers the
+engine's state as it is made (ZeRO's partitions, which the torch optimizer's ``state_dict()`` registered under DDP
+would miss), so this one registers only the Trainer's progress and its LR scheduler (unless the engine steps it),
+and starts the job's steps once the engine is made, where a replacement receives the state (ZeRO 1-3: every rank
+loads its own snapshot). Stage 0's step whose all-reduce failed raises at the engine's ``step()``, as a torch
+optimizer's does.
 """
 
 from __future__ import annotations
