@@ -6,7 +6,7 @@ no hub download. STEPS optimizer steps of GRAD_ACCUM micro-batches each, logging
 every SAVE_STEPS into OUT_DIR/checkpoints. RESUME=path resumes from that checkpoint
 (``train(resume_from_checkpoint=...)``). Faults as in elastic_train.py: FAULT=rank:step:kind, fired as the
 step begins in original ranks only. STEP_SLEEP (default 0.05) seconds at the end of each step. ZERO=stage trains
-through DeepSpeed (the Trainer's ``deepspeed=`` config, ZeRO at that stage, on gloo) instead of DDP.
+through DeepSpeed instead of DDP (hf_zero.py: the Trainer's config for it, ZeRO at that stage, on gloo).
 
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each finished step to OUT_DIR/commits-rank<r>, and
 writes OUT_DIR/rank<r>.json at the end: the final global step, the pid, whether it is a replacement, the
@@ -18,6 +18,7 @@ import os
 import time
 
 import faults
+import hf_zero
 import teardown
 import torch
 from digests import digest
@@ -55,18 +56,6 @@ class Faults(TrainerCallback):
         time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
 
 
-def deepspeed_config() -> dict | None:
-    stage = os.environ.get("ZERO")
-    if not stage:
-        return None
-    import deepspeed.ops
-
-    # DeepSpeed's shared-memory all-reduce builds with a compiler on CPU for minutes (ftrun turns it off itself)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "steps_per_print": 10**6, "zero_optimization": {"stage": int(stage)}}
-
-
 def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     rank = int(os.environ["RANK"])
@@ -76,7 +65,7 @@ def main() -> None:
         output_dir=os.path.join(out_dir, "checkpoints"), max_steps=int(os.environ.get("STEPS", "10")),
         per_device_train_batch_size=4, gradient_accumulation_steps=int(os.environ.get("GRAD_ACCUM", "2")),
         learning_rate=1e-3, warmup_steps=2, logging_steps=2, save_steps=int(os.environ.get("SAVE_STEPS", "4")),
-        report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, deepspeed=deepspeed_config())
+        report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **hf_zero.arguments())
     config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     torch.manual_seed(0)
