@@ -1,9 +1,9 @@
 """Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
 Hugging Face Trainer (transformers + accelerate, DDP) and a Lightning Trainer (DDP), each as written for torchrun
 (no line of ftrun's: ``--recovery process`` turns the integration on as the Trainer is made) and with ftrun's
-line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback); and a DeepSpeed
-ZeRO-2 job (1 node x 2 ranks) with ``ftrun.elastic.integrations.deepspeed``, whose lost rank's optimizer partition
-comes from its snapshot.
+line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback); and DeepSpeed
+ZeRO-2 jobs (1 node x 2 ranks), with ``ftrun.elastic.integrations.deepspeed`` and through the Trainer's
+``deepspeed=`` as written for torchrun, whose lost rank's optimizer partition comes from its snapshot.
 
 Each job runs once without a fault, with ftrun's line (its 4 ranks on one node, in fresh interpreters, made once
 for the module) and with rank 1 SIGKILLed: the job ends at its final step, only rank 1 was started again, every
