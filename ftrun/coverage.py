@@ -13,9 +13,7 @@ from typing import Any
 
 def arguments_uncovered(args: Any) -> str:
     """What ``TrainingArguments`` (as given, before their ``__post_init__``) ask for that the integration does not
-    cover, or "": the Trainer's DDP (or one process) is covered."""
-    if args.deepspeed or _env_true("ACCELERATE_USE_DEEPSPEED"):
-        return "DeepSpeed"
+    cover, or "": the Trainer's DDP (or one process) and DeepSpeed (ZeRO 0-3) are covered."""
     if args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
         return "FSDP through accelerate"
     config = getattr(args, "parallelism_config", None)
@@ -23,6 +21,11 @@ def arguments_uncovered(args: Any) -> str:
     if any(size > 1 for size in sizes.values()):
         return "accelerate's parallelism ({})".format(", ".join(f"{n} {s}" for n, s in sizes.items() if s > 1))
     return ""
+
+
+def arguments_use_deepspeed(args: Any) -> bool:
+    """``TrainingArguments`` that train through DeepSpeed (their ``deepspeed=`` config, or accelerate's plugin)."""
+    return bool(args.deepspeed) or _env_true("ACCELERATE_USE_DEEPSPEED")
 
 
 def _env_true(name: str) -> bool:

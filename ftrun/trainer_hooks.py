@@ -9,7 +9,8 @@ patched.
 
 * ``transformers.TrainingArguments``, as they are made, before accelerate forms torch's process group from
   ``MASTER_ADDR`` inside them: the rank joins the job (``import ftrun.elastic.hf``; ``shared.py`` says why ftrun
-  must form the group), unless the arguments ask for what the integration does not cover (``ftrun.coverage``):
+  must form the group; with ``deepspeed=``, the DeepSpeed integration too, which registers the engine's state),
+  unless the arguments ask for what the integration does not cover (``ftrun.coverage``):
   then accelerate forms the group as under torchrun, and one line says the job runs at job level;
 * ``transformers.Trainer``, as it is made: ``ftrun.elastic.hf.enable(trainer)`` (the process's first Trainer);
 * ``lightning.Trainer``, as it is made, with DDP (its process group comes later, in ``fit()``): the rank joins the
@@ -34,7 +35,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ftrun.contract import WorkerEnv
-from ftrun.coverage import arguments_uncovered, strategy_uncovered
+from ftrun.coverage import arguments_uncovered, arguments_use_deepspeed, strategy_uncovered
 
 log = logging.getLogger("ftrun.elastic")
 
@@ -173,6 +174,8 @@ def _arguments_made(args: Any) -> None:
                              "not cover")
         return
     importlib.import_module("ftrun.elastic.integrations.hf")  # joins the job, unless the group was formed first
+    if arguments_use_deepspeed(args):  # its engine's state registered as accelerate makes it, its shm op off
+        importlib.import_module(INTEGRATION_OF["deepspeed"])
 
 
 def _hf_trainer_made(trainer: Any) -> None:

@@ -47,11 +47,13 @@ the kill; the pre-fault step is the highest step any rank had finished by then.
 
     .venv/bin/python scripts/bench_recovery.py --node-loss 2,4,8
 
-With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,deepspeed,all-lost (or all; link-cut and start: below) it
+With --layouts ddp,torch-ddp,fsdp,hsdp,tp,pp,hf,lightning,deepspeed,hf-deepspeed,all-lost (or all; link-cut and
+start: below) it
 gives a row per way of laying a model out, each at --nnodes x --nproc-per-node (2 x 2): the layout's example script
 (train_ddp_elastic.py, --torch-ddp; train_fsdp_elastic.py --layout fsdp|hsdp; train_tp_elastic.py --layout tp|pp;
-hf: a Hugging Face Trainer, train_hf_trainer.py, lightning: train_lightning.py, and deepspeed: ZeRO-2,
-train_deepspeed.py, with --snapshot-every 1, which need transformers and accelerate, lightning, or deepspeed, on
+hf: a Hugging Face Trainer, train_hf_trainer.py, lightning: train_lightning.py, deepspeed: ZeRO-2,
+train_deepspeed.py, and hf-deepspeed: the Trainer through DeepSpeed ZeRO-2, train_hf_trainer.py --zero 2, these two
+with --snapshot-every 1, which need transformers and accelerate, lightning, or deepspeed, on
 PYTHONPATH, else the row is skipped) runs under
 torchrun-noshare, which restarts it from its disk checkpoint, and under ftrun --recovery process (FSDP's full
 shard with --snapshot-every K, --snapshot-every; no replica holds its shard), one rank SIGKILLed after
@@ -1083,6 +1085,9 @@ def layout_cases(snapshot_every: int, kill_stagger: float = 0.5) -> dict[str, La
         # every rank goes back to the newest step all of them hold (the fault's step, or the one before it)
         LayoutCase("deepspeed", "DeepSpeed ZeRO-2, --snapshot-every 1", EXAMPLES / "train_deepspeed.py",
                    ftrun_args=("--snapshot-every", "1"), needs="deepspeed", redone_goal=1),
+        LayoutCase("hf-deepspeed", "Hugging Face Trainer, deepspeed= ZeRO-2, as written for torchrun, --snapshot-every 1",
+                   EXAMPLES / "train_hf_trainer.py", ("--zero", "2"), ftrun_args=("--snapshot-every", "1"),
+                   needs="deepspeed", redone_goal=1),
         LayoutCase("link-cut", "rank 1's links to the other ranks cut, 1 x 4, job.ddp()", elastic_ddp, link_cut=True,
                    shape=(1, 4), fault_rank=1),
         LayoutCase("start", "launch to the first step, 1 x 4, job.ddp(), no fault", elastic_ddp, start=True,

@@ -20,18 +20,19 @@ from ftrun import trainer_hooks
 
 #: what a script that names one of these (its integration in ftrun.elastic) imports besides torch: modules
 #: whose import costs seconds more (transformers' Trainer loads most of the library, and accelerate)
+#: deepspeed.initialize imports ZeRO's optimizers, and Muon's, which loads torch's inductor (seconds of CPU): a
+#: replacement that imports them itself keeps its peers waiting
+DEEPSPEED_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
+                     "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.muon.muon_optimizer")
 FRAMEWORK_IMPORTS = {"ftrun.elastic.hf": ("transformers.trainer",), "ftrun.elastic.lightning": ("lightning.pytorch",),
                      "ftrun.elastic.integrations.hf": ("transformers.trainer",),
                      "ftrun.elastic.integrations.lightning": ("lightning.pytorch",),
-                     # deepspeed.initialize imports ZeRO's optimizers, and Muon's, which loads torch's inductor
-                     # (seconds of CPU): a replacement that imports them itself keeps its peers waiting
-                     "ftrun.elastic.integrations.deepspeed": ("deepspeed.runtime.engine",
-                                                              "deepspeed.runtime.zero.stage_1_and_2",
-                                                              "deepspeed.runtime.zero.stage3",
-                                                              "deepspeed.runtime.zero.muon.muon_optimizer")}
+                     "ftrun.elastic.integrations.deepspeed": DEEPSPEED_IMPORTS}
 #: the same for a script as written for torchrun, whose text names every word of one of these: the Trainers that
-#: ftrun's integrations are turned on for as they are made (ftrun/trainer_hooks.py)
-TRAINER_IMPORTS = {("transformers", "Trainer"): ("transformers.trainer",), ("lightning",): ("lightning.pytorch",)}
+#: ftrun's integrations are turned on for as they are made (ftrun/trainer_hooks.py); the Hugging Face Trainer's
+#: ``deepspeed=`` engine too
+TRAINER_IMPORTS = {("transformers", "Trainer"): ("transformers.trainer",), ("lightning",): ("lightning.pytorch",),
+                   ("transformers", "Trainer", "deepspeed"): DEEPSPEED_IMPORTS}
 #: words whose presence in a script's text says it imports torch, itself or through a framework on it
 TORCH_WORDS = ("torch", "ftrun.elastic", "transformers", "lightning", "accelerate", "deepspeed")
 

@@ -1,9 +1,9 @@
 """Process-level repair of jobs written for a framework's own training loop, on 2 simulated nodes x 2 ranks: a
 Hugging Face Trainer (transformers + accelerate, DDP) and a Lightning Trainer (DDP), each as written for torchrun
 (no line of ftrun's: ``--recovery process`` turns the integration on as the Trainer is made) and with ftrun's
-line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback); and a DeepSpeed
-ZeRO-2 job (1 node x 2 ranks) with ``ftrun.elastic.integrations.deepspeed``, whose lost rank's optimizer partition
-comes from its snapshot.
+line (``ftrun.elastic.hf.enable(trainer)`` after the Trainer is made, the ``Recovery()`` callback); and DeepSpeed
+ZeRO-2 jobs (1 node x 2 ranks), with ``ftrun.elastic.integrations.deepspeed`` and through the Trainer's
+``deepspeed=`` as written for torchrun, whose lost rank's optimizer partition comes from its snapshot.
 
 Each job runs once without a fault, with ftrun's line (its 4 ranks on one node, in fresh interpreters, made once
 for the module) and with rank 1 SIGKILLed: the job ends at its final step, only rank 1 was started again, every
@@ -244,6 +244,38 @@ def test_a_deepspeed_zero2_job_s_lost_rank_is_replaced_alone_and_gets_its_partit
     for rank in (0, 1):
         starts = [int(line) for line in (launcher.out_dir / f"starts-rank{rank}").read_text().split()]
         assert sorted(set(starts)) == list(range(STEPS)) and len(starts) - STEPS in (1, 2), (rank, starts)
+
+
+def test_a_trainer_s_deepspeed_zero2_lost_rank_is_replaced_alone_from_its_snapshot(tmp_path_factory, launcher,
+                                                                                   frameworks):
+    # the Trainer's deepspeed= (ZeRO-2), 1 node x 2 ranks, the script as written for torchrun (PLAIN=1): rank 1
+    # SIGKILLed as step 5 begins; both ranks go back to the newest step both hold a snapshot of and end bit for
+    # bit as the fault-free run under the same flags (beside it)
+    flags = ["--recovery", "process", "--max-restarts", "3", "--repair-timeout", "90", "--snapshot-every", "1"]
+    reference = Launcher(tmp_path_factory.mktemp("hf-deepspeed-fault-free"), unique_mark("hf-deepspeed-fault-free"))
+    reference.start_job(1, 2, [HF], flags=flags, env=job_env(reference, frameworks, ZERO="2", PLAIN="1",
+                                                             STEP_SLEEP="0"))
+    launcher.start_job(1, 2, [HF], flags=flags, env=job_env(launcher, frameworks, ZERO="2", PLAIN="1",
+                                                            FAULT="1:5:sigkill"))
+    try:
+        assert reference.wait() == [0], reference.output()
+        assert launcher.wait() == [0], launcher.output()
+    finally:
+        reference.kill_all()
+    output, results, expected = launcher.output(), launcher.results(), reference.results()
+    assert sorted(results) == sorted(expected) == [0, 1], output
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == {rank: r["digest"] for rank, r in expected.items()}
+    assert expected[0]["digest"] != expected[1]["digest"]  # each rank's own partition
+    pids = start_pids(launcher)
+    assert pids[0] == [results[0]["pid"]] and results[0]["replacement"] == "0", (pids, output)
+    assert len(pids[1]) == 2 and results[1]["pid"] in pids[1] and results[1]["replacement"] == "1"
+    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    assert "generation 1 resumed training" in output and "job level" not in reference.output()
+    # at most the lost step and the one before it ran again
+    for rank in (0, 1):
+        done = sorted(commits(launcher, rank))
+        assert sorted(set(done)) == list(range(STEPS)) and len(done) - STEPS in (0, 1), (rank, done)
 
 
 def test_each_zero_stage_s_state_goes_through_a_snapshot_and_back_bit_for_bit(tmp_path, frameworks):

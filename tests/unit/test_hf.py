@@ -91,3 +91,35 @@ def test_a_healthy_rank_s_log_history_is_its_own_copy():
     source.state.log_history.append({"loss": 1.0})
     progress.put_back_state()
     assert source.state.log_history == []
+
+
+def test_a_trainer_that_trains_through_deepspeed_is_covered():
+    # its engine's state (ZeRO's partitions included) is the deepspeed integration's to register
+    given = SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False,
+                            accelerator=SimpleNamespace(parallelism_config=None))
+    assert hf.uncovered(given) == ""
+
+
+def test_under_the_trainer_a_stage_0_update_whose_all_reduce_failed_raises(monkeypatch):
+    # the deepspeed integration's own steps() keeps the failure for end_step(); the Trainer's loop has no place to
+    # take it there, so the engine's step() raises it (as DDP's torch optimizer's does) and _run_epoch repairs
+    from ftrun.elastic.groups import GroupFailed
+    from ftrun.elastic.integrations import deepspeed
+
+    def before_update():
+        raise GroupFailed("the all-reduce failed")
+
+    job = SimpleNamespace(state=SimpleNamespace(before_update=before_update, objects={}), snapshots=None)
+    engine = SimpleNamespace(is_gradient_accumulation_boundary=lambda: True)
+    state = SimpleNamespace(partitioned=False, engine=engine)
+    monkeypatch.setattr(deepspeed, "job", job)
+    monkeypatch.setattr(deepspeed, "_looping", [True])
+    monkeypatch.setattr(deepspeed, "_stopped", [])
+    monkeypatch.setattr(deepspeed, "_driven", [])
+    assert deepspeed._step(state, lambda: "updated") is None  # its own steps(): kept for end_step()
+    assert [str(error) for error in deepspeed._stopped] == ["the all-reduce failed"]
+    deepspeed._stopped.clear()
+    assert deepspeed.driven_by_trainer() == []
+    with pytest.raises(GroupFailed, match="the all-reduce failed"):
+        deepspeed._step(state, lambda: "updated")
+    assert deepspeed._stopped == []

@@ -69,7 +69,7 @@ def test_a_wrapper_that_fails_leaves_the_framework_as_it_is(caplog):
 
 @pytest.mark.parametrize("given, why", [
     ({}, ""), ({"fsdp": "full_shard"}, "FSDP through accelerate"), ({"fsdp": True}, "FSDP through accelerate"),
-    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "DeepSpeed"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, ""), ({"deepspeed": "ds_config.json"}, ""),
     ({"parallelism_config": SimpleNamespace(tp_size=2, cp_size=None, dp_shard_size=1)}, "accelerate's parallelism (tp 2)"),
     ({"parallelism_config": SimpleNamespace(dp_replicate_size=2)}, "")])
 def test_training_arguments_the_integration_does_not_cover(given, why):
@@ -110,8 +110,20 @@ class FakeJob:
         self.refused.append(refusal)
 
 
+@pytest.mark.parametrize("given, uses", [({}, False), ({"deepspeed": {"zero_optimization": {"stage": 3}}}, True),
+                                         ({"deepspeed": "ds_config.json"}, True), ({"fsdp": "full_shard"}, False)])
+def test_training_arguments_that_train_through_deepspeed(given, uses):
+    arguments = SimpleNamespace(**{"fsdp": "", "deepspeed": None, "parallelism_config": None, **given})
+    assert coverage.arguments_use_deepspeed(arguments) is uses
+
+
+def test_training_arguments_with_accelerate_s_deepspeed_plugin_train_through_it(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    arguments = SimpleNamespace(fsdp="", deepspeed=None, parallelism_config=None)
+    assert coverage.arguments_use_deepspeed(arguments) and coverage.arguments_uncovered(arguments) == ""
+
+
 @pytest.mark.parametrize("trainer, why", [
-    (SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False), "trains with DeepSpeed"),
     (SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True), "shards its model with FSDP through accelerate"),
     (SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False,
                      accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(tp_size=2, cp_size=2))),
@@ -174,6 +186,9 @@ def test_plain_scripts_are_known_by_the_trainers_they_name(tmp_path):
     assert standby.framework_imports(str(hf_script)) == ("transformers.trainer",)
     assert standby.framework_imports(str(lightning_script)) == ("lightning.pytorch",)
     assert standby.framework_imports(str(torch_script)) == ()
+    hf_script.write_text("from transformers import Trainer, TrainingArguments\nargs = TrainingArguments(deepspeed=ds)\n")
+    assert standby.framework_imports(str(hf_script)) == ("transformers.trainer", *standby.DEEPSPEED_IMPORTS)
+    hf_script.write_text("from transformers import Trainer, TrainingArguments\n")
     python = sys.executable
     assert standby.prepared([python, "-u", str(hf_script), "--lr", "1"]) == [
         python, "-u", "-m", "ftrun.agent.standby", str(hf_script), "--lr", "1"]

@@ -5,7 +5,8 @@ A GPT-2-shaped model from a config (2 layers, width 32, dropout on: the RNG stat
 no hub download. STEPS optimizer steps of GRAD_ACCUM micro-batches each, logging every 2 steps, a checkpoint
 every SAVE_STEPS into OUT_DIR/checkpoints. RESUME=path resumes from that checkpoint
 (``train(resume_from_checkpoint=...)``). Faults as in elastic_train.py: FAULT=rank:step:kind, fired as the
-step begins in original ranks only. STEP_SLEEP (default 0.05) seconds at the end of each step.
+step begins in original ranks only. STEP_SLEEP (default 0.05) seconds at the end of each step. ZERO=stage trains
+through DeepSpeed instead of DDP (hf_zero.py: the Trainer's config for it, ZeRO at that stage, on gloo).
 
 Writes OUT_DIR/pid-start-rank<r>-<pid> at start, appends each finished step to OUT_DIR/commits-rank<r>, and
 writes OUT_DIR/rank<r>.json at the end: the final global step, the pid, whether it is a replacement, the
@@ -17,6 +18,7 @@ import os
 import time
 
 import faults
+import hf_zero
 import teardown
 import torch
 from digests import digest
@@ -63,7 +65,7 @@ def main() -> None:
         output_dir=os.path.join(out_dir, "checkpoints"), max_steps=int(os.environ.get("STEPS", "10")),
         per_device_train_batch_size=4, gradient_accumulation_steps=int(os.environ.get("GRAD_ACCUM", "2")),
         learning_rate=1e-3, warmup_steps=2, logging_steps=2, save_steps=int(os.environ.get("SAVE_STEPS", "4")),
-        report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+        report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **hf_zero.arguments())
     config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     torch.manual_seed(0)

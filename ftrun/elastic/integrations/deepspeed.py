@@ -15,8 +15,8 @@ Why the import comes first: ``deepspeed.init_distributed()`` forms torch's proce
 unless one is formed already, and a replacement rank cannot form one that way while its peers train; so under
 ftrun the import joins the job (``ftrun.elastic.init()``) and DeepSpeed takes the group it finds. The import
 also wraps ``deepspeed.initialize``: every engine it makes has its state registered with the job
-(:class:`EngineState`) with no line of the script's. (The Hugging Face Trainer's ``deepspeed=`` engine, which
-accelerate makes through it, stays at job level, said in one line: docs/integrations.md.) Under plain torchrun or
+(:class:`EngineState`) with no line of the script's; the Hugging Face Trainer's ``deepspeed=`` engine, which
+accelerate makes through it, too (``hf.py`` drives its steps: :func:`driven_by_trainer`). Under plain torchrun or
 python the import registers nothing and ``steps()`` is ``range()``.
 
 Where each ZeRO stage's state has a copy, which decides how a replacement gets it:
@@ -60,6 +60,8 @@ _looping: list[bool] = []
 _said: list[bool] = []
 #: the failure that stopped an engine's update in this step (without ZeRO)
 _stopped: list[BaseException] = []
+#: a framework's loop drives the steps (driven_by_trainer()): a stopped update raises, as a torch optimizer's does
+_driven: list[bool] = []
 
 
 class EngineState:
@@ -235,11 +237,21 @@ def steps(total: int, start: int = 0) -> Iterator[int]:
     job.link.report_progress(job.step)  # the job's summary says the step training ended at
 
 
+def driven_by_trainer() -> list[EngineState]:
+    """A framework's own loop (the Hugging Face Trainer's) drives the job's steps around this process's engines,
+    as :func:`steps` would: call it after ``job.start_steps()``; it says where a ZeRO partition's state would come
+    from, and returns the engines' states, whose ``begin_step()`` and ``step_finished()`` the loop calls."""
+    _looping.append(True)
+    _driven.append(True)
+    _say_where_the_state_comes_from()
+    return _engine_states()
+
+
 def _step(state: EngineState, original, *args, **kwargs):
     """The engine's ``step()``. Training outside ``steps()`` is said once, since no repair can place it. Without
     ZeRO, a step whose gradients a failed collective left unaveraged is not applied: the rank keeps the state of
-    the step's beginning, which a replacement then receives from it. ZeRO's steps run whole (their collectives
-    answered locally once one failed), and every rank loads its snapshot."""
+    the step's beginning, which a replacement then receives from it (under a Trainer, the failure is raised).
+    ZeRO's steps run whole (their collectives answered locally once one failed), and every rank loads its snapshot."""
     assert job is not None
     if not _looping and not _said:
         _said.append(True)
@@ -249,6 +261,8 @@ def _step(state: EngineState, original, *args, **kwargs):
         try:
             job.state.before_update()
         except GroupFailed as error:
+            if _driven:  # out of the framework's step, whose loop ends with it (hf.py repairs and reruns it)
+                raise
             _stopped.append(error)
             return None
     return original(*args, **kwargs)

@@ -28,6 +28,14 @@ How a Trainer's steps become ftrun's steps (the job's step protocol, driven from
   the data already trained on, by position), with the RNG states of that step;
 * a replacement receives the state from a healthy replica as its ``train()`` sets up, ignores the script's
   ``resume_from_checkpoint`` (its peers are past it), and joins its peers' rerun of the epoch.
+
+With ``deepspeed=`` the Trainer trains through a DeepSpeed engine, which accelerate makes in ``train()`` with
+``deepspeed.initialize``: the DeepSpeed integration (``deepspeed.py``, imported with this one) registers the
+engine's state as it is made (ZeRO's partitions, which the torch optimizer's ``state_dict()`` registered under DDP
+would miss), so this one registers only the Trainer's progress and its LR scheduler (unless the engine steps it),
+and starts the job's steps once the engine is made, where a replacement receives the state (ZeRO 1-3: every rank
+loads its own snapshot). Stage 0's step whose all-reduce failed raises at the engine's ``step()``, as a torch
+optimizer's does.
 """
 
 from __future__ import annotations
@@ -75,9 +83,7 @@ def enable(trainer) -> None:
 
 
 def uncovered(trainer) -> str:
-    """What of ``trainer``'s setup the integration does not cover, or "" (DDP, or one process)."""
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "trains with DeepSpeed"
+    """What of ``trainer``'s setup the integration does not cover, or "" (DDP, DeepSpeed, or one process)."""
     if getattr(trainer, "is_fsdp_enabled", False):
         return "shards its model with FSDP through accelerate"
     config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
@@ -185,10 +191,20 @@ class ElasticTrainer:
         self.progress = TrainerProgress(trainer)
         self.optimizer = _Late(lambda: _inner(trainer.optimizer))
         self.scheduler = _Late(lambda: trainer.lr_scheduler)
-        job.register(model=trainer.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
-                     trainer=self.progress)
+        #: DeepSpeed's engine (accelerate makes it in train()): the deepspeed integration registers its state
+        self.engines: list[Any] | None = None
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            import ftrun.elastic.integrations.deepspeed  # noqa: F401  (wraps deepspeed.initialize before train())
+
+            self.engines = []
+            job.register(trainer=self.progress)
+        else:
+            job.register(model=trainer.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                         trainer=self.progress)
         #: the job's steps started (the first train() of the process)
         self._started = False
+        #: the optimizer steps of an epoch, as the Trainer counted them
+        self._per_epoch = 1
         #: the place in the data to resume at, once a repair (or the state a replacement received) set it
         self._resume: int | None = None
         #: the RNG states go back as the first step after a repair begins
@@ -234,6 +250,12 @@ class ElasticTrainer:
         if not self._active:
             return trained
         self._started = True
+        if self.engines is not None:  # the engine that holds the state is made next: the steps start after it
+            self._per_epoch = num_update_steps_per_epoch
+            return trained
+        return self._start_steps(max_steps, num_update_steps_per_epoch, trained)
+
+    def _start_steps(self, max_steps: int, num_update_steps_per_epoch: int, trained: Any) -> Any:
         # a replacement receives the state here (a job-level restart may restore a snapshot)
         self.job.start_steps(max_steps, start=self.trainer.state.global_step)
         if not self.progress.loaded:
@@ -248,11 +270,14 @@ class ElasticTrainer:
         self.job.groups.local = self.job.env.replacement
         return self._resume // num_update_steps_per_epoch, 0
 
-    def _prepare_for_training(self, original, *args):
-        model, dataloader = original(*args)
+    def _prepare_for_training(self, original, max_steps, *args):
+        model, dataloader = original(max_steps, *args)
         if not self._active:
             return model, dataloader
         trainer = self.trainer
+        if self.engines is not None:
+            self._deepspeed_ready(max_steps)
+            return model, dataloader
         for late, made in ((self.optimizer, _inner(trainer.optimizer)), (self.scheduler, trainer.lr_scheduler)):
             if late.pending is not None:
                 made.load_state_dict(late.pending)
@@ -262,6 +287,20 @@ class ElasticTrainer:
         if pin_buckets(model):
             log.info("the Trainer's DDP: bucket layout pinned")
         return model, dataloader
+
+    def _deepspeed_ready(self, max_steps: int) -> None:
+        """DeepSpeed's engine is made (its state registered by the deepspeed integration as
+        ``deepspeed.initialize`` made it, ZeRO's optimizer partitions included, which a torch optimizer's
+        registration would miss): the Trainer's scheduler, unless the engine steps it, joins it, and the job's steps
+        start, where a replacement receives the state."""
+        from ftrun.elastic.integrations import deepspeed
+
+        trainer = self.trainer
+        engine = getattr(trainer, "model_wrapped", None)
+        if engine is not None and getattr(engine, "lr_scheduler", None) is None and trainer.lr_scheduler is not None:
+            self.job.register(lr_scheduler=trainer.lr_scheduler)
+        self._start_steps(max_steps, self._per_epoch, None)
+        self.engines = deepspeed.driven_by_trainer()
 
     def _run_epoch(self, original, **kwargs):
         if not self._active:
@@ -301,12 +340,16 @@ class ElasticTrainer:
             self._rng_due = False
             self.progress.put_back_rng()
         self.progress.capture()
+        for engine in self.engines or ():
+            engine.begin_step()
         self.job.begin_step()
 
     def step_ends(self) -> None:
         if not self._active:
             return
         self.progress.capture()
+        for engine in self.engines or ():
+            engine.step_finished()
         outcome = self.job.end_step()
         if outcome.lost:  # a collective failed after the optimizer's step, and no repair comes
             raise outcome.error
