@@ -214,6 +214,21 @@ def test_the_lightning_integration_leaves_a_fault_free_run_bit_for_bit_as_it_was
     assert not any(r["recovery"] for r in results["torchrun"].values())
 
 
+def assert_rank_1_alone_replaced_as_the_reference_ended(launcher: Launcher, reference: Launcher) -> str:
+    """1 x 2 ranks with ZeRO's partitions (each rank's own): rank 1 alone was started again, at process level, and
+    both ranks ended bit for bit as the fault-free reference. The job's output."""
+    output, results, expected = launcher.output(), launcher.results(), reference.results()
+    assert sorted(results) == sorted(expected) == [0, 1], output
+    assert {r["step"] for r in results.values()} == {STEPS}
+    assert {rank: r["digest"] for rank, r in results.items()} == {rank: r["digest"] for rank, r in expected.items()}
+    assert expected[0]["digest"] != expected[1]["digest"]  # each rank's own partition
+    pids = start_pids(launcher)
+    assert pids[0] == [results[0]["pid"]] and results[0]["replacement"] == "0", (pids, output)
+    assert len(pids[1]) == 2 and results[1]["pid"] in pids[1] and results[1]["replacement"] == "1"
+    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    return output
+
+
 def test_a_deepspeed_zero2_job_s_lost_rank_is_replaced_alone_and_gets_its_partition_from_its_snapshot(
         tmp_path_factory, launcher, frameworks):
     # 1 node x 2 ranks, ZeRO-2 (each rank alone holds its half of the optimizer's state), 2 micro-batches a step,
@@ -230,15 +245,7 @@ def test_a_deepspeed_zero2_job_s_lost_rank_is_replaced_alone_and_gets_its_partit
     finally:
         reference.kill_all()
     assert "DeepSpeed ZeRO stage 2 keeps one copy of each rank's optimizer state" in reference.output()
-    output, results, expected = launcher.output(), launcher.results(), reference.results()
-    assert sorted(results) == sorted(expected) == [0, 1], output
-    assert {r["step"] for r in results.values()} == {STEPS}
-    assert {rank: r["digest"] for rank, r in results.items()} == {rank: r["digest"] for rank, r in expected.items()}
-    assert expected[0]["digest"] != expected[1]["digest"]  # each rank's own partition
-    pids = start_pids(launcher)
-    assert pids[0] == [results[0]["pid"]] and results[0]["replacement"] == "0", (pids, output)
-    assert len(pids[1]) == 2 and results[1]["pid"] in pids[1] and results[1]["replacement"] == "1"
-    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    output = assert_rank_1_alone_replaced_as_the_reference_ended(launcher, reference)
     assert "generation 1 resumed training" in output and "keeps one copy" not in output
     # every rank went back to the newest step both hold a snapshot of: the lost step, or the one before it
     for rank in (0, 1):
@@ -262,15 +269,7 @@ def test_a_trainer_s_deepspeed_zero2_lost_rank_is_replaced_alone_from_its_snapsh
         assert launcher.wait() == [0], launcher.output()
     finally:
         reference.kill_all()
-    output, results, expected = launcher.output(), launcher.results(), reference.results()
-    assert sorted(results) == sorted(expected) == [0, 1], output
-    assert {r["step"] for r in results.values()} == {STEPS}
-    assert {rank: r["digest"] for rank, r in results.items()} == {rank: r["digest"] for rank, r in expected.items()}
-    assert expected[0]["digest"] != expected[1]["digest"]  # each rank's own partition
-    pids = start_pids(launcher)
-    assert pids[0] == [results[0]["pid"]] and results[0]["replacement"] == "0", (pids, output)
-    assert len(pids[1]) == 2 and results[1]["pid"] in pids[1] and results[1]["replacement"] == "1"
-    assert "process-level repair into generation 1" in output and "falling back to job level" not in output
+    output = assert_rank_1_alone_replaced_as_the_reference_ended(launcher, reference)
     assert "generation 1 resumed training" in output and "job level" not in reference.output()
     # at most the lost step and the one before it ran again
     for rank in (0, 1):

@@ -328,21 +328,28 @@ def test_the_layout_the_placements_show_is_the_one_a_repair_goes_by(monkeypatch)
         assert layout.replica_sets() == [(0,), (1,), (2,), (3,)] and refusal == ""
 
 
-def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo():
-    """A gloo receive's timed wait that runs out closes the connection to its peer: waited for in
-    slices, a pipeline stage's receive slower than a slice (under load) failed, and a healthy job was
-    repaired online."""
+def two_gloo_ranks() -> tuple[dist.Store, dict[int, dist.ProcessGroup]]:
+    """Two real gloo ranks of one group in this process (each formed in a thread of its own, as they meet in the
+    store): the store, and each rank's group."""
     store = dist.HashStore()
     made: dict[int, dist.ProcessGroup] = {}
 
     def make(rank: int) -> None:
         made[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
 
-    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    makers = [threading.Thread(target=make, args=(rank,), name=f"gloo-rank-{rank}") for rank in (0, 1)]
     for maker in makers:
         maker.start()
     for maker in makers:
         maker.join(30)
+    return store, made
+
+
+def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo():
+    """A gloo receive's timed wait that runs out closes the connection to its peer: waited for in
+    slices, a pipeline stage's receive slower than a slice (under load) failed, and a healthy job was
+    repaired online."""
+    store, made = two_gloo_ranks()
     owner = GroupSet(CommBackend(), store, lambda generation: f"g{generation}/pg", timeout=30)
     owner.reconfigure(0)
     received = torch.zeros(3)
@@ -359,17 +366,7 @@ def test_a_receive_that_waits_longer_than_a_slice_is_no_failure_over_real_gloo()
 def test_the_collective_a_rank_waits_in_is_known_while_it_waits_and_forgotten_once_done_over_real_gloo():
     """What the heartbeat reports for a stall's line: a blocking wait (a recv whose sender is late) and a
     future handed out (torch's DDP waits on it in C++), each from its start until it settles."""
-    store = dist.HashStore()
-    made: dict[int, dist.ProcessGroup] = {}
-
-    def make(rank: int) -> None:
-        made[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
-
-    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
-    for maker in makers:
-        maker.start()
-    for maker in makers:
-        maker.join(30)
+    store, made = two_gloo_ranks()
     owner = GroupSet(CommBackend(), store, lambda generation: f"g{generation}/pg", timeout=30)
     owner.reconfigure(0)
     assert owner.waiting_now() is None
