@@ -109,9 +109,9 @@ class LaunchConfig:
     repair_timeout: float = 60.0
     #: how long a dark data link may stay dark before its node's ranks move to a spare (ftrun.controller.links)
     online_window: float = 2.0
-    #: 1: each node forks its ranks from a warm interpreter (torch already imported); 0: fresh interpreters
-    #: (build_launch_config gives 0 to a MindSpore job)
-    warm_standby: int = 1
+    #: 1: each node forks its ranks from a warm interpreter (torch already imported); 0: fresh interpreters, as
+    #: torchrun starts them. build_launch_config derives it from --recovery (1 under process level) and --framework
+    warm_standby: int = 0
     role: str = "default"
     local_addr: str = ""
     log_dir: str = ""
@@ -406,11 +406,13 @@ def _stream_bits(text: str) -> int:
     return value
 
 
-def _warm_standby(value: Any) -> int:
+def _warm_standby(value: Any, recovery: str) -> int:
     if value is None or value == "":
-        # on: every rank, replacement and restart of the node is forked from its warm interpreter, which
-        # imported torch once (ftrun/agent/forkserver.py), where the script imports torch
-        return 1
+        # on under process level: every rank, replacement and restart of the node is forked from its warm
+        # interpreter, which imported torch once (ftrun/agent/forkserver.py), where the script imports torch. At
+        # job level the ranks start fresh, as torchrun's do (a forked rank's /proc environ and cmdline are the
+        # warm interpreter's, which tools that look for a rank's RANK there would not find)
+        return 1 if recovery == "process" else 0
     return whole_number(value, "--warm-standby", maximum=MAX_COUNT)
 
 
@@ -666,7 +668,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
         repair_timeout=positive_seconds(raw.get("repair_timeout", DEFAULTS.repair_timeout), "--repair-timeout"),
         online_window=positive_seconds(raw.get("online_window", DEFAULTS.online_window), "--online-window"),
         # standbys import torch, which a MindSpore worker has no use for
-        warm_standby=_warm_standby(raw.get("warm_standby")) if framework == "torch" else 0,
+        warm_standby=_warm_standby(raw.get("warm_standby"), recovery) if framework == "torch" else 0,
         role=str(raw.get("role") or DEFAULTS.role),
         local_addr=check_address(str(raw.get("local_addr") or ""), "--local-addr"),
         log_dir=os.path.abspath(raw["log_dir"]) if raw.get("log_dir") else "",

@@ -189,7 +189,8 @@ def launch_options(fn):
                     "about 300 MB of host memory) from which its ranks, their replacements and a job-level "
                     "restart's ranks are forked; 0: each rank starts in a fresh interpreter, as under torchrun. "
                     "(A larger number means 1: one warm interpreter serves every rank.)  "
-                    "[default: 1; a script whose text names neither torch nor a framework on it starts fresh]"),
+                    "[default: 1 with --recovery process, else 0; a script whose text names neither torch nor a framework on it "
+                    "starts fresh]"),
         option("no-integrations", group=RECOVERY, is_flag=True,
                help="Leave a script's Hugging Face or Lightning Trainer as it is: under --recovery process ftrun "
                     "otherwise turns its integration on as the Trainer is made (process level with no line "

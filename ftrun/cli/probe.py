@@ -49,8 +49,8 @@ node would be left out (a slow matmul or data link, a peer it cannot reach, a de
         help="Check this many nodes together (each runs the command): matmul times and the data network's pairs.")
 @option("rdzv-endpoint", group=RDZV, default="", help="HOST:PORT where the nodes meet (with --nnodes above 1).")
 @option("run-id", group=RDZV, default="probe", show_default=True, help="Id shared by the nodes of one check.")
-@option("rdzv-timeout", group=RDZV, default="120", show_default=True,
-        help="Seconds to wait for every node.")
+@option("rdzv-timeout", group=RDZV, default=None,
+        help=f"Seconds to wait for every node, as the launch's rendezvous does.  [default: {DEFAULTS.rdzv_timeout:g}]")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
@@ -94,7 +94,8 @@ def nodes_to_check(params) -> tuple[int, Endpoint | None]:
         return 1, None
     if not params["rdzv_endpoint"]:
         raise UsageError(f"--nnodes {count} needs --rdzv-endpoint HOST:PORT, where the nodes meet")
-    params["rdzv_timeout"] = positive_seconds(params["rdzv_timeout"], "--rdzv-timeout")
+    given = params["rdzv_timeout"]
+    params["rdzv_timeout"] = DEFAULTS.rdzv_timeout if given is None else positive_seconds(given, "--rdzv-timeout")
     return count, parse_endpoint(params["rdzv_endpoint"], DEFAULT_RDZV_PORT)
 
 

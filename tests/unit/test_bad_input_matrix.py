@@ -854,10 +854,10 @@ ACCEPTED = [
     ("include-slot-repeated", lambda: parse_host_filter("n1:1,1", "--include"), {"n1": (1,)}),
     # to DNS n1 and N1 are one host, to ssh two aliases: both kept
     ("hosts-differing-in-case", lambda: [h.name for h in parse_hostfile("n1\nN1\n", "h")], ["n1", "N1"]),
-    # at every level, the warm interpreter on
+    # under process level, the warm interpreter on; at job level, fresh interpreters as under torchrun
     ("config-null-key-is-default",
      lambda: _config(warm_standby=None, recovery="process", nproc_per_node=3).warm_standby, 1),
-    ("config-null-key-is-default-at-job-level", lambda: _config(warm_standby=None, recovery="job").warm_standby, 1),
+    ("config-null-key-is-default-at-job-level", lambda: _config(warm_standby=None, recovery="job").warm_standby, 0),
     ("snapshot-memory-units", lambda: [_config(snapshot_every=1, snapshot_memory=v).snapshots.memory
                                        for v in ("1k", "1KiB", "1 kb", "1.5K", "1024")],
      [1024, 1024, 1024, 1536, 1024]),

@@ -228,7 +228,7 @@ FROM_FLAG = {
 SAID_IN_HELP = {"rdzv_timeout", "max_restarts", "cluster_time_out"}
 #: options that set no field of their own: where and how to run (head node, Slurm, the worker command),
 #: second names of another option, torchrun's flags that ftrun only accepts, and those a field is derived
-#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --framework; --framework:
+#: from with others (an empty --run-id: "default" or a fresh id; --warm-standby: from --recovery; --framework:
 #: from the script's imports; --python: the worker command's first word; msrun's flags: ftrun's flags; ftrun probe's
 #: --speed: a measurement of its own)
 NOT_A_FIELD = {
