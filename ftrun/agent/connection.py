@@ -20,7 +20,7 @@ from ftrun.agent.top_feed import TopFeed
 from ftrun.auth import Signer
 from ftrun.config import LaunchConfig
 from ftrun.contract import Endpoint
-from ftrun.controller.controller import Controller
+from ftrun.controller.controller import Controller, controller_for
 from ftrun.controller.journal import Journal
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
 from ftrun.live_view import StatusView
@@ -108,7 +108,7 @@ class ControlConnection:
     def _lead(self, journal: Journal | None = None) -> None:
         config = self.config
         leadership = self.etcd.leadership if self.etcd is not None else None
-        self.controller = Controller.for_config(self.store, config, self.agent_id, config.local_addr or config.endpoint.host,
+        self.controller = controller_for(self.store, config, self.agent_id, config.local_addr or config.endpoint.host,
                                                 self._run_folder(), leadership, journal)
         self.controller.start()
         if self.display is None:

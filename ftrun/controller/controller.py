@@ -152,43 +152,6 @@ class Controller:
         self.stepped_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
-    @classmethod
-    def for_config(cls, store: ControlStore, config, host_agent_id: str, advertised_host: str,
-                   run_folder: str = "", leadership: Leadership | None = None,
-                   resume: Journal | None = None) -> "Controller":
-        """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``); its event log
-        goes in ``run_folder``, the run's folder under ``--log-dir`` (``ftrun.folders.run_folder``), if any."""
-        path = os.path.join(run_folder, EVENTS_FILE) if run_folder else ""
-        controller = cls(
-            store=store,
-            keys=JobKeys(config.run_id),
-            rendezvous_policy=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout,
-                                               config.rdzv_timeout, config.spares),
-            host_agent_id=host_agent_id,
-            advertised_host=advertised_host,
-            policy=RecoveryPolicy(
-                max_restarts=config.max_restarts,
-                recovery=Level(config.recovery),
-                node_timeout=config.node_timeout,
-                stop_timeout=config.stop_timeout,
-                repair_timeout=config.repair_timeout,
-                store_timeout=config.store_timeout,
-                online_window=config.online_window,
-                stragglers=config.stragglers,
-            ),
-            events=EventLog(path, go_on=resume is not None),
-            bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
-            snapshots=config.snapshots,
-            worker_port=config.worker_port,
-            ports=config.worker_port_range,
-            leadership=leadership,
-            resume=resume,
-            schedulers=config.framework == "mindspore",
-            metrics_port=config.metrics_port,
-        )
-        controller.links.bounds = timeout_chain(config, os.environ)  # checked again with the measured step time
-        return controller
-
     # -- the hosting process's handle ---------------------------------------------------------------
 
     @property
@@ -439,3 +402,39 @@ class Controller:
             log.warning("the %s-level repair under way goes on with this controller%s", self.view.level.value,
                         f" in generation {self.view.next_generation}" if self.view.level in IN_PLACE else "")
             self.take([ControllerMoved()])
+
+
+def controller_for(store: ControlStore, config, host_agent_id: str, advertised_host: str, run_folder: str = "",
+                   leadership: Leadership | None = None, resume: Journal | None = None) -> Controller:
+    """The controller a launch configuration asks for (``config`` is a ``LaunchConfig``); its event log
+    goes in ``run_folder``, the run's folder under ``--log-dir`` (``ftrun.folders.run_folder``), if any."""
+    path = os.path.join(run_folder, EVENTS_FILE) if run_folder else ""
+    controller = Controller(
+        store=store,
+        keys=JobKeys(config.run_id),
+        rendezvous_policy=RendezvousPolicy(config.min_nodes, config.max_nodes, config.last_call_timeout,
+                                           config.rdzv_timeout, config.spares),
+        host_agent_id=host_agent_id,
+        advertised_host=advertised_host,
+        policy=RecoveryPolicy(
+            max_restarts=config.max_restarts,
+            recovery=Level(config.recovery),
+            node_timeout=config.node_timeout,
+            stop_timeout=config.stop_timeout,
+            repair_timeout=config.repair_timeout,
+            store_timeout=config.store_timeout,
+            online_window=config.online_window,
+            stragglers=config.stragglers,
+        ),
+        events=EventLog(path, go_on=resume is not None),
+        bind=bind_address(advertised_host, config.store_bind, config.several_nodes),
+        snapshots=config.snapshots,
+        worker_port=config.worker_port,
+        ports=config.worker_port_range,
+        leadership=leadership,
+        resume=resume,
+        schedulers=config.framework == "mindspore",
+        metrics_port=config.metrics_port,
+    )
+    controller.links.bounds = timeout_chain(config, os.environ)  # checked again with the measured step time
+    return controller

@@ -18,7 +18,7 @@ import time
 
 from ftrun.auth import Signer, new_token
 from ftrun.config import DEFAULT_RDZV_PORT, Endpoint, LaunchConfig, parse_endpoint
-from ftrun.controller.controller import Controller
+from ftrun.controller.controller import Controller, controller_for
 from ftrun.errors import ExitCode, FtrunError, UsageError
 from ftrun.folders import run_folder
 from ftrun.head.hosts import Host
@@ -122,7 +122,7 @@ class Head:
         if server is None:
             raise UsageError(f"port {config.endpoint.port} on this head node is already in use by another program")
         store = ControlStore(server, config.endpoint, is_host=True, signer=Signer(self.token))
-        controller = Controller.for_config(store, config, "", config.endpoint.host, self.log_dir)
+        controller = controller_for(store, config, "", config.endpoint.host, self.log_dir)
         controller.start()
         self.display = controller_view(controller, config.status, self.token)
         return controller
