@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Mapping
 
+from ftrun.detection.reach import data_listener, wake_and_close
+
 log = logging.getLogger(__name__)
 
 #: bytes each pair moves each way, and seconds a pair's transfer may take (a slower one is timed by what moved)
@@ -155,13 +157,8 @@ class PairCheck:
 
     def __init__(self, address: str, nbytes: int = PAIR_BYTES, deadline: float = PAIR_DEADLINE):
         self.nbytes, self.deadline = nbytes, deadline
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((address, 0))
-        self._listener.listen(16)
-        self._listener.settimeout(0.5)
         #: where the peers reach this node's listener
-        self.endpoint = f"{address}:{self._listener.getsockname()[1]}"
+        self._listener, self.endpoint = data_listener(address, 16, 0.5)
         self._round = -1  # the round this agent is in (-1: no plan yet); a peer's transfer waits for its own
         self._served: set[int] = set()
         self._changed = threading.Condition()
@@ -174,12 +171,7 @@ class PairCheck:
         with self._changed:
             self._round = 1 << 30
             self._changed.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._thread.join(2.0)
-        self._listener.close()
+        wake_and_close(self._listener, [self._thread], 2.0)
 
     def run(self, me: str, plan: PairPlan) -> PairReport:
         """Take this agent's turns in order; each ends by its round's bound (ROUND_BOUND a round, from now)."""

@@ -84,19 +84,37 @@ def localise(unreachable: Mapping[int, tuple[int, ...]], probed: Mapping[int, tu
     return Verdict(tuple(cut_off), links, "; ".join(words))
 
 
+def data_listener(address: str, backlog: int, timeout: float) -> tuple[socket.socket, str]:
+    """A listening socket on ``address`` (the node's data address), a free port, its accept bounded by
+    ``timeout``; and the endpoint ``HOST:PORT`` its peers reach it at."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 0))
+    listener.listen(backlog)
+    listener.settimeout(timeout)
+    return listener, f"{address}:{listener.getsockname()[1]}"
+
+
+def wake_and_close(listener: socket.socket, threads: list[threading.Thread], deadline: float) -> None:
+    """Wake ``listener``'s accept (its threads see it closed), wait for ``threads`` within ``deadline`` each,
+    and close it."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    for thread in threads:
+        thread.join(deadline)
+    listener.close()
+
+
 class Prober:
     """This agent's side of the probe: a listener on its data address, and a thread that probes the peers
     the agent names (``aim``) and keeps which of them it could not reach (``unreachable``)."""
 
     def __init__(self, address: str, every: float = PROBE_EVERY, timeout: float = PROBE_TIMEOUT):
         self.every, self.timeout = every, timeout
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((address, 0))
-        self._listener.listen(64)
-        self._listener.settimeout(1.0)
         #: where peers reach this node's listener
-        self.endpoint = f"{address}:{self._listener.getsockname()[1]}"
+        self._listener, self.endpoint = data_listener(address, 64, 1.0)
         self._targets: dict[int, tuple[str, int]] = {}
         #: the peers probed, and those not reached, at the last round
         self.probed: tuple[int, ...] = ()
@@ -111,13 +129,7 @@ class Prober:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass
-        for thread in self._threads:
-            thread.join(self.timeout * max(1, len(self._targets)) + 2.0)
-        self._listener.close()
+        wake_and_close(self._listener, self._threads, self.timeout * max(1, len(self._targets)) + 2.0)
 
     def aim(self, targets: Mapping[int, str]) -> None:
         """The peers to probe from now on: node rank -> "HOST:PORT" of its listener."""
