@@ -382,6 +382,14 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+def conf_is_host(conf: dict[str, str]) -> bool | None:
+    """--rdzv-conf's is_host: whether this node must host the store (True), must join it (False), or hosts
+    it when the endpoint names this machine and its port is free (None, not given)."""
+    if "is_host" not in conf:
+        return None
+    return conf["is_host"].lower() in ("1", "true", "yes")
+
+
 def parse_streams(text: str, flag: str) -> StreamSpec:
     """torchrun's ``-r/-t``: ``3`` for every rank, or ``0:1,1:2`` per local rank."""
     text = str(text).strip()
@@ -624,7 +632,7 @@ def build_launch_config(raw: Mapping[str, Any], check_script: bool = True) -> La
     if node_rank >= max_nodes:
         raise UsageError(f"--node-rank {node_rank} is out of range for --nnodes {max_nodes}")
     if "is_host" in rdzv_conf:
-        is_host = rdzv_conf["is_host"].lower() in ("1", "true", "yes")
+        is_host = conf_is_host(rdzv_conf)
 
     if raw.get("start_method"):  # accepted and unused (the CLI says so), but a typo is still one
         choice(raw["start_method"], ("spawn", "fork", "forkserver"), "--start-method")

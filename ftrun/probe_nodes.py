@@ -46,11 +46,12 @@ class NodesProbe:
 
 
 def probe_nodes(endpoint: Endpoint, count: int, run_id: str, problem: str, matmul: list[float],
-                timeout: float) -> NodesProbe:
+                timeout: float, is_host: bool | None = None) -> NodesProbe:
     """This node's part: join the probe's rendezvous at ``endpoint`` with its device ``problem`` ("" none)
-    and its devices' ``matmul`` times, take its turns in the pairs, and return what it learnt."""
+    and its devices' ``matmul`` times, take its turns in the pairs, and return what it learnt. ``is_host``:
+    whether this node hosts the store (None: the first to bind the endpoint's port here does)."""
     host = socket.gethostname()
-    store = open_control_store(endpoint, None, timeout)
+    store = open_control_store(endpoint, is_host, timeout)
     keys = JobKeys(run_id)
     agent_id = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     found = NodesProbe(hosted=store.is_host)

@@ -22,8 +22,6 @@ import os
 import select
 import signal
 import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -56,6 +54,7 @@ from ftrun.errors import ExitCode, FtrunError
 from ftrun.interrupts import Interrupts
 from ftrun.keys import AGENT_HEARTBEAT_INTERVAL, JobKeys
 from ftrun.messages import CommandKind, JoinRecord
+from ftrun.orphans import on_session_end
 from ftrun.ranktable import load_device_ips
 from ftrun.rendezvous import linger_for_readers
 from ftrun.store import StoreUnavailable
@@ -102,16 +101,11 @@ class Agent:
     def watch_session(self) -> None:
         """Started by a head node over ssh: when that session closes (end of input), stop as on SIGTERM."""
 
-        def wait_for_end():
-            try:  # the bare descriptor: a buffered reader's lock would stall the interpreter's exit
-                while os.read(sys.stdin.fileno(), 4096):
-                    pass
-            except (OSError, ValueError):
-                pass
+        def stop():
             log.warning("the head node's ssh session closed; stopping")
             self.interrupts.request(signal.SIGTERM)
 
-        threading.Thread(target=wait_for_end, name="ftrun-session", daemon=True).start()
+        on_session_end(stop)
 
     # -- run -----------------------------------------------------------------------------------
 

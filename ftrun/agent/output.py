@@ -33,7 +33,8 @@ class StreamPump:
 
     def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes,
                  file_path: str | None, console_only: bytes = b"", filtered: FilteredCopy | None = None,
-                 file_prefix: bytes = b"", recent: collections.deque[str] | None = None):
+                 file_prefix: bytes = b"", recent: collections.deque[str] | None = None,
+                 capture: list[str] | None = None):
         self._pipe = pipe
         #: shared by the rank's two pumps: its last lines of both streams, in the order they came
         self.recent = recent
@@ -54,8 +55,8 @@ class StreamPump:
         self._in_trace = False
         #: lines seen so far: output is a sign of life for the hang check
         self.lines = 0
-        #: while a list, every line is also appended to it (a stack dump being read back)
-        self.capture: list[str] | None = None
+        #: while a list, every line is also appended to it (a stack dump being read back, a host's probe result)
+        self.capture: list[str] | None = capture
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

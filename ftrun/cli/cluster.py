@@ -22,7 +22,7 @@ from ftrun.cli.launch import agent_flags
 from ftrun.config import ETCD_SPELLINGS, LaunchConfig, build_launch_config, parse_nnodes, parse_rdzv_conf
 from ftrun.errors import ExitCode, RendezvousError, UsageError
 from ftrun.head.c10d import Head, store_endpoint
-from ftrun.head.hosts import parse_hostfile, select_hosts
+from ftrun.head.hosts import Host, parse_hostfile, select_hosts
 from ftrun.head.sessions import HeadOutcome, RemoteAgent, RemoteSpec, SshOptions, forwarded_env, plan_agents
 from ftrun.head.slurm import PLACEMENT_OPTIONS, slurm_plan
 from ftrun.ports import parse_port_range
@@ -204,13 +204,7 @@ class ClusterPlan:
             raise UsageError(f"--{clash[0].replace('_', '-')} cannot be used with --hostfile: the hostfile places "
                              "the job (node ranks in file order, the store on this head node)")
         path = values["hostfile"]
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read hostfile {path}: {getattr(e, 'strerror', None) or e}") from None
-        hosts = select_hosts(parse_hostfile(text, f"hostfile {path}"), values.get("include") or "",
-                             values.get("exclude") or "")
+        hosts = read_hosts(values)
         runnable = [h for h in hosts if not h.spare]
         if not runnable:
             raise UsageError(f"hostfile {path} has no host to run on: every host left is a spare")
@@ -248,21 +242,44 @@ class ClusterPlan:
             config = replace(config, is_host=True, local_addr=endpoint.host, spares=len(spares))
             rendezvous = ["--rdzv-endpoint", str(endpoint), "--run-id", run_id]
             conf |= {"is_host": "0"}
-        ssh_port = values.get("ssh_port")
-        if ssh_port is not None and not 0 < int(ssh_port) < 65536:
-            raise UsageError(f"--ssh-port must be a port number (1-65535), got {ssh_port}")
-        spec = RemoteSpec(
-            python=str(values.get("remote_python") or sys.executable),
-            cwd=remote_cwd or os.getcwd(),
-            env=forwarded_env(os.environ, tuple(values.get("env") or ())),
-            flags=(*(agent_flags(command, values) if command is not None else ()),
-                   *(("--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())) if conf else ())),
-            command=(str(values["script"]), *config.script_args),
-        )
-        ssh = SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))
+        flags = (*(agent_flags(command, values) if command is not None else ()),
+                 *(("--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())) if conf else ()))
+        spec = remote_spec(values, flags, (str(values["script"]), *config.script_args))
+        ssh = ssh_options(values)
         nproc = str(values["nproc_per_node"]) if "nproc_per_node" in given else None
         agents = plan_agents(active, spec, ssh, rendezvous, nnodes, nproc, spares)
         return cls(config, agents)
+
+
+def read_hosts(values: dict) -> list[Host]:
+    """The hostfile's hosts left after --include/--exclude; a file that cannot be read, or a bad line, is a
+    UsageError naming the file (and the line)."""
+    path = values["hostfile"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read hostfile {path}: {getattr(e, 'strerror', None) or e}") from None
+    return select_hosts(parse_hostfile(text, f"hostfile {path}"), values.get("include") or "",
+                        values.get("exclude") or "")
+
+
+def remote_spec(values: dict, flags: tuple[str, ...], command: tuple[str, ...],
+                subcommand: tuple[str, ...] = ()) -> RemoteSpec:
+    """What every host runs, from the head's --remote-python, --remote-cwd and --env: ``subcommand``
+    (``probe``, or none for the launch's agent), the shared ``flags``, then ``command``."""
+    return RemoteSpec(python=str(values.get("remote_python") or sys.executable),
+                      cwd=str(values.get("remote_cwd") or "") or os.getcwd(),
+                      env=forwarded_env(os.environ, tuple(values.get("env") or ())),
+                      flags=flags, command=command, subcommand=subcommand)
+
+
+def ssh_options(values: dict) -> SshOptions:
+    """The head's --ssh-port and --ssh-option, checked."""
+    ssh_port = values.get("ssh_port")
+    if ssh_port is not None and not 0 < int(ssh_port) < 65536:
+        raise UsageError(f"--ssh-port must be a port number (1-65535), got {ssh_port}")
+    return SshOptions(port=ssh_port, options=tuple(_ssh_option(o) for o in values.get("ssh_option") or ()))
 
 
 def _ssh_option(text: str) -> str:

@@ -81,6 +81,25 @@ CLUSTER = "Cluster (SSH, Slurm)"
 MSRUN = "MindSpore (msrun's flags)"
 
 
+def remote_host_options() -> list:
+    """How a head node reaches its hostfile's hosts over ssh: the launch's flags, which ``ftrun probe
+    --hostfile`` takes too."""
+    return [
+        option("include", group=CLUSTER, default="",
+               help="Only these hosts (and slots) of the hostfile: 'h1@h2:0,2', Slurm ranges allowed (n[01-04])."),
+        option("exclude", group=CLUSTER, default="", help="Leave out these hosts (or slots): 'h3@h2:1'."),
+        option("ssh-port", group=CLUSTER, type=int, default=None, help="Port of the hosts' sshd.  [default: ssh's]"),
+        option("ssh-option", group=CLUSTER, multiple=True,
+               help="An ssh -o option (Name=Value), repeatable; wins over ftrun's BatchMode/ConnectTimeout."),
+        option("remote-python", group=CLUSTER, default="",
+               help="Python on the hosts.  [default: this ftrun's interpreter path]"),
+        option("remote-cwd", group=CLUSTER, default="", help="Working folder on the hosts.  [default: the current one]"),
+        option("env", group=CLUSTER, multiple=True,
+               help="NAME or NAME=VALUE for the hosts' agents and workers, repeatable "
+                    "(NCCL_*, HCCL_*, ASCEND_*, GLOO_*, PYTHONPATH are passed on anyway)."),
+    ]
+
+
 def launch_options(fn):
     decorators = [
         option("nnodes", group=NODES, default=DEFAULT_NNODES, show_default=True, help="Number of nodes, or MIN:MAX."),
@@ -95,18 +114,7 @@ def launch_options(fn):
                help="Run from this head node: one agent per host over ssh (lines 'host slots=N [spare]' or "
                     "'host:N'; node ranks in file order). The store and the controller run here; with "
                     "--rdzv-backend etcd on a node etcd elects, and the job outlives this head."),
-        option("include", group=CLUSTER, default="",
-               help="Only these hosts (and slots) of the hostfile: 'h1@h2:0,2', Slurm ranges allowed (n[01-04])."),
-        option("exclude", group=CLUSTER, default="", help="Leave out these hosts (or slots): 'h3@h2:1'."),
-        option("ssh-port", group=CLUSTER, type=int, default=None, help="Port of the hosts' sshd.  [default: ssh's]"),
-        option("ssh-option", group=CLUSTER, multiple=True,
-               help="An ssh -o option (Name=Value), repeatable; wins over ftrun's BatchMode/ConnectTimeout."),
-        option("remote-python", group=CLUSTER, default="",
-               help="Python on the hosts.  [default: this ftrun's interpreter path]"),
-        option("remote-cwd", group=CLUSTER, default="", help="Working folder on the hosts.  [default: the current one]"),
-        option("env", group=CLUSTER, multiple=True,
-               help="NAME or NAME=VALUE for the hosts' agents and workers, repeatable "
-                    "(NCCL_*, HCCL_*, ASCEND_*, GLOO_*, PYTHONPATH are passed on anyway)."),
+        *remote_host_options(),
         option("rdzv-host", group=CLUSTER, default="",
                help="Address the hosts reach this head node at.  [default: --local-addr, else the address on "
                     "the route to the first host]"),

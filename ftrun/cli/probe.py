@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 from typing import Mapping, NamedTuple
 
 import click
 from rich.table import Table
 
-from ftrun.cli.console import out
-from ftrun.cli.launch import DEVICES, NODES, RDZV, option
-from ftrun.config import DEFAULT_RDZV_PORT, DEFAULTS, parse_endpoint, positive_seconds
+from ftrun.cli.console import console, out
+from ftrun.cli.launch import CLUSTER, DEVICES, NODES, RDZV, option, remote_host_options
+from ftrun.config import DEFAULT_RDZV_PORT, DEFAULTS, conf_is_host, parse_endpoint, parse_rdzv_conf, positive_seconds
 from ftrun.contract import Endpoint
 from ftrun.detection.pairs import PAIR_BYTES
 from ftrun.errors import ExitCode, UsageError
+from ftrun.orphans import on_session_end
+
+
+def _remote_host_options(fn):
+    """The launch's flags for reaching the hostfile's hosts over ssh (``remote_host_options``)."""
+    for decorator in reversed(remote_host_options()):
+        fn = decorator(fn)
+    return fn
+
 
 HELP = """Show this node's devices: health, error codes, fault level, the rule that gave it (a fault
 table file, MindCluster's code list, or the health fallback) and the action ftrun would take. On Ascend, also
@@ -34,6 +45,13 @@ node would be left out (a slow matmul or data link, a peer it cannot reach, a de
 
 \b
   ftrun probe --nnodes 4 --rdzv-endpoint head:29400 --speed
+
+From a head node, once: --hostfile FILE (the launch's, with its SSH flags) runs it on every host of the file over
+ssh, spares included, the first host hosting the store (at --rdzv-endpoint, else the first host's port 29400);
+the head prints the table once and exits with the worst host's code.
+
+\b
+  ftrun probe --hostfile hosts.txt --ssh-port 2222
 """
 
 
@@ -51,6 +69,12 @@ node would be left out (a slow matmul or data link, a peer it cannot reach, a de
 @option("run-id", group=RDZV, default="probe", show_default=True, help="Id shared by the nodes of one check.")
 @option("rdzv-timeout", group=RDZV, default=None,
         help=f"Seconds to wait for every node, as the launch's rendezvous does.  [default: {DEFAULTS.rdzv_timeout:g}]")
+@option("rdzv-conf", group=RDZV, default="",
+        help="key=value,...: is_host=1 makes this node host the store (0: join it), as the launch's.")
+@option("hostfile", group=CLUSTER, default="",
+        help="From this head node: run the check on every host of the file over ssh (the launch's hostfile).")
+@_remote_host_options
+@option("ssh-agent", group=CLUSTER, is_flag=True, hidden=True, envvar=None)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def probe_command(**params) -> int:
     from ftrun.config import device_options
@@ -59,6 +83,10 @@ def probe_command(**params) -> int:
     from ftrun.detection.table import load_fault_table
     from ftrun.devices import DeviceOptions, make_device_backend
 
+    if params["hostfile"]:
+        return probe_from_head(params)
+    if params["ssh_agent"]:
+        on_session_end(_stop_with_the_session)
     count, endpoint = nodes_to_check(params)
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
@@ -70,7 +98,8 @@ def probe_command(**params) -> int:
         from ftrun.probe_nodes import probe_nodes
 
         assert endpoint is not None
-        found = probe_nodes(endpoint, count, params["run_id"], report.problem, speed, params["rdzv_timeout"])
+        found = probe_nodes(endpoint, count, params["run_id"], report.problem, speed, params["rdzv_timeout"],
+                            conf_is_host(parse_rdzv_conf(params["rdzv_conf"])))
         return show_nodes(report, found, params["as_json"])
     if params["as_json"]:
         out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings],
@@ -101,39 +130,99 @@ def nodes_to_check(params) -> tuple[int, Endpoint | None]:
 
 def show_nodes(report, found, as_json: bool) -> int:
     """The probe across nodes: the table (on the store's host), then one line per finding; the exit status."""
+    result = {**report.as_dict(), **nodes_result(found)}
+    if as_json:
+        out.print_json(json.dumps(result))
+    else:
+        show(report)
+        if found.hosted:
+            show_tables(result)
+        else:
+            out.print("the table of every node is printed on the node that hosts the store", markup=False)
+        show_findings(found.findings)
+    return found.exit_code or (ExitCode.DEVICE if report.problem else ExitCode.OK)
+
+
+def nodes_result(found) -> dict:
+    """What the probe across nodes found, as ``--json`` gives it (and a head node reads it back)."""
     nodes = [{"host": n.host, "data": n.data_endpoint, "matmul_ms": [round(t * 1000, 3) for t in n.matmul_each]}
              for n in found.nodes]
     names = {n.agent_id: n.host for n in found.nodes}
     pairs = [{"a": names.get(p.a, p.a), "b": names.get(p.b, p.b), "ms": round(p.seconds * 1000, 3) if p.seconds > 0 else None,
               "mb_s": round(2 * PAIR_BYTES / p.seconds / 1e6, 1) if p.seconds > 0 else None}
              for p in found.pairs if p.seconds != 0]
-    if as_json:
-        out.print_json(json.dumps({**report.as_dict(), "nodes": nodes, "pairs": pairs, "findings": found.findings,
-                                   "hosted": found.hosted}))
+    return {"nodes": nodes, "pairs": pairs, "findings": found.findings, "hosted": found.hosted}
+
+
+def show_tables(result: dict) -> None:
+    """Each node's matmul per device, and each pair's time on the data network (``nodes_result``'s)."""
+    table = Table(title="the job's nodes", title_justify="left")
+    for column in ("node", "data address", "matmul per device"):
+        table.add_column(column)
+    for node in result["nodes"]:
+        table.add_row(node["host"], node["data"].rpartition(":")[0] or "-",
+                      ", ".join(f"{t:.1f} ms" for t in node["matmul_ms"]) or "-")
+    out.print(table)
+    table = Table(title=f"the data network, {PAIR_BYTES >> 20} MiB each way a pair", title_justify="left")
+    for column in ("from", "to", "time", "bandwidth"):
+        table.add_column(column)
+    for pair in result["pairs"]:
+        table.add_row(pair["a"], pair["b"], f"{pair['ms']:.1f} ms" if pair["ms"] else "not reached",
+                      f"{pair['mb_s']:.1f} MB/s" if pair["mb_s"] else "-")
+    out.print(table)
+
+
+def show_findings(findings: list[str]) -> None:
+    for line in findings:
+        out.print(f"preflight: {line}", style="bold red", markup=False)
+    if not findings:
+        out.print("preflight: every node fit", markup=False)
+
+
+def probe_from_head(params) -> int:
+    """``--hostfile``: the probe on every host over ssh (``ftrun.head.probe``), its table and findings once,
+    the worst host's exit code; a host that gave no result, one line saying why."""
+    from ftrun.cli.cluster import read_hosts, remote_spec, ssh_options
+    from ftrun.cli.launch import agent_flags
+    from ftrun.head.probe import findings, plan_probes, run_probes, store_endpoint, worst_exit_code
+
+    if str(params["nnodes"]).strip() != "1":
+        raise UsageError("--nnodes cannot be used with --hostfile: every host of the hostfile is checked")
+    if params["rdzv_conf"]:
+        raise UsageError("--rdzv-conf cannot be used with --hostfile: the first host hosts the store")
+    if params["rdzv_timeout"] is not None:
+        positive_seconds(params["rdzv_timeout"], "--rdzv-timeout")
+    hosts = read_hosts(params)
+    endpoint = store_endpoint(hosts, params["rdzv_endpoint"])
+    flags = tuple(agent_flags(probe_command, {k: v for k, v in params.items() if k != "as_json"}))
+    agents = plan_probes(hosts, remote_spec(params, flags, (), ("probe",)), ssh_options(params), endpoint,
+                         params["run_id"])
+    probes = run_probes(agents)
+    hosted = next((p.result for p in probes if p.result is not None and p.result.get("hosted")), None)
+    found = findings(probes)
+    complete = len(probes) == len(agents) and all(p.result is not None for p in probes)
+    if params["as_json"]:
+        out.print_json(json.dumps({"hosts": [dataclasses.asdict(p) for p in probes], "findings": found,
+                                   **({"nodes": hosted["nodes"], "pairs": hosted["pairs"]} if hosted else {})}))
     else:
-        show(report)
-        if found.hosted:
-            table = Table(title="the job's nodes", title_justify="left")
-            for column in ("node", "data address", "matmul per device"):
-                table.add_column(column)
-            for node in found.nodes:
-                table.add_row(node.host, node.data_endpoint.rpartition(":")[0] or "-",
-                              ", ".join(f"{t * 1000:.1f} ms" for t in node.matmul_each) or "-")
-            out.print(table)
-            table = Table(title=f"the data network, {PAIR_BYTES >> 20} MiB each way a pair", title_justify="left")
-            for column in ("from", "to", "time", "bandwidth"):
-                table.add_column(column)
-            for pair in pairs:
-                table.add_row(pair["a"], pair["b"], f"{pair['ms']:.1f} ms" if pair["ms"] else "not reached",
-                              f"{pair['mb_s']:.1f} MB/s" if pair["mb_s"] else "-")
-            out.print(table)
-        else:
-            out.print("the table of every node is printed on the node that hosts the store", markup=False)
-        for line in found.findings:
-            out.print(f"preflight: {line}", style="bold red", markup=False)
-        if not found.findings:
-            out.print("preflight: every node fit", markup=False)
-    return found.exit_code or (ExitCode.DEVICE if report.problem else ExitCode.OK)
+        if hosted is not None:
+            show_tables(hosted)
+        for probe in probes:
+            if probe.result is None:
+                console.print(f"ftrun: error: {probe.why}", style="bold red", markup=False)
+        if complete:
+            show_findings(found)
+        elif len(probes) < len(agents):
+            left = len(agents) - len(probes)
+            console.print(f"ftrun: ended the probe on the {left} other host{'s' if left != 1 else ''}", markup=False)
+    return worst_exit_code(p.exit_code for p in probes)
+
+
+def _stop_with_the_session() -> None:
+    """A probe a head node started: its session ended early (the head was interrupted, another host failed, or
+    the head is gone), so nobody reads what it would find. Stop now, as on SIGTERM."""
+    console.print("ftrun: the head node's ssh session closed; stopping", markup=False)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Setting(NamedTuple):

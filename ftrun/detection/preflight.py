@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from ftrun.detection.pairs import PairTime, judge_pairs
+from ftrun.orphans import die_with_parent
 
 log = logging.getLogger(__name__)
 #: a node whose slowest device takes more than this many times the job's median is slow
@@ -54,7 +55,7 @@ def matmul_times(kind: str, count: int, python: str = sys.executable, deadline: 
     for cpu), timed in a child interpreter; [] when it cannot run (one warning: the check goes on without it)."""
     try:
         done = subprocess.run([python, "-c", _CHILD, kind, str(max(count, 1)), str(MATMUL_SIZE), str(MATMUL_REPEATS)],
-                              capture_output=True, text=True, timeout=deadline)
+                              capture_output=True, text=True, timeout=deadline, preexec_fn=die_with_parent)
         times = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         times = None

@@ -61,6 +61,8 @@ class RemoteSpec:
     flags: tuple[str, ...]
     #: the script (or module/program) and its arguments
     command: tuple[str, ...]
+    #: the ftrun command the host runs (``probe``); none: the launch's agent
+    subcommand: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def forwarded_env(environ: Mapping[str, str], requested: tuple[str, ...] | list[
 
 def remote_command(spec: RemoteSpec, host_flags: list[str]) -> str:
     """The shell command line a host runs: every word quoted for a POSIX shell."""
-    argv = [spec.python, "-u", "-m", "ftrun", "--ssh-agent", *host_flags, *spec.flags, *spec.command]
+    argv = [spec.python, "-u", "-m", "ftrun", *spec.subcommand, "--ssh-agent", *host_flags, *spec.flags, *spec.command]
     env = [f"{name}={value}" for name, value in spec.env]
     run = ["exec", *(["env", *env] if env else []), *argv]
     return f"cd {shlex.quote(spec.cwd)} && {shlex.join(run)}"
@@ -139,10 +141,15 @@ def plan_agents(hosts: list[Host], spec: RemoteSpec, ssh: SshOptions, rendezvous
 class Session:
     """One host's ssh process, its output on the head's console (and in a log file), how it ended."""
 
-    def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes, token: bytes):
+    def __init__(self, agent: RemoteAgent, log_dir: str, console_filter: bytes, token: bytes | None,
+                 collect: list[str] | None = None, what: str = "the agent"):
         """``log_dir``: where the head keeps each host's output ("": nowhere, as under etcd, where each
-        host keeps its own); ``console_filter``: only lines holding it reach the console."""
+        host keeps its own); ``console_filter``: only lines holding it reach the console; ``token``: the
+        job's secret, the session's first line of input (None: the host reads none); ``collect``: the host's
+        stdout goes into this list instead of the console (``ftrun probe``'s JSON); ``what`` the host runs,
+        as the messages name it."""
         self.agent = agent
+        self.what = what
         self.handled = False
         paths = {name: os.path.join(log_dir, f"{agent.host.address}.{name}.log") if log_dir else None
                  for name in ("stdout", "stderr")}
@@ -151,13 +158,15 @@ class Session:
             start_new_session=True, preexec_fn=die_with_parent,
         )
         try:  # the job's secret, on the session's input: never on a command line
-            self.proc.stdin.write(token + b"\n")
-            self.proc.stdin.flush()
+            if token is not None:
+                self.proc.stdin.write(token + b"\n")
+                self.proc.stdin.flush()
         except OSError:
             pass  # ssh is gone already: why() will say why
         prefix = f"{agent.host.address}: ".encode()
-        self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}", ConsoleStream(STDOUT), prefix,
-                              paths["stdout"], console_filter)
+        self.out = StreamPump(self.proc.stdout, f"ftrun-ssh-out-{agent.node_rank}",
+                              None if collect is not None else ConsoleStream(STDOUT), prefix, paths["stdout"],
+                              console_filter, capture=collect)
         self.err = StreamPump(self.proc.stderr, f"ftrun-ssh-err-{agent.node_rank}", ConsoleStream(STDERR), prefix,
                               paths["stderr"], console_filter)
 
@@ -174,8 +183,8 @@ class Session:
         said = (errors or lines or ["no output"])[-1]
         code = self.proc.returncode
         if code == SSH_FAILED:
-            return f"cannot start the agent on {self.host} over ssh: {said}"
-        return f"the agent on {self.host} exited with code {code}: {said}"
+            return f"cannot start {self.what} on {self.host} over ssh: {said}"
+        return f"{self.what} on {self.host} exited with code {code}: {said}"
 
     def ask_to_stop(self, signum: int) -> None:
         """etcd: ask the host's session keeper to send its agent ``signum`` (the job stops as on it)."""

@@ -430,3 +430,34 @@ def workers(mark: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def test_probe_from_the_head_checks_every_host_once_and_leaves_nothing_behind(launcher, sshd):
+    """``ftrun probe --hostfile``: the hosts' probe across nodes, its table said once; an unreachable host in one
+    line, the others ended at once; Ctrl-C on the head ends every host's probe (and its device tool)."""
+    def probe(hosts: list[str], *flags: str):
+        path = hostfile(launcher, hosts)
+        return launcher.start(["probe", "--hostfile", str(path), *sshd.client_flags(), "--env", "FTRUN_TEST_MARK",
+                               "--rdzv-endpoint", f"{HOSTS[0]}:{free_port()}", *flags])
+
+    fit = probe([HOSTS[0], f"{HOSTS[1]} slots=2"], "--device", "cpu")
+    assert launcher.wait([fit], timeout=120) == [0], fit.output
+    assert fit.output.count("the job's nodes") == 1 and fit.output.count("the data network, ") == 1, fit.output
+    assert fit.output.count("preflight: every node fit") == 1 and "ms" in fit.output
+
+    unreachable = probe([HOSTS[0], "127.0.0.9"], "--device", "cpu")  # no sshd listens on 127.0.0.9
+    assert launcher.wait([unreachable], timeout=60) == [3], unreachable.output
+    errors = [line for line in unreachable.output.splitlines() if line.startswith("ftrun: error:")]
+    assert len(errors) == 1 and "cannot start ftrun probe on 127.0.0.9 over ssh" in errors[0], unreachable.output
+    assert "Connection refused" in errors[0] and "Traceback" not in unreachable.output
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=15, what="every host's probe to end")
+
+    hung = launcher.tmp / "npu-smi"  # a device tool that never answers: each host's probe waits in it
+    hung.write_text("#!/bin/sh\nexec sleep 60\n")
+    hung.chmod(0o755)
+    stopped = probe([HOSTS[0], HOSTS[1]], "--device", "npu", "--npu-smi", str(hung), "--device-timeout", "60")
+    wait_for(lambda: sum("sleep" in cmdline(p) for p in marked_processes(launcher.mark)) == 2, timeout=30,
+             what="both hosts' probes to wait in their device tool")
+    stopped.proc.send_signal(signal.SIGINT)
+    assert launcher.wait([stopped], timeout=30) == [130], stopped.output
+    wait_for(lambda: not marked_processes(launcher.mark), timeout=15, what="every host's probe to end")
