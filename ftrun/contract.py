@@ -144,7 +144,8 @@ class RelayFolder:
     """The files through which a rank that cannot read the control store (a MindSpore rank: its python
     has no torch, and the store is torch's ``TCPStore``) talks to the controller through its agent
     (FTRUN_RELAY_DIR, one folder per node). A rank writes its committed step into ``progress.r<rank>``,
-    which the agent puts where a torch rank's heartbeat puts it (the status view, the summary's step).
+    and on a second line its step times (``ftrun.step_times.StepTimes.to_text``), which the agent puts where
+    a torch rank's heartbeat puts them (the status view, the summary's step, the stragglers).
     For a process-level repair, the agent writes what the controller announced: ``target``
     (the newest generation) and ``ready-<g>`` ("ready" once every rank arrived in generation g,
     "superseded" once a newer one was announced). A rank writes one file per milestone it reaches,
@@ -178,7 +179,7 @@ class RelayFolder:
         return os.path.join(self.path, f"online-{generation}")
 
     def progress(self, rank: int) -> str:
-        """A rank's committed step."""
+        """A rank's committed step, then its step times."""
         return os.path.join(self.path, f"progress.r{rank}")
 
     def names(self) -> list[str]:

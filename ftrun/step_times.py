@@ -24,6 +24,8 @@ import dataclasses
 import os
 import statistics
 import threading
+import time
+from typing import Callable
 
 #: the steps each rank's medians are taken over
 WINDOW_STEPS = 16
@@ -63,12 +65,27 @@ class StepTimes:
 
 class StepClock:
     """The rank's side: each committed step's time and its waits go in (from the training thread), the
-    window's medians come out (from the heartbeat's)."""
+    window's medians come out (from the heartbeat's). ``begin``/``end`` time a step's body on ``now`` (a
+    monotonic clock in seconds; tests give their own); ``record`` takes a step timed elsewhere."""
 
-    def __init__(self, window: int = WINDOW_STEPS):
+    def __init__(self, window: int = WINDOW_STEPS, now: Callable[[], float] = time.perf_counter):
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self._steps = 0
         self._lock = threading.Lock()
+        self._now = now
+        #: when the step under way began; None between steps (a step that ends without a beginning is not timed)
+        self._began: float | None = None
+
+    def begin(self) -> None:
+        """A step's body begins (again: the latest beginning counts)."""
+        self._began = self._now()
+
+    def end(self, wait_seconds: float = 0.0, committed: bool = True) -> None:
+        """The step's body ended, ``wait_seconds`` of it inside collectives: timed when it was ``committed``
+        (a step whose collective failed is repaired, not timed) and had begun."""
+        began, self._began = self._began, None
+        if committed and began is not None:
+            self.record(self._now() - began, wait_seconds)
 
     def record(self, step_seconds: float, wait_seconds: float) -> None:
         """A committed step took ``step_seconds``, ``wait_seconds`` of it blocked inside collectives."""

@@ -4,8 +4,8 @@ A MindSpore rank's python has no torch, so it has no ``TCPStore`` client; its ag
 store for it, through the node's :class:`~ftrun.contract.RelayFolder` (``ftrun/mindspore_elastic/repair.py``
 says why files). Each tick of the agent's supervision loop:
 
-* a rank's committed step that moved (its ``progress`` file) goes where a torch rank's heartbeat puts
-  it, for the status view and the job's summary;
+* a rank's committed step that moved (its ``progress`` file), and its step times (the file's second line),
+  go where a torch rank's heartbeat puts them, for the status view, the job's summary and the stragglers;
 
 and at process level (on Ascend) only, where the ranks take part in a repair:
 
@@ -80,9 +80,13 @@ class FolderRelay:
                 continue
             if self._progress_seen.get(rank) != changed:
                 self._progress_seen[rank] = changed
-                step = self.folder.read(path).strip()
-                if step:
-                    self.store.set_text(self.keys.rank_progress(rank), step)
+                step, _, times = self.folder.read(path).strip().partition("\n")
+                if not step:
+                    continue
+                keys, texts = [self.keys.rank_progress(rank)], [step]
+                if times.strip():  # one round trip for both
+                    keys, texts = [*keys, self.keys.rank_step_times(rank)], [step, times.strip()]
+                self.store.set_each(keys, texts)
 
     def _relay_target(self) -> None:
         text = self.store.try_text(self.keys.target_generation)

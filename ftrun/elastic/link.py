@@ -140,7 +140,6 @@ class ControlLink:
         self._watch_key = ""
         #: each step's time and its waits inside collectives, which the heartbeat reports (stragglers)
         self.clock = StepClock()
-        self._step_began = 0.0
 
     def start(self, groups: GroupSet, progress: Callable[[], int]) -> None:
         """Start the heartbeat, which reports ``progress()`` (the committed step), and the repair watch,
@@ -157,15 +156,14 @@ class ControlLink:
     def step_begins(self) -> None:
         self._groups.in_step = True
         self._groups.waited = 0.0
-        self._step_began = time.perf_counter()
+        self.clock.begin()
 
     def step_ends(self) -> BaseException | None:
         """The step's body is over: the failure of one of its collectives, if one failed. A step whose
         collectives held is timed: how long it took, and how long of that it waited inside them."""
         groups = self._groups
         groups.in_step = False
-        if groups.failure is None:
-            self.clock.record(time.perf_counter() - self._step_began, groups.waited)
+        self.clock.end(groups.waited, committed=groups.failure is None)
         return groups.failure
 
     def lost_collective(self) -> BaseException | None:

@@ -22,6 +22,7 @@ from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.snapshots.format import SnapshotError, SnapshotTooLarge
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
 from ftrun.snapshots.rank import SnapshotWriter, load_first_good, load_own, own_steps, snapshot_signer, sources_to_restore
+from ftrun.step_times import StepClock
 from ftrun.steps import COMMITTED, StepDecision, StepGuard, StepOutcome
 
 log = logging.getLogger("ftrun.mindspore_elastic")
@@ -55,6 +56,11 @@ class MindSporeJob:
         #: how many steps ended through the protocol (steps() tells a body that used it from one that did not)
         self._ends = 0
         self._guard = StepGuard(self)
+        #: each committed step's time, written with the progress for the agent to relay (stragglers, the stall
+        #: bound). All of it counts as compute, its wait 0: MindSpore's collectives run inside its compiled
+        #: graph (an ``ops.AllReduce`` in a Cell, ``Model.train``'s gradient reduction), where a Python library
+        #: sees no call to time, as ``ftrun.elastic``'s wrapped process groups do
+        self.clock = StepClock()
 
     @property
     def rank(self) -> int:
@@ -128,6 +134,7 @@ class MindSporeJob:
                 continue
             self._guard = guard = StepGuard(self)
             ends = self._ends
+            self.clock.begin()  # a body without guard() begins here; one with it, again at begin_step()
             yield self._step
             if guard.decision is not None:
                 self._go_on(guard.decision)
@@ -145,6 +152,7 @@ class MindSporeJob:
         """The body of step :attr:`step` begins: until :meth:`end_step`, a repair announced meanwhile stops
         the device under it (process level on Ascend), so that a step blocked in a collective ends."""
         self._open = True
+        self.clock.begin()
         if self.repair is not None:
             self.repair.in_step = True
 
@@ -163,6 +171,7 @@ class MindSporeJob:
         self._open = False
         if self.repair is not None:
             self.repair.in_step = False
+        self.clock.end(committed=error is None)
         if error is None:
             self.commit()
             return COMMITTED
@@ -226,10 +235,11 @@ class MindSporeJob:
             self._tell_progress()
 
     def _tell_progress(self) -> None:
-        """This rank's committed step, for its agent to relay (the status view, the job's summary)."""
+        """This rank's committed step and its step times, for its agent to relay (the status view, the job's
+        summary, stragglers)."""
         self._progress_at = time.monotonic()
         try:
-            self.relay.write(self.relay.progress(self.rank), str(self._step))
+            self.relay.write(self.relay.progress(self.rank), f"{self._step}\n{self.clock.times().to_text()}")
         except OSError as e:  # the agent's folder is gone: the job is ending; training goes on regardless
             log.debug("rank %d: cannot write its progress: %s", self.rank, e)
 
@@ -245,6 +255,9 @@ class MindSporeJob:
         class FtrunSnapshots(Callback):
             def on_train_begin(self, run_context) -> None:
                 job.restore()
+
+            def on_train_step_begin(self, run_context) -> None:
+                job.clock.begin()  # the step's time, to its end below
 
             def on_train_step_end(self, run_context) -> None:
                 job.end_step()  # Model.train's step finished: it commits (no begin_step: nothing guards it)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from ftrun.mindspore import worker_python
-from tests.conftest import ROOT, WORKERS, free_port, marked_processes, wait_for
+from tests.conftest import ROOT, WORKERS, free_port, ftrun_status, marked_processes, wait_for
 from tests.integration.test_bad_input import assert_one_clear_line
 from tests.parts import MINDSPORE_WANTED, unavailable
 
@@ -216,9 +217,20 @@ def test_a_sigkilled_worker_s_job_resumes_from_snapshots_and_ends_as_a_fault_fre
              "--snapshot-every", str(EVERY), "--replicate-every", str(EVERY)]
     faulty = launcher.start([*flags, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(2 * EVERY),
                              SNAPSHOT_TRAIN], env=launcher.env(STEPS=str(STEPS), FAULT="1:8:sigkill", PYTHONPATH=pythonpath))
-    fault_free = launcher.start([*flags, SNAPSHOT_TRAIN],
-                                env=launcher.env(STEPS=str(STEPS), DUMP="1", OUT_DIR=str(reference), PYTHONPATH=pythonpath))
+    # its steps slower (the restart of the faulty run beside it takes longer still): ftrun status sees them run
+    fault_free = launcher.start([*flags, SNAPSHOT_TRAIN], env=launcher.env(STEPS=str(STEPS), STEP_SLEEP="0.3", DUMP="1",
+                                                                         OUT_DIR=str(reference), PYTHONPATH=pythonpath))
+    endpoint = wait_for(lambda: re.search(r"joined the store at (\S+)", fault_free.output), timeout=120,
+                        what="the fault-free run's store").group(1)
+    watcher = ftrun_status(endpoint, "--json", "--watch", "--interval", "0.3", into=launcher.tmp / "status")
     assert launcher.wait() == [0, 0], launcher.output()
+    watcher.wait(timeout=60)
+    # each rank's step times reach the job's status through its agent: all of it compute, its wait 0 (MindSpore's
+    # collectives run inside its graph, where the library times nothing)
+    timed = [rank for line in (launcher.tmp / "status.out").read_text().splitlines() for rank in json.loads(line)["ranks"]
+             if rank["timed_steps"]]
+    assert {rank["rank"] for rank in timed} == {0, 1}, (launcher.tmp / "status.out").read_text()
+    assert all(r["step_s"] >= 0.3 and r["compute_s"] == r["step_s"] and r["wait_s"] == 0 for r in timed), timed
     assert "1 of 1 restart used" in faulty.output and "0 of 1 restart used" in fault_free.output
     # the ranks' progress reaches the controller through their agents: the summary names the last step run
     for run in (faulty, fault_free):

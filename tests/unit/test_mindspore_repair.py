@@ -7,6 +7,7 @@ loopback) are real."""
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import threading
 import types
@@ -27,7 +28,9 @@ from ftrun.mindspore_elastic.link import RepairChannel
 from ftrun.mindspore_elastic.repair import MindSporeRepair
 from ftrun.repair_loop import RepairError
 from ftrun.rollback import NO_STATE
+from ftrun.step_times import StepClock, StepTimes
 from ftrun.store import ControlStore
+from tests.conftest import FakeClock
 from tests.unit.mindspore_ascend import FLAG_NAME, AscendMindSpore, KilledByWatchdog, Parameter
 
 
@@ -287,14 +290,19 @@ def test_the_relay_follows_the_agents_store_when_the_controller_moved(store, fol
     assert not store.try_text(keys.group_ready(2))
 
 
-def test_a_mindspore_rank_s_progress_reaches_the_store_through_its_agent(store, folder, monkeypatch):
-    """Its first step at once, then at most once a PROGRESS_INTERVAL, and the last one as it closes."""
+def job_level_rank(store, folder, monkeypatch) -> tuple[JobKeys, FolderRelay]:
+    """Rank 1 of 2 at job level, as its agent starts it: the job's keys, and its agent's relay to ``store``."""
     env = WorkerEnv(rank=1, local_rank=1, world_size=2, run_id="run", generation=0, control_store="127.0.0.1:1",
                     replacement=False, heartbeat_timeout=30.0, recovery="job", relay_dir=folder.path)
     for name, value in env.to_environ().items():
         monkeypatch.setenv(name, value)
     keys = JobKeys("run")
-    relay = FolderRelay(lambda: store, keys, folder, world_size=lambda: 2, repairs=False)
+    return keys, FolderRelay(lambda: store, keys, folder, world_size=lambda: 2, repairs=False)
+
+
+def test_a_mindspore_rank_s_progress_reaches_the_store_through_its_agent(store, folder, monkeypatch):
+    """Its first step at once, then at most once a PROGRESS_INTERVAL, and the last one as it closes."""
+    keys, relay = job_level_rank(store, folder, monkeypatch)
     store.set_text(keys.target_generation, "1")  # a job-level job's relay reads no announcement
     job = ftrun.mindspore_elastic.init()
     assert job.repair is None  # job level: no repair watch
@@ -310,6 +318,31 @@ def test_a_mindspore_rank_s_progress_reaches_the_store_through_its_agent(store, 
     assert store.try_text(keys.rank_progress(1)) == "3"
     assert folder.reports() == []  # progress is no milestone
     assert RepairChannel(folder, rank=1).target() == 0
+
+
+def test_a_mindspore_rank_s_step_times_reach_the_store_through_its_agent_all_of_them_compute(store, folder,
+                                                                                            monkeypatch):
+    """Each committed step is timed from its beginning (begin_step's, or the loop's for a body without guard())
+    to its end, as a torch rank's is, and its agent relays the medians with the progress. Its wait is 0: MindSpore's
+    collectives run inside its graph. A step that failed is not timed."""
+    keys, relay = job_level_rank(store, folder, monkeypatch)
+    clock = FakeClock()
+    job = ftrun.mindspore_elastic.init()
+    job.clock = StepClock(now=clock)
+    for seconds in (0.2, 0.4, 0.3):
+        job.begin_step()
+        clock.advance(seconds)
+        job.end_step()
+    job.begin_step()
+    clock.advance(9.0)
+    assert job.end_step(RuntimeError("not ours")).lost is not None  # lost: no step committed, none timed
+    job.end_step()  # an end with no beginning (a callback's first step): committed, not timed
+    for _ in job.steps(6):  # a body without guard(): from the loop's yield to the next step's
+        clock.advance(0.5)
+    relay.tick()
+    times = StepTimes.from_text(store.try_text(keys.rank_step_times(1)))
+    assert times == StepTimes(steps=5, step=0.4, compute=0.4, wait=0.0, pid=os.getpid())
+    assert store.try_text(keys.rank_progress(1)) == "6"
 
 
 # -- the online level: a collective failed while every process lived, no process replaced ---------------

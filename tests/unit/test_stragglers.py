@@ -15,6 +15,7 @@ from ftrun.controller.straggler_watch import StragglerWatch
 from ftrun.detection.stragglers import Assessment, Finding, RankTimes, StragglerRule, WatchState, assess, judge
 from ftrun.messages import CommandKind, NodeSlot
 from ftrun.step_times import WINDOW_STEPS, StepClock, StepTimes
+from tests.conftest import FakeClock
 
 RULE = StragglerRule(threshold=1.5, min_excess=0.05, persist=5.0, clear=1.25, min_steps=16)
 
@@ -40,6 +41,23 @@ def test_the_step_clock_gives_medians_over_its_window_and_counts_every_step():
     assert got.pid == os.getpid()  # the process that timed them: its rank's key outlives it
     assert got.steps == 5 and got.step == pytest.approx(0.225)  # 1.0 left the window of 4
     assert got.wait == pytest.approx(0.15) and got.compute == pytest.approx(0.1)
+
+
+def test_the_step_clock_times_a_committed_step_from_its_latest_beginning_and_no_other():
+    now = FakeClock()
+    clock = StepClock(now=now)
+    clock.end(0.1)  # an end with no beginning (a callback's first step): not timed
+    clock.begin()
+    now.advance(1.0)
+    clock.begin()  # begun again (the loop, then the guard): the latest counts
+    now.advance(0.3)
+    clock.end(0.1)
+    clock.begin()
+    now.advance(5.0)
+    clock.end(0.2, committed=False)  # its collective failed: repaired, not timed
+    now.advance(1.0)
+    clock.end(0.0)  # nothing begun since
+    assert clock.times() == StepTimes(1, pytest.approx(0.3), pytest.approx(0.2), 0.1, os.getpid())
 
 
 def test_the_step_times_module_imports_the_standard_library_alone():
