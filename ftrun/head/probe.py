@@ -102,10 +102,17 @@ def worst_exit_code(codes: Iterable[int]) -> int:
 
 
 def findings(probes: Sequence[HostProbe]) -> list[str]:
-    """Every host's findings once each, in the order the hosts said them (each node says the same verdict)."""
+    """Every host's findings once each, in the order the hosts said them (each node says the same verdict). A
+    hostfile of one host runs no probe across nodes: its device problem, if any, is its finding."""
     seen: dict[str, None] = {}
     for probe in probes:
-        for line in (probe.result or {}).get("findings") or ():
+        result = probe.result or {}
+        if "findings" in result:
+            lines = result["findings"] or []
+        else:  # one host alone: it ran no probe across nodes
+            problem = result.get("problem") or result.get("error")
+            lines = [f"{probe.host}: {problem}"] if problem else []
+        for line in lines:
             seen.setdefault(str(line), None)
     return list(seen)
 

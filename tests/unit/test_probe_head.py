@@ -88,6 +88,9 @@ def test_each_finding_is_said_once_whatever_the_number_of_hosts_saying_it():
     said = [HostProbe("n1", 4, {"findings": ["a", "b"]}), HostProbe("n2", 4, {"findings": ["b", "a"]}),
             HostProbe("n3", 3, None, "gone")]
     assert findings(said) == ["a", "b"]
+    alone = [HostProbe("n1", 4, {"problem": "device 1 Critical: chip reset required (RestartNPU)", "error": ""})]
+    assert findings(alone) == ["n1: device 1 Critical: chip reset required (RestartNPU)"]  # one host: no rendezvous
+    assert findings([HostProbe("n1", 0, {"problem": "", "error": ""})]) == []
 
 
 BAD = [
