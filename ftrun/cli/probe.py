@@ -87,6 +87,7 @@ def probe_command(**params) -> int:
         return probe_from_head(params)
     if params["ssh_agent"]:
         on_session_end(_stop_with_the_session)
+    is_host = conf_is_host(parse_rdzv_conf(params["rdzv_conf"]))
     count, endpoint = nodes_to_check(params)
     options = device_options(params)
     table = load_fault_table(options["fault_levels"] or None)
@@ -98,8 +99,7 @@ def probe_command(**params) -> int:
         from ftrun.probe_nodes import probe_nodes
 
         assert endpoint is not None
-        found = probe_nodes(endpoint, count, params["run_id"], report.problem, speed, params["rdzv_timeout"],
-                            conf_is_host(parse_rdzv_conf(params["rdzv_conf"])))
+        found = probe_nodes(endpoint, count, params["run_id"], report.problem, speed, params["rdzv_timeout"], is_host)
         return show_nodes(report, found, params["as_json"])
     if params["as_json"]:
         out.print_json(json.dumps({**report.as_dict(), "recovery_env": [s._asdict() for s in settings],

@@ -741,6 +741,8 @@ PROBE = [
     ("nodes-zero", ["--nnodes", "0"], "--nnodes"),
     ("nodes-endpoint-bad-port", ["--nnodes", "2", "--rdzv-endpoint", "h:port"], "--rdzv-endpoint"),
     ("nodes-timeout-nan", ["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "nan"], "--rdzv-timeout"),
+    ("rdzv-conf-not-key-value", ["--rdzv-conf", "is_host"], ("--rdzv-conf", "key=value")),
+    ("rdzv-conf-unknown-key", ["--rdzv-conf", "is_hots=1"], "is_hots"),
 ]
 
 
