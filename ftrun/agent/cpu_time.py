@@ -5,7 +5,9 @@ A rank runs in a process group of its own (the agent starts it in a new session;
 so its DataLoader workers and other children share its group: :func:`group_cpu_seconds` reads every process's
 ``/proc/PID/stat`` once and sums, per rank, the user and system time (its threads included) of the processes in
 its group, with the time of children they have reaped (a DataLoader worker that ended is counted by its parent).
-One scan of ``/proc`` for the whole node, a few milliseconds, every CPU_SAMPLE_EVERY seconds.
+One scan of ``/proc`` for the whole node every CPU_SAMPLE_EVERY seconds, which reads only the processes numbered
+from the oldest rank's pid on (a rank's children are younger than it; the system's daemons, older, are skipped:
+after the kernel's pids wrap round a child may be missed, never the rank itself).
 
 :class:`CpuShare` keeps each rank's samples over CPU_WINDOW seconds and says its CPU seconds per wall second
 (``1.0``: one core busy all the time; a rank with threads can pass it). It says nothing of a rank's accelerator:
@@ -49,8 +51,9 @@ def group_cpu_seconds(groups: set[int], proc: str = "/proc") -> dict[int, float]
         names = os.listdir(proc)
     except OSError:
         return totals
+    oldest = min(groups, default=0)
     for name in names:
-        if not name.isdigit():
+        if not name.isdigit() or int(name) < oldest:
             continue
         try:
             with open(f"{proc}/{name}/stat") as f:
