@@ -22,8 +22,9 @@ job_finished), ``steps_per_s`` (progress), ``exit_code``, ``reason``, ``duration
 (job_started, generation_started, resized), ``run_id``, ``nodes``, ``spares``, ``recovery`` (job_started),
 ``step`` and ``sources`` (restore), ``step`` and ``path`` (checkpoint), ``cause`` and ``remedy`` (repair_failed:
 why the ranks found no state to go back to and what would have kept the repair at process level, each
-"" when none), ``action``, ``who`` and ``accepted`` (operator), ``score``, ``named`` and ``action`` (straggler: report or
-replace), ``before``, ``slowed`` and ``after`` (straggler_gain: seconds per step).
+"" when none), ``action``, ``who`` and ``accepted`` (operator), ``score``, ``named``, ``action`` (straggler: report or
+replace) and ``outside`` (straggler: named from outside, by its CPU share: a script without the worker
+library), ``before``, ``slowed`` and ``after`` (straggler_gain: seconds per step).
 """
 
 from __future__ import annotations

@@ -78,6 +78,8 @@ def job_line(s: dict, width: int = 120) -> Text:
             line.append(f" · ETA {_clock(s['eta_s'])}")
     elif s["step"] is not None:
         line.append(f" · step {s['step']} · {s['steps_per_s']:.1f} steps/s")
+    elif s.get("output_step") is not None:  # a script without the worker library: the step its output says
+        line.append(f" · step {s['output_step']} (from output) · {s['output_steps_per_s']:.1f} steps/s")
     line.append(_saved(s))
     if s.get("controller"):  # --rdzv-backend etcd: the controller may move
         moves = s["controller"]["moves"]
@@ -154,18 +156,25 @@ def rank_table(s: dict) -> Table:
         alive = rank.get("alive", True)
         table.add_row(str(rank["rank"]), str(rank.get("node", "-")),
                       Text(str(rank.get("pid", "-")), style="" if alive else "red strike"),
-                      str(rank["step"]) if rank["step"] is not None else "-", beat, str(rank.get("restarts", 0)),
-                      *step_times(rank))
+                      step_cell(rank), beat, str(rank.get("restarts", 0)), *step_times(rank))
     return table
 
 
 def step_times(rank: dict) -> tuple[str, str, str]:
     """A rank's median step time, its wait inside collectives and its straggler score (its compute time over the
-    job's median), "-" where it has none."""
+    job's median; its CPU time over the job's median from outside, said "cpu"), "-" where it has none."""
     score = rank.get("straggler_score")
+    outside = " cpu" if rank.get("straggler_view") == "outside" else ""
     return (f"{rank['step_s']:.3f}s" if rank.get("step_s") is not None else "-",
             f"{rank['wait_s']:.3f}s" if rank.get("wait_s") is not None else "-",
-            f"{score:.1f}x" if score is not None else "-")
+            f"{score:.1f}x{outside}" if score is not None else "-")
+
+
+def step_cell(rank: dict) -> str:
+    """A rank's committed step (the worker library's), else the last step its output said, said "(output)"."""
+    if rank.get("step") is not None:
+        return str(rank["step"])
+    return f"{rank['output_step']} (output)" if rank.get("output_step") is not None else "-"
 
 
 def event_lines(events: list[dict], width: int) -> Text:
@@ -194,6 +203,8 @@ def plain_line(s: dict) -> str:
         total = f"/{s['total_steps']}" if s.get("total_steps") else ""
         eta = f", ETA {_clock(s['eta_s'])}" if s.get("eta_s") is not None else ""
         step = f", step {s['step']}{total} ({s['steps_per_s']:.1f} steps/s{eta})"
+    elif s.get("output_step") is not None:
+        step = f", step {s['output_step']} from output ({s['output_steps_per_s']:.1f} steps/s)"
     spares = sum(1 for n in s["nodes"] if n["role"] == "spare")
     step += _saved(s).replace(" · ", ", ")
     if s.get("controller"):

@@ -260,6 +260,12 @@ class RankState:
     #: the collective it waits in now, as the worker library wrote it (``ftrun.step_times.collective_text``;
     #: "" without the library, or from a process that is not this one), forwarded for the stall's line
     collective: str = ""
+    #: the outside view, for any script: its CPU seconds per wall second over the agent's last samples
+    #: (``ftrun.agent.cpu_time``; None: not yet a window's worth), and the last step its output said
+    #: (``ftrun.detection.output_steps``; None: none yet) with the seconds since
+    cpu: float | None = None
+    output_step: int | None = None
+    output_age: float | None = None
 
 
 @dataclass(frozen=True)

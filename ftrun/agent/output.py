@@ -13,9 +13,11 @@ import os
 import string
 import sys
 import threading
+import time
 from typing import IO
 
 from ftrun.detection.exits import is_cpp_trace_line
+from ftrun.detection.output_steps import OutputSteps
 from ftrun.folders import private_dirs
 
 STDOUT, STDERR = 1, 2
@@ -34,8 +36,10 @@ class StreamPump:
     def __init__(self, pipe: IO[bytes], name: str, console: IO[bytes] | ConsoleStream | None, prefix: bytes,
                  file_path: str | None, console_only: bytes = b"", filtered: FilteredCopy | None = None,
                  file_prefix: bytes = b"", recent: collections.deque[str] | None = None,
-                 capture: list[str] | None = None):
+                 capture: list[str] | None = None, steps: OutputSteps | None = None):
         self._pipe = pipe
+        #: shared by the rank's two pumps: the last step its output said (a plain script's, from outside)
+        self.steps = steps
         #: shared by the rank's two pumps: its last lines of both streams, in the order they came
         self.recent = recent
         #: --duplicate-*-filters: lines holding a filter word are copied there too, prefixed
@@ -71,6 +75,8 @@ class StreamPump:
                     self.recent.append(text[:RECENT_WIDTH])
                 if self.capture is not None:
                     self.capture.append(text)
+                if self.steps is not None and not trace:
+                    self.steps.read(text, time.monotonic())
                 self.lines += 1
                 if self._file:
                     self._file.write(line)

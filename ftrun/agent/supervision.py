@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import psutil
 
+from ftrun.agent.cpu_time import CpuShare
 from ftrun.agent.device_slots import NodeDevices
 from ftrun.agent.node_snapshots import NodeSnapshots
 from ftrun.agent.protocol import NodeProtocol
@@ -75,6 +76,8 @@ class Supervision:
         #: controller before its journal held the decision (it dies inside an etcd outage), and a repair that
         #: counts a dead rank healthy waits for it until its deadline. The controller leaves out what it knows
         self.failures_told: list[tuple] = []
+        #: the outside view: each running rank's CPU share, sampled from /proc with the status
+        self.cpu = CpuShare()
         self.begin()
 
     def begin(self) -> None:
@@ -193,11 +196,12 @@ class Supervision:
         group = self.group
         steps = steps or {}
         now = time.monotonic() if now is None else now
+        self.cpu.sample({w.placement.rank: w.pid for w in group.workers if w.returncode is None}, now)
         ranks = tuple(
             RankState(w.placement.rank, w.placement.local_rank, w.pid, w.returncode is None,
                       max(0, self._starts.get(w.placement.rank, 1) - 1), steps.get(w.placement.rank),
                       self.hangs.heartbeat_age(w.placement.rank, now) if w.placement.rank in steps else None,
-                      self._times_of(w), self._collective_of(w))
+                      self._times_of(w), self._collective_of(w), *self._outside_of(w, now))
             for w in group.workers
         )
         probe = self.probe
@@ -216,6 +220,15 @@ class Supervision:
         text = self._protocol().step_times.get(worker.placement.rank, "")
         times = StepTimes.from_text(text)
         return text if worker.returncode is None and times is not None and times.pid == worker.pid else ""
+
+    def _outside_of(self, worker: Worker, now: float) -> tuple[float | None, int | None, float | None]:
+        """What is seen of the worker from outside: its CPU share, and the last step its output said with the
+        seconds since (``now``: the monotonic clock its output pumps read)."""
+        cpu = self.cpu.share(worker.placement.rank) if worker.returncode is None else None
+        last = worker.steps.last
+        if last is None:
+            return cpu, None, None
+        return cpu, last[0], round(max(0.0, now - last[1]), 1)
 
     def _collective_of(self, worker: Worker) -> str:
         """The collective the worker waits in now as its heartbeat wrote it, if this process wrote it: "" else."""

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from ftrun import mindspore
@@ -26,6 +26,7 @@ from ftrun.config import LaunchConfig
 from ftrun.contract import DeviceAssignment, SnapshotSettings, WorkerEnv
 from ftrun.detection.exits import classify_exit
 from ftrun.detection.oom import OomWatch
+from ftrun.detection.output_steps import OutputSteps
 from ftrun.detection.table import FaultTable
 from ftrun.messages import WorkerFailure, signal_name
 from ftrun.orphans import die_with_parent
@@ -137,6 +138,8 @@ class Worker:
     #: set when the agent itself ended the worker (hang, device fault): the cause and its evidence
     cause: str = ""
     detail: str = ""
+    #: the last step its output said (the outside view of a script without the worker library)
+    steps: OutputSteps = field(default_factory=OutputSteps)
 
     @property
     def pid(self) -> int:
@@ -260,6 +263,7 @@ class WorkerGroup:
         shown = self.config.local_ranks_filter is None or local in self.config.local_ranks_filter
 
         recent: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
+        steps = OutputSteps()
 
         def pump(pipe, which: int, name: str) -> StreamPump:
             on_console = shown and (not redirected & which or teed & which)
@@ -272,11 +276,12 @@ class WorkerGroup:
                 filtered=self._filtered_copy(generation, name),
                 file_prefix=prefix,
                 recent=recent,
+                steps=steps,
             )
 
         return Worker(
             placement, proc, pump(proc.stdout, STDOUT, "stdout"), pump(proc.stderr, STDERR, "stderr"),
-            paths["error"],
+            paths["error"], steps=steps,
         )
 
     def _filtered_copy(self, generation: int, name: str) -> FilteredCopy | None:

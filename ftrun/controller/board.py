@@ -70,6 +70,8 @@ class StatusBoard:
         self.started = time.monotonic()
         self.snapshot: dict = {}
         self._rate = Rate()
+        #: a script without the worker library: the rate of the step its output says (the outside view)
+        self._output_rate = Rate()
         self._next_progress = 0.0
         self._last_logged_step: int | None = None
         #: rank -> its last samples [elapsed s, step, heartbeat age s]; the events published so far
@@ -93,12 +95,13 @@ class StatusBoard:
         node_rows = [self._node_row(view, slot, "active", status) for slot, status in zip(active, statuses)]
         node_rows += [self._vacant_row(view, node) for node in sorted(view.vacant | view.lost)]
         node_rows += [self._node_row(view, slot, "spare", status) for slot, status in zip(spares, statuses[len(active):])]
-        scores = self.stragglers.get("scores", {})
+        scores, outside = self.stragglers.get("scores", {}), self.stragglers.get("outside", ())
         for row in node_rows:
             row["straggler_score"] = self.stragglers.get("nodes", {}).get(row["node"])
             row["straggler"] = row["node"] in self.stragglers.get("named_nodes", ())
             for r in row["rank_states"]:
                 r["straggler_score"] = scores.get(r["rank"])
+                r["straggler_view"] = "outside" if r["rank"] in outside else None
         by_rank = {r["rank"]: r for row in node_rows for r in row.pop("rank_states")}
         ranks = [by_rank.get(rank) or {"rank": rank, "step": None, "heartbeat_age": None}
                  for rank in range(view.world_size)]
@@ -106,6 +109,10 @@ class StatusBoard:
         step = min(steps) if steps else None
         rate = self._rate.add(now, step) if step is not None else 0.0
         total = self._total_steps() if steps else None
+        # a script without the worker library: the step its output says, where a rank says one (rank 0 alone, often)
+        said = [r["output_step"] for r in ranks if r.get("output_step") is not None] if step is None else []
+        output_step = min(said) if said else None
+        output_rate = self._output_rate.add(now, output_step) if output_step is not None else 0.0
         self.snapshot = {
             "run_id": self.run_id,
             "time": self._now,
@@ -122,6 +129,8 @@ class StatusBoard:
             "steps_per_s": round(rate, 3),
             "total_steps": total,
             "eta_s": eta(step, total, rate),
+            "output_step": output_step,
+            "output_steps_per_s": round(output_rate, 3),
             "restorable_step": (saved or {}).get("restorable_step"),
             "checkpoint_step": (saved or {}).get("checkpoint_step"),
             "reason": view.reason,
@@ -170,7 +179,7 @@ class StatusBoard:
                "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
                                 "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r),
-                                "collective": _collective(r, self._now)} for r in states]}
+                                "collective": _collective(r, self._now), **_outside(r)} for r in states]}
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
@@ -198,6 +207,13 @@ def _times(state: RankState) -> dict:
     if times is None or not times.steps:
         return {"timed_steps": 0, "step_s": None, "compute_s": None, "wait_s": None}
     return {"timed_steps": times.steps, "step_s": times.step, "compute_s": times.compute, "wait_s": times.wait}
+
+
+def _outside(state: RankState) -> dict:
+    """What is seen of a rank from outside (``ftrun.agent.cpu_time``, ``ftrun.detection.output_steps``), and whether it
+    uses the worker library (its step times or committed step: then the outside view does not score it)."""
+    return {"library": bool(state.times) or state.step is not None, "cpu_s_per_s": state.cpu,
+            "output_step": state.output_step, "output_step_age": state.output_age}
 
 
 def _collective(state: RankState, now: float) -> dict | None:

@@ -173,6 +173,8 @@ class StragglerSeen:
     slot: NodeSlot | None = None
     spare: str = ""
     refusal: str = ""
+    #: named from outside (a script without the worker library: its CPU share), which is only ever reported
+    outside: bool = False
 
 
 @dataclass(frozen=True)

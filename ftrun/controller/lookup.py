@@ -52,7 +52,8 @@ class RosterLookup:
         slot = self.roster.holder_of_rank(seen.finding.rank)
         spare = self.roster.spare_for(slot.nproc) if slot is not None else None
         refusal = straggler_refusal(view, seen.replace, seen.finding.named, spare.agent_id if spare else "",
-                                    seen.moved_before, slot is not None and slot.agent_id == self.controller_agent)
+                                    seen.moved_before, slot is not None and slot.agent_id == self.controller_agent,
+                                    seen.outside)
         if slot is None and not refusal:
             refusal = "no node holds it"
         return dataclasses.replace(seen, slot=slot, spare=spare.agent_id if spare else "", refusal=refusal)

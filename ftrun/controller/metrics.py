@@ -43,6 +43,10 @@ class JobMetrics:
                                ["rank", "node"], registry=registry)
         self.straggler_score = Gauge("ftrun_straggler_score", "A rank's compute time over the job's median",
                                      ["rank", "node"], registry=registry)
+        self.outside_score = Gauge("ftrun_outside_straggler_score", "A rank's CPU time over the job's median, seen from "
+                                   "outside (a script without the worker library)", ["rank", "node"], registry=registry)
+        self.rank_cpu = Gauge("ftrun_rank_cpu_seconds_per_second", "A rank's CPU seconds per wall second (its process "
+                              "group, read from /proc by its agent)", ["rank", "node"], registry=registry)
         self.node_straggler_score = Gauge("ftrun_node_straggler_score", "A node's worst rank's straggler score",
                                           ["node"], registry=registry)
         self.stragglers = Gauge("ftrun_stragglers", "Ranks named stragglers now", registry=registry)
@@ -63,7 +67,7 @@ class JobMetrics:
         self._last: tuple[float, str] | None = None
         #: seconds trained and lost so far (the counters' totals, for the ratio)
         self._trained = self._lost = 0.0
-        self._shown: set[tuple[str, str]] = set()
+        self._shown: set[tuple[Gauge, tuple[str, str]]] = set()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -99,23 +103,23 @@ class JobMetrics:
         self.goodput.set(self._trained / total if total > 0 else 1.0)
 
     def _ranks(self, snapshot: dict) -> None:
-        shown: set[tuple[str, str]] = set()
+        shown: set[tuple[Gauge, tuple[str, str]]] = set()
         for r in snapshot.get("ranks", ()):
-            if r.get("step_s") is None or r.get("node") is None:
+            if r.get("node") is None:
                 continue
             key = (str(r["rank"]), str(r["node"]))
-            shown.add(key)
-            self.rank_step.labels(*key).set(r["step_s"])
-            self.rank_compute.labels(*key).set(r["compute_s"])
-            self.rank_wait.labels(*key).set(r["wait_s"])
-            if r.get("straggler_score") is not None:
-                self.straggler_score.labels(*key).set(r["straggler_score"])
-        for gone in self._shown - shown:  # a rank that moved to another node: its old series goes
-            for gauge in (self.rank_step, self.rank_compute, self.rank_wait, self.straggler_score):
-                try:
-                    gauge.remove(*gone)
-                except KeyError:
-                    pass
+            score = self.outside_score if r.get("straggler_view") == "outside" else self.straggler_score
+            for gauge, value in ((self.rank_step, r.get("step_s")), (self.rank_compute, r.get("compute_s")),
+                                 (self.rank_wait, r.get("wait_s")), (score, r.get("straggler_score")),
+                                 (self.rank_cpu, r.get("cpu_s_per_s"))):
+                if value is not None:
+                    gauge.labels(*key).set(value)
+                    shown.add((gauge, key))
+        for gauge, gone in self._shown - shown:  # a rank that moved to another node, or no longer measured: its series goes
+            try:
+                gauge.remove(*gone)
+            except KeyError:
+                pass
         self._shown = shown
         for node in snapshot.get("nodes", ()):
             if node.get("straggler_score") is not None:

@@ -284,7 +284,7 @@ class Narrator:
         (log.warning if finding.named else log.info)(line)
         self.events.emit("straggler", generation, line, node=finding.node, rank=finding.rank,
                          host=seen.slot.host if seen.slot is not None else None, score=finding.score,
-                         named=finding.named, action="replace" if moves else "report")
+                         named=finding.named, action="replace" if moves else "report", outside=seen.outside)
 
     def straggler_gain(self, generation: int, gain: StragglerGain) -> None:
         """What moving a straggler's ranks gained, in the job's step time."""

@@ -309,13 +309,17 @@ def on_operator(view: JobView, request: OperatorRequest, node_rank: int = -1, lo
 
 
 def straggler_refusal(view: JobView, replace: bool, named: bool, spare: str = "", moved_before: bool = False,
-                      runs_controller: bool = False) -> str:
+                      runs_controller: bool = False, outside: bool = False) -> str:
     """Why a straggler's node keeps its ranks ("" when they move to ``spare``): --stragglers report, no idle
     spare, a repair under way, a job that cannot repair at process level, no budget, the node runs the
     controller (its agent would leave with it); or its ranks were moved for straggling once already and are
-    slow still, so the slowness is their work's, not the node's."""
+    slow still, so the slowness is their work's, not the node's. A straggler named from outside (its CPU
+    share) is never moved: CPU time is too weak a sign to spend a repair on."""
     if not named:
         return "cleared"
+    if outside:
+        return ("--stragglers replace acts on the worker library's step times, never on the outside view" if replace
+                else "--stragglers report")
     if moved_before:
         return "its ranks were moved to a spare once already and are slow still (their work, not the node)"
     if not replace:
@@ -336,8 +340,8 @@ def straggler_refusal(view: JobView, replace: bool, named: bool, spare: str = ""
 def on_straggler(view: JobView, seen: inbox.StragglerSeen) -> Decision:
     """A straggler named: with --stragglers replace, and nothing in :func:`straggler_refusal`'s way, its node's
     ranks move to the idle spare at process level as a lost node's do (one unit of budget); else it is only
-    reported."""
-    if seen.refusal or seen.slot is None:
+    reported (always, when named from outside)."""
+    if seen.refusal or seen.slot is None or seen.outside:
         return view, []
     slot = seen.slot
     detail = f"node {slot.node_rank} ({slot.host}) moved to a spare: {seen.finding.line}"

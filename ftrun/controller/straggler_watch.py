@@ -4,7 +4,8 @@ nodes' statuses: no store read of its own) that returns what it saw as events (`
 
 The scoring and the judging are pure (``ftrun.detection.stragglers``); this part holds their state between
 two looks, the job's step time before a slowdown, and the node whose ranks moved, to say what the move gained
-once every rank has timed a full window after it.
+once every rank has timed a full window after it. Ranks without the worker library's step times are scored
+apart, from outside (their CPU share: ``assess_cpu``), under their own rule and state, and only ever reported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ import statistics
 from ftrun.controller.board import StatusBoard
 from ftrun.controller.inbox import Event, StragglerGain, StragglerSeen
 from ftrun.controller.states import JobView, Phase
-from ftrun.detection.stragglers import Assessment, RankTimes, StragglerRule, WatchState, assess, judge
+from ftrun.detection.stragglers import (
+    OUTSIDE_RULE,
+    Assessment,
+    RankCpu,
+    RankTimes,
+    StragglerRule,
+    WatchState,
+    assess,
+    assess_cpu,
+    judge,
+)
 from ftrun.step_times import StepTimes
 
 #: the seconds of looks the step time before a slowdown is the median of
@@ -45,6 +56,10 @@ class StragglerWatch:
         self.rule = rule or StragglerRule()
         self.state = WatchState()
         self.assessment = Assessment()
+        #: the outside view (ranks without the worker library's step times): its rule, state and last assessment
+        self.outside_rule = OUTSIDE_RULE
+        self.outside_state = WatchState()
+        self.outside = Assessment(outside=True)
         #: the job's median step time at each look while no rank was past the rule, over the last BASELINE_S
         #: seconds: their median is the step time before a slowdown (the last looks before a rank is past may
         #: show some ranks' windows slowed already)
@@ -64,6 +79,7 @@ class StragglerWatch:
                     for r in snapshot.get("ranks", ()) if r.get("timed_steps") and r.get("alive", True)]
         self.assessment = assessment = assess(reported, self.rule)
         self.state, findings = judge(self.state, assessment, self.rule, now)
+        seen_outside = self._outside(snapshot, now)
         if assessment.ranks and not any(r.past for r in assessment.ranks) and not self.state.named:
             self._clean.append((now, assessment.median_step))
             while self._clean and now - self._clean[0][0] > BASELINE_S:
@@ -77,8 +93,21 @@ class StragglerWatch:
             if finding.named and replace and not moved_before and self._pending is None:
                 self._pending = PendingMove(finding.node, node_ranks, finding.line, self.baseline,
                                             assessment.median_step)
+        events += [StragglerSeen(finding, self.action == "replace", outside=True) for finding in seen_outside]
         self.board.stragglers = self.summary()
         return events
+
+    def _outside(self, snapshot: dict, now: float) -> list:
+        """The outside view's findings: the ranks of a script without the worker library, by their CPU share. A job
+        any of whose ranks is seen using the library is left to its step times: its other ranks have not yet beaten
+        (starting, or loading while the others wait), not a script of their own."""
+        ranks = snapshot.get("ranks", ())
+        library = any(r.get("library") for r in ranks)
+        plain = [RankCpu(r["rank"], r["node"], r["cpu_s_per_s"]) for r in ranks
+                 if not library and r.get("alive", True) and r.get("cpu_s_per_s") is not None]
+        self.outside = assess_cpu(plain, self.outside_rule)
+        self.outside_state, findings = judge(self.outside_state, self.outside, self.outside_rule, now)
+        return findings
 
     @property
     def baseline(self) -> float:
@@ -109,7 +138,14 @@ class StragglerWatch:
         named = [f"rank {r.rank} on node {r.node}: {r.score:.1f}x the job's median compute time "
                  f"({r.compute:.3f}s per step against {self.assessment.median_compute:.3f}s)"
                  for r in self.assessment.ranks if r.rank in self.state.named]
-        return {"named": named, "scores": {r.rank: r.score for r in self.assessment.ranks},
+        named += [f"rank {r.rank} on node {r.node}: {r.score:.1f}x the job's median CPU time ({r.compute:.2f} "
+                  f"CPU-seconds per second against {self.outside.median_compute:.2f}; outside view)"
+                  for r in self.outside.ranks if r.rank in self.outside_state.named]
+        both = (*self.assessment.ranks, *self.outside.ranks)
+        named_ranks = self.state.named | self.outside_state.named
+        # a node's score stays the step times' (the metrics' node score, which alerts read): the outside view's
+        # ranks carry theirs, marked ``outside``
+        return {"named": named, "scores": {r.rank: r.score for r in both},
                 "nodes": {n.node: n.score for n in self.assessment.nodes},
-                "named_ranks": sorted(self.state.named),
-                "named_nodes": sorted({r.node for r in self.assessment.ranks if r.rank in self.state.named})}
+                "outside": sorted(r.rank for r in self.outside.ranks), "named_ranks": sorted(named_ranks),
+                "named_nodes": sorted({r.node for r in both if r.rank in named_ranks})}

@@ -9,6 +9,13 @@ and each node by its worst rank. :func:`judge` names a rank only once it has sta
 noise on a loaded machine (a descheduled process, a garbage collection, a snapshot) names no one: a median
 over a window of steps, a ratio and a minimum excess in seconds, and time.
 
+A script that does not use the worker library sends no step times: for it there is only the outside view
+(:func:`assess_cpu`), each rank's CPU seconds per wall second as its agent reads them from ``/proc``
+(``ftrun.agent.cpu_time``), judged by the same :func:`judge` under a rule of its own (``OUTSIDE_RULE``), more
+conservative, since CPU time is a weaker sign than step times: a plain script's ranks differ by themselves
+(rank 0 logs, evaluates and saves more), and a rank slow on its accelerator may use no more CPU than the others.
+The outside view only ever reports.
+
 No clock, store or process here: the controller's straggler watch feeds it (``controller/straggler_watch.py``).
 """
 
@@ -39,6 +46,14 @@ class StragglerRule:
     clear: float = 1.25
     #: a rank is scored once it has timed this many steps (a full window: a replacement's first steps are not)
     min_steps: int = WINDOW_STEPS
+
+
+#: the outside view's rule: a rank at least twice the job's median CPU share and 0.3 CPU-seconds per second past
+#: it, for 20 s (a rank that logs, evaluates or saves more than the others does not pass all three for long)
+OUTSIDE_RULE = StragglerRule(threshold=2.0, min_excess=0.3, persist=20.0, clear=1.5, min_steps=0)
+#: below this median CPU share (CPU-seconds per second) the outside view scores no one: ranks that all wait (rank 0
+#: alone loading data or saving while the others sit in a barrier) tell nothing from outside
+CPU_MEDIAN_FLOOR = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +97,8 @@ class Assessment:
     median_step: float = 0.0
     ranks: tuple[RankScore, ...] = ()
     nodes: tuple[NodeScore, ...] = ()
+    #: the outside view's (:func:`assess_cpu`): the ranks' ``compute`` is their CPU seconds per wall second
+    outside: bool = False
 
     def of(self, rank: int) -> RankScore | None:
         return next((r for r in self.ranks if r.rank == rank), None)
@@ -100,11 +117,41 @@ def assess(reported: list[RankTimes] | tuple[RankTimes, ...], rule: StragglerRul
         excess = r.times.compute - median
         ranks.append(RankScore(r.rank, r.node, r.times.step, r.times.compute, r.times.wait, round(score, 3),
                                round(excess, 4), score >= rule.threshold and excess >= rule.min_excess))
+    return Assessment(median, statistics.median(r.times.step for r in timed), tuple(ranks), _nodes(ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCpu:
+    """A rank of a script without the worker library, as its node reported it: its CPU seconds per wall second."""
+
+    rank: int
+    node: int
+    cpu: float
+
+
+def assess_cpu(reported: list[RankCpu] | tuple[RankCpu, ...], rule: StragglerRule = OUTSIDE_RULE) -> Assessment:
+    """The outside view: each rank's CPU share against the job's (lower) median; none scored with fewer than two
+    ranks, or while the median is under CPU_MEDIAN_FLOOR."""
+    if len(reported) < 2:
+        return Assessment(outside=True)
+    median = statistics.median_low(r.cpu for r in reported)
+    if median < CPU_MEDIAN_FLOOR:
+        return Assessment(median, outside=True)
+    ranks = []
+    for r in sorted(reported, key=lambda r: r.rank):
+        score, excess = r.cpu / median, r.cpu - median
+        ranks.append(RankScore(r.rank, r.node, 0.0, r.cpu, 0.0, round(score, 3), round(excess, 4),
+                               score >= rule.threshold and excess >= rule.min_excess))
+    return Assessment(median, 0.0, tuple(ranks), _nodes(ranks), outside=True)
+
+
+def _nodes(ranks: list[RankScore]) -> tuple[NodeScore, ...]:
+    """Each node's score: its worst rank's."""
     nodes = []
     for node in sorted({r.node for r in ranks}):
         worst = max((r for r in ranks if r.node == node), key=lambda r: r.score)
         nodes.append(NodeScore(node, worst.score, worst.rank))
-    return Assessment(median, statistics.median(r.times.step for r in timed), tuple(ranks), tuple(nodes))
+    return tuple(nodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +205,24 @@ def judge(state: WatchState, assessment: Assessment, rule: StragglerRule, now: f
     return WatchState(tuple(sorted(past_since.items())), tuple(sorted(below_since.items())), frozenset(named)), findings
 
 
+#: what the outside view's lines say of it
+OUTSIDE_VIEW = ("outside view: the script does not use ftrun's worker library; a rank slow on its accelerator may "
+                "not show here")
+
+
 def straggler_line(r: RankScore, assessment: Assessment) -> str:
     """The one line that names a straggler."""
+    if assessment.outside:
+        return (f"straggler: rank {r.rank} on node {r.node} uses {r.score:.1f}x the job's median CPU time "
+                f"({r.compute:.2f} CPU-seconds per second against {assessment.median_compute:.2f}; {OUTSIDE_VIEW})")
     return (f"straggler: rank {r.rank} on node {r.node} computes {r.compute:.3f}s per step, {r.score:.1f}x the job's "
             f"median {assessment.median_compute:.3f}s (waits {r.wait:.3f}s); the job's step takes "
             f"{assessment.median_step:.3f}s")
 
 
 def cleared_line(r: RankScore, assessment: Assessment) -> str:
+    if assessment.outside:
+        return (f"rank {r.rank} on node {r.node} is no straggler any more (outside view): {r.score:.1f}x the job's "
+                f"median CPU time ({r.compute:.2f} CPU-seconds per second against {assessment.median_compute:.2f})")
     return (f"rank {r.rank} on node {r.node} is no straggler any more: {r.compute:.3f}s per step, {r.score:.1f}x the "
             f"job's median {assessment.median_compute:.3f}s")

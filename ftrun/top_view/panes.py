@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ftrun.live_view import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE, step_times
+from ftrun.live_view import EVENT_LABEL, EVENT_STYLE, HEALTH_STYLE, step_cell, step_times
 
 RANK_COLUMNS = ("rank", "node", "host", "pid", "state", "step", "heartbeat", "restarts", "step time", "wait", "straggler")
 #: a straggling node's cells
@@ -61,7 +61,7 @@ def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str | Text, ...]]]:
                                          if rank.get("node") in slow else (node, host))
         rows.append((rank["rank"], (
             str(rank["rank"]), *where, str(rank.get("pid", "-")),
-            state, str(rank["step"]) if rank["step"] is not None else "-",
+            state, step_cell(rank),
             f"{age:.1f}s ago" if age is not None else "-", str(rank.get("restarts", 0)), *step_times(rank))))
     return rows
 
@@ -95,6 +95,7 @@ def rank_detail(snapshot: dict, rank: int, output: list[str], history: list, eve
     for event in faults[-3:]:
         text.append(f"{EVENT_LABEL.get(event['kind'], event['kind'])}  ", style=EVENT_STYLE.get(event["kind"], "yellow"))
         text.append(f"+{event['elapsed']:.1f}s {event['detail']}\n")
+    text.append_text(outside_line(row))
     text.append("history ", style="bold")
     if history:
         text.append("  ".join(f"+{t}s step {'-' if step is None else step} beat {'-' if age is None else f'{age:g}s'}"
@@ -108,6 +109,18 @@ def rank_detail(snapshot: dict, rank: int, output: list[str], history: list, eve
         text.append(f"  {line}\n")
     text.rstrip()
     return text
+
+
+def outside_line(rank: dict) -> Text:
+    """What is seen of the rank from outside (any script): its CPU share and the last step its output said."""
+    cpu, step, age = rank.get("cpu_s_per_s"), rank.get("output_step"), rank.get("output_step_age")
+    if cpu is None and step is None:
+        return Text()
+    text = Text("outside ", style="bold")
+    text.append(f"cpu {cpu:.2f} CPU-s/s" if cpu is not None else "cpu -")
+    if step is not None:
+        text.append(f" · step {step} from output, {age:.1f}s ago" if age is not None else f" · step {step} from output")
+    return text.append("\n")
 
 
 def stack_pane(rank: int, answer: dict | None) -> Text:

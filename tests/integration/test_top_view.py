@@ -9,6 +9,7 @@ time the terminal is given back as it was."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -94,13 +95,20 @@ def test_top_shows_a_ranks_output_and_stack_and_restarts_it_with_the_token(launc
                 pass
 
 
-def controller_in_a_pane(launcher, tmp_path: Path, name: str) -> Pane:
+def controller_in_a_pane(launcher, tmp_path: Path, name: str, **env_extra: str) -> Pane:
     """A 1-node x 2-rank job whose controller's terminal is the pane (``--status live``; its single node
     makes the job's token itself), the ranks printing a line every 0.2 s until OUT_DIR/finish appears."""
-    env = launcher.env(TICK="0.2")
+    env = launcher.env(TICK="0.2", **env_extra)
     args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-id", name,
             "--max-restarts", "1", "--monitor-interval", "0.05", "--status", "live", str(WORKERS / "ticker.py")]
     return Pane(tmp_path, name, args, env)
+
+
+def outside_cpu(screen: str) -> float:
+    """The opened rank's CPU seconds per second as its pane shows them (the outside view), with its step from output."""
+    found = re.search(r"outside cpu ([0-9.]+) CPU-s/s · step \d+ from output", screen)
+    assert found, screen
+    return float(found.group(1))
 
 
 def no_processes_left(launcher) -> None:
@@ -108,18 +116,24 @@ def no_processes_left(launcher) -> None:
 
 
 def test_the_controllers_terminal_gets_the_view_and_q_leaves_it_while_the_job_finishes(launcher, tmp_path):
-    view = controller_in_a_pane(launcher, tmp_path, "own")
+    # a plain script (no ftrun.elastic): seen from outside, its step read from its lines ("step N"), its ranks'
+    # CPU time from /proc; rank 1 burns 0.1 CPU-seconds a tick, rank 0 next to none
+    view = controller_in_a_pane(launcher, tmp_path, "own", BURN="1:0.1")
     try:
-        screen = view.wait_for("RUNNING", "rank 0 ·", "rank 0 tick", timeout=120)
+        screen = view.wait_for("RUNNING", "rank 0 ·", "rank 0 tick", "(from output)", timeout=120)
         assert screen.splitlines()[0].startswith("ftrun run own")
+        assert re.search(r"step \d+ \(from output\)", screen.splitlines()[0]), screen
+        assert re.search(r"\d+ \(output\)", screen), screen  # each rank's step cell
         view.keys("e")
         view.wait_for("event log (")
         view.keys("j", "Enter")  # the selection moves to rank 1, Enter opens it
-        screen = view.wait_for("rank 1 ·", "last output", "rank 1 tick")
+        screen = view.wait_for("rank 1 ·", "last output", "rank 1 tick", "CPU-s/s")
         # the workers' lines the controller copies to its terminal stay out of the view, which stays whole
         assert "rank 0 tick" not in screen and screen.splitlines()[0].startswith("ftrun run own"), screen
+        burning = outside_cpu(screen)
         view.keys("k")
-        view.wait_for("rank 0 ·", "rank 0 tick")
+        screen = view.wait_for("rank 0 ·", "rank 0 tick", "CPU-s/s")
+        assert outside_cpu(screen) < burning, screen
         view.keys("j", "r")  # signed with the token the controller holds: no --token-file here
         view.wait_for("Restart rank 1")
         view.keys("y")

@@ -36,8 +36,8 @@ from ftrun.store import ControlStore
 AGENT = "agent-a"
 HOST = "127.0.0.1"
 #: the worker: LOCAL_RANK picks its part of argv[1] ("0,3,sleep,tick": rank 0 exits 0, rank 1 exits 3, rank 2
-#: sleeps, rank 3 prints a line every 0.05 s; "orphan": starts a process that outlives it, and exits 0), after it
-#: wrote its environment to argv[2]/env-RANK-GENERATION.json
+#: sleeps, rank 3 prints a line every 0.05 s; "step": prints "step 7", then sleeps; "orphan": starts a process
+#: that outlives it, and exits 0), after it wrote its environment to argv[2]/env-RANK-GENERATION.json
 WORKER = """
 import json, os, subprocess, sys, time
 env = dict(os.environ)
@@ -46,6 +46,9 @@ with open(os.path.join(sys.argv[2], name + ".part"), "w") as f:
     json.dump(env, f)
 os.replace(os.path.join(sys.argv[2], name + ".part"), os.path.join(sys.argv[2], name))
 part = sys.argv[1].split(",")[int(env["LOCAL_RANK"])]
+if part == "step":  # a plain script that says its step
+    print("step 7", flush=True)
+    part = "sleep"
 if part == "sleep":
     time.sleep(120)
 if part == "orphan":
