@@ -25,6 +25,10 @@ HCCL_CONNECT_DEFAULT, HCCL_EXEC_DEFAULT = 120.0, 1836.0
 #: step times, at least STALL_FLOOR seconds (a job's first steps, or one that takes a second a step, has no
 #: narrower bound)
 STALL_FACTOR, STALL_PERCENTILE, STALL_SAMPLES, STALL_FLOOR = 4.0, 0.9, 50, 10.0
+#: while a rank saves a checkpoint (its heartbeat says so), the stall bound is SAVE_FACTOR x the longest save the
+#: job measured, never under the step's; FIRST_SAVE seconds before any save was measured (a checkpoint of a large
+#: model to shared storage takes tens of seconds, and the first one has nothing to go by)
+SAVE_FACTOR, FIRST_SAVE = 2.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ def timeout_chain(config, env: Mapping[str, str]) -> list[Bound]:
         Bound("stall bound (at least)", STALL_FLOOR, "no step committed while every rank beats: said as a stall "
                                                     f"({STALL_FACTOR:g} x p90 of the job's step times, at least this)",
               "ftrun"),
+        Bound("stall bound while saving", FIRST_SAVE, "a rank saving a checkpoint, before any save was measured "
+                                                     f"(then {SAVE_FACTOR:g} x the longest save, at least the stall "
+                                                     "bound)", "ftrun"),
         Bound("--heartbeat-timeout", config.heartbeat_timeout, "a rank's heartbeat stopped: hung, killed, replaced"),
         Bound("--node-timeout", config.node_timeout, "an agent's keepalive stopped: its node lost"),
         Bound("--repair-timeout", config.repair_timeout, "a process-level repair (or a wait for a dark link with "
@@ -85,6 +92,19 @@ def _named(bounds: list[Bound], name: str) -> Bound | None:
     return next((b for b in bounds if b.name == name), None)
 
 
+def _collectives(bounds: list[Bound]) -> list[Bound]:
+    """The collective timeouts: how long a rank waits in a collective for a peer."""
+    return [b for b in bounds if b.name.startswith(("gloo", "NCCL", "HCCL_EXEC", "collective_timeout"))]
+
+
+def save_contradictions(bounds: list[Bound], save_time: float | None) -> dict[str, str]:
+    """Each collective timeout not longer than a checkpoint save of ``save_time`` seconds (the ranks that wait
+    for the saving one meanwhile time out), by the bound's name, in one line with what to change."""
+    return {c.name: f"{c.name} {c.seconds:g}s is shorter than a checkpoint save ({save_time:g}s measured): the "
+                    f"ranks waiting for the saving one time out; raise it above {save_time:g}s"
+            for c in _collectives(bounds) if save_time and c.seconds <= save_time}
+
+
 def contradictions(bounds: list[Bound], step_time: float | None = None, save_time: float | None = None) -> list[str]:
     """Each contradiction in the chain, in one line with what to change. ``step_time`` and ``save_time``: the
     job's measured step time (a high percentile) and longest checkpoint save, when known."""
@@ -102,17 +122,12 @@ def contradictions(bounds: list[Bound], step_time: float | None = None, save_tim
         found.append(f"--stop-timeout {stop.seconds:g} is not shorter than --repair-timeout {repair.seconds:g}: a "
                      f"repair's stop may outlast its deadline; lower --stop-timeout")
     stall = max(STALL_FLOOR, STALL_FACTOR * step_time) if step_time else STALL_FLOOR
-    for collective in bounds:
-        if collective.name.startswith(("gloo", "NCCL", "HCCL_EXEC", "collective_timeout")):
-            if collective.seconds <= stall:
-                found.append(f"{collective.name} {collective.seconds:g}s is not longer than the stall bound "
-                             f"{stall:g}s: a collective times out before the stall is said and the job repaired; "
-                             f"raise it above {stall:g}s")
-            if save_time and collective.seconds <= save_time:
-                found.append(f"{collective.name} {collective.seconds:g}s is shorter than a checkpoint save "
-                             f"({save_time:g}s measured): the ranks waiting for the saving one time out; raise it "
-                             f"above {save_time:g}s")
-    return found
+    for collective in _collectives(bounds):
+        if collective.seconds <= stall:
+            found.append(f"{collective.name} {collective.seconds:g}s is not longer than the stall bound "
+                         f"{stall:g}s: a collective times out before the stall is said and the job repaired; "
+                         f"raise it above {stall:g}s")
+    return found + list(save_contradictions(bounds, save_time).values())
 
 
 def table(bounds: list[Bound]) -> list[str]:

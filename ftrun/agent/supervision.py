@@ -234,7 +234,7 @@ class Supervision:
         """The collective the worker waits in now as its heartbeat wrote it, if this process wrote it: "" else."""
         text = self._protocol().collectives.get(worker.placement.rank, "")
         read = read_collective(text)
-        return text if worker.returncode is None and read is not None and read[0] == worker.pid else ""
+        return text if worker.returncode is None and read is not None and read.pid == worker.pid else ""
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against

@@ -179,7 +179,7 @@ class StatusBoard:
                "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
                                 "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r),
-                                "collective": _collective(r, self._now), **_outside(r)} for r in states]}
+                                **_standing(r, self._now), **_outside(r)} for r in states]}
 
     def _vacant_row(self, view: JobView, node: int) -> dict:
         return {"node": node, "host": "", "agent": "", "role": "active", "state": "lost" if node in view.lost else "vacant",
@@ -204,9 +204,10 @@ _SHOWN_KINDS = ("fault", "node_lost", "decision", "repair_done", "repair_failed"
 def _times(state: RankState) -> dict:
     """A rank's recent step times (``ftrun.step_times``), as the snapshot shows them (None where it sent none)."""
     times = StepTimes.from_text(state.times)
+    save = {"save_s": times.save if times is not None and times.save else None}  # the longest save it measured
     if times is None or not times.steps:
-        return {"timed_steps": 0, "step_s": None, "compute_s": None, "wait_s": None}
-    return {"timed_steps": times.steps, "step_s": times.step, "compute_s": times.compute, "wait_s": times.wait}
+        return {"timed_steps": 0, "step_s": None, "compute_s": None, "wait_s": None, **save}
+    return {"timed_steps": times.steps, "step_s": times.step, "compute_s": times.compute, "wait_s": times.wait, **save}
 
 
 def _outside(state: RankState) -> dict:
@@ -216,16 +217,19 @@ def _outside(state: RankState) -> dict:
             "output_step": state.output_step, "output_step_age": state.output_age}
 
 
-def _collective(state: RankState, now: float) -> dict | None:
-    """The collective a rank waits in now, as the snapshot shows it: ``{"op", "group", "group_size", "for"}`` (for
-    how many seconds, at the snapshot's ``time``), ``{}`` while it waits in none, None where it sent no word."""
+def _standing(state: RankState, now: float) -> dict:
+    """Where a rank stands, as the snapshot shows it: ``collective``, the collective it waits in now (``{"op",
+    "group", "group_size", "for"}``, for how many seconds at the snapshot's ``time``; ``{}`` while it waits in none;
+    None where it sent no word), and ``saving``, for how many seconds it has saved a checkpoint (None: it saves
+    none)."""
     read = read_collective(state.collective)
     if read is None:
-        return None
-    wait = read[1]
-    if wait is None:
-        return {}
-    return {"op": wait.op, "group": wait.group, "group_size": wait.group_size, "for": round(max(0.0, now - wait.since), 1)}
+        return {"collective": None, "saving": None}
+    wait = read.wait
+    collective = {"op": wait.op, "group": wait.group, "group_size": wait.group_size,
+                  "for": round(max(0.0, now - wait.since), 1)} if wait is not None else {}
+    saving = round(max(0.0, now - read.saving), 1) if read.saving is not None else None
+    return {"collective": collective, "saving": saving}
 
 
 def _node_state(view: JobView, node: int, stall: dict | None = None) -> str:

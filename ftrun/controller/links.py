@@ -13,8 +13,10 @@ feeds them from the store and turns what they decide into the controller's event
   ``flap_window`` moves its node to a spare (where there is one) the next time.
 * the stall (:class:`StallWatch`): every rank alive and beating, and no step committed for longer than the
   job's own steps allow: ``factor`` times a high percentile of its recent step times, never under the
-  longest step it has had (a checkpoint or snapshot save among them) times ``factor / 2``, and never
-  under ``floor``. Said in one line, shown in the status (``stalled``), cleared when a step is committed.
+  longest step it has had (an evaluation, or a save the worker library does not see, among them) times
+  ``factor / 2``, and never under ``floor``. While a rank saves a checkpoint (its heartbeat says so), the
+  job's saves set the bound instead: SAVE_FACTOR times the longest save measured, never under the steps'.
+  Said in one line, shown in the status (``stalled``), cleared when a step is committed or the save ends.
 """
 
 from __future__ import annotations
@@ -30,7 +32,16 @@ from ftrun.controller.states import JobView, Phase
 from ftrun.detection.reach import Verdict, localise
 from ftrun.events import EventLog
 from ftrun.messages import NodeSlot, ReportKind
-from ftrun.timeouts import STALL_FACTOR, STALL_FLOOR, STALL_PERCENTILE, STALL_SAMPLES, contradictions
+from ftrun.timeouts import (
+    FIRST_SAVE,
+    SAVE_FACTOR,
+    STALL_FACTOR,
+    STALL_FLOOR,
+    STALL_PERCENTILE,
+    STALL_SAMPLES,
+    contradictions,
+    save_contradictions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,24 +206,39 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 
 @dataclass(frozen=True)
+class Saving:
+    """A rank that saves a checkpoint now, as the snapshot shows it: the one that has saved longest, and for how long."""
+
+    rank: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Stall:
-    """The job stands still: since when (monotonic), for how long, the bound it passed, and why that bound."""
+    """The job stands still: since when (monotonic), for how long, the bound it passed, and why that bound; the
+    rank that saves a checkpoint meanwhile, where one does (a save that outlasts its bound)."""
 
     since: float
     waited: float
     bound: float
     basis: str
+    saving: Saving | None = None
 
 
 class StallWatch:
-    """Every rank alive and beating, no step committed for longer than the job's own step times allow."""
+    """Every rank alive and beating, no step committed for longer than the job's own step times allow, or, while
+    a rank saves a checkpoint, than its saves allow."""
 
     def __init__(self, factor: float = STALL_FACTOR, floor: float = STALL_FLOOR, samples: int = STALL_SAMPLES):
         self.factor, self.floor, self.samples = factor, floor, samples
         self.durations: list[float] = []
-        #: the step last seen, and when it was first seen (None before the first committed step)
+        #: the longest checkpoint save any rank measured (0: none yet)
+        self.longest_save = 0.0
+        #: the step last seen (None before the first committed step), and when the clock last started: the step's
+        #: first sight, or the end of a checkpoint save seen since (a save is no step time: it has its own bound)
         self._step: int | None = None
         self._since = 0.0
+        self._saw_save = False
         self.stalled: Stall | None = None
 
     def bound(self) -> tuple[float, str]:
@@ -226,16 +252,31 @@ class StallWatch:
                       (self.floor, f"floor {self.floor:g}s")]
         return max(candidates)
 
+    def save_bound(self) -> tuple[float, str]:
+        """The bound while a rank saves a checkpoint: SAVE_FACTOR x the longest save measured (FIRST_SAVE before
+        any was), never under the step's bound."""
+        longest = self.longest_save
+        save = ((SAVE_FACTOR * longest, f"{SAVE_FACTOR:g} x the longest save {longest:.2f}s") if longest
+                else (FIRST_SAVE, f"a first save: {FIRST_SAVE:g}s"))
+        return max(save, self.bound())
+
     def pause(self, now: float) -> None:
         """A repair or a restart: its time is no step time, and the clock starts again at its end."""
         self._step, self.stalled = None, None
 
-    def observe(self, now: float, step: int | None, beating: bool) -> Stall | None:
+    def observe(self, now: float, step: int | None, beating: bool, saving: Saving | None = None,
+                longest_save: float = 0.0) -> Stall | None:
         """The lowest committed step across ranks, seen at ``now``; ``beating``: every rank alive with a fresh
-        heartbeat. The stall while it lasts (None once a step is committed; never before the job's first step
-        time is known: the first step imports, compiles and forms the groups)."""
+        heartbeat; ``saving``: a rank that saves a checkpoint now, if one does; ``longest_save``: the longest save
+        a rank measured. The stall while it lasts (None once a step is committed; never before the job's first
+        step time is known: the first step imports, compiles and forms the groups). A save's end starts the
+        clock again: the step that waited for it is on its way, and its time is no step's."""
+        self.longest_save = max(self.longest_save, longest_save)
+        saw_save, self._saw_save = self._saw_save, saving is not None
         if step is None:
             return None
+        if saw_save and saving is None:
+            self._since = now
         if self._step is None or step < self._step:
             self._step, self._since, self.stalled = step, now, None
             return None
@@ -247,11 +288,9 @@ class StallWatch:
         if not self.durations:
             return None  # the first step (imports, compilation, the group's forming) is no step time
         waited = now - self._since
-        bound, basis = self.bound()
-        if beating and waited > bound:
-            self.stalled = Stall(self._since, waited, bound, basis)
-        elif not beating:
-            self.stalled = None  # a rank is dead or hung: the hang check and the exit path take it
+        bound, basis = self.save_bound() if saving is not None else self.bound()
+        # a rank not beating is dead or hung: the hang check and the exit path take it
+        self.stalled = Stall(self._since, waited, bound, basis, saving) if beating and waited > bound else None
         return self.stalled
 
 
@@ -269,16 +308,22 @@ def _rank_runs(members: list[int]) -> str:
 def where_ranks_stand(ranks: list[dict]) -> str:
     """Which ranks wait in which collective, in words, from the snapshot's rank rows (their committed ``step``
     and ``collective``: ``{"op", "group", "group_size", "for"}`` while they wait in one, ``{}`` while in none,
-    None where no word came): "ranks 0-1 wait in all_reduce (step 23) for 12s; ranks 2-3 in broadcast on group 1
-    of 2 ranks (step 23) for 11s; rank 4 computes (step 23); rank 5: no report". Those that waited longest
-    first: a rank that waits in another collective than the rest, or in none, is the one to look at."""
+    None where no word came; ``saving``: for how long they have saved a checkpoint, None while they save none):
+    "rank 6 saves a checkpoint for 34s (step 23); ranks 0-1 wait in all_reduce (step 23) for 12s; ranks 2-3 in
+    broadcast on group 1 of 2 ranks (step 23) for 11s; rank 4 computes (step 23); rank 5: no report". The ranks
+    that save first, then those that waited longest: a rank that waits in another collective than the rest, or
+    in none, is the one to look at."""
     world = len(ranks)
+    saving: dict[int | None, tuple[list[int], float]] = {}
     waiting: dict[tuple, tuple[list[int], float]] = {}
     computing: dict[int | None, list[int]] = {}
     silent: list[int] = []
     for rank in ranks:
         collective, step = rank.get("collective"), rank.get("step")
-        if collective is None:
+        if rank.get("saving") is not None:  # inside the save, a collective is the save's own (a distributed one)
+            members, longest = saving.get(step, ([], 0.0))
+            saving[step] = (members + [rank["rank"]], max(longest, rank["saving"]))
+        elif collective is None:
             silent.append(rank["rank"])
         elif not collective:
             computing.setdefault(step, []).append(rank["rank"])
@@ -291,10 +336,13 @@ def where_ranks_stand(ranks: list[dict]) -> str:
     def at(step: int | None) -> str:
         return f" (step {step})" if step is not None else ""
 
-    parts: list[str] = []
+    parts: list[str] = [f"{_rank_runs(members)} save{'' if len(members) > 1 else 's'} a checkpoint for {longest:.0f}s"
+                        f"{at(step)}" for step, (members, longest) in sorted(saving.items(), key=lambda kv: -kv[1][1])]
+    said_wait = False
     for (op, group, size, step), (members, longest) in sorted(waiting.items(), key=lambda kv: (-kv[1][1], kv[0][0],
                                                                                                  min(kv[1][0]))):
-        verb = "" if parts else (" wait" if len(members) > 1 else " waits")
+        verb = "" if said_wait else (" wait" if len(members) > 1 else " waits")
+        said_wait = True
         on = f" on group {group} of {size} ranks" if group is not None else ""
         parts.append(f"{_rank_runs(members)}{verb} in {op}{on}{at(step)} for {longest:.0f}s")
     for step, members in sorted(computing.items(), key=lambda kv: min(kv[1])):
@@ -302,6 +350,15 @@ def where_ranks_stand(ranks: list[dict]) -> str:
     if silent:
         parts.append(f"{_rank_runs(silent)}: no report")
     return "; ".join(parts) or "no rank has reported"
+
+
+def _saving(ranks: list[dict]) -> Saving | None:
+    """The rank that has saved a checkpoint longest of those that save now (the snapshot's ``saving``), or None."""
+    savers = [(r["saving"], r["rank"]) for r in ranks if r.get("saving") is not None]
+    if not savers:
+        return None
+    seconds, rank = max(savers)
+    return Saving(rank, seconds)
 
 
 class LinkObserver:
@@ -319,8 +376,11 @@ class LinkObserver:
         #: the agent that hosts the controller: its node never moves to a spare (``on_link_tick``)
         self.host_agent = ""
         #: the launch's timeout chain (``ftrun.timeouts``), checked once more against the job's measured step time
+        #: and each longer checkpoint save
         self.bounds: list = []
         self._measured_checked = False
+        #: the collective timeouts said to be shorter than a measured save (each said once, as saves grow)
+        self._save_said: set[str] = set()
         #: the data network's probe: the verdict last said
         self.verdict = Verdict()
         #: nodes whose OS reported their link dark while the probe found pairs broken, or a moment before they
@@ -404,14 +464,19 @@ class LinkObserver:
             self._where = where_ranks_stand(ranks)
             beating = bool(ranks) and all(r.get("heartbeat_age") is not None and r["heartbeat_age"] < BEATING
                                           for r in ranks)
-            stall = self.stalls.observe(now, snapshot.get("step"), beating)
+            measured = self.stalls.longest_save
+            stall = self.stalls.observe(now, snapshot.get("step"), beating, _saving(ranks),
+                                        max([r.get("save_s") or 0.0 for r in ranks], default=0.0))
+            if self.stalls.longest_save > measured:
+                self._check_saves()
             if not self._measured_checked and len(self.stalls.durations) >= MEASURED_CHECK:
                 self._measured_checked = True
                 self._check_measured()
         if stall is not None and self._stall_said is None:
-            line = (f"training stands still: no step committed for {stall.waited:.1f}s while every rank lives and "
-                    f"beats (bound {stall.bound:.1f}s: {stall.basis}); {self._where}"
-                    f"{self._dark_words()}")
+            save = (f"rank {stall.saving.rank} saves a checkpoint for {stall.saving.seconds:.0f}s, longer than the "
+                    "job's saves allow; " if stall.saving else "")
+            line = (f"training stands still: {save}no step committed for {stall.waited:.1f}s while every rank lives "
+                    f"and beats (bound {stall.bound:.1f}s: {stall.basis}); {self._where}{self._dark_words()}")
             log.error(line)
             self.events.emit("stall", view.generation, line, waited=round(stall.waited, 3), bound=round(stall.bound, 3))
         elif stall is None and self._stall_said is not None:
@@ -425,7 +490,8 @@ class LinkObserver:
         stall, dark = self._stall_said, self.links.dark
         if stall is None and not dark:
             return None
-        reason = "; ".join(f"node {d.node_rank}: {d.detail}" for d in dark) or "no step committed"
+        reason = "; ".join(f"node {d.node_rank}: {d.detail}" for d in dark) or (
+            f"rank {stall.saving.rank} saves a checkpoint" if stall and stall.saving else "no step committed")
         since = min([d.since for d in dark] + ([stall.since] if stall else []))
         return {"for": round(now - since, 1), "reason": reason,
                 "bound": round(stall.bound, 1) if stall else None,
@@ -444,6 +510,15 @@ class LinkObserver:
             if line not in said_at_start:
                 log.warning("timeouts contradict, with the job's step time (p%.0f %.2fs): %s", STALL_PERCENTILE * 100,
                             step, line)
+
+    def _check_saves(self) -> None:
+        """The timeout chain against the longest checkpoint save measured so far: a collective timeout that a
+        save outlasts is said once (the ranks waiting for the saving one would time out), with what to change."""
+        longest = self.stalls.longest_save
+        for name, line in save_contradictions(self.bounds, longest).items():
+            if name not in self._save_said:
+                self._save_said.add(name)
+                log.warning("timeouts contradict, with the job's longest checkpoint save (%.1fs): %s", longest, line)
 
     def _dark_words(self) -> str:
         return "".join(f"; node {d.node_rank}: {d.detail}" for d in self.links.dark)

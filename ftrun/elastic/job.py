@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import weakref
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from ftrun.elastic.layout import ReplicaLayout
 from ftrun.elastic.link import ControlLink, NullLink
 from ftrun.elastic.meshes import PartMesh, read_part_mesh
 from ftrun.elastic.repair import Repair
+from ftrun.elastic.saves import saving, track_checkpoint, track_saves
 from ftrun.elastic.shards import is_dtensor
 from ftrun.elastic.state import TrainingState
 from ftrun.snapshots.format import SnapshotError
@@ -106,6 +107,7 @@ class ElasticJob:
         self.repair.join(self.env.generation)
         link.repairing = self.state.needs_state  # a replacement is part of the repair until it has the state
         _JOBS.add(self)
+        track_saves(link.saves)
         link.start(self.groups, progress=lambda: self.state.step)
 
     # -- the user's side ------------------------------------------------------------------------
@@ -168,6 +170,13 @@ class ElasticJob:
         """
         for name, obj in objects.items():
             self.state.register(name, obj)
+
+    def saving(self) -> ContextManager[None]:
+        """A context manager around a checkpoint save the library does not see itself (``torch.save`` and
+        ``torch.distributed.checkpoint``'s saves it does): while it runs the rank's heartbeat says it saves,
+        so that the other ranks waiting for it meanwhile are no stall, and its time is measured (the longest
+        save sets how long a save may take). Outside ftrun it does nothing."""
+        return saving()
 
     def after_repair(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` on every rank at the end of each process-level repair, once the state is
@@ -334,6 +343,7 @@ class ElasticJob:
         if not self.link.repairs or self._started:
             return
         self._started = True
+        track_checkpoint()  # a script that imported torch.distributed.checkpoint after init()
         # every torch DDP's bucket layout (one whose inner module was registered, not the wrapper, too)
         self._layouts = [BucketLayout(made) for made in torch_ddps()]
         for index, buckets in enumerate(self._layouts):

@@ -11,6 +11,7 @@ the process as torchrun expects.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import logging
@@ -30,7 +31,7 @@ from ftrun.elastic.store_location import StoreLocation
 from ftrun.errors import EXIT_STUCK
 from ftrun.keys import GROUP_READY, JobKeys
 from ftrun.snapshots.plan import RestorePlan, RestoreSource
-from ftrun.step_times import StepClock, collective_text
+from ftrun.step_times import SaveClock, StepClock, collective_text
 from ftrun.store import CONNECT_TIMEOUT, ControlStore
 
 log = logging.getLogger("ftrun.elastic")
@@ -140,6 +141,8 @@ class ControlLink:
         self._watch_key = ""
         #: each step's time and its waits inside collectives, which the heartbeat reports (stragglers)
         self.clock = StepClock()
+        #: the checkpoint save under way and the longest measured, which the heartbeat reports (a save is no stall)
+        self.saves = SaveClock()
 
     def start(self, groups: GroupSet, progress: Callable[[], int]) -> None:
         """Start the heartbeat, which reports ``progress()`` (the committed step), and the repair watch,
@@ -347,9 +350,10 @@ class ControlLink:
                     store.raw.compare_set(self.keys.collective_failure(failed.generation), "", failed.to_text())
                 store.add(self.keys.rank_heartbeat(self.rank))
                 waiting = self._groups.waiting_now() if self._groups is not None else None
+                times = dataclasses.replace(self.clock.times(), save=self.saves.longest)
                 store.set_each([self.keys.rank_progress(self.rank), self.keys.rank_step_times(self.rank),
                                 self.keys.rank_collective(self.rank)],
-                               [str(progress()), self.clock.times().to_text(), collective_text(waiting, os.getpid())])
+                               [str(progress()), times.to_text(), collective_text(waiting, os.getpid(), self.saves.since)])
             except Exception:
                 return  # the store is gone and did not move: the agent stops this process
 

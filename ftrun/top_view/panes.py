@@ -45,7 +45,7 @@ def refusal(key: str, hint: str = TOKEN_HINT) -> str:
 
 def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str | Text, ...]]]:
     """(rank, cells) per rank, by node then rank; the node and host of a straggling node highlighted; while the job
-    stands still, a rank's state is the collective it waits in."""
+    stands still, a rank's state is the checkpoint it saves or the collective it waits in."""
     hosts = {n["node"]: n["host"] for n in snapshot.get("nodes", ()) if n["role"] == "active"}
     slow = {n["node"] for n in snapshot.get("nodes", ()) if n.get("straggler")}
     stalled = snapshot.get("phase") == "running" and bool(snapshot.get("stall"))
@@ -53,8 +53,10 @@ def rank_rows(snapshot: dict) -> list[tuple[int, tuple[str | Text, ...]]]:
     for rank in sorted(snapshot.get("ranks", ()), key=lambda r: (r.get("node", -1), r["rank"])):
         age = rank.get("heartbeat_age")
         state = "alive" if rank.get("alive", True) and rank.get("pid") else "down" if rank.get("pid") else "-"
-        collective = rank.get("collective")
-        if state == "alive" and stalled and collective:  # while nothing moves: the collective it waits in
+        collective, saving = rank.get("collective"), rank.get("saving")
+        if state == "alive" and stalled and saving is not None:  # while nothing moves: the save it makes
+            state = f"saving {saving:.0f}s"
+        elif state == "alive" and stalled and collective:  # or the collective it waits in
             state = f"in {collective['op']} {collective['for']:.0f}s"
         node, host = str(rank.get("node", "-")), hosts.get(rank.get("node"), "-")
         where: tuple[str | Text, ...] = ((Text(node, style=SLOW_STYLE), Text(host, style=SLOW_STYLE))

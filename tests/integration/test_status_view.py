@@ -1,7 +1,8 @@
 """Seeing the job: the live view in a real terminal (tmux), ``ftrun status --json`` against the running
 job, the event log's schema, and ``ftrun report`` after it, all from one 2-node x 2-rank run in which
 rank 3 is SIGKILLed and replaced at process level (cold, without a warm standby, so the repair lasts
-long enough to be seen while it happens)."""
+long enough to be seen while it happens), and rank 1 saves a checkpoint between two steps while the others
+wait for it: shown while it lasts, and measured."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from tests.parts import tmux
 
 pytestmark = pytest.mark.integration
 STEPS = 40
+#: how long rank 1's checkpoint save takes, once 10 steps are committed (its heartbeat says it once a second)
+SAVE = 3
 REPAIR_PHASES = {"stopping", "env_clear", "repair", "rollback"}
 TMUX = shutil.which("tmux")
 #: the terminal the view is drawn in
@@ -106,7 +109,8 @@ def watched(tmp_path_factory) -> WatchedRun:
     # it once came after the fault at step 25, and saw generation 1 first)
     hold = runner.out_dir / "hold-steps"
     hold.touch()
-    env = runner.env(STEPS=str(STEPS), STEP_SLEEP="0.15", FAULT="3:25:sigkill", COLUMNS=str(COLUMNS), HOLD_AFTER="2")
+    env = runner.env(STEPS=str(STEPS), STEP_SLEEP="0.15", FAULT="3:25:sigkill", COLUMNS=str(COLUMNS), HOLD_AFTER="2",
+                     SLOW_SAVE=f"1:10:{SAVE}")
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id",
               "statusview", "--recovery", "process", "--max-restarts", "3", "--warm-standby", "0",
               "--monitor-interval", "0.05", "--log-dir", str(tmp / "logs")]
@@ -215,6 +219,9 @@ def test_status_json_follows_the_running_job(watched):
     assert statuses[-1]["ranks"][3]["restarts"] == 1
     steps = [s["step"] for s in statuses if s["step"] is not None]
     assert steps and max(steps) > min(steps)
+    # rank 1's save, from its heartbeat: shown while it lasts, then measured (its process outlives the repair)
+    assert any((s["ranks"][1].get("saving") or 0) >= 1 for s in statuses), [s["ranks"][1] for s in statuses]
+    assert max(s["ranks"][1].get("save_s") or 0 for s in statuses) >= SAVE, [s["ranks"][1] for s in statuses]
 
 
 def test_event_log_schema(watched):

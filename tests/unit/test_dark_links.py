@@ -21,6 +21,7 @@ from ftrun.controller.links import (
     RepairOnline,
     RestartJob,
     Say,
+    Saving,
     StallWatch,
     on_link_report,
     on_link_tick,
@@ -204,6 +205,48 @@ def test_stall_bound_allows_for_the_longest_step_a_checkpoint_save_among_them():
     assert StallWatch(floor=10.0).bound() == (10.0, "floor 10s")
 
 
+def trained(watch: StallWatch, steps: int = 20, took: float = 0.5) -> tuple[float, int]:
+    """``steps`` steps of ``took`` seconds each through the watch: where the clock and the step stand after."""
+    now = 0.0
+    for step in range(steps):
+        watch.observe(now, step, True)
+        now += took
+    watch.observe(now, steps, True)
+    return now, steps
+
+
+def test_transition_a_save_is_no_stall_within_its_bound_and_is_one_past_it():
+    watch = StallWatch(factor=4.0, floor=1.0)
+    now, step = trained(watch)  # a step bound of 2 s
+    # rank 2 saves for 40 s, the others wait for it: before any save was measured, FIRST_SAVE (60 s) bounds it
+    for second in range(1, 41):
+        assert watch.observe(now + second, step, True, Saving(2, float(second))) is None
+    # the save ends, and the step that waited for it takes a moment: the clock starts again at the save's end
+    assert watch.observe(now + 41.0, step, True, None, longest_save=40.0) is None
+    assert watch.observe(now + 42.5, step, True) is None
+    now, step = now + 43.0, step + 1
+    watch.observe(now, step, True)
+    assert watch.durations[-1] == pytest.approx(2.0)  # the save is no step time: it has its own bound
+    assert watch.save_bound() == (80.0, "2 x the longest save 40.00s")
+    assert watch.observe(now + 79.0, step, True, Saving(2, 79.0)) is None
+    stall = watch.observe(now + 81.0, step, True, Saving(2, 81.0))
+    assert stall is not None and stall.saving == Saving(2, 81.0) and stall.bound == 80.0
+    assert stall.basis == "2 x the longest save 40.00s" and stall.since == now
+    # the save ends: the job moves again; without a save, the step's bound holds once more
+    assert watch.observe(now + 82.0, step, True, None) is None
+    bound, _ = watch.bound()
+    assert watch.observe(now + 82.0 + bound + 0.5, step, True) is not None
+
+
+def test_a_save_bound_is_never_under_the_steps_bound():
+    watch = StallWatch(factor=4.0, floor=1.0)
+    now, step = trained(watch, took=10.0)  # a step bound of 40 s
+    assert watch.observe(now, step, True, Saving(0, 0.0), longest_save=5.0) is None
+    assert watch.save_bound() == (40.0, "4 x p90 step 10.00s")
+    assert watch.observe(now + 39.0, step, True, Saving(0, 39.0)) is None
+    assert watch.observe(now + 41.0, step, True, Saving(0, 41.0)) is not None
+
+
 def test_a_repair_pauses_the_stall_clock():
     watch = StallWatch(factor=4.0, floor=1.0)
     watch.observe(0.0, 5, True)
@@ -319,6 +362,56 @@ def test_the_stall_is_said_once_shown_and_cleared():
     assert observer.status(10.0) is None
 
 
+def saving_ranks(step: int, saving: float | None, longest: float = 30.0) -> list[dict]:
+    """Rank 2 saves a checkpoint (for ``saving`` seconds; None: it does not) while ranks 0, 1 and 3 wait for it."""
+    return [{"rank": r, "heartbeat_age": 0.4, "step": step, "save_s": longest if r == 2 else None, "pid": 10 + r,
+             "saving": saving if r == 2 else None,
+             "collective": {} if r == 2 else waits("all_reduce", saving or 0.0, size=4)} for r in range(4)]
+
+
+def test_a_save_past_its_bound_is_said_with_the_rank_that_saves_and_shown():
+    events = EventLog()
+    observer = LinkObserver(events, RULES, StallWatch(factor=4.0, floor=1.0))
+    for second in range(5):  # a step a second: a step bound of 4 s
+        observer.watch_steps(ready(), {"generation": 0, "step": second, "ranks": saving_ranks(second, None)},
+                             float(second))
+    # rank 2 saves for 50 s: within 2 x the longest save measured (30 s), no stall
+    assert observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": saving_ranks(4, 50.0)}, 54.0) is None
+    assert not [e for e in events.events if e["kind"] == "stall"] and observer.status(54.0) is None
+    ranks = saving_ranks(4, 61.0)
+    assert observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": ranks}, 65.0) is not None
+    [said] = [e["detail"] for e in events.events if e["kind"] == "stall"]
+    where = "rank 2 saves a checkpoint for 61s (step 4); ranks 0-1, 3 wait in all_reduce (step 4) for 61s"
+    assert said == ("training stands still: rank 2 saves a checkpoint for 61s, longer than the job's saves allow; no "
+                    f"step committed for 61.0s while every rank lives and beats (bound 60.0s: 2 x the longest save "
+                    f"30.00s); {where}")
+    status = observer.status(65.0)
+    assert (status["reason"], status["ranks"], status["bound"]) == ("rank 2 saves a checkpoint", where, 60.0)
+    snapshot = {"run_id": "r", "generation": 0, "phase": "running", "level": "", "phase_for": 1.0, "step": 4,
+                "total_steps": 10, "steps_per_s": 0.0, "eta_s": None, "restarts_used": 0, "max_restarts": 3,
+                "elapsed": 65.0, "recovery": "process", "world_size": 4, "nodes": [], "stall": status, "ranks": ranks}
+    assert "STALLED 61s: rank 2 saves a checkpoint" in job_line(snapshot, 200).plain
+    assert [line.plain for line in stall_lines(snapshot)] == [f"  waiting: {where}"]
+    assert [cells[4] for _, cells in rank_rows(snapshot)] == ["in all_reduce 61s"] * 2 + ["saving 61s", "in all_reduce 61s"]
+    # the save ends: the job moves again
+    observer.watch_steps(ready(), {"generation": 0, "step": 4, "ranks": saving_ranks(4, None)}, 66.0)
+    assert [e["detail"] for e in events.events if e["kind"] == "stall"][-1] == "training moves again"
+
+
+def test_the_timeout_chain_is_checked_against_each_longer_save_measured_each_timeout_once(caplog):
+    observer = LinkObserver(EventLog(), RULES, StallWatch(factor=4.0, floor=1.0))
+    observer.bounds = timeout_chain(LaunchConfig(device="cpu"), {})  # gloo's, no NCCL's
+    for step, longest in enumerate([0.0, 400.0, 500.0, 500.0, 2000.0]):  # ftrun.elastic's 300 s, then gloo's 1,800 s
+        observer.watch_steps(ready(), {"generation": 0, "step": step, "ranks": saving_ranks(step, None, longest)},
+                             float(step))
+    said = [r.getMessage() for r in caplog.records if "timeouts contradict" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith("timeouts contradict, with the job's longest checkpoint save (400.0s): "
+                              "collective_timeout (ftrun.elastic.init) 300s is shorter than a checkpoint save")
+    assert "gloo (torch's default) 1800s is shorter than a checkpoint save (2000s measured)" in said[1]
+    assert "raise it above 2000s" in said[1]
+
+
 def test_a_process_level_repair_after_an_online_one_ended_is_not_said_as_its_step_down():
     # found on the test bed: a node moved to a spare after two online repairs was said as "the online repair
     # under way goes down to it", since the view keeps the last repair's level once it runs again
@@ -425,6 +518,11 @@ def test_where_ranks_stand_names_the_collective_each_rank_waits_in_the_longest_f
       {"rank": 1, "step": 7, "collective": {}}], "rank 0 waits in all_reduce (step 7) for 4s; ranks 1-2 compute (step 7)"),
     ([{"rank": r, "step": None, "collective": None} for r in (0, 1, 3)], "ranks 0-1, 3: no report"),
     ([{"rank": 0, "step": 5}, {"rank": 1, "step": 5, "collective": {}}], "rank 1 computes (step 5); rank 0: no report"),
+    # a rank that saves a checkpoint comes first, whatever collective its save waits in (a distributed one's)
+    ([{"rank": 1, "step": 7, "collective": waits("all_reduce", 4.0, size=3)},
+      {"rank": 0, "step": 7, "collective": waits("all_gather", 1.0, size=3), "saving": 3.4},
+      {"rank": 2, "step": 7, "collective": {}, "saving": None}],
+     "rank 0 saves a checkpoint for 3s (step 7); rank 1 waits in all_reduce (step 7) for 4s; rank 2 computes (step 7)"),
 ])
 def test_where_ranks_stand_says_ranks_in_no_collective_and_those_without_a_report(ranks, said):
     assert where_ranks_stand(ranks) == said

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ftrun.elastic.backends import CommBackend
 from ftrun.elastic.groups import WAIT_SLICE, ElasticGroup, GroupSet, _Guarded, answer_locally, init_default_group, install
 from ftrun.elastic.shards import SHARD, from_local, load_local, to_local
-from ftrun.step_times import CollectiveWait, collective_text, read_collective
+from ftrun.step_times import CollectiveWait, Standing, collective_text, read_collective
 
 
 @pytest.fixture
@@ -393,15 +393,20 @@ def test_the_collective_a_rank_waits_in_is_known_while_it_waits_and_forgotten_on
     assert owner.waiting_now() is None and tensor.tolist() == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("wait, text", [
-    (None, "42 -"),
-    (CollectiveWait("all_reduce", "0", 4, 1700000000.25), "42 1700000000.250 4 all_reduce 0"),
-    (CollectiveWait("broadcast", "mesh dp", 2, 5.0), "42 5.000 2 broadcast mesh dp"),  # torch's names may hold spaces
+@pytest.mark.parametrize("wait, saving, text", [
+    (None, None, "42 -"),
+    (CollectiveWait("all_reduce", "0", 4, 1700000000.25), None, "42 1700000000.250 4 all_reduce 0"),
+    (CollectiveWait("broadcast", "mesh dp", 2, 5.0), None, "42 5.000 2 broadcast mesh dp"),  # torch's names may hold spaces
+    (None, 1700000000.5, "42 save 1700000000.500 -"),  # a checkpoint save between two steps
+    # torch.distributed.checkpoint's collectives, inside its save
+    (CollectiveWait("all_gather", "mesh dp", 2, 6.0), 5.0, "42 save 5.000 6.000 2 all_gather mesh dp"),
 ])
-def test_the_collective_a_heartbeat_writes_reads_back(wait, text):
-    assert collective_text(wait, 42) == text and read_collective(text) == (42, wait)
+def test_the_collective_a_heartbeat_writes_reads_back(wait, saving, text):
+    assert collective_text(wait, 42, saving) == text and read_collective(text) == Standing(42, wait, saving)
 
 
-@pytest.mark.parametrize("text", ["", "x -", "42", "42 5.0 0 all_reduce 0", "42 -1 2 all_reduce 0", "42 a 2 b c"])
+@pytest.mark.parametrize("text", ["", "x -", "42", "42 5.0 0 all_reduce 0", "42 -1 2 all_reduce 0", "42 a 2 b c",
+                                  "42 save -", "42 save", "42 save x -", "42 save -1 -", "42 save 5.0",
+                                  "42 save 5.0 5.0 0 all_reduce 0", "save 5.0 -"])
 def test_a_collective_text_not_written_by_a_heartbeat_reads_as_none(text):
     assert read_collective(text) is None

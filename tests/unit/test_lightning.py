@@ -105,3 +105,23 @@ def test_a_loop_done_mid_step_ends_the_step_there():
     loop.advance(None)
     loop.done = True  # early stopping asked for, say
     assert step_of(loop) == [("advance", 2)]
+
+
+def test_the_trainers_checkpoint_is_one_save_its_file_write_after_torch_save_included(monkeypatch):
+    # Lightning's torch.save writes into memory and the file is written after it: the whole of
+    # trainer.save_checkpoint is the save, measured once
+    from ftrun.elastic import saves
+    from ftrun.elastic.integrations import lightning
+    from ftrun.step_times import SaveClock
+
+    readings = iter([0.0, 7.0])  # one save reads the clock twice; one counted twice would read it four times
+    clock = SaveClock(clock=lambda: next(readings), wall=lambda: 100.0)
+    monkeypatch.setattr(saves, "_clock", clock)
+    monkeypatch.setattr(lightning, "job", SimpleNamespace(receives_state=False))
+    seen = []
+    trainer = SimpleNamespace(save_checkpoint=lambda path, weights_only=None: seen.append((path, clock.since)))
+    hooks = _RecoveryHooks()
+    hooks.setup(trainer, None, "fit")
+    hooks.setup(trainer, None, "validate")  # each stage's setup
+    trainer.save_checkpoint("last.ckpt")
+    assert seen == [("last.ckpt", 100.0)] and (clock.since, clock.longest) == (None, 7.0)

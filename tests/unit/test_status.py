@@ -21,7 +21,7 @@ from ftrun.events import EventLog, read_events
 from ftrun.keys import JobKeys
 from ftrun.messages import DeviceState, NodeSlot, NodeStatus, RankState, WorkerFailure
 from ftrun.live_view import StatusView, live_wanted, plain_line, render
-from ftrun.step_times import CollectiveWait, collective_text
+from ftrun.step_times import CollectiveWait, StepTimes, collective_text
 from ftrun.store import ControlStore
 from tests.conftest import ftrun_status
 
@@ -86,6 +86,20 @@ def test_board_shows_the_collective_each_rank_waits_in_for_how_long_and_those_in
     assert 12.0 <= wait["for"] < 60  # at the snapshot's time, from the rank's word of when it began
     assert second["collective"] == {}  # in none: computing
     assert "collective" not in third  # node 1 sent no status: no word
+
+
+def test_board_shows_the_checkpoint_a_rank_saves_and_its_longest_save(store):
+    since = time.time() - 30.0
+    saving = collective_text(None, 100, saving=since)
+    times = StepTimes(20, 0.1, 0.08, 0.02, 100, save=31.5).to_text()
+    ranks = (RankState(0, 0, 100, True, step=9, times=times, collective=saving),
+             RankState(1, 1, 101, True, step=9, collective=collective_text(None, 101)))
+    store.set(KEYS.agent_status("a0"), NodeStatus("a0", "host-a", 0, ranks, 1, ()))
+    s = snapshot(store, JobView(node_count=2, max_restarts=3, world_size=4))
+    first, second = s["ranks"][:2]
+    assert 30.0 <= first["saving"] < 90 and first["collective"] == {}  # at the snapshot's time, from its word
+    assert first["save_s"] == 31.5 and first["step_s"] == 0.1
+    assert second["saving"] is None and second["save_s"] is None
 
 
 def test_board_shows_lost_and_vacant_nodes_and_the_repair(store):

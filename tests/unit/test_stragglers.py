@@ -72,9 +72,11 @@ def test_the_step_times_module_imports_the_standard_library_alone():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("12 0.3000 0.2500 0.0500 4242", StepTimes(12, 0.3, 0.25, 0.05, 4242)),
+    ("12 0.3000 0.2500 0.0500 4242", StepTimes(12, 0.3, 0.25, 0.05, 4242)),  # an older library's: no save
+    ("12 0.3000 0.2500 0.0500 4242 31.5000", StepTimes(12, 0.3, 0.25, 0.05, 4242, 31.5)),  # its longest save
     ("", None), ("12 0.3 0.25 0.05", None), ("x 0.3 0.25 0.05 1", None), ("12 0.3 -1 0.05 1", None),
-    ("12 0.3 0.25 0.05 pid", None),
+    ("12 0.3 0.25 0.05 pid", None), ("12 0.3 0.25 0.05 1 -2", None), ("12 0.3 0.25 0.05 1 x", None),
+    ("12 0.3 0.25 0.05 1 2 3", None),
 ])
 def test_step_times_read_back_what_the_heartbeat_wrote(text, expected):
     assert StepTimes.from_text(text) == expected

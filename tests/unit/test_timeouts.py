@@ -55,3 +55,18 @@ def test_ftrun_timeouts_prints_the_chain_and_exits_1_on_a_contradiction(capsys, 
     assert run_cli(capsys, "timeouts", "--standalone", str(script))[0] == 0
     code, text = run_cli(capsys, "timeouts", "--standalone", "--online-window", "-1", str(script))
     assert code == 2 and "--online-window" in text and "Traceback" not in text
+
+
+def test_ftrun_timeouts_checks_the_chain_against_a_jobs_step_and_save_times(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    code, text = run_cli(capsys, "timeouts", "--save-time", "400", "--standalone", str(script))
+    assert code == 1, text
+    assert ("timeouts contradict: collective_timeout (ftrun.elastic.init) 300s is shorter than a checkpoint save "
+            "(400s measured)") in text and "raise it above 400s" in text
+    code, text = run_cli(capsys, "timeouts", "--step_time", "100", "--save_time", "30", "--standalone", str(script))
+    assert code == 1 and "300s is not longer than the stall bound 400s" in text and "checkpoint save" not in text
+    assert run_cli(capsys, "timeouts", "--save-time", "30", "--standalone", str(script))[0] == 0
+    for bad in ("-5", "0", "soon"):
+        code, text = run_cli(capsys, "timeouts", "--save-time", bad, "--standalone", str(script))
+        assert code == 2 and "--save-time" in text and "Traceback" not in text, text

@@ -13,6 +13,9 @@ Each step ends with a sleep of STEP_SLEEP seconds (default 0.05); SLOW_STEPS=3[,
 for the steps listed only (a long one just before a fault, say), the others sleeping the default.
 SLOW_RANK=rank:step:seconds: from that step on, that rank's process spends that many seconds more in each step
 (a slow chip on its node: alive, beating, every step a little late); its replacement on another node is not slow.
+SLOW_SAVE=rank:steps:seconds: once that many steps are committed, that rank saves a checkpoint with torch.save
+to a disk that takes that many seconds (then OUT_DIR/checkpoint-rank<r>.pt), while the others wait in the next
+step's collective (not in a replacement).
 PRINT_STEPS=1 prints a line after each step (ftrun top's output pane reads them).
 HOLD_AFTER=step: once that step is committed, every rank waits while OUT_DIR/hold-steps exists (a test keeps
 the job training until what it opened beside it shows the job).
@@ -24,6 +27,7 @@ step count), OUT_DIR/rank<r>.json at the end (final step, parameter checksum, a 
 parameters, buffers and optimizer state bit for bit, pid, generation, the device variables ftrun set).
 """
 
+import io
 import json
 import os
 import signal
@@ -91,6 +95,33 @@ def slowdown(rank: int, step: int) -> float:
     return float(seconds) if rank == int(slow_rank) and step >= int(from_step) else 0.0
 
 
+class SlowDisk(io.BytesIO):
+    """A disk that takes ``seconds`` to take a file's first write."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def write(self, data) -> int:
+        time.sleep(self.seconds)
+        self.seconds = 0.0
+        return super().write(data)
+
+
+def slow_save(rank: int, committed: int, model: torch.nn.Module, out_dir: str) -> None:
+    """SLOW_SAVE=rank:steps:seconds: once ``committed`` is that many steps, that rank's torch.save of the model
+    takes that long."""
+    spec = os.environ.get("SLOW_SAVE", "")
+    if not spec or os.environ.get("FTRUN_REPLACEMENT") == "1":
+        return
+    save_rank, at_step, seconds = spec.split(":")
+    if rank == int(save_rank) and committed == int(at_step):
+        disk = SlowDisk(float(seconds))
+        torch.save(model.state_dict(), disk)
+        with open(os.path.join(out_dir, f"checkpoint-rank{rank}.pt"), "wb") as f:
+            f.write(disk.getvalue())
+
+
 def hold_after(committed: int, out_dir: str) -> None:
     """HOLD_AFTER=step: once ``committed`` is that step, wait while OUT_DIR/hold-steps exists."""
     if os.environ.get("HOLD_AFTER") == str(committed):
@@ -143,6 +174,7 @@ def main() -> None:
         os.replace(progress + ".tmp", progress)
         if os.environ.get("PRINT_STEPS") == "1":
             print(f"rank {job.rank} step {step} loss {float(loss):.4f}", flush=True)
+        slow_save(job.rank, job.step, model, out_dir)
         hold_after(job.step, out_dir)
         if stop_requested(job.step):
             break

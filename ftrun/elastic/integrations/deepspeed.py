@@ -45,6 +45,7 @@ from ftrun.elastic.groups import GroupFailed
 from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
 from ftrun.elastic.layout import ReplicaLayout
+from ftrun.elastic.saves import count_saves_of
 
 #: the engine's counters that its own checkpoint keeps (``DeepSpeedEngine.<name>``)
 COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
@@ -203,6 +204,7 @@ def enable(engine) -> None:
     engines.append(engine)
     state = EngineState(engine)
     shared.wrap(engine, "step", functools.partial(_step, state))
+    count_saves_of(engine, "save_checkpoint")  # its files, the tag and the barriers between them: one save
     job.register(**{f"deepspeed_engine{len(engines) - 1}": state})
     if state.partitioned:  # no peer holds this rank's part of the optimizer (module's text)
         job.sharded = True

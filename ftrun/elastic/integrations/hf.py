@@ -49,6 +49,7 @@ from typing import Any, Callable
 from ftrun.elastic.ddp import pin_buckets
 from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
+from ftrun.elastic.saves import count_saves_of
 
 log = logging.getLogger("ftrun.elastic")
 
@@ -232,6 +233,8 @@ class ElasticTrainer:
     def _wrap(self, trainer) -> None:
         for name in ("train", "_init_training_state", "_prepare_for_training", "_run_epoch", "_load_rng_state"):
             shared.wrap(trainer, name, getattr(self, name))
+        # the model goes out through safetensors, not torch.save: the whole checkpoint is one save
+        count_saves_of(trainer, "_save_checkpoint")
 
     def train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         if self.job.receives_state:  # its peers are past the script's checkpoint: the state comes from them

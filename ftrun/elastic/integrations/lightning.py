@@ -37,6 +37,7 @@ from typing import Any
 from ftrun.coverage import strategy_uncovered
 from ftrun.elastic.integrations import shared
 from ftrun.elastic.job import ElasticJob
+from ftrun.elastic.saves import count_saves_of
 from ftrun.errors import EXIT_STUCK
 
 log = logging.getLogger("ftrun.elastic")
@@ -173,6 +174,8 @@ class _RecoveryHooks:
         self._joining = False
 
     def setup(self, trainer, pl_module, stage) -> None:
+        if self.job is not None:  # torch.save writes into memory, the file is written after it: one save
+            count_saves_of(trainer, "save_checkpoint")
         if self.job is not None and self.job.receives_state:
             # its peers are past the script's checkpoint (fit(ckpt_path=...)): the state comes from them
             shared.wrap(trainer._checkpoint_connector, "_restore_modules_and_callbacks",
