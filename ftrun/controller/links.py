@@ -418,18 +418,22 @@ class LinkObserver:
         before, self.verdict = self.verdict, verdict
         if job_links(verdict):
             self._explained |= {d.node_rank for d in self.links.dark if d.source == "os"}
-        if verdict.text == before.text:
-            return []
         found: list[Event] = []
-        if verdict.text:
+        if verdict.text and verdict.text != before.text:
             log.warning("data network probe: %s", verdict.text)
             self.events.emit("link", view.generation, f"data network probe: {verdict.text}")
-        for node in verdict.nodes:  # a spare cut off (an id below zero) is said, and goes down no ladder
-            if node >= 0 and node not in before.nodes:
+        # a node cut off goes down the ladder (once: the ladder holds it), unless its OS spoke of its link a moment
+        # ago: the probe's rounds lag the OS's word by a second or two (a link dark and back already, whose probe
+        # verdict came late, is no new dark link); a verdict that outlasts that goes down the ladder then.
+        # A spare cut off (an id below zero) is said, and goes down no ladder
+        for node in verdict.nodes:
+            if node >= 0 and now - self._os_said.get(node, -OS_EXPLAINS) >= OS_EXPLAINS:
                 self.links, actions = on_link_report(self.links, node, False, "unreachable on the data network from "
                                                      "every peer (probe)", now, self.rules, spare, "probe",
                                                      self._host(nodes))
                 found += self._act(actions, view, nodes)
+        if verdict.text == before.text:
+            return found
         for node in before.nodes:
             if node >= 0 and node not in verdict.nodes:
                 self.links, actions = on_link_report(self.links, node, True, "reachable on the data network again "

@@ -609,3 +609,20 @@ def test_the_controllers_own_node_never_moves_to_a_spare_it_is_waited_for():
     observer.take_reports([Reported(Report(ReportKind.LINK_DOWN, 0, 0, detail="dark", agent_id="a0"))], ready(),
                           slots(), True, 10.0)
     assert observer.observe(ready(), slots(), True, 20.0) == []
+
+
+def test_a_probe_verdict_that_lags_the_oss_word_is_no_new_dark_link_until_it_outlasts_it():
+    # with a spare on the probe's ring, a short dark (said and repaired by the OS's word) comes back from the probe a
+    # round or two late as node 1 cut off: that is no new dark link to move to the spare
+    nodes = {n: NodeSlot(n, f"a{n}", f"h{n}", 2, 2 * n) for n in range(2)}
+    observer = LinkObserver(EventLog(), RULES)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), nodes, True, 10.0)
+    [back] = observer.take_reports([link_report(ReportKind.LINK_UP)], ready(), nodes, True, 11.0)
+    assert isinstance(back, LinkBack)
+    cut_off = spare_board({0: (1,), 1: (-1, 0), -1: (1,)})
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 12.0) == [] and observer.links.dark == ()
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 15.9) == [] and observer.links.dark == ()
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 16.1) == []  # it outlasted the OS's word
+    assert [(d.node_rank, d.source) for d in observer.links.dark] == [(1, "probe")]
+    [lost] = observer.observe(ready(), nodes, True, 18.2)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1
