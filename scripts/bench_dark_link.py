@@ -12,12 +12,14 @@ data port goes dark (the switch's port down: the node loses carrier, packets van
              dropped: only the probe between the agents sees it); back after --dark-for seconds
   never-back ftrun --recovery process --max-restarts 2 --repair-timeout --never-back-wait (8 s), no spare; the
              link never comes back: the job waits, said so, and ends with one line and a non-zero exit
+  leave-out  never-back with --nnodes 1:2: the job waits, then goes on without node 1 (a job-level restart in a
+             world of 2 ranks), to its last step
 
 Figures: said (dark -> the controller's line naming it), resumed (every rank committed a step again) counted
 from the link's return (no-spare, torchrun) or from the dark (spare), processes started after the first
-step (never-back: ended, the dark -> every launcher gone; the exit codes, the reason line, and the job's
-processes left behind), and whether every rank's parameters, buffers and optimizer state end bit-identical to a fault-free
-run's. Needs root and iproute2 (network namespaces).
+step (never-back, leave-out: ended, the dark -> every launcher gone; the exit codes, the reason line, and the
+job's processes left behind; leave-out: left out, the dark -> the controller's line), and whether every rank's
+parameters, buffers and optimizer state end bit-identical to a fault-free run's. Needs root and iproute2 (network namespaces).
 
     .venv/bin/python scripts/bench_dark_link.py --repeat 1 --json dark_link.json
     .venv/bin/python scripts/bench_recovery.py --dark-link --json dark_link.json   # the same rows, in bench_recovery
@@ -25,7 +27,8 @@ run's. Needs root and iproute2 (network namespaces).
 Each row is held to issue 50's goals: said within 5 s; with a spare, training on within 5 s of the dark; without
 one, on within 3 s of the link's return with no process started; bit-identical (torchrun: no goal); never back with
 no spare: ended within 5 s of --repair-timeout, every launcher's exit non-zero, its reason the dark link, no process
-left behind.
+left behind; left out: within 3 s of --repair-timeout, node 0 to the last step and exit 0, node 1's agent gone, no
+process left behind.
 
 Human-readable output goes to stderr, JSON to --json (stdout with "-", the default).
 """
@@ -52,7 +55,9 @@ from tests.cluster import ClusterBed  # noqa: E402  (the bed the suite uses)
 
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
 MARKER_VARIABLE = "FTRUN_BENCH_DARK_LINK_MARKER"
-SCENARIOS = ("no-spare", "spare", "torchrun", "silent", "never-back")
+SCENARIOS = ("no-spare", "spare", "torchrun", "silent", "never-back", "leave-out")
+#: the link never back, no spare: the job waits --repair-timeout, then ends (never-back) or goes on without the node
+NEVER_BACK = ("never-back", "leave-out")
 #: what the controller says first, by scenario: the OS's word, or (carrier up) the data network's probe
 SAID = {"silent": "data network probe: nodes 0 and 1 cannot reach each other"}
 SAID_DARK = "node 1: data link data dark"
@@ -63,6 +68,8 @@ SAID_GOAL_S, SPARE_GOAL_S, BACK_GOAL_S = 5.0, 5.0, 3.0
 END_GOAL_S = 5.0
 #: what the controller's last lines give as the job's reason when it ends for a dark link
 ENDED_FOR = "reason: node 1: data link data dark"
+#: the controller's line when it leaves node 1 out, and how soon after --repair-timeout it is due
+LEFT_OUT, LEFT_OUT_GOAL_S = "with no spare node to move its ranks to; going on with 1 nodes", 3.0
 console = Console(stderr=True, width=130)
 
 
@@ -106,8 +113,9 @@ def command(scenario: str, bed: ClusterBed, index: int, endpoint: str, run_id: s
                 "--run-id", run_id, "--recovery", "process", "--max-restarts", "3", "--monitor-interval", "0.05",
                 "--local-addr", node.mgmt, "--rdzv-conf", f"is_host={int(index == 0)}"]
         argv += ["--spares", "1"] if scenario == "spare" else []
-        if scenario == "never-back":
+        if scenario in NEVER_BACK:
             argv[argv.index("--max-restarts") + 1] = "2"
+            argv[argv.index("--nnodes") + 1] = "1:2" if scenario == "leave-out" else "2"
             argv += ["--repair-timeout", f"{case.never_back_wait:g}"]
         argv += ["--node-rank", str(index)] if index < 2 else []
         argv.append(str(WORKER))
@@ -142,8 +150,9 @@ def run(scenario: str, args: DarkLinkCase, reference: dict | None, workdir: Path
                 figures.update(fault(scenario, args, bed, out, logs[0], deadline))
             for process in processes:
                 process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if scenario == "never-back" and reference is not None:
-                figures.update(ended(processes, logs[0], MARKER_VARIABLE, marker, figures.pop("dark_at")))
+            if scenario in NEVER_BACK and reference is not None:
+                figures.update(ended(processes, logs[0], MARKER_VARIABLE, marker, figures.pop("dark_at")),
+                               processes_started=starts(out) - figures.pop("started_before"))
         except subprocess.TimeoutExpired:
             figures["outcome"] = "did not finish"
         finally:
@@ -151,7 +160,7 @@ def run(scenario: str, args: DarkLinkCase, reference: dict | None, workdir: Path
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     digests = {rank: r.get("digest") for rank, r in results.items()}
     figures["final_step"] = min((r["step"] for r in results.values()), default=None)
-    if reference is not None and scenario != "never-back":
+    if reference is not None and scenario not in NEVER_BACK:
         figures["bit_identical"] = digests == reference if len(digests) == 4 else False
     figures["digests"] = digests
     return figures
@@ -166,9 +175,11 @@ def fault(scenario: str, args: DarkLinkCase, bed: ClusterBed, out: Path, control
         bed.dark(1)
     dark_at = time.monotonic()
     said = None
-    if scenario == "never-back":
-        return {"said_s": said_within(controller_log, SAID_DARK, dark_at, deadline), "dark_at": dark_at,
-                "resumed_from": "never back", "processes_started": starts(out) - started}
+    if scenario in NEVER_BACK:
+        said_s = said_within(controller_log, SAID_DARK, dark_at, deadline)
+        left_out = said_within(controller_log, LEFT_OUT, dark_at, deadline) if scenario == "leave-out" else None
+        return {"said_s": said_s, "dark_at": dark_at, "resumed_from": "never back", "left_out_s": left_out,
+                "started_before": started}
     comes_back = dark_at + args.dark_for if scenario != "spare" else float("inf")
     back_at = None
     resumed = None
@@ -215,8 +226,12 @@ def goal_met(row: dict, case: DarkLinkCase | None = None) -> bool | None:
     """Whether a row meets issue 50's goals (None: torchrun's, which has none)."""
     if row["scenario"] == "torchrun":
         return None
+    wait = (case or DarkLinkCase()).never_back_wait
+    if row["scenario"] == "leave-out":
+        return (row.get("said_s") is not None and row["said_s"] <= SAID_GOAL_S and row.get("left_out_s") is not None
+                and row["left_out_s"] <= wait + LEFT_OUT_GOAL_S and row.get("exit_codes", [None])[0] == 0
+                and row["final_step"] == (case or DarkLinkCase()).steps and row["left_behind"] == 0)
     if row["scenario"] == "never-back":
-        wait = (case or DarkLinkCase()).never_back_wait
         return (row.get("said_s") is not None and row["said_s"] <= SAID_GOAL_S and row.get("ended_s") is not None
                 and row["ended_s"] <= wait + END_GOAL_S and all(code not in (0, None) for code in row["exit_codes"])
                 and row["reason"].startswith(ENDED_FOR) and row["left_behind"] == 0)
@@ -245,7 +260,8 @@ def print_rows(rows: list[dict], case: DarkLinkCase, out: Console) -> None:
         table.add_column(column)
     for row in rows:
         resumed = str(row.get("resumed_s")) if "ended_s" not in row else (
-            f"ended {row['ended_s']} (exit {', '.join(map(str, row['exit_codes']))}, {row['left_behind']} left)")
+            ("" if row.get("left_out_s") is None else f"left out {row['left_out_s']}, ")
+            + f"ended {row['ended_s']} (exit {', '.join(map(str, row['exit_codes']))}, {row['left_behind']} left)")
         table.add_row(row["scenario"], str(row.get("said_s")), resumed, row.get("resumed_from", ""),
                       str(row.get("processes_started")), str(row.get("bit_identical")), str(row.get("final_step")),
                       {None: "-", True: "yes", False: "no"}[row["goal_met"]])
