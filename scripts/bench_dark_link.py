@@ -12,6 +12,8 @@ data port goes dark (the switch's port down: the node loses carrier, packets van
              dropped: only the probe between the agents sees it); back after --dark-for seconds
   never-back ftrun --recovery process --max-restarts 2 --repair-timeout --never-back-wait (8 s), no spare; the
              link never comes back: the job waits, said so, and ends with one line and a non-zero exit
+  silent-spare  silent, with a spare, never back: the spare's probe puts the fault on node 1, whose ranks move
+             to the spare
   leave-out  never-back with --nnodes 1:2: the job waits, then goes on without node 1 (a job-level restart in a
              world of 2 ranks), to its last step
 
@@ -55,11 +57,14 @@ from tests.cluster import ClusterBed  # noqa: E402  (the bed the suite uses)
 
 WORKER = REPO / "tests" / "workers" / "elastic_train.py"
 MARKER_VARIABLE = "FTRUN_BENCH_DARK_LINK_MARKER"
-SCENARIOS = ("no-spare", "spare", "torchrun", "silent", "never-back", "leave-out")
+SCENARIOS = ("no-spare", "spare", "torchrun", "silent", "never-back", "leave-out", "silent-spare")
+#: with a spare node (the bed's third), the link never back
+WITH_SPARE = ("spare", "silent-spare")
 #: the link never back, no spare: the job waits --repair-timeout, then ends (never-back) or goes on without the node
 NEVER_BACK = ("never-back", "leave-out")
 #: what the controller says first, by scenario: the OS's word, or (carrier up) the data network's probe
-SAID = {"silent": "data network probe: nodes 0 and 1 cannot reach each other"}
+SAID = {"silent": "data network probe: nodes 0 and 1 cannot reach each other",
+        "silent-spare": "data network probe: node 1 reaches no peer on the data network"}
 SAID_DARK = "node 1: data link data dark"
 #: issue 50's goals (s): said after the dark; with a spare, training on after the dark; without, after the return
 SAID_GOAL_S, SPARE_GOAL_S, BACK_GOAL_S = 5.0, 5.0, 3.0
@@ -112,7 +117,7 @@ def command(scenario: str, bed: ClusterBed, index: int, endpoint: str, run_id: s
         argv = [sys.executable, "-m", "ftrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
                 "--run-id", run_id, "--recovery", "process", "--max-restarts", "3", "--monitor-interval", "0.05",
                 "--local-addr", node.mgmt, "--rdzv-conf", f"is_host={int(index == 0)}"]
-        argv += ["--spares", "1"] if scenario == "spare" else []
+        argv += ["--spares", "1"] if scenario in WITH_SPARE else []
         if scenario in NEVER_BACK:
             argv[argv.index("--max-restarts") + 1] = "2"
             argv[argv.index("--nnodes") + 1] = "1:2" if scenario == "leave-out" else "2"
@@ -131,7 +136,7 @@ def run(scenario: str, args: DarkLinkCase, reference: dict | None, workdir: Path
                GLOO_SOCKET_IFNAME="data", PYTHONUNBUFFERED="1", **{MARKER_VARIABLE: marker})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     processes: list[subprocess.Popen] = []
-    with ClusterBed(3 if scenario == "spare" else 2) as bed:
+    with ClusterBed(3 if scenario in WITH_SPARE else 2) as bed:
         endpoint = f"{bed.nodes[0].mgmt}:{free_port()}"
         logs = []
         for index in range(len(bed.nodes)):
@@ -169,7 +174,7 @@ def run(scenario: str, args: DarkLinkCase, reference: dict | None, workdir: Path
 def fault(scenario: str, args: DarkLinkCase, bed: ClusterBed, out: Path, controller_log: Path, deadline: float) -> dict:
     started = starts(out)
     stood = min_step(out, 4)
-    if scenario == "silent":
+    if scenario in ("silent", "silent-spare"):
         bed.silent(1)
     else:
         bed.dark(1)
@@ -180,7 +185,7 @@ def fault(scenario: str, args: DarkLinkCase, bed: ClusterBed, out: Path, control
         left_out = said_within(controller_log, LEFT_OUT, dark_at, deadline) if scenario == "leave-out" else None
         return {"said_s": said_s, "dark_at": dark_at, "resumed_from": "never back", "left_out_s": left_out,
                 "started_before": started}
-    comes_back = dark_at + args.dark_for if scenario != "spare" else float("inf")
+    comes_back = dark_at + args.dark_for if scenario not in WITH_SPARE else float("inf")
     back_at = None
     resumed = None
     while time.monotonic() < deadline:
@@ -191,15 +196,15 @@ def fault(scenario: str, args: DarkLinkCase, bed: ClusterBed, out: Path, control
         if back_at is None and now >= comes_back:
             bed.light(1)
             back_at = now
-        if min_step(out, 4) > stood + 1 and (back_at is not None or scenario == "spare"):
+        if min_step(out, 4) > stood + 1 and (back_at is not None or scenario in WITH_SPARE):
             resumed = now - (back_at if back_at is not None else dark_at)
             break
         time.sleep(0.02)
-    if back_at is None and scenario != "spare":
+    if back_at is None and scenario not in WITH_SPARE:
         bed.light(1)
     return {"said_s": None if said is None else round(said, 2), "resumed_s": None if resumed is None else round(resumed, 2),
-            "resumed_from": "the dark" if scenario == "spare" else "the link's return",
-            "dark_for_s": None if scenario == "spare" else args.dark_for,
+            "resumed_from": "the dark" if scenario in WITH_SPARE else "the link's return",
+            "dark_for_s": None if scenario in WITH_SPARE else args.dark_for,
             "processes_started": starts(out) - started}
 
 
@@ -238,7 +243,7 @@ def goal_met(row: dict, case: DarkLinkCase | None = None) -> bool | None:
     said, resumed = row.get("said_s"), row.get("resumed_s")
     if said is None or resumed is None or said > SAID_GOAL_S or not row.get("bit_identical"):
         return False
-    if row["scenario"] == "spare":
+    if row["scenario"] in WITH_SPARE:
         return resumed <= SPARE_GOAL_S
     return resumed <= BACK_GOAL_S and row.get("processes_started") == 0
 

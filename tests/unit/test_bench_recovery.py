@@ -496,7 +496,8 @@ def test_dark_link_mode_runs_bench_dark_link_s_scenarios_and_holds_each_ftrun_ro
                "never-back": {"said_s": 0.2, "ended_s": 10.1, "exit_codes": [1, 1], "left_behind": 0,
                               "reason": "reason: node 1: data link data dark (operstate down, no carrier) for 8s"},
                "leave-out": {"said_s": 0.2, "left_out_s": 8.3, "ended_s": 20.0, "exit_codes": [0, 1],
-                             "left_behind": 1, "reason": ""}}  # a process left behind
+                             "left_behind": 1, "reason": ""},  # a process left behind
+               "silent-spare": {"said_s": 2.7, "resumed_s": 4.6, "processes_started": 2}}
     cases = []
 
     def run(scenario, case, reference, workdir):
@@ -516,7 +517,7 @@ def test_dark_link_mode_runs_bench_dark_link_s_scenarios_and_holds_each_ftrun_ro
     rows = json.loads(out.read_text())["dark_link"]["rows"]
     assert [(r["scenario"], r["goal_met"]) for r in rows] == [("no-spare", True), ("spare", True), ("torchrun", None),
                                                               ("silent", False), ("never-back", True),
-                                                              ("leave-out", False)]
+                                                              ("leave-out", False), ("silent-spare", True)]
     never_back = rows[4]
     assert bench_dark_link.goal_met({**never_back, "exit_codes": [0, 1]}) is False  # a launcher that said success
     assert bench_dark_link.goal_met({**never_back, "ended_s": 13.5}) is False  # past --repair-timeout 8 + 5 s
