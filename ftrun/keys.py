@@ -240,10 +240,18 @@ class JobKeys:
         """Set once every rank arrived to form the generation's group, or once it is superseded."""
         return f"{self.generation(generation)}/group_ready"
 
-    def data_probe(self, node_rank: int) -> str:
-        """Where node ``node_rank``'s agent answers the data network's probe (``HOST:PORT`` on its data
-        address, ``ftrun.detection.reach``); its peers read it once a probe round."""
-        return f"{self.root}/node/{node_rank}/data_probe"
+    def data_probe(self, probe_id: int) -> str:
+        """Where the agent of probe id ``probe_id`` (a node rank, or a spare's id below zero) answers the data
+        network's probe (``HOST:PORT`` on its data address, ``ftrun.detection.reach``); its peers read it once a
+        probe round."""
+        if probe_id < 0:
+            return f"{self.root}/spare/{-probe_id}/data_probe"
+        return f"{self.root}/node/{probe_id}/data_probe"
+
+    @property
+    def spare_probes(self) -> str:
+        """A counter: how many spares took a probe id (each adds one, and its id is minus the count it got)."""
+        return f"{self.root}/spare_probes"
 
     def rank_heartbeat(self, rank: int) -> str:
         return f"{self.root}/rank/{rank}/heartbeat"

@@ -290,6 +290,8 @@ class NodeStatus:
     #: the data network's probe (``ftrun.detection.reach``): the nodes this one probed, and those it could not reach
     probed: tuple[int, ...] = ()
     unreachable: tuple[int, ...] = ()
+    #: a spare's id on the probe's ring (below zero; None for a node, whose id is its node rank)
+    probe_id: int | None = None
 
 
 class CommandKind(str, enum.Enum):

@@ -65,8 +65,8 @@ def timeout_chain(config, env: Mapping[str, str]) -> list[Bound]:
                                                      "bound)", "ftrun"),
         Bound("--heartbeat-timeout", config.heartbeat_timeout, "a rank's heartbeat stopped: hung, killed, replaced"),
         Bound("--node-timeout", config.node_timeout, "an agent's keepalive stopped: its node lost"),
-        Bound("--repair-timeout", config.repair_timeout, "a process-level repair (or a wait for a dark link with "
-                                                         "no spare) before job level"),
+        Bound("--repair-timeout", config.repair_timeout, "a process-level repair before job level (or a wait for a "
+                                                         "dark link with no spare before the job ends)"),
         Bound("--stop-timeout", config.stop_timeout, "SIGTERM to SIGKILL when workers are stopped"),
         Bound("--store-timeout", config.store_timeout, "the control store away before ranks and the job give up"),
         Bound("--rdzv-timeout", config.rdzv_timeout, "the nodes gathering at the start"),

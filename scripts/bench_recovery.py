@@ -129,9 +129,12 @@ and compares their median steps before the fault (goal: under 1% apart):
 With --dark-link it gives the dark data link's rows (issue 50), measured by scripts/bench_dark_link.py on the
 cluster-shaped test bed (tests/cluster.py; needs root): 2 nodes x 2 ranks, node 1's data port dark at step
 10; ftrun with no spare (the link back after --dark-for seconds, 20 by default), with a spare (never back), a
-silent link (carrier up, packets dropped), and torchrun (back after --dark-for); each ftrun row held to the
-issue's goals (said within 5 s; with a spare on within 5 s of the dark; without, on within 3 s of the return,
-no process started; bit-identical):
+silent link (carrier up, packets dropped), torchrun (back after --dark-for), ftrun with no spare, never
+back (--repair-timeout 8: the job waits, then ends; with --nnodes 1:2 it leaves node 1 out), and a silent link
+with a spare (never back); each ftrun row held to the issue's goals (said within 5 s; with a spare on within
+5 s of the dark; without, on within 3 s of the return, no process started; bit-identical; never back: ended
+within 5 s of --repair-timeout, non-zero, or left out within 3 s of it and on to the last step; no process left
+behind):
 
     .venv/bin/python scripts/bench_recovery.py --dark-link --json dark_link.json
 
@@ -1616,7 +1619,8 @@ def parse_args() -> tuple[argparse.Namespace, list[Scenario], list[Launcher]]:
     parser.add_argument("--dark-link", action="store_true",
                         help="instead: a data link that goes dark on the cluster-shaped test bed "
                              "(scripts/bench_dark_link.py; needs root): ftrun with no spare, with a spare, a silent "
-                             "link, and torchrun")
+                             "link, torchrun, the link never back with no spare (ended, or left out), a silent link "
+                             "with a spare")
     parser.add_argument("--dark-for", type=float, default=20.0, metavar="SECONDS",
                         help="--dark-link: how long the link stays dark where it comes back (default 20)")
     parser.add_argument("--mindspore", action="store_true",

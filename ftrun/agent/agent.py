@@ -198,9 +198,14 @@ class Agent:
         supervision.snapshots, supervision.relay, supervision.spawner = self.snapshots, relay, spawner
         self.commands = CommandExecutor(group, seat, spawner, supervision, lambda: connection.protocol,
                                         config.stop_timeout, self.snapshots)
+        self._probe_data_network()
+
+    def _probe_data_network(self) -> None:
+        """The data network's probe, from the collectives' interface (``ftrun.detection.reach``), where it has an
+        address: a node's, or a spare's (a third vantage point; it keeps its probe when it takes a node's place)."""
         address = next(filter(None, (interface_address(name) for name in data_interfaces(os.environ))), "")
-        if address:  # the data network's probe, from the collectives' interface (ftrun.detection.reach)
-            supervision.start_probe(address)
+        if address:
+            self.supervision.start_probe(address)
 
     def _relay(self, folder: str) -> FolderRelay | None:
         """A MindSpore job: the relay between its ranks, which cannot read the control store, and the store."""
@@ -279,8 +284,11 @@ class Agent:
     def _stand_by_turns(self, group: WorkerGroup, node_count: int) -> tuple[int, str] | None:
         log.info("standing by as a spare node (the job has %d nodes)", node_count)
         connection, seat = self.connection, self.seat
+        self.supervision.job_nodes = node_count
+        self._probe_data_network()
         while True:
             now = time.monotonic()
+            self.supervision.aim_probe(now)
             self.supervision.publish_status()  # the spare's keepalive
             protocol = connection.protocol
             protocol.observe([], now)  # the controller's keepalive, and the commands published

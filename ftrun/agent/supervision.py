@@ -26,7 +26,7 @@ from ftrun.agent.top_feed import TopFeed
 from ftrun.agent.workers import Worker, WorkerGroup
 from ftrun.detection.hang import HangWatch
 from ftrun.detection.oom import OomWatch
-from ftrun.detection.reach import PROBE_EVERY, Prober, peers_to_probe
+from ftrun.detection.reach import PROBE_EVERY, Prober, peers_to_probe, probe_ring, spare_probe_id
 from ftrun.detection.sources import HealthEvent, NodeHealth, RankSigns
 from ftrun.detection.table import FaultLevel, FaultTable
 from ftrun.interrupts import Interrupts
@@ -66,9 +66,16 @@ class Supervision:
         self.snapshots: NodeSnapshots | None = None
         self.relay: FolderRelay | None = None
         self.spawner: Spawner | None = None
-        #: the data network's probe (``ftrun.detection.reach``), once the node holds ranks and has a data address
+        #: the data network's probe (``ftrun.detection.reach``), once the node holds ranks (or stands by as a spare)
+        #: and has a data address
         self.probe: Prober | None = None
         self._probe_aimed = 0.0
+        #: a spare's probe id (below zero; None for a node, whose id is its node rank), and how many spares took
+        #: one, as the last probe round read it: they are on the ring too
+        self.spare_probe: int | None = None
+        self._spares_claimed = 0
+        #: a spare's view of the job's size: it holds no layout until it takes a node's place
+        self.job_nodes = 0
         #: global rank -> how many times this agent started its process (the status view's restarts)
         self._starts: dict[int, int] = {}
         #: --rdzv-backend etcd: the failure reports of this node since its workers last started (generation,
@@ -102,8 +109,7 @@ class Supervision:
             self.next_beat = now + AGENT_HEARTBEAT_INTERVAL
         self.devices.tick(w.placement.local_rank for w in group.running)
         self.take(self.health.poll(now))
-        if self.probe is not None and now >= self._probe_aimed:
-            self._aim_probe(now)
+        self.aim_probe(now)
         if self.spawner is not None:
             self.spawner.tick()
         if self.relay is not None:
@@ -166,7 +172,7 @@ class Supervision:
         ranks = [w.placement.rank for w in self.group.running]
         self._protocol().prepare_ranks(ranks)
         if self.probe is not None:
-            self._protocol().store.set_text(self._protocol().keys.data_probe(self.seat.node_rank), self.probe.endpoint)
+            self._protocol().store.set_text(self._protocol().keys.data_probe(self.probe_id), self.probe.endpoint)
         now = time.monotonic()
         for rank in ranks:
             self.hangs.restart(rank, 0, now)
@@ -206,7 +212,8 @@ class Supervision:
         )
         probe = self.probe
         status = NodeStatus(self.seat.agent_id, self.seat.host, group.generation, ranks, int(group.warm_ready),
-                            self.devices.states(), probe.probed if probe else (), probe.unreachable if probe else ())
+                            self.devices.states(), probe.probed if probe else (), probe.unreachable if probe else (),
+                            self.spare_probe if self.seat.node_rank < 0 else None)
         self._protocol().keepalive(status, now)
         top_feed = self._top_feed()
         if top_feed is not None:
@@ -269,23 +276,37 @@ class Supervision:
         self._protocol().report(kind, self.group.generation, detail=event.reason)
 
     def start_probe(self, address: str) -> None:
-        """Answer and send the data network's probe from ``address`` (this node's data address)."""
-        try:
-            self.probe = Prober(address)
-        except OSError as e:
-            log.warning("the data network is not probed from this node (%s): %s", address, e)
-            return
-        self._protocol().store.set_text(self._protocol().keys.data_probe(self.seat.node_rank), self.probe.endpoint)
-        self.probe.start()
+        """Answer and send the data network's probe from ``address`` (this node's data address): as the node, or
+        as a spare (a probe id of its own, claimed from the store's counter). A spare that takes a node's place
+        keeps its probe, published under the node's rank too."""
+        protocol = self._protocol()
+        if self.probe is None:
+            try:
+                self.probe = Prober(address)
+            except OSError as e:
+                log.warning("the data network is not probed from this node (%s): %s", address, e)
+                return
+            self.probe.start()
+        if self.seat.node_rank < 0 and self.spare_probe is None:
+            self.spare_probe = spare_probe_id(protocol.store.add(protocol.keys.spare_probes, 1))
+        protocol.store.set_text(protocol.keys.data_probe(self.probe_id), self.probe.endpoint)
 
-    def _aim_probe(self, now: float) -> None:
-        """Once a probe round: the peers' listeners, read from the store in one round trip."""
-        self._probe_aimed = now + PROBE_EVERY
-        peers = peers_to_probe(self.seat.node_rank, [n.node_rank for n in self.seat.layout.nodes])
-        if not peers:
+    @property
+    def probe_id(self) -> int:
+        """This agent's place on the probe's ring: its node rank, or as a spare its own id below zero."""
+        return self.seat.node_rank if self.seat.node_rank >= 0 or self.spare_probe is None else self.spare_probe
+
+    def aim_probe(self, now: float) -> None:
+        """Once a probe round: the peers on the ring (the nodes and the spares) and their listeners, read from
+        the store in one round trip."""
+        if self.probe is None or now < self._probe_aimed:
             return
+        self._probe_aimed = now + PROBE_EVERY
+        nodes = [n.node_rank for n in self.seat.layout.nodes] or list(range(self.job_nodes))
+        peers = peers_to_probe(self.probe_id, probe_ring(nodes, self._spares_claimed))
         keys = self._protocol().keys
-        _, endpoints = self._protocol().store.readings([], [keys.data_probe(n) for n in peers])
+        (claimed,), endpoints = self._protocol().store.readings([keys.spare_probes], [keys.data_probe(n) for n in peers])
+        self._spares_claimed = claimed
         self.probe.aim({node: endpoint for node, endpoint in zip(peers, endpoints) if endpoint})
 
     def _stop_hung(self, event: HealthEvent, uses_library: bool) -> None:

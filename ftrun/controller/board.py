@@ -177,6 +177,7 @@ class StatusBoard:
                "devices": [{"index": d.index, "health": d.health, "reason": d.reason}
                            for d in (status.devices if status else ())],
                "probed": list(status.probed) if status else [], "unreachable": list(status.unreachable) if status else [],
+               "probe_id": status.probe_id if status else None,
                "rank_states": [{"rank": r.rank, "step": r.step, "heartbeat_age": r.heartbeat_age, "node": slot.node_rank,
                                 "pid": r.pid, "alive": r.alive, "restarts": r.restarts, **_times(r),
                                 **_standing(r, self._now), **_outside(r)} for r in states]}

@@ -146,7 +146,7 @@ class LinkBack:
 
 @dataclass(frozen=True)
 class LinkLost:
-    """A data link stayed dark past --repair-timeout with no spare for its node: a job-level restart."""
+    """A data link stayed dark past --repair-timeout with no spare for its node: the job ends."""
 
     detail: str
 

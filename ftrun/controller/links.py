@@ -8,8 +8,10 @@ feeds them from the store and turns what they decide into the controller's event
   the job is repaired online, no process started, the moment it is back (every rank's stuck connection
   is given up and the groups re-form on fresh ones, instead of waiting out TCP's retransmission backoff).
   Dark for longer than the window with an idle spare: the node's ranks move to the spare at process
-  level, the others keep their processes. No spare: the job waits for the link, and says so; it restarts
-  at job level once ``--repair-timeout`` passed. A link that goes dark ``flaps`` times within
+  level, the others keep their processes. No spare: the job waits for the link, and says so, until
+  ``--repair-timeout``; then it ends, in one line, with a non-zero exit (a job-level restart would form the new
+  generation's groups over the same dark link: on the test bed it failed to connect at once, its online repair
+  stood until its own deadline, and the budget was spent on nothing). A link that goes dark ``flaps`` times within
   ``flap_window`` moves its node to a spare (where there is one) the next time.
 * the stall (:class:`StallWatch`): every rank alive and beating, and no step committed for longer than the
   job's own steps allow: ``factor`` times a high percentile of its recent step times, never under the
@@ -63,7 +65,7 @@ class LinkRules:
     online_window: float = ONLINE_WINDOW
     flaps: int = FLAPS
     flap_window: float = FLAP_WINDOW
-    #: --repair-timeout: with no spare, how long the job waits for a dark link before a job-level restart
+    #: --repair-timeout: with no spare, how long the job waits for a dark link before it ends
     repair_timeout: float = 60.0
 
 
@@ -89,8 +91,8 @@ class Links:
     moved: frozenset[int] = frozenset()
     #: nodes for which "no spare: waiting" was said
     waiting: frozenset[int] = frozenset()
-    #: the job-level restart was asked for (once)
-    restarted: bool = False
+    #: the job's end was asked for (once): a link stayed dark past --repair-timeout with no spare
+    ended: bool = False
 
     def dark_link(self, node_rank: int) -> DarkLink | None:
         return next((d for d in self.dark if d.node_rank == node_rank), None)
@@ -112,7 +114,18 @@ class RepairOnline:
 
 
 @dataclass(frozen=True)
-class RestartJob:
+class LeaveOut:
+    """A link stayed dark past --repair-timeout, no spare can take its node, and --nnodes MIN allows one node
+    fewer: the job goes on without it (a job-level restart in a smaller world; its agent leaves)."""
+
+    node_rank: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class EndJob:
+    """A link stayed dark past --repair-timeout and no spare can take its node: the job ends (``detail``: why)."""
+
     detail: str
 
 
@@ -125,7 +138,7 @@ class Say:
     kind: str = "link"
 
 
-Action = Union[MoveToSpare, RepairOnline, RestartJob, Say]
+Action = Union[MoveToSpare, RepairOnline, LeaveOut, EndJob, Say]
 
 
 def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: float, rules: LinkRules,
@@ -157,10 +170,11 @@ def on_link_report(links: Links, node_rank: int, up: bool, detail: str, now: flo
 
 
 def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, running: bool,
-                 host: int = -1) -> tuple[Links, list[Action]]:
+                 host: int = -1, shrink: bool = False) -> tuple[Links, list[Action]]:
     """A dark link, a moment later: moved to a spare past the online window, or waited for, said so, and
-    after --repair-timeout a job-level restart. Nothing while a repair or an exit is under way. ``host``'s
-    node (the controller's) never moves: it is waited for as with no spare."""
+    after --repair-timeout left out of the job (``shrink``: --nnodes MIN allows one node fewer) or the job's
+    end. Nothing while a repair or an exit is under way. ``host``'s node (the controller's) never moves and is
+    never left out: it is waited for as with no spare, then the job ends."""
     if not running:
         return links, []
     actions: list[Action] = []
@@ -171,10 +185,9 @@ def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, runnin
         if spare and node == host and node not in links.waiting:
             links = dataclasses.replace(links, waiting=links.waiting | {node})
             actions.append(Say(f"node {node} hosts the controller: its ranks stay; waiting for its data link to "
-                               f"come back (a job-level restart after --repair-timeout {rules.repair_timeout:g}s)",
-                               node))
+                               f"come back {_until(rules, False)}", node))
             continue
-        spare_here = spare and node != host
+        spare_here, leave_out = spare and node != host, shrink and node != host
         if spare_here and dark_for >= rules.online_window:
             links = dataclasses.replace(links, moved=links.moved | {node})
             actions.append(MoveToSpare(node, f"{dark.detail} for {dark_for:.1f}s (past the online window, "
@@ -182,13 +195,24 @@ def on_link_tick(links: Links, now: float, rules: LinkRules, spare: bool, runnin
         elif not spare_here and node not in links.waiting:
             links = dataclasses.replace(links, waiting=links.waiting | {node})
             actions.append(Say(f"no spare node to move node {node}'s ranks to: waiting for its data link to "
-                               f"come back (a job-level restart after --repair-timeout {rules.repair_timeout:g}s)",
-                               node))
-        elif not spare_here and dark_for >= rules.repair_timeout and not links.restarted:
-            links = dataclasses.replace(links, restarted=True)
-            actions.append(RestartJob(f"node {node}: {dark.detail} for {dark_for:.0f}s (--repair-timeout "
-                                      f"{rules.repair_timeout:g}s), its ranks with no spare node to move to"))
+                               f"come back {_until(rules, leave_out)}", node))
+        elif not spare_here and dark_for >= rules.repair_timeout and leave_out:
+            links = dataclasses.replace(links, moved=links.moved | {node})
+            actions.append(LeaveOut(node, f"{dark.detail} for {dark_for:.0f}s (--repair-timeout "
+                                          f"{rules.repair_timeout:g}s), with no spare node to move its ranks to"))
+        elif not spare_here and dark_for >= rules.repair_timeout and not links.ended:
+            links = dataclasses.replace(links, ended=True)
+            actions.append(EndJob(f"node {node}: {dark.detail} for {dark_for:.0f}s (--repair-timeout "
+                                  f"{rules.repair_timeout:g}s), with no spare node to move its ranks to; a restart "
+                                  f"would form the groups over the same dark link (to wait longer, raise "
+                                  f"--repair-timeout; to move the node, give the job a spare: --spares)"))
     return links, actions
+
+
+def _until(rules: LinkRules, leave_out: bool) -> str:
+    """What the wait for a dark link with no spare is bounded by, and what comes after it, in words."""
+    after = "the job goes on without the node (--nnodes allows it)" if leave_out else "the job ends"
+    return f"(up to --repair-timeout {rules.repair_timeout:g}s; then {after})"
 
 
 def taken_over(links: Links, node_rank: int) -> Links:
@@ -361,10 +385,33 @@ def _saving(ranks: list[dict]) -> Saving | None:
     return Saving(rank, seconds)
 
 
+def probe_words(snapshot: dict) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]], dict[int, str]]:
+    """What ``localise`` reads, from the board's node rows: each prober's unreachable and probed ids (a node's
+    is its node rank, a spare's its probe id below zero), only ids that are on the ring now (a spare that took
+    a node's place, or left, keeps its old id in the others' rounds for a moment); and how a spare is said."""
+    ids: dict[int, dict] = {}
+    names: dict[int, str] = {}
+    for row in snapshot.get("nodes") or ():
+        if not row.get("probed"):
+            continue
+        if row.get("role") == "active":
+            ids[row["node"]] = row
+        elif row.get("role") == "spare" and row.get("probe_id") is not None and row["probe_id"] < 0:
+            ids[row["probe_id"]] = row
+            names[row["probe_id"]] = f"spare node {row.get('host') or row['probe_id']}"
+    return ({n: tuple(i for i in row["unreachable"] if i in ids) for n, row in ids.items()},
+            {n: tuple(i for i in row["probed"] if i in ids) for n, row in ids.items()}, names)
+
+
+def job_links(verdict: Verdict) -> tuple[tuple[int, int], ...]:
+    """The verdict's broken links between two of the job's nodes (a spare's are said, and repaired by nothing)."""
+    return tuple(pair for pair in verdict.links if min(pair) >= 0)
+
+
 class LinkObserver:
     """The controller's side of both watches: takes the agents' link reports out of the report stream, runs
     the ladder at each keepalive, watches the board's step for a stall, says what it finds, and returns
-    the controller's events (a node lost to a spare, an online repair, a job-level restart)."""
+    the controller's events (a node lost to a spare, an online repair, the job's end)."""
 
     def __init__(self, events: EventLog, rules: LinkRules, stalls: StallWatch | None = None):
         self.events, self.rules = events, rules
@@ -413,8 +460,13 @@ class LinkObserver:
             if node in nodes and nodes[node].agent_id != agent:
                 self.links = taken_over(self.links, node)
                 del self._moving[node]
+                # the peers' probes reach the new holder a round later: that pair answering again is no link's return
+                self._explained.add(node)
+        for node in self.links.moved & view.vacant:  # left out of the job: nothing of its link concerns it now
+            self.links = taken_over(self.links, node)
+        shrink = bool(view.min_nodes) and len(view.present) - 1 >= view.min_nodes
         self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING,
-                                           self._host(nodes))
+                                           self._host(nodes), shrink)
         return self._act(actions, view, nodes)
 
     def watch_reach(self, view: JobView, snapshot: dict, nodes: dict[int, NodeSlot], spare: bool,
@@ -422,34 +474,37 @@ class LinkObserver:
         """The nodes' probes of the data network (their statuses on the board): the fault put on a node or on
         links, said when it changes. A node cut off from every peer is a dark link (the ladder, as the OS's
         word); links that answer again after they did not are repaired online, as a link back is."""
-        rows = [row for row in snapshot.get("nodes") or () if row.get("role") == "active" and row.get("probed")]
-        verdict = localise({row["node"]: tuple(row["unreachable"]) for row in rows},
-                           {row["node"]: tuple(row["probed"]) for row in rows})
+        verdict = localise(*probe_words(snapshot))
         before, self.verdict = self.verdict, verdict
-        if verdict.links:
+        if job_links(verdict):
             self._explained |= {d.node_rank for d in self.links.dark if d.source == "os"}
-        if verdict.text == before.text:
-            return []
         found: list[Event] = []
-        if verdict.text:
+        if verdict.text and verdict.text != before.text:
             log.warning("data network probe: %s", verdict.text)
             self.events.emit("link", view.generation, f"data network probe: {verdict.text}")
+        # a node cut off goes down the ladder (once: the ladder holds it), unless its OS spoke of its link a moment
+        # ago: the probe's rounds lag the OS's word by a second or two (a link dark and back already, whose probe
+        # verdict came late, is no new dark link); a verdict that outlasts that goes down the ladder then.
+        # A spare cut off (an id below zero) is said, and goes down no ladder
         for node in verdict.nodes:
-            if node not in before.nodes:
+            if node >= 0 and now - self._os_said.get(node, -OS_EXPLAINS) >= OS_EXPLAINS:
                 self.links, actions = on_link_report(self.links, node, False, "unreachable on the data network from "
                                                      "every peer (probe)", now, self.rules, spare, "probe",
                                                      self._host(nodes))
                 found += self._act(actions, view, nodes)
+        if verdict.text == before.text:
+            return found
         for node in before.nodes:
-            if node not in verdict.nodes:
+            if node >= 0 and node not in verdict.nodes:
                 self.links, actions = on_link_report(self.links, node, True, "reachable on the data network again "
                                                      "(probe)", now, self.rules, spare, source="probe")
                 found += self._act(actions, view, nodes)
-        if before.links and not verdict.links and not self.links.dark:
-            a, b = before.links[0]
+        broken, mended = job_links(before), job_links(verdict)
+        if broken and not mended and not self.links.dark:
+            a, b = broken[0]
             explained = self._explained | {n for n, at in self._os_said.items() if now - at < OS_EXPLAINS}
             self._explained = set()
-            if not explained & {n for pair in before.links for n in pair}:  # the OS's word already repaired it
+            if not explained & {n for pair in broken for n in pair}:  # the OS's word already repaired it
                 back = f"nodes {a} and {b} reach each other on the data network again (probe)"
                 found += self._act([Say(back, b), RepairOnline(b, back)], view, nodes)
         return found
@@ -531,13 +586,14 @@ class LinkObserver:
                 holder = nodes.get(action.node_rank)
                 self.events.emit(action.kind, view.generation, action.line, node=action.node_rank,
                                  host=holder.host if holder else None)
-            elif isinstance(action, MoveToSpare) and action.node_rank in nodes:
-                self._moving[action.node_rank] = nodes[action.node_rank].agent_id
+            elif isinstance(action, (MoveToSpare, LeaveOut)) and action.node_rank in nodes:
+                if isinstance(action, MoveToSpare):
+                    self._moving[action.node_rank] = nodes[action.node_rank].agent_id
                 found.append(NodeLost(nodes[action.node_rank], f"node {action.node_rank}: {action.detail}"))
             elif isinstance(action, RepairOnline):
                 holder = nodes.get(action.node_rank)
                 found.append(LinkBack(action.node_rank, holder.host if holder else "",
                                       holder.first_rank if holder else 0, action.detail, time.time()))
-            elif isinstance(action, RestartJob):
+            elif isinstance(action, EndJob):
                 found.append(LinkLost(action.detail))
         return found

@@ -185,8 +185,9 @@ class Narrator:
         self.repair.mark("detect", min((f.timestamp for f in new_failures), default=now))
         self.repair.mark("stop", now)
         self._library_seen = self._joined(before.generation) > 0
+        # said only where it is why: a scale-in (a node left out) is job level with every rank under the library
         if (after.level is Level.JOB and after.recovery is Level.PROCESS and not after.no_replica
-                and not self._said_no_library):
+                and (after.refusal or after.library_ranks < after.world_size) and not self._said_no_library):
             self._said_no_library = True
             if after.refusal:
                 log.warning("process-level recovery is off: %s: using job-level recovery", after.refusal)

@@ -8,6 +8,11 @@ refused) is reachable. Each node tells the controller, with its status, which no
 :func:`localise` (pure) puts the fault on a node (it reaches none of its peers and none reaches it) or on
 the links between some pairs, and says which. A job of many nodes probes its nearest PROBE_PEERS by node
 rank each way, so the probes cost O(nodes), not O(nodes^2).
+
+The spare nodes' agents take part too, as probers and probed, though they hold no place in the job's ring
+of ranks: each takes a probe id below zero (:func:`spare_probe_id`) and sits on the probe's ring beside the
+nodes. Two nodes alone that cannot reach each other with both carriers up are one broken link to them; a
+spare is the third vantage point that tells which side is cut off (it reaches one and not the other).
 """
 
 from __future__ import annotations
@@ -40,6 +45,17 @@ def interface_address(name: str) -> str:
         return ""
 
 
+def spare_probe_id(claimed: int) -> int:
+    """The probe id of the spare that claimed the ``claimed``-th spare slot of the probe (1, 2, ...: a counter
+    of the store's): below zero, so that it is never a node rank."""
+    return -claimed
+
+
+def probe_ring(nodes: list[int], spares_claimed: int) -> list[int]:
+    """Every probe id on the ring: the node ranks, and the ids of the ``spares_claimed`` spares that took one."""
+    return sorted(nodes) + [spare_probe_id(n) for n in range(1, spares_claimed + 1)]
+
+
 def peers_to_probe(me: int, nodes: list[int], reach: int = PROBE_PEERS) -> list[int]:
     """The node ranks ``me`` probes among ``nodes``: every other one, or in a large job its ``reach`` nearest on
     each side, the list taken as a ring."""
@@ -62,12 +78,19 @@ class Verdict:
     text: str = ""
 
 
-def localise(unreachable: Mapping[int, tuple[int, ...]], probed: Mapping[int, tuple[int, ...]]) -> Verdict:
+def localise(unreachable: Mapping[int, tuple[int, ...]], probed: Mapping[int, tuple[int, ...]],
+             names: Mapping[int, str] | None = None) -> Verdict:
     """The fault put on a node or on links, from each node's word: ``unreachable[n]``, the nodes n could not
     reach; ``probed[n]``, the nodes n probed. A node is cut off when it reached none of the nodes it probed
-    and none of the nodes that probed it reached it (two nodes alone that cannot reach each other are one
-    link: which side is dark, only the OS can say)."""
-    pairs = {(min(a, b), max(a, b)) for a, lost in unreachable.items() for b in lost}
+    and none of the nodes that probed it reached it, and at least two others judged it (two nodes alone that
+    cannot reach each other are one link: which side is dark, only the OS can say, or a third vantage point,
+    a spare). ``names``: how an id other than a node rank is said (a spare's: "spare node HOST")."""
+    names = names or {}
+
+    def said(node: int) -> str:
+        return names.get(node, f"node {node}")
+
+    pairs = {(min(a, b), max(a, b)) for a, lost in unreachable.items() for b in lost if a != b}
     cut_off = []
     for node in sorted(set(unreachable) | set(probed)):
         mine = set(probed.get(node, ()))
@@ -79,8 +102,9 @@ def localise(unreachable: Mapping[int, tuple[int, ...]], probed: Mapping[int, tu
         if mine and by_others and out_lost and in_lost:
             cut_off.append(node)
     links = tuple(sorted(p for p in pairs if p[0] not in cut_off and p[1] not in cut_off))
-    words = [f"node {n} reaches no peer on the data network, and no peer reaches it" for n in cut_off]
-    words += [f"nodes {a} and {b} cannot reach each other on the data network" for a, b in links]
+    words = [f"{said(n)} reaches no peer on the data network, and no peer reaches it" for n in cut_off]
+    words += [(f"nodes {a} and {b}" if a >= 0 and b >= 0 and a not in names and b not in names
+               else f"{said(a)} and {said(b)}") + " cannot reach each other on the data network" for a, b in links]
     return Verdict(tuple(cut_off), links, "; ".join(words))
 
 
@@ -139,6 +163,10 @@ class Prober:
             if host and port.isdigit():
                 parsed[node] = (host, int(port))
         self._targets = parsed
+        # what the last round found of peers no longer aimed at is stale (a spare that took a node's place
+        # probed that node's old holder under the id it holds now): not said again
+        self.probed = tuple(n for n in self.probed if n in parsed)
+        self.unreachable = tuple(n for n in self.unreachable if n in parsed)
 
     def _answer(self) -> None:
         while not self._stop.is_set():

@@ -51,7 +51,8 @@ def test_a_flapping_data_link_is_said_shown_repaired_online_then_its_node_moves_
     # for a moment: each time the controller says so and the status shows the node's link dark and the job
     # stalled; the first two are repaired online the moment the link is back, no process started; at the
     # third (a flapping link) its ranks move to the spare at process level while node 0's ranks keep their
-    # processes, and node 1's agent leaves. (No spare, the wait and the job-level restart: tests/unit.)
+    # processes, and node 1's agent leaves. The spare's agent probes the data network and is probed meanwhile.
+    # (No spare, the wait and the job's end: tests/unit and scripts/bench_dark_link.py's never-back row.)
     bed = ClusterBed(ELASTIC_NODES + 1).open()
     try:
         run_flapping(launcher, bed, fault_free)
@@ -115,6 +116,10 @@ def run_flapping(launcher, bed: ClusterBed, fault_free: dict) -> None:
     assert waits and re.match(r"ranks? [0-9, -]+ waits? in all_reduce \(step \d+\) for \d+s", waits[0]), waits
     assert any(r["collective"] and r["collective"]["op"] == "all_reduce" for s in lines for r in s["ranks"])
     assert lines[-1]["stall"] is None  # node 1's place taken by the spare: its old dark link is no more
+    # the spare's agent on the data network's probe ring (a third vantage point), outside the job's ranks
+    assert any(n["role"] == "spare" and n["probe_id"] == -1 and sorted(n["probed"]) == [0, 1]
+               for s in lines for n in s["nodes"]), "the spare never probed the data network"
+    assert any(n["role"] == "active" and n["node"] == 0 and -1 in n["probed"] for s in lines for n in s["nodes"])
     results = launcher.results()
     assert sorted(results) == [0, 1, 2, 3] and {r["step"] for r in results.values()} == {ELASTIC_STEPS}
     assert {rank: r["digest"] for rank, r in results.items()} == fault_free  # bit-identical

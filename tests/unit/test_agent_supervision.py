@@ -3,6 +3,7 @@ protocol over a real TCPStore, the clock passed in where a wait would be."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -141,3 +142,30 @@ def test_a_data_link_gone_dark_and_back_is_reported_and_the_probe_is_published(n
         assert n.store.try_get(NodeStatus, n.keys.agent_status(AGENT)).unreachable == ()
     finally:
         n.supervision.probe.stop()
+
+
+def test_a_spare_probes_the_data_network_under_an_id_of_its_own_and_keeps_its_probe_when_it_takes_a_node(node):
+    n = node("sleep,sleep")
+    supervision, seat = n.supervision, n.supervision.seat
+    seat.slot = dataclasses.replace(seat.slot, node_rank=-1)  # standing by: no node yet
+    n.store.add(n.keys.spare_probes, 1)  # another spare took -1 before
+    supervision.start_probe("127.0.0.1")
+    try:
+        endpoint = supervision.probe.endpoint
+        assert supervision.probe_id == -2 and n.store.try_text(n.keys.data_probe(-2)) == endpoint
+        supervision.publish_status()
+        assert n.store.try_get(NodeStatus, n.keys.agent_status(AGENT)).probe_id == -2
+        for peer in (-1, 0):
+            n.store.set_text(n.keys.data_probe(peer), f"127.0.0.1:{9000 - peer}")
+        supervision.aim_probe(now=1.0)
+        assert supervision.probe._targets == {0: ("127.0.0.1", 9000)}  # the spares on the ring: read in this round
+        supervision.aim_probe(now=2.0)
+        assert supervision.probe._targets == {-1: ("127.0.0.1", 9001), 0: ("127.0.0.1", 9000)}  # never itself
+        seat.take(0)
+        supervision.start_probe("127.0.0.1")  # the node's parts start: the spare's probe goes on, under its node rank too
+        assert supervision.probe.endpoint == endpoint and supervision.probe_id == 0
+        assert n.store.try_text(n.keys.data_probe(0)) == endpoint
+        supervision.publish_status()
+        assert n.store.try_get(NodeStatus, n.keys.agent_status(AGENT)).probe_id is None
+    finally:
+        supervision.probe.stop()

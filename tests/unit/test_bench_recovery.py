@@ -492,7 +492,12 @@ def test_dark_link_mode_runs_bench_dark_link_s_scenarios_and_holds_each_ftrun_ro
     figures = {"no-spare": {"said_s": 0.1, "resumed_s": 0.9, "processes_started": 0},
                "spare": {"said_s": 0.1, "resumed_s": 3.4, "processes_started": 2},
                "torchrun": {"said_s": None, "resumed_s": 24.5, "processes_started": 0},
-               "silent": {"said_s": 2.5, "resumed_s": 3.5, "processes_started": 0}}  # past the 3 s goal
+               "silent": {"said_s": 2.5, "resumed_s": 3.5, "processes_started": 0},  # past the 3 s goal
+               "never-back": {"said_s": 0.2, "ended_s": 10.1, "exit_codes": [1, 1], "left_behind": 0,
+                              "reason": "reason: node 1: data link data dark (operstate down, no carrier) for 8s"},
+               "leave-out": {"said_s": 0.2, "left_out_s": 8.3, "ended_s": 20.0, "exit_codes": [0, 1],
+                             "left_behind": 1, "reason": ""},  # a process left behind
+               "silent-spare": {"said_s": 2.7, "resumed_s": 4.6, "processes_started": 2}}
     cases = []
 
     def run(scenario, case, reference, workdir):
@@ -511,7 +516,12 @@ def test_dark_link_mode_runs_bench_dark_link_s_scenarios_and_holds_each_ftrun_ro
     assert {(c.dark_for, c.steps, c.step_sleep, c.scenarios) for c in cases} == {(5.0, 40, 0.1, bench_dark_link.SCENARIOS)}
     rows = json.loads(out.read_text())["dark_link"]["rows"]
     assert [(r["scenario"], r["goal_met"]) for r in rows] == [("no-spare", True), ("spare", True), ("torchrun", None),
-                                                              ("silent", False)]
+                                                              ("silent", False), ("never-back", True),
+                                                              ("leave-out", False), ("silent-spare", True)]
+    never_back = rows[4]
+    assert bench_dark_link.goal_met({**never_back, "exit_codes": [0, 1]}) is False  # a launcher that said success
+    assert bench_dark_link.goal_met({**never_back, "ended_s": 13.5}) is False  # past --repair-timeout 8 + 5 s
+    assert bench_dark_link.goal_met({**rows[5], "left_behind": 0}) is True
     assert all("digests" not in r for r in rows)
     assert "a dark data link: 2 nodes x 2 ranks" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["bench_recovery.py", "--dark-link", "--nnodes", "3"])

@@ -14,12 +14,13 @@ import pytest
 from ftrun.config import LaunchConfig
 from ftrun.controller.inbox import LinkBack, LinkLost, NodeLost, Reported
 from ftrun.controller.links import (
+    EndJob,
+    LeaveOut,
     LinkObserver,
     LinkRules,
     Links,
     MoveToSpare,
     RepairOnline,
-    RestartJob,
     Say,
     Saving,
     StallWatch,
@@ -39,8 +40,9 @@ from ftrun.detection.links import (
     parse_hccn_link,
     read_interface,
 )
-from ftrun.detection.reach import Prober, Verdict, interface_address, localise, peers_to_probe
+from ftrun.detection.reach import Prober, Verdict, interface_address, localise, peers_to_probe, probe_ring
 from ftrun.devices import DeviceToolError
+from ftrun.errors import ExitCode
 from ftrun.events import EventLog
 from ftrun.live_view import job_line, plain_line, stall_lines
 from ftrun.messages import CommandKind, NodeSlot, Report, ReportKind
@@ -143,15 +145,55 @@ def test_transition_dark_past_the_window_with_a_spare_moves_the_node_once():
     assert on_link_report(links, 1, True, "back", 20.0, RULES, spare=True)[1] == []
 
 
-def test_transition_dark_without_a_spare_waits_says_so_once_then_restarts_the_job():
+def test_transition_dark_without_a_spare_waits_says_so_once_with_its_deadline_then_ends_the_job():
     links, _ = on_link_report(Links(), 1, False, "data link data dark", 10.0, RULES, spare=False)
     links, actions = on_link_tick(links, 12.5, RULES, spare=False, running=True)
-    assert len(actions) == 1 and "no spare node" in actions[0].line and "--repair-timeout 60s" in actions[0].line
-    links, actions = on_link_tick(links, 30.0, RULES, spare=False, running=True)
+    assert len(actions) == 1 and "no spare node" in actions[0].line
+    assert "up to --repair-timeout 60s; then the job ends" in actions[0].line
+    links, actions = on_link_tick(links, 69.9, RULES, spare=False, running=True)
     assert actions == []
     links, actions = on_link_tick(links, 70.5, RULES, spare=False, running=True)
-    assert [type(a) for a in actions] == [RestartJob] and "with no spare node to move to" in actions[0].detail
+    assert [type(a) for a in actions] == [EndJob]
+    assert "node 1: data link data dark for 60s (--repair-timeout 60s), with no spare node" in actions[0].detail
     assert on_link_tick(links, 80.0, RULES, spare=False, running=True)[1] == []
+
+
+def test_transition_dark_without_a_spare_leaves_the_node_out_where_nnodes_allows_never_the_controllers():
+    links, _ = on_link_report(Links(), 1, False, "data link data dark", 10.0, RULES, spare=False)
+    links, [said] = on_link_tick(links, 12.5, RULES, spare=False, running=True, shrink=True)
+    assert "then the job goes on without the node (--nnodes allows it)" in said.line
+    links, actions = on_link_tick(links, 70.5, RULES, spare=False, running=True, shrink=True)
+    assert actions == [LeaveOut(1, "data link data dark for 60s (--repair-timeout 60s), with no spare node to move "
+                                   "its ranks to")]
+    assert on_link_tick(links, 80.0, RULES, spare=False, running=True, shrink=True)[1] == []
+    # the controller's own node would take the store with it: the job ends instead
+    links, _ = on_link_report(Links(), 0, False, "data link data dark", 10.0, RULES, spare=False, host=0)
+    links, [said] = on_link_tick(links, 12.5, RULES, spare=False, running=True, host=0, shrink=True)
+    assert "then the job ends" in said.line
+    assert [type(a) for a in on_link_tick(links, 70.5, RULES, spare=False, running=True, host=0, shrink=True)[1]] == [EndJob]
+
+
+def test_the_observer_leaves_a_dark_node_out_through_the_scale_in_and_forgets_its_link_once_vacant():
+    observer = LinkObserver(EventLog(), RULES)
+    elastic = ready(min_nodes=1)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], elastic, slots(), False, 10.0)
+    assert observer.observe(elastic, slots(), False, 12.5) == []
+    [lost] = observer.observe(elastic, slots(), False, 70.5)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1 and lost.spare == ""
+    view, commands = decide(elastic, lost)
+    assert view.vacant == {1} and (view.phase, view.level) == (Phase.STOPPING, Level.JOB)
+    assert view.reason.endswith("going on with 1 nodes") and [c.kind for c in commands] == [CommandKind.STOP]
+    assert observer.status(71.0) is not None  # still dark until the scale-in leaves it out
+    observer.observe(dataclasses.replace(view, phase=Phase.RUNNING), slots(), False, 72.0)
+    assert observer.status(72.0) is None and observer.links == Links()
+    # a fixed size: the job ends, with the link as its reason
+    observer = LinkObserver(EventLog(), RULES)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), slots(), False, 10.0)
+    observer.observe(ready(), slots(), False, 12.5)
+    [ends] = observer.observe(ready(), slots(), False, 70.5)
+    view, commands = decide(ready(), ends)
+    assert view.phase is Phase.EXITING and view.reason.startswith("node 1: data link data dark (operstate down, no "
+                                                                  "carrier) for 60s (--repair-timeout 60s)")
 
 
 def test_nothing_is_decided_while_a_repair_is_under_way():
@@ -278,12 +320,16 @@ def test_link_back_changes_nothing_without_process_level_or_outside_running():
     assert on_link_back(stopping, 1, "h1", 2, "back") == (stopping, [])
 
 
-def test_transition_running_to_stopping_job_level_when_the_link_stays_dark_and_exit_without_budget():
-    view, commands = decide(ready(), LinkLost("node 1: dark for 60s"))
-    assert (view.phase, view.level) == (Phase.STOPPING, Level.JOB)
-    assert [c.kind for c in commands] == [CommandKind.STOP]
-    view, commands = on_link_lost(ready(max_restarts=0), "node 1: dark for 60s")
-    assert view.phase is Phase.EXITING and "retry budget spent" in view.reason
+def test_transition_running_to_exiting_when_the_link_stays_dark_whatever_budget_is_left():
+    # found on the test bed: the job-level restart this was, into the same dark link, failed to connect at once,
+    # its online repair stood until its deadline, and the job ended 28 s after the dark with the repair as its reason
+    for budget in (0, 2):
+        view, commands = decide(ready(max_restarts=budget), LinkLost("node 1: dark for 60s"))
+        assert view.phase is Phase.EXITING and view.reason == "node 1: dark for 60s"
+        assert view.exit_code == ExitCode.JOB_FAILED and view.restarts_used == 0
+        assert [c.kind for c in commands] == [CommandKind.EXIT]
+    stopping = ready(phase=Phase.STOPPING, level=Level.PROCESS)
+    assert on_link_lost(stopping, "node 1: dark for 60s") == (stopping, [])
 
 
 # -- the observer and the status -----------------------------------------------------------------------
@@ -444,6 +490,35 @@ def test_localise_puts_the_fault_on_a_link_when_only_one_pair_fails():
     assert localise({0: (1,), 1: (0,)}, {0: (1,), 1: (0,)}).links == ((0, 1),)
 
 
+def test_localise_with_a_spare_puts_a_silent_fault_on_the_node_not_the_pair():
+    # 2 nodes and a spare (probe id -1), node 1's port off the switch: the spare reaches node 0 and not node 1
+    probed = {0: (-1, 1), 1: (-1, 0), -1: (0, 1)}
+    verdict = localise({0: (1,), 1: (-1, 0), -1: (1,)}, probed, {-1: "spare node h2"})
+    assert verdict.nodes == (1,) and verdict.links == ()
+    assert verdict.text == "node 1 reaches no peer on the data network, and no peer reaches it"
+    # the spare's own link silent: the spare is named, the nodes are not blamed
+    verdict = localise({0: (-1,), 1: (-1,), -1: (0, 1)}, probed, {-1: "spare node h2"})
+    assert verdict.nodes == (-1,) and verdict.links == ()
+    assert verdict.text == "spare node h2 reaches no peer on the data network, and no peer reaches it"
+    # the link between the two nodes alone: a pair, as without a spare
+    verdict = localise({0: (1,), 1: (0,), -1: ()}, probed, {-1: "spare node h2"})
+    assert verdict.nodes == () and verdict.links == ((0, 1),)
+    assert verdict.text == "nodes 0 and 1 cannot reach each other on the data network"
+    verdict = localise({0: (-1,), -1: (0,)}, probed, {-1: "spare node h2"})
+    assert verdict.links == ((-1, 0),) and verdict.text == "spare node h2 and node 0 cannot reach each other on the data network"
+    # found on the bed: a spare that took node 1's place said, for a round, its probe of node 1's old holder as node 1
+    assert localise({0: (), 1: (1,), -1: ()}, probed) == Verdict()
+
+
+def test_the_probe_ring_holds_the_spares_beside_the_nodes():
+    assert probe_ring([1, 0], 2) == [0, 1, -1, -2] and probe_ring([0, 1], 0) == [0, 1]
+    assert peers_to_probe(1, probe_ring([0, 1], 1)) == [-1, 0]
+    assert peers_to_probe(-1, probe_ring([0, 1], 1)) == [0, 1]
+    # a large job: a spare probes its nearest on the ring as a node does, and is probed by theirs
+    ring = probe_ring(list(range(100)), 1)
+    assert peers_to_probe(-1, ring, reach=2) == [0, 1, 98, 99] and -1 in peers_to_probe(0, ring, reach=2)
+
+
 def test_peers_to_probe_are_every_other_node_or_the_nearest_on_a_ring():
     assert peers_to_probe(1, [0, 1, 2]) == [0, 2]
     assert peers_to_probe(0, list(range(100)), reach=2) == [1, 2, 98, 99]
@@ -478,6 +553,18 @@ def test_the_prober_finds_a_listener_reachable_and_a_silent_address_not():
             sock.close()
 
 
+def test_a_prober_aimed_anew_forgets_what_it_found_of_peers_no_longer_aimed_at():
+    # a spare that took node 1's place had probed node 1's old holder; its id is 1 now: not said again
+    prober = Prober("127.0.0.1", every=60.0)  # no round of its own within the test
+    prober.start()
+    try:
+        prober.probed, prober.unreachable = (0, 1), (1,)
+        prober.aim({-1: prober.endpoint, 0: prober.endpoint})
+        assert prober.probed == (0,) and prober.unreachable == ()
+    finally:
+        prober.stop()
+
+
 def test_the_observer_moves_a_node_the_probe_finds_cut_off_and_repairs_when_a_link_answers_again():
     def board(unreachable: dict[int, tuple[int, ...]]) -> dict:
         return {"nodes": [{"node": n, "role": "active", "probed": [p for p in range(3) if p != n],
@@ -497,6 +584,45 @@ def test_the_observer_moves_a_node_the_probe_finds_cut_off_and_repairs_when_a_li
 
 def waits(op: str, seconds: float, group: str = "0", size: int = 6) -> dict:
     return {"op": op, "group": group, "group_size": size, "for": seconds}
+
+
+def spare_board(unreachable: dict[int, tuple[int, ...]], stale: tuple[int, ...] = ()) -> dict:
+    """The board's rows of 2 nodes and a spare of probe id -1 (its host h2) on the probe's ring; ``stale``:
+    ids in every prober's round that no row holds now (a spare that took a node's place, or left)."""
+    ring = (0, 1, -1)
+    rows = [{"node": n, "role": "active", "probe_id": None} for n in (0, 1)]
+    rows.append({"node": -1, "role": "spare", "host": "h2", "probe_id": -1})
+    for row, me in zip(rows, ring):
+        row["probed"] = [p for p in ring + stale if p != me]
+        row["unreachable"] = list(unreachable.get(me, ())) + list(stale)
+    return {"nodes": rows}
+
+
+def test_the_observer_with_a_spare_moves_a_node_cut_off_silently_and_never_the_spare():
+    nodes = {n: NodeSlot(n, f"a{n}", f"h{n}", 2, 2 * n) for n in range(2)}
+    events = EventLog()
+    observer = LinkObserver(events, RULES)
+    assert observer.watch_reach(ready(), spare_board({0: (1,), 1: (-1, 0), -1: (1,)}, stale=(-2,)), nodes, True,
+                                10.0) == []
+    assert observer.verdict.text == "node 1 reaches no peer on the data network, and no peer reaches it"
+    [lost] = observer.observe(ready(), nodes, True, 12.5)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1
+    # found on the bed: the spare holds node 1 now, and node 0's probe reaches its listener a round later; that pair
+    # answering again is no link's return (it was repaired online, in vain)
+    spare_holds = {**nodes, 1: NodeSlot(1, "s0", "h2", 2, 2)}
+    assert observer.observe(ready(), spare_holds, False, 13.0) == []
+    two = {"nodes": [row for row in spare_board({0: (1,)})["nodes"] if row["role"] == "active"]}
+    assert observer.watch_reach(ready(), two, spare_holds, False, 13.5) == [] and observer.verdict.links == ((0, 1),)
+    assert observer.watch_reach(ready(), spare_board({}), spare_holds, False, 14.5) == []
+    # the spare's own link: said, and nothing moved or repaired, then or when it answers again
+    observer = LinkObserver(events, RULES)
+    assert observer.watch_reach(ready(), spare_board({0: (-1,), 1: (-1,), -1: (0, 1)}), nodes, True, 20.0) == []
+    assert observer.verdict.nodes == (-1,) and observer.links == Links()
+    assert observer.watch_reach(ready(), spare_board({0: (-1,), -1: (0,)}), nodes, True, 21.0) == []
+    assert observer.watch_reach(ready(), spare_board({}), nodes, True, 22.0) == [] and observer.links == Links()
+    said = [e["detail"] for e in events.events if e["kind"] == "link"]
+    assert said[-2:] == ["data network probe: spare node h2 reaches no peer on the data network, and no peer reaches it",
+                         "data network probe: spare node h2 and node 0 cannot reach each other on the data network"]
 
 
 def test_where_ranks_stand_names_the_collective_each_rank_waits_in_the_longest_first():
@@ -573,7 +699,7 @@ def test_the_controllers_own_node_never_moves_to_a_spare_it_is_waited_for():
     links, actions = on_link_tick(links, 12.5, RULES, spare=True, running=True, host=0)
     assert len(actions) == 1 and actions[0].line.startswith("node 0 hosts the controller: its ranks stay")
     assert on_link_tick(links, 30.0, RULES, spare=True, running=True, host=0)[1] == []
-    assert [type(a) for a in on_link_tick(links, 70.5, RULES, spare=True, running=True, host=0)[1]] == [RestartJob]
+    assert [type(a) for a in on_link_tick(links, 70.5, RULES, spare=True, running=True, host=0)[1]] == [EndJob]
     flapping = Links(downs=((0, 1.0), (0, 2.0)))
     assert [type(a) for a in on_link_report(flapping, 0, False, "dark", 3.0, RULES, spare=True, host=0)[1]] == [Say]
     observer = LinkObserver(EventLog(), RULES)
@@ -581,3 +707,20 @@ def test_the_controllers_own_node_never_moves_to_a_spare_it_is_waited_for():
     observer.take_reports([Reported(Report(ReportKind.LINK_DOWN, 0, 0, detail="dark", agent_id="a0"))], ready(),
                           slots(), True, 10.0)
     assert observer.observe(ready(), slots(), True, 20.0) == []
+
+
+def test_a_probe_verdict_that_lags_the_oss_word_is_no_new_dark_link_until_it_outlasts_it():
+    # with a spare on the probe's ring, a short dark (said and repaired by the OS's word) comes back from the probe a
+    # round or two late as node 1 cut off: that is no new dark link to move to the spare
+    nodes = {n: NodeSlot(n, f"a{n}", f"h{n}", 2, 2 * n) for n in range(2)}
+    observer = LinkObserver(EventLog(), RULES)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], ready(), nodes, True, 10.0)
+    [back] = observer.take_reports([link_report(ReportKind.LINK_UP)], ready(), nodes, True, 11.0)
+    assert isinstance(back, LinkBack)
+    cut_off = spare_board({0: (1,), 1: (-1, 0), -1: (1,)})
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 12.0) == [] and observer.links.dark == ()
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 15.9) == [] and observer.links.dark == ()
+    assert observer.watch_reach(ready(), cut_off, nodes, True, 16.1) == []  # it outlasted the OS's word
+    assert [(d.node_rank, d.source) for d in observer.links.dark] == [(1, "probe")]
+    [lost] = observer.observe(ready(), nodes, True, 18.2)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1

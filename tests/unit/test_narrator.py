@@ -178,3 +178,19 @@ def test_a_repair_past_its_deadline_falls_back_with_its_reason_and_no_remedy(cap
                                "finish within 6s (stuck in rollback)")
     assert (event["cause"], event["remedy"]) == ("", "")
     assert [r.getMessage() for r in caplog.records] == [event["detail"]]
+
+
+def test_a_scale_in_of_library_ranks_is_not_said_as_ranks_without_the_library(caplog):
+    # found on the test bed: a job-level stop of a job whose 4 ranks all run ftrun.elastic said "not every rank runs
+    # ftrun.elastic (4 of 4 said hello)"; a scale-in (one node left out) is such a stop
+    narrator, _ = told()
+    running = job()
+    stopping = running.move(Phase.STOPPING, level=Level.JOB, reason="node 1 lost; going on with 1 nodes")
+    stopping = dataclasses.replace(stopping, world_size=2, vacant=frozenset({1}))
+    with caplog.at_level(logging.WARNING, logger="ftrun.controller.narrator"):
+        narrator.decided(running, stopping, FAULT_AT + 0.5)
+    assert "ftrun.elastic" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="ftrun.controller.narrator"):  # a rank without it: said
+        narrator.decided(dataclasses.replace(running, library_ranks=3),
+                         dataclasses.replace(stopping, library_ranks=3, world_size=4), FAULT_AT + 0.5)
+    assert "not every rank runs ftrun.elastic (3 of 4 said hello): using job-level recovery" in caplog.text
