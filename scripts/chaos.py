@@ -426,7 +426,7 @@ class Round:
 
     def __init__(self, plan: Plan, folder: Path, checksum: float | None, deadline: float, reference: bool = False):
         self.plan = plan
-        #: the fault-free run: no step sleep, no warm standby (the checksum does not depend on them)
+        #: the fault-free run: no step sleep (the checksum does not depend on it)
         self.reference = reference
         self.folder = folder
         self.checksum = checksum
@@ -479,8 +479,6 @@ class Round:
                 "--node-timeout", str(NODE_TIMEOUT), "--spares", str(spares), "--log-dir", str(self.folder / "logs")]
         if "rendezvous" in self.kinds:
             args += ["--rdzv-timeout", str(RENDEZVOUS_TIMEOUT)]
-        if self.reference:
-            args += ["--warm-standby", "0"]
         if self.device:
             args += ["--device", "npu", "--health-interval", "0.2"]
         if self.etcd is not None:  # every agent a candidate for the office; node 0 leads by starting first

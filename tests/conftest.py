@@ -78,6 +78,11 @@ class Launcher:
     tmp: Path
     mark: str
     nodes: list[Node] = field(default_factory=list)
+    #: the jobs' ranks forked from each node's warm interpreter (PET_WARM_STANDBY=1, which a test's own
+    #: --warm-standby overrides), at job level too where ftrun's default starts each rank fresh, as torchrun does:
+    #: one torch import per node, not one per rank and generation, half the CPU of a job-level test on 2 cores.
+    #: The fresh path keeps the tests marked ``fresh_interpreters`` (torchrun's own lifecycle and exits).
+    warm: bool = True
 
     @property
     def out_dir(self) -> Path:
@@ -88,6 +93,8 @@ class Launcher:
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ, FTRUN_TEST_MARK=self.mark, OUT_DIR=str(self.out_dir), PYTHONUNBUFFERED="1")
         env.pop("PET_NNODES", None)
+        if self.warm:
+            env.setdefault("PET_WARM_STANDBY", "1")
         env.update(extra)
         return env
 
@@ -182,19 +189,19 @@ def fault_free(tmp_path_factory):
     """That job under the c10d store, without a fault: every rank's digest (run once for the session: the
     etcd tests, direct and over ssh, compare with it)."""
     runner = Launcher(tmp_path_factory.mktemp("fault-free"), unique_mark("fault-free"))
-    # the 4 ranks on one agent, no warm standby, no step sleep: the digests depend on none of them, and the
-    # run starts faster
+    # the 4 ranks on one agent, forked from its warm interpreter, no step sleep: the digests depend on neither,
+    # and the run starts faster
     runner.start_job(1, ELASTIC_NODES * ELASTIC_NPROC, [str(WORKERS / "elastic_train.py")],
-                     flags=["--recovery", "process", "--warm-standby", "0"],
+                     flags=["--recovery", "process"],
                      env=runner.env(STEPS=str(ELASTIC_STEPS), STEP_SLEEP="0"))
     assert runner.wait() == [0], runner.output()
     return {rank: r["digest"] for rank, r in runner.results().items()}
 
 
 @pytest.fixture
-def launcher(tmp_path):
+def launcher(tmp_path, request):
     """Agents started through it are checked for leftovers: no process may outlive the test."""
-    runner = Launcher(tmp_path, unique_mark("test"))
+    runner = Launcher(tmp_path, unique_mark("test"), warm=request.node.get_closest_marker("fresh_interpreters") is None)
     yield runner
     for node in runner.nodes:
         if node.proc.poll() is None:

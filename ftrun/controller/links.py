@@ -263,6 +263,9 @@ class StallWatch:
         self._step: int | None = None
         self._since = 0.0
         self._saw_save = False
+        #: the first step committed since the clock started (the job's, or a repair's first) is no step time: it
+        #: imports, compiles and forms the groups, and twice it would bound the next STALL_SAMPLES steps
+        self._first = True
         self.stalled: Stall | None = None
 
     def bound(self) -> tuple[float, str]:
@@ -286,7 +289,7 @@ class StallWatch:
 
     def pause(self, now: float) -> None:
         """A repair or a restart: its time is no step time, and the clock starts again at its end."""
-        self._step, self.stalled = None, None
+        self._step, self.stalled, self._first = None, None, True
 
     def observe(self, now: float, step: int | None, beating: bool, saving: Saving | None = None,
                 longest_save: float = 0.0) -> Stall | None:
@@ -305,12 +308,13 @@ class StallWatch:
             self._step, self._since, self.stalled = step, now, None
             return None
         if step > self._step:
-            per_step = (now - self._since) / (step - self._step)
-            self.durations = (self.durations + [per_step])[-self.samples:]
-            self._step, self._since, self.stalled = step, now, None
+            if not self._first:
+                per_step = (now - self._since) / (step - self._step)
+                self.durations = (self.durations + [per_step])[-self.samples:]
+            self._step, self._since, self.stalled, self._first = step, now, None, False
             return None
         if not self.durations:
-            return None  # the first step (imports, compilation, the group's forming) is no step time
+            return None  # no step time yet: the first step (imports, compilation, the group's forming) is none
         waited = now - self._since
         bound, basis = self.save_bound() if saving is not None else self.bound()
         # a rank not beating is dead or hung: the hang check and the exit path take it

@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import WORKERS, marked_processes, wait_for
 
-pytestmark = pytest.mark.integration
+# torchrun's own path: each rank in a fresh interpreter, as ftrun starts them at job level by default
+pytestmark = [pytest.mark.integration, pytest.mark.fresh_interpreters]
 SLEEPER = str(WORKERS / "sleeper.py")
 
 

@@ -120,6 +120,9 @@ def test_spare_host_takes_over_as_soon_as_a_hosts_session_ends(launcher, sshd):
     assert "nodes replaced by a spare (1)" in head.output
 
 
+# fresh interpreters, as at job level by default: the ranks are found by the RANK in their /proc environ, which a
+# rank forked from the warm interpreter does not show
+@pytest.mark.fresh_interpreters
 def test_ctrl_c_on_the_head_stops_every_host(launcher, sshd):
     env = launcher.env(STEPS="1000", STEP_SLEEP="0.1")
     head = start_head(launcher, sshd, [f"{HOSTS[0]} slots=2", f"{HOSTS[1]} slots=2"], [TRAIN], env=env)
@@ -441,9 +444,15 @@ def test_probe_from_the_head_checks_every_host_once_and_leaves_nothing_behind(la
                                "--rdzv-endpoint", f"{HOSTS[0]}:{free_port()}", *flags])
 
     fit = probe([HOSTS[0], f"{HOSTS[1]} slots=2"], "--device", "cpu")
-    assert launcher.wait([fit], timeout=120) == [0], fit.output
+    code = launcher.wait([fit], timeout=120)[0]
     assert fit.output.count("the job's nodes") == 1 and fit.output.count("the data network, ") == 1, fit.output
-    assert fit.output.count("preflight: every node fit") == 1 and "ms" in fit.output
+    # both "hosts" share this machine's two cores with the other tests: one's matmul may time past twice the
+    # other's, a finding that is the check's to make; the head says it once and exits 4, or says all fit and exits 0
+    slow = [line for line in fit.output.splitlines() if line.startswith("preflight: ") and "its matmul takes" in line]
+    if code == 0:
+        assert fit.output.count("preflight: every node fit") == 1 and "ms" in fit.output and not slow, fit.output
+    else:
+        assert code == 4 and len(slow) == 1 and "every node fit" not in fit.output, fit.output
 
     unreachable = probe([HOSTS[0], "127.0.0.9"], "--device", "cpu")  # no sshd listens on 127.0.0.9
     assert launcher.wait([unreachable], timeout=60) == [3], unreachable.output

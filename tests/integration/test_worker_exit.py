@@ -19,7 +19,8 @@ from torch.distributed import TCPStore
 from ftrun.elastic.arrays import own_steps
 from tests.conftest import WORKERS, wait_for
 
-pytestmark = pytest.mark.integration
+# torchrun's own path: each rank in a fresh interpreter, as ftrun starts them at job level by default
+pytestmark = [pytest.mark.integration, pytest.mark.fresh_interpreters]
 SCRIPT = str(WORKERS / "ends_busy.py")
 STORE_HOST = """
 import sys

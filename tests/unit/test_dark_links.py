@@ -296,6 +296,24 @@ def test_a_repair_pauses_the_stall_clock():
     assert watch.observe(30.0, 5, True) is None  # the clock starts again at the first sight after it
 
 
+def test_the_first_step_of_a_start_or_a_repair_is_no_step_time():
+    # the job's first step imports and forms the groups for 15 s: counted, "2 x the longest step" would bound
+    # the next 50 steps at 30 s; so would a repair's first step (the groups formed again)
+    watch = StallWatch(factor=4.0, floor=1.0)
+    watch.observe(0.0, 0, True)
+    now, step = 15.0, 1
+    for _ in range(10):
+        watch.observe(now, step, True)
+        now, step = now + 0.5, step + 1
+    assert watch.durations == [0.5] * 9 and watch.bound()[0] == pytest.approx(2.0)
+    watch.pause(now)
+    watch.observe(now, step, True)
+    watch.observe(now + 20.0, step + 1, True)
+    assert watch.durations == [0.5] * 9  # the repair's first step
+    watch.observe(now + 20.5, step + 2, True)
+    assert watch.durations == [0.5] * 10
+
+
 # -- the policy's edges -------------------------------------------------------------------------------
 
 def ready(**fields) -> JobView:
