@@ -468,7 +468,8 @@ class LinkObserver:
                 self._explained.add(node)
         for node in self.links.moved & view.vacant:  # left out of the job: nothing of its link concerns it now
             self.links = taken_over(self.links, node)
-        shrink = bool(view.min_nodes) and len(view.present) - 1 >= view.min_nodes
+        # leaving a node out is a job-level restart at one node fewer: one unit of budget (none left, the job ends)
+        shrink = bool(view.min_nodes) and len(view.present) - 1 >= view.min_nodes and view.budget_left > 0
         self.links, actions = on_link_tick(self.links, now, self.rules, spare, view.phase is Phase.RUNNING,
                                            self._host(nodes), shrink)
         return self._act(actions, view, nodes)

@@ -173,7 +173,7 @@ def test_transition_dark_without_a_spare_leaves_the_node_out_where_nnodes_allows
     assert [type(a) for a in on_link_tick(links, 70.5, RULES, spare=False, running=True, host=0, shrink=True)[1]] == [EndJob]
 
 
-def test_the_observer_leaves_a_dark_node_out_through_the_scale_in_and_forgets_its_link_once_vacant():
+def test_the_observer_leaves_a_dark_node_out_through_the_scale_in_and_forgets_its_link_once_vacant(caplog):
     observer = LinkObserver(EventLog(), RULES)
     elastic = ready(min_nodes=1)
     observer.take_reports([link_report(ReportKind.LINK_DOWN)], elastic, slots(), False, 10.0)
@@ -194,6 +194,18 @@ def test_the_observer_leaves_a_dark_node_out_through_the_scale_in_and_forgets_it
     view, commands = decide(ready(), ends)
     assert view.phase is Phase.EXITING and view.reason.startswith("node 1: data link data dark (operstate down, no "
                                                                   "carrier) for 60s (--repair-timeout 60s)")
+    # --nnodes allows one node fewer, but leaving it out is a restart and none is left: the wait says the job
+    # ends, and it does
+    observer = LinkObserver(EventLog(), RULES)
+    spent = ready(min_nodes=1, max_restarts=0)
+    observer.take_reports([link_report(ReportKind.LINK_DOWN)], spent, slots(), False, 10.0)
+    caplog.clear()
+    assert observer.observe(spent, slots(), False, 12.5) == []
+    assert [r.getMessage() for r in caplog.records] == ["no spare node to move node 1's ranks to: waiting for its "
+                                                        "data link to come back (up to --repair-timeout 60s; then "
+                                                        "the job ends)"]
+    [ends] = observer.observe(spent, slots(), False, 70.5)
+    assert isinstance(ends, LinkLost) and decide(spent, ends)[0].phase is Phase.EXITING
 
 
 def test_nothing_is_decided_while_a_repair_is_under_way():
