@@ -432,8 +432,10 @@ class LinkObserver:
         self._measured_checked = False
         #: the collective timeouts said to be shorter than a measured save (each said once, as saves grow)
         self._save_said: set[str] = set()
-        #: the data network's probe: the verdict last said
+        #: the data network's probe: the verdict last said, and since when each node has been in it (a node cut off
+        #: is dark since its first broken pair, a round or two before the verdict can tell it from its peers)
         self.verdict = Verdict()
+        self._unreached: dict[int, float] = {}
         #: nodes whose OS reported their link dark while the probe found pairs broken, or a moment before they
         #: answered again: the OS's word explains those pairs, and its link's return repaired the job already
         self._explained: set[int] = set()
@@ -481,6 +483,7 @@ class LinkObserver:
         word); links that answer again after they did not are repaired online, as a link back is."""
         verdict = localise(*probe_words(snapshot))
         before, self.verdict = self.verdict, verdict
+        self._unreached = {n: self._unreached.get(n, now) for n in {*verdict.nodes, *(n for p in verdict.links for n in p)}}
         if job_links(verdict):
             self._explained |= {d.node_rank for d in self.links.dark if d.source == "os"}
         found: list[Event] = []
@@ -494,8 +497,8 @@ class LinkObserver:
         for node in verdict.nodes:
             if node >= 0 and now - self._os_said.get(node, -OS_EXPLAINS) >= OS_EXPLAINS:
                 self.links, actions = on_link_report(self.links, node, False, "unreachable on the data network from "
-                                                     "every peer (probe)", now, self.rules, spare, "probe",
-                                                     self._host(nodes))
+                                                     "every peer (probe)", self._unreached[node], self.rules, spare,
+                                                     "probe", self._host(nodes))
                 found += self._act(actions, view, nodes)
         if verdict.text == before.text:
             return found

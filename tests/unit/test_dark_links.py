@@ -655,6 +655,25 @@ def test_the_observer_with_a_spare_moves_a_node_cut_off_silently_and_never_the_s
                          "data network probe: spare node h2 and node 0 cannot reach each other on the data network"]
 
 
+def test_a_node_cut_off_silently_is_dark_since_its_first_broken_pair_not_the_verdict():
+    # node 0 misses node 1 at 10.0; the spare's round tells node 1 cut off only at 11.5: its online window (2 s)
+    # counts from 10.0, when the link went, so its ranks move at 12.0, not 13.5
+    nodes = {n: NodeSlot(n, f"a{n}", f"h{n}", 2, 2 * n) for n in range(2)}
+    observer = LinkObserver(EventLog(), RULES)
+    assert observer.watch_reach(ready(), spare_board({0: (1,), 1: (0,)}), nodes, True, 10.0) == []
+    assert observer.verdict.links == ((0, 1),) and observer.links == Links()
+    assert observer.watch_reach(ready(), spare_board({0: (1,), 1: (-1, 0), -1: (1,)}), nodes, True, 11.5) == []
+    assert observer.verdict.nodes == (1,) and observer.links.dark[0].since == 10.0
+    [lost] = observer.observe(ready(), nodes, True, 12.0)
+    assert isinstance(lost, NodeLost) and lost.slot.node_rank == 1
+    # a pair that answered again in between starts afresh
+    observer = LinkObserver(EventLog(), RULES)
+    observer.watch_reach(ready(), spare_board({0: (1,), 1: (0,)}), nodes, True, 10.0)
+    observer.watch_reach(ready(), spare_board({}), nodes, True, 11.0)
+    observer.watch_reach(ready(), spare_board({0: (1,), 1: (-1, 0), -1: (1,)}), nodes, True, 20.0)
+    assert observer.links.dark[0].since == 20.0
+
+
 def test_where_ranks_stand_names_the_collective_each_rank_waits_in_the_longest_first():
     ranks = [{"rank": 0, "step": 23, "collective": waits("all_reduce", 12.2)},
              {"rank": 1, "step": 23, "collective": waits("all_reduce", 11.6)},
