@@ -6,8 +6,9 @@ so its DataLoader workers and other children share its group: :func:`group_cpu_s
 ``/proc/PID/stat`` once and sums, per rank, the user and system time (its threads included) of the processes in
 its group, with the time of children they have reaped (a DataLoader worker that ended is counted by its parent).
 One scan of ``/proc`` for the whole node every CPU_SAMPLE_EVERY seconds, which reads only the processes numbered
-from the oldest rank's pid on (a rank's children are younger than it; the system's daemons, older, are skipped:
-after the kernel's pids wrap round a child may be missed, never the rank itself).
+from the oldest rank's pid on (a rank's children are younger than it; the system's daemons, older, are skipped),
+until the kernel's pids wrap round: once the newest pid the kernel gave (``/proc/loadavg``'s last field) is below
+the oldest rank's, a child may be numbered below its rank, and every process is read from then on.
 
 :class:`CpuShare` keeps each rank's samples over CPU_WINDOW seconds and says its CPU seconds per wall second
 (``1.0``: one core busy all the time; a rank with threads can pass it). It says nothing of a rank's accelerator:
@@ -43,15 +44,25 @@ def stat_fields(text: str) -> tuple[int, float] | None:
     return pgrp, ticks / _TICKS
 
 
-def group_cpu_seconds(groups: set[int], proc: str = "/proc") -> dict[int, float]:
+def newest_pid(proc: str = "/proc") -> int | None:
+    """The pid the kernel gave last (the last field of ``/proc/loadavg``), or None where it cannot be read."""
+    try:
+        with open(f"{proc}/loadavg") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def group_cpu_seconds(groups: set[int], everything: bool = False, proc: str = "/proc") -> dict[int, float]:
     """For each process group in ``groups`` (a rank's pid), the CPU seconds its live processes have used, with
-    their reaped children's; a group none of whose processes is left is absent."""
+    their reaped children's; a group none of whose processes is left is absent. Only the processes numbered from
+    the oldest group's on are read, unless ``everything`` (the pids wrapped round since)."""
     totals: dict[int, float] = {}
     try:
         names = os.listdir(proc)
     except OSError:
         return totals
-    oldest = min(groups, default=0)
+    oldest = 0 if everything else min(groups, default=0)
     for name in names:
         if not name.isdigit() or int(name) < oldest:
             continue
@@ -70,10 +81,12 @@ class CpuShare:
     at its keepalive, with its clock): None until its samples span CPU_WINDOW_MIN seconds. A rank's samples
     start afresh when its process changes (a replacement)."""
 
-    def __init__(self, read=group_cpu_seconds, every: float = CPU_SAMPLE_EVERY):
-        self._read = read
+    def __init__(self, read=group_cpu_seconds, every: float = CPU_SAMPLE_EVERY, newest=newest_pid):
+        self._read, self._newest = read, newest
         self._every = every
         self._next = 0.0
+        #: the kernel's pids wrapped round since the oldest rank started: every process is read from then on
+        self._wrapped = False
         #: rank -> (pid, its samples: (time, CPU seconds))
         self._samples: dict[int, tuple[int, collections.deque[tuple[float, float]]]] = {}
 
@@ -82,7 +95,10 @@ class CpuShare:
         if now < self._next:
             return
         self._next = now + self._every
-        used = self._read(set(pids.values())) if pids else {}
+        if pids and not self._wrapped:
+            newest = self._newest()
+            self._wrapped = newest is None or newest < min(pids.values())
+        used = self._read(set(pids.values()), self._wrapped) if pids else {}
         for rank in list(self._samples):
             if rank not in pids:
                 del self._samples[rank]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ftrun.agent.cpu_time import CPU_WINDOW, CpuShare, group_cpu_seconds, stat_fields
+from ftrun.agent.cpu_time import CPU_WINDOW, CpuShare, group_cpu_seconds, newest_pid, stat_fields
 from ftrun.controller import policy
 from ftrun.controller.inbox import StragglerSeen
 from ftrun.controller.states import JobView, Level
@@ -77,14 +77,37 @@ class FakeProc:
         self.used: dict[int, float] = {}
         self.calls = 0
 
-    def __call__(self, groups: set[int]) -> dict[int, float]:
+    def __call__(self, groups: set[int], everything: bool = False) -> dict[int, float]:
         self.calls += 1
+        self.everything = everything
         return {pid: seconds for pid, seconds in self.used.items() if pid in groups}
+
+
+def test_after_the_pids_wrap_a_child_numbered_below_its_rank_is_read_too(tmp_path, monkeypatch):
+    # a /proc of three processes: rank 100's group holds 100 and 7, a child numbered after the pids wrapped round
+    monkeypatch.setattr("ftrun.agent.cpu_time._TICKS", 100)
+    for pid, group, ticks in ((7, 100, 300), (100, 100, 100), (3, 3, 900)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python) S 1 {group} {group} 0 -1 0 0 0 0 0 {ticks} 0 0 0 20")
+    (tmp_path / "loadavg").write_text("0.10 0.20 0.30 1/80 42\n")
+    assert group_cpu_seconds({100}, proc=str(tmp_path)) == {100: pytest.approx(1.0)}
+    assert group_cpu_seconds({100}, everything=True, proc=str(tmp_path)) == {100: pytest.approx(4.0)}
+    assert newest_pid(str(tmp_path)) == 42 and newest_pid(str(tmp_path / "none")) is None
+    # the share reads every process once the kernel's newest pid is below the oldest rank's, and from then on
+    read, newest = FakeProc(), [500]
+    share = CpuShare(read, every=2.0, newest=lambda: newest[0])
+    share.sample({0: 100}, now=0.0)
+    assert read.everything is False
+    newest[0] = 42
+    share.sample({0: 100}, now=2.0)
+    newest[0] = 900
+    share.sample({0: 100}, now=4.0)
+    assert read.everything is True
 
 
 def test_the_cpu_share_is_said_over_its_window_and_starts_afresh_for_a_new_process():
     read = FakeProc()
-    share = CpuShare(read, every=2.0)
+    share = CpuShare(read, every=2.0, newest=lambda: 10**6)
     read.used = {100: 5.0, 101: 1.0}
     share.sample({0: 100, 1: 101}, now=0.0)
     assert share.share(0) is None  # one sample: no window yet
