@@ -222,11 +222,8 @@ class Supervision:
             self.snapshots.at_keepalive()
 
     def _times_of(self, worker: Worker) -> str:
-        """The worker's step times as its heartbeat wrote them, if this process wrote them (a replaced
-        process's last heartbeat may land on its rank's key after its replacement's first): "" else."""
-        text = self._protocol().step_times.get(worker.placement.rank, "")
-        times = StepTimes.from_text(text)
-        return text if worker.returncode is None and times is not None and times.pid == worker.pid else ""
+        """The worker's step times as its heartbeat wrote them, if this process wrote them: "" else."""
+        return _own(worker, self._protocol().step_times, StepTimes.from_text)
 
     def _outside_of(self, worker: Worker, now: float) -> tuple[float | None, int | None, float | None]:
         """What is seen of the worker from outside: its CPU share, and the last step its output said with the
@@ -239,9 +236,7 @@ class Supervision:
 
     def _collective_of(self, worker: Worker) -> str:
         """The collective the worker waits in now as its heartbeat wrote it, if this process wrote it: "" else."""
-        text = self._protocol().collectives.get(worker.placement.rank, "")
-        read = read_collective(text)
-        return text if worker.returncode is None and read is not None and read.pid == worker.pid else ""
+        return _own(worker, self._protocol().collectives, read_collective)
 
     def started(self, workers: list[Worker]) -> None:
         """Workers just started: counted for the status, and judged for hangs from now on, against
@@ -333,3 +328,12 @@ def signs_of_life(worker: Worker) -> tuple[tuple, bool]:
     except psutil.Error:
         cpu, stopped = -1.0, False
     return (worker.out.lines, worker.err.lines, cpu), stopped
+
+
+def _own(worker: Worker, texts: dict[int, str], read: Callable[[str], object]) -> str:
+    """The worker's rank's text as its heartbeat wrote it (``read`` parses it: a ``pid`` comes out), if the
+    worker's own process wrote it and lives (a replaced process's last heartbeat may land on its rank's key
+    after its replacement's first): "" else."""
+    text = texts.get(worker.placement.rank, "")
+    parsed = read(text)
+    return text if worker.returncode is None and parsed is not None and getattr(parsed, "pid", None) == worker.pid else ""
